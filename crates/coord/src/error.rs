@@ -1,0 +1,82 @@
+//! Typed coordination errors, identical for every back-end.
+
+/// Why a coordination request failed.
+///
+/// Every back-end maps its failures onto these variants, so code above the
+/// coordination layer (and the conformance suite) can tell them apart without
+/// knowing which back-end it talks to.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CoordError {
+    /// The node (or, for a create, its parent) does not exist.
+    #[error("no node {path}")]
+    NoNode { path: String },
+    /// A create found a node already at that path.
+    #[error("node {path} already exists")]
+    NodeExists { path: String },
+    /// The expected version did not match the node's version.
+    #[error("version mismatch on {path}")]
+    BadVersion { path: String },
+    /// A delete found children under the node.
+    #[error("node {path} has children")]
+    NotEmpty { path: String },
+    /// A create tried to put a child under an ephemeral node.
+    #[error("ephemeral node {path} cannot have children")]
+    NoChildrenForEphemerals { path: String },
+    /// The path is not a valid absolute coordination path.
+    #[error("invalid path {path:?}: {reason}")]
+    InvalidPath { path: String, reason: &'static str },
+    /// The node data (or the whole request) is larger than the limit.
+    #[error("{what} of {len} bytes exceeds the limit of {max} bytes")]
+    TooLarge {
+        what: &'static str,
+        len: usize,
+        max: usize,
+    },
+    /// The session expired: its ephemerals are gone and it can do nothing more.
+    #[error("session expired")]
+    SessionExpired,
+    /// The session was closed by its owner.
+    #[error("session closed")]
+    SessionClosed,
+    /// The request may or may not have been applied: the caller must find out by
+    /// reading back before it retries anything that is not idempotent.
+    #[error("connection lost, outcome unknown: {detail}")]
+    ConnectionLoss { detail: String },
+    /// One operation of a multi failed, so none of them was applied.
+    #[error("operation {index} of the multi failed: {source}")]
+    MultiFailed {
+        index: usize,
+        #[source]
+        source: Box<CoordError>,
+    },
+    /// A failure the other variants do not describe (back-end specific).
+    #[error("coordination back-end error: {0}")]
+    Backend(String),
+}
+
+impl CoordError {
+    /// The error of the failed operation, looking through [`CoordError::MultiFailed`].
+    pub fn root(&self) -> &CoordError {
+        match self {
+            CoordError::MultiFailed { source, .. } => source.root(),
+            other => other,
+        }
+    }
+
+    /// True when retrying later may succeed and the outcome of this attempt is
+    /// unknown or nothing happened (connection loss).
+    pub fn is_connection_loss(&self) -> bool {
+        matches!(self.root(), CoordError::ConnectionLoss { .. })
+    }
+
+    /// True when the session is over (expired or closed): a new one is needed.
+    pub fn is_session_end(&self) -> bool {
+        matches!(
+            self.root(),
+            CoordError::SessionExpired | CoordError::SessionClosed
+        )
+    }
+}
+
+/// Result of a coordination request.
+pub type Result<T, E = CoordError> = std::result::Result<T, E>;

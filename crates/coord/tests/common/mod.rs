@@ -1,0 +1,181 @@
+//! Test back-ends for the conformance suite: a fresh embedded store per test, or a
+//! fresh chroot on the real ZooKeeper named by `FERRY_TEST_ZK`.
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use ferry_coord::embedded::{EmbeddedOptions, EmbeddedStore};
+use ferry_coord::zk::{ZkOptions, ZkSession};
+use ferry_coord::{Coordination, Session};
+use ferry_env::RealDisk;
+
+/// Generous bound for anything that should happen "soon" in a test.
+pub const SOON: Duration = Duration::from_secs(10);
+
+#[async_trait]
+pub trait Backend: Send + Sync {
+    fn name(&self) -> &'static str;
+    async fn session(&self) -> Session;
+    /// Expires a session from the server side, as a long partition would.
+    async fn expire(&self, session: &Session);
+}
+
+pub struct Embedded {
+    pub store: EmbeddedStore,
+    _dir: tempfile::TempDir,
+}
+
+impl Embedded {
+    pub async fn new() -> Embedded {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let disk = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+        let store = EmbeddedStore::open(disk, "coord", EmbeddedOptions::default())
+            .await
+            .expect("open store");
+        Embedded { store, _dir: dir }
+    }
+}
+
+#[async_trait]
+impl Backend for Embedded {
+    fn name(&self) -> &'static str {
+        "embedded"
+    }
+
+    async fn session(&self) -> Session {
+        Arc::new(
+            self.store
+                .session(Duration::from_secs(5))
+                .await
+                .expect("session"),
+        )
+    }
+
+    async fn expire(&self, session: &Session) {
+        assert!(self
+            .store
+            .expire_session(session.session_id())
+            .await
+            .expect("expire"));
+    }
+}
+
+pub struct ZooKeeper {
+    options: ZkOptions,
+    infos: Mutex<BTreeMap<i64, zookeeper_client::SessionInfo>>,
+}
+
+/// The address of the test ZooKeeper, or `None` (with a note) when the suite runs
+/// without services. `FERRY_TEST_REQUIRE_SERVICES=1` (set by scripts/test.sh) turns
+/// a missing server into a failure, so CI can never skip these tests silently.
+pub fn zk_address() -> Option<String> {
+    match std::env::var("FERRY_TEST_ZK") {
+        Ok(addr) if !addr.is_empty() => Some(addr),
+        _ => {
+            assert!(
+                std::env::var("FERRY_TEST_REQUIRE_SERVICES").as_deref() != Ok("1"),
+                "FERRY_TEST_ZK is not set but services are required"
+            );
+            eprintln!("FERRY_TEST_ZK not set: ZooKeeper test not run (use scripts/test.sh)");
+            None
+        }
+    }
+}
+
+static CHROOT_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+impl ZooKeeper {
+    /// A back-end confined to a new, empty chroot.
+    pub async fn new() -> Option<ZooKeeper> {
+        let addr = zk_address()?;
+        let root = ZkSession::connect(&ZkOptions::new(addr.clone()))
+            .await
+            .expect("connect to test ZooKeeper");
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default();
+        let chroot = format!(
+            "/conformance-{}-{nanos}-{}",
+            std::process::id(),
+            CHROOT_COUNTER.fetch_add(1, Ordering::Relaxed)
+        );
+        ferry_coord::create_all(&root, &chroot)
+            .await
+            .expect("create chroot");
+        root.close().await;
+        let mut options = ZkOptions::new(format!("{addr}{chroot}"));
+        options.session_timeout = Duration::from_secs(4);
+        Some(ZooKeeper {
+            options,
+            infos: Mutex::new(BTreeMap::new()),
+        })
+    }
+
+    pub fn options(&self) -> &ZkOptions {
+        &self.options
+    }
+}
+
+#[async_trait]
+impl Backend for ZooKeeper {
+    fn name(&self) -> &'static str {
+        "zookeeper"
+    }
+
+    async fn session(&self) -> Session {
+        let session = ZkSession::connect(&self.options).await.expect("connect");
+        self.infos
+            .lock()
+            .expect("lock")
+            .insert(session.session_id(), session.session_info());
+        Arc::new(session)
+    }
+
+    async fn expire(&self, session: &Session) {
+        // ZooKeeper's own way to expire a session from outside: attach a second
+        // client to it and close that one.
+        let info = self
+            .infos
+            .lock()
+            .expect("lock")
+            .get(&session.session_id())
+            .cloned()
+            .expect("session made by this back-end");
+        let thief = ZkSession::attach(&self.options, info)
+            .await
+            .expect("attach");
+        thief.close().await;
+    }
+}
+
+/// Runs a conformance case against both back-ends (ZooKeeper only when available).
+#[macro_export]
+macro_rules! conformance {
+    ($($case:ident),* $(,)?) => {
+        mod embedded {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    let backend = $crate::common::Embedded::new().await;
+                    super::$case(&backend).await;
+                }
+            )*
+        }
+        mod zookeeper {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    if let Some(backend) = $crate::common::ZooKeeper::new().await {
+                        super::$case(&backend).await;
+                    }
+                }
+            )*
+        }
+    };
+}
