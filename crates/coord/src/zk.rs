@@ -83,11 +83,15 @@ fn map_error(e: zkc::Error, path: &str) -> CoordError {
         zkc::Error::NoChildrenForEphemerals => CoordError::NoChildrenForEphemerals { path },
         zkc::Error::SessionExpired => CoordError::SessionExpired,
         zkc::Error::ClientClosed => CoordError::SessionClosed,
-        zkc::Error::ConnectionLoss | zkc::Error::Timeout | zkc::Error::NoHosts => {
-            CoordError::ConnectionLoss {
-                detail: e.to_string(),
-            }
-        }
+        // The client reports connection-level failures (no response in time, a
+        // broken socket) as custom errors; a request caught in one may or may not
+        // have been applied, which is exactly connection loss.
+        zkc::Error::ConnectionLoss
+        | zkc::Error::Timeout
+        | zkc::Error::NoHosts
+        | zkc::Error::Custom(_) => CoordError::ConnectionLoss {
+            detail: e.to_string(),
+        },
         zkc::Error::BadArguments(reason) => CoordError::InvalidPath { path, reason },
         other => CoordError::Backend(other.to_string()),
     }

@@ -707,6 +707,12 @@ fn unexpected() -> CoordError {
 }
 
 impl EmbeddedSession {
+    /// Stops the heartbeat, as a hung or partitioned process would: unless it
+    /// sends requests, the session expires after its timeout. For fault injection.
+    pub fn suspend_heartbeats(&self) {
+        self.heartbeat.abort();
+    }
+
     fn local_state_error(&self) -> Option<CoordError> {
         match *self.state.borrow() {
             SessionState::Expired => Some(CoordError::SessionExpired),

@@ -1,0 +1,147 @@
+//! The ZooKeeper back-end under connection faults, through a TCP proxy that the
+//! test can cut: connection loss is reported as such, a short outage keeps the
+//! session, and an outage longer than the session timeout expires it.
+
+mod common;
+
+use std::time::Duration;
+
+use common::SOON;
+use ferry_coord::zk::{ZkOptions, ZkSession};
+use ferry_coord::{CoordError, Coordination, CreateMode, SessionState};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+/// Forwards connections to ZooKeeper until cut. A cut behaves like a network
+/// partition: bytes stop flowing but no connection is closed (nothing answers), so
+/// the client must notice by its own timeouts. Connections held during a cut are
+/// dropped when it heals.
+struct Proxy {
+    addr: String,
+    cut: watch::Sender<bool>,
+}
+
+impl Proxy {
+    async fn start(upstream: String) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let (cut, cut_rx) = watch::channel(false);
+        tokio::spawn(async move {
+            loop {
+                let Ok((client, _)) = listener.accept().await else {
+                    return;
+                };
+                let upstream = upstream.clone();
+                let mut cut_rx = cut_rx.clone();
+                tokio::spawn(async move {
+                    if *cut_rx.borrow() {
+                        let _ = cut_rx.wait_for(|c| !*c).await;
+                        drop(client);
+                        return;
+                    }
+                    let Ok(server) = TcpStream::connect(&upstream).await else {
+                        return;
+                    };
+                    let (mut cr, mut cw) = client.into_split();
+                    let (mut sr, mut sw) = server.into_split();
+                    tokio::select! {
+                        _ = tokio::io::copy(&mut cr, &mut sw) => return,
+                        _ = tokio::io::copy(&mut sr, &mut cw) => return,
+                        _ = cut_rx.wait_for(|c| *c) => {}
+                    }
+                    // Partitioned: hold the sockets silently until healed.
+                    let _ = cut_rx.wait_for(|c| !*c).await;
+                    drop((cr, cw, sr, sw));
+                });
+            }
+        });
+        Proxy { addr, cut }
+    }
+
+    fn set_cut(&self, cut: bool) {
+        self.cut.send_replace(cut);
+    }
+}
+
+async fn setup() -> Option<(Proxy, ZkOptions, ZkSession)> {
+    let addr = common::zk_address()?;
+    let proxy = Proxy::start(addr.clone()).await;
+    let mut through = ZkOptions::new(proxy.addr.clone());
+    through.session_timeout = Duration::from_secs(2);
+    through.connect_timeout = Duration::from_secs(5);
+    let direct = ZkSession::connect(&ZkOptions::new(addr))
+        .await
+        .expect("direct session");
+    Some((proxy, through, direct))
+}
+
+#[tokio::test]
+async fn connection_loss_then_recovery_keeps_the_session() {
+    let Some((proxy, options, direct)) = setup().await else {
+        return;
+    };
+    let s = ZkSession::connect(&options)
+        .await
+        .expect("session through proxy");
+    let name = format!("/faults-keep-{}", s.session_id());
+    s.create(&name, b"", CreateMode::Ephemeral)
+        .await
+        .expect("ephemeral");
+
+    proxy.set_cut(true);
+    let err = tokio::time::timeout(SOON, s.get(&name))
+        .await
+        .expect("answer in time")
+        .expect_err("no connection");
+    assert!(err.is_connection_loss(), "{err:?}");
+    let mut state = s.session_state();
+    tokio::time::timeout(SOON, state.wait_for(|st| *st == SessionState::Disconnected))
+        .await
+        .expect("disconnect observed")
+        .expect("state");
+
+    // Back within the session timeout: same session, ephemeral still there.
+    proxy.set_cut(false);
+    tokio::time::timeout(SOON, state.wait_for(|st| *st == SessionState::Connected))
+        .await
+        .expect("reconnected in time")
+        .expect("state");
+    let stat = s
+        .exists(&name)
+        .await
+        .expect("exists")
+        .expect("ephemeral kept");
+    assert_eq!(stat.ephemeral_owner, s.session_id());
+    s.close().await;
+    assert_eq!(direct.exists(&name).await.expect("exists"), None);
+}
+
+#[tokio::test]
+async fn long_partition_expires_the_session() {
+    let Some((proxy, options, direct)) = setup().await else {
+        return;
+    };
+    let s = ZkSession::connect(&options)
+        .await
+        .expect("session through proxy");
+    let name = format!("/faults-expire-{}", s.session_id());
+    s.create(&name, b"", CreateMode::Ephemeral)
+        .await
+        .expect("ephemeral");
+    let (_, watch) = direct.exists_watch(&name).await.expect("watch");
+
+    proxy.set_cut(true);
+    // The server expires the session after its timeout and deletes the ephemeral,
+    // while the owner is still cut off.
+    let event = tokio::time::timeout(SOON, watch.changed())
+        .await
+        .expect("deleted in time");
+    assert_eq!(event.kind, ferry_coord::WatchEventKind::NodeDeleted);
+    proxy.set_cut(false);
+    let mut state = s.session_state();
+    tokio::time::timeout(SOON, state.wait_for(|st| *st == SessionState::Expired))
+        .await
+        .expect("owner learns of the expiry on reconnect")
+        .expect("state");
+    assert!(matches!(s.get("/").await, Err(CoordError::SessionExpired)));
+}
