@@ -1,1 +1,277 @@
+//! Object storage locations: a URL (`file:///dir` or `s3://bucket/prefix`) opened as
+//! an `object_store` store plus a key prefix.
+//!
+//! This is the only way ferry reaches object storage (export destinations, WAL
+//! backup). Keys under a location are built with [`Location::key`], which refuses
+//! anything that could escape the prefix.
 
+use std::sync::Arc;
+
+use object_store::aws::AmazonS3Builder;
+use object_store::local::LocalFileSystem;
+use object_store::path::Path as ObjectPath;
+use object_store::ObjectStore;
+use url::Url;
+
+/// Why a location could not be opened or a key built.
+#[derive(Debug, thiserror::Error)]
+pub enum StorageError {
+    #[error("invalid storage URL {url:?}: {reason}")]
+    InvalidUrl { url: String, reason: String },
+    #[error("unsupported storage scheme {scheme:?} in {url:?} (expected file:// or s3://)")]
+    UnsupportedScheme { url: String, scheme: String },
+    #[error("invalid object key {key:?}: {reason}")]
+    InvalidKey { key: String, reason: &'static str },
+    #[error("local storage directory {dir}: {source}")]
+    Io {
+        dir: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    ObjectStore(#[from] object_store::Error),
+}
+
+/// S3 connection settings. Anything left `None` comes from the usual AWS
+/// environment variables (`AWS_ENDPOINT`, `AWS_REGION`, `AWS_ACCESS_KEY_ID`,
+/// `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, ...).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct S3Settings {
+    /// Endpoint of an S3-compatible server, e.g. `http://127.0.0.1:9000`; path-style
+    /// requests are used when it is set.
+    pub endpoint: Option<String>,
+    pub region: Option<String>,
+    pub access_key_id: Option<String>,
+    pub secret_access_key: Option<String>,
+    pub session_token: Option<String>,
+}
+
+/// An opened location: where keys go and through which store.
+#[derive(Debug, Clone)]
+pub struct Location {
+    /// The URL the location was opened from.
+    pub url: String,
+    /// The store; keys passed to it must come from [`Location::key`].
+    pub store: Arc<dyn ObjectStore>,
+    /// The key prefix inside the store ("" for the whole store).
+    pub prefix: ObjectPath,
+}
+
+fn invalid(url: &str, reason: impl Into<String>) -> StorageError {
+    StorageError::InvalidUrl {
+        url: url.to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// Checks one key component: non-empty, not `.`/`..`, no control characters and
+/// no characters that object_store would encode away or that mean something to a
+/// file system.
+fn check_segment(segment: &str) -> Result<(), &'static str> {
+    if segment.is_empty() {
+        return Err("empty path segment");
+    }
+    if segment == "." || segment == ".." {
+        return Err("relative path segment");
+    }
+    if segment.chars().any(|c| c.is_control() || c == '\\') {
+        return Err("control character or backslash");
+    }
+    Ok(())
+}
+
+fn parse_prefix(url: &str, raw: &str) -> Result<ObjectPath, StorageError> {
+    let trimmed = raw.trim_matches('/');
+    if trimmed.is_empty() {
+        return Ok(ObjectPath::default());
+    }
+    for segment in trimmed.split('/') {
+        check_segment(segment).map_err(|reason| invalid(url, format!("prefix: {reason}")))?;
+    }
+    ObjectPath::parse(trimmed).map_err(|e| invalid(url, e.to_string()))
+}
+
+/// S3 bucket naming rules (the subset that matters for safety and for servers
+/// that enforce them): 3 to 63 characters of lowercase letters, digits, `.` and
+/// `-`, starting and ending with a letter or digit.
+fn check_bucket(url: &str, bucket: &str) -> Result<(), StorageError> {
+    let ok_len = (3..=63).contains(&bucket.len());
+    let ok_chars = bucket
+        .bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'.' || b == b'-');
+    let ok_ends = bucket
+        .bytes()
+        .next()
+        .zip(bucket.bytes().last())
+        .is_some_and(|(a, z)| a.is_ascii_alphanumeric() && z.is_ascii_alphanumeric());
+    if ok_len && ok_chars && ok_ends {
+        Ok(())
+    } else {
+        Err(invalid(
+            url,
+            format!("bucket {bucket:?} must be 3-63 lowercase letters, digits, '.' or '-'"),
+        ))
+    }
+}
+
+/// Opens a location. `file:///dir` creates the directory if missing; `s3://` does
+/// not touch the network until the first request.
+pub fn open(url: &str, s3: &S3Settings) -> Result<Location, StorageError> {
+    // The URL parser would quietly resolve `a/../b`; a location must say exactly
+    // where it is, so relative segments are refused before parsing.
+    let raw_path = url.split_once("://").map_or(url, |(_, rest)| rest);
+    if raw_path.split('/').any(|seg| {
+        let seg = seg.to_ascii_lowercase().replace("%2e", ".");
+        seg == "." || seg == ".."
+    }) {
+        return Err(invalid(url, "relative path segment"));
+    }
+    let parsed = Url::parse(url).map_err(|e| invalid(url, e.to_string()))?;
+    if parsed.query().is_some() || parsed.fragment().is_some() {
+        return Err(invalid(url, "query strings and fragments are not allowed"));
+    }
+    if !parsed.username().is_empty() || parsed.password().is_some() {
+        return Err(invalid(url, "credentials do not belong in the URL"));
+    }
+    match parsed.scheme() {
+        "file" => {
+            if parsed
+                .host_str()
+                .is_some_and(|h| !h.is_empty() && h != "localhost")
+            {
+                return Err(invalid(
+                    url,
+                    "file URLs name a local directory: file:///dir",
+                ));
+            }
+            let dir = parsed
+                .to_file_path()
+                .map_err(|()| invalid(url, "not an absolute directory"))?;
+            for segment in parsed
+                .path()
+                .trim_matches('/')
+                .split('/')
+                .filter(|s| !s.is_empty())
+            {
+                check_segment(segment).map_err(|reason| invalid(url, reason))?;
+            }
+            std::fs::create_dir_all(&dir).map_err(|source| StorageError::Io {
+                dir: dir.display().to_string(),
+                source,
+            })?;
+            let store = LocalFileSystem::new_with_prefix(&dir)?;
+            Ok(Location {
+                url: url.to_string(),
+                store: Arc::new(store),
+                prefix: ObjectPath::default(),
+            })
+        }
+        "s3" => {
+            let bucket = parsed.host_str().unwrap_or_default();
+            check_bucket(url, bucket)?;
+            let prefix = parse_prefix(url, parsed.path())?;
+            let mut builder = AmazonS3Builder::from_env().with_bucket_name(bucket);
+            if let Some(endpoint) = &s3.endpoint {
+                builder = builder
+                    .with_endpoint(endpoint)
+                    .with_allow_http(endpoint.starts_with("http://"));
+            } else if let Ok(endpoint) = std::env::var("AWS_ENDPOINT") {
+                builder = builder.with_allow_http(endpoint.starts_with("http://"));
+            }
+            if let Some(region) = &s3.region {
+                builder = builder.with_region(region);
+            }
+            if let Some(key) = &s3.access_key_id {
+                builder = builder.with_access_key_id(key);
+            }
+            if let Some(secret) = &s3.secret_access_key {
+                builder = builder.with_secret_access_key(secret);
+            }
+            if let Some(token) = &s3.session_token {
+                builder = builder.with_token(token);
+            }
+            Ok(Location {
+                url: url.to_string(),
+                store: Arc::new(builder.build()?),
+                prefix,
+            })
+        }
+        scheme => Err(StorageError::UnsupportedScheme {
+            url: url.to_string(),
+            scheme: scheme.to_string(),
+        }),
+    }
+}
+
+impl Location {
+    /// The full key of `relative` (segments separated by `/`) under the prefix.
+    /// Empty, `.` and `..` segments, backslashes and control characters are refused,
+    /// so a key can never leave the location.
+    pub fn key(&self, relative: &str) -> Result<ObjectPath, StorageError> {
+        let bad = |reason| StorageError::InvalidKey {
+            key: relative.to_string(),
+            reason,
+        };
+        if relative.is_empty() {
+            return Err(bad("empty key"));
+        }
+        let mut key = self.prefix.clone();
+        for segment in relative.split('/') {
+            check_segment(segment).map_err(bad)?;
+            key = key.join(segment);
+        }
+        Ok(key)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refuses_bad_urls() {
+        let s3 = S3Settings::default();
+        for url in [
+            "relative/dir",
+            "http://host/x",
+            "gs://bucket/x",
+            "s3://ab/x",
+            "s3://Bad_Bucket/x",
+            "s3://bucket/a/../b",
+            "s3://bucket/a/%2E%2E/b",
+            "file:///tmp/a/../b",
+            "s3://bucket/a//b",
+            "s3://bucket/x?versionId=1",
+            "s3://user:pw@bucket/x",
+            "file://otherhost/dir",
+        ] {
+            assert!(open(url, &s3).is_err(), "{url} accepted");
+        }
+        assert!(matches!(
+            open("gs://bucket/x", &s3),
+            Err(StorageError::UnsupportedScheme { .. })
+        ));
+    }
+
+    #[test]
+    fn s3_prefix_and_keys() {
+        let s3 = S3Settings {
+            endpoint: Some("http://127.0.0.1:1".into()),
+            region: Some("us-east-1".into()),
+            access_key_id: Some("k".into()),
+            secret_access_key: Some("s".into()),
+            session_token: None,
+        };
+        let loc = open("s3://lake-bucket/exports/2026/", &s3).expect("open");
+        assert_eq!(loc.prefix.as_ref(), "exports/2026");
+        let key = loc.key("date=2026-01-01/p_1_1_0.parquet").expect("key");
+        assert_eq!(key.as_ref(), "exports/2026/date=2026-01-01/p_1_1_0.parquet");
+        for bad in ["", "../x", "a//b", "a/./b", "a\\b", "/abs"] {
+            assert!(
+                matches!(loc.key(bad), Err(StorageError::InvalidKey { .. })),
+                "{bad:?}"
+            );
+        }
+    }
+}
