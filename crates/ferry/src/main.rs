@@ -1,1 +1,66 @@
-fn main() {}
+//! The `ferry` binary: wires the library crates into runnable roles.
+
+mod bench;
+mod dev;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "ferry",
+    version,
+    about = "Replicated ingest store that exports partitions to a data lake"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Runs everything in one process on embedded defaults (coordination store and
+    /// object storage under the data dir) until Ctrl-C.
+    Dev(dev::DevArgs),
+    /// Prints performance figures.
+    Bench {
+        #[command(subcommand)]
+        which: BenchCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// Coordination: embedded store ops/s, and ZooKeeper round trips of separate
+    /// creates against one multi.
+    Coord(bench::CoordBenchArgs),
+}
+
+/// Where `ferry dev` keeps its data unless told otherwise: under the working folder.
+pub fn default_data_dir() -> PathBuf {
+    PathBuf::from("ferry-data")
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new("info,zookeeper_client=warn")
+            }),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        match cli.command {
+            Command::Dev(args) => dev::run(args).await,
+            Command::Bench { which } => match which {
+                BenchCommand::Coord(args) => bench::coord(args).await,
+            },
+        }
+    })
+}

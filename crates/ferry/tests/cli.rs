@@ -1,0 +1,126 @@
+//! The binary as an operator runs it: `ferry dev` starts, reports ready, stops
+//! cleanly on Ctrl-C (SIGINT) and finds its state again on the next start; the
+//! coordination benchmark runs and prints its figures.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const FERRY: &str = env!("CARGO_BIN_EXE_ferry");
+
+fn start_dev(data_dir: &std::path::Path) -> (std::process::Child, Vec<String>) {
+    let mut child = Command::new(FERRY)
+        .args(["dev", "--data-dir"])
+        .arg(data_dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn ferry dev");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut lines = Vec::new();
+    let mut reader = BufReader::new(stdout);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut line = String::new();
+        let n = reader.read_line(&mut line).expect("read stdout");
+        assert!(n > 0, "ferry dev exited before it was ready: {lines:?}");
+        lines.push(line.trim_end().to_string());
+        if line.contains("ferry dev ready") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not ready in time: {lines:?}");
+    }
+    // Keep draining stdout so the child never blocks writing to it.
+    std::thread::spawn(move || for _ in reader.lines().map_while(Result::ok) {});
+    (child, lines)
+}
+
+fn interrupt(child: &std::process::Child) {
+    let status = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .expect("kill -INT");
+    assert!(status.success());
+}
+
+#[test]
+fn dev_starts_reports_ready_and_stops_cleanly_on_ctrl_c() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let (mut child, lines) = start_dev(&data);
+    assert!(
+        lines.iter().any(|l| l.contains("object storage file://")),
+        "{lines:?}"
+    );
+    assert!(
+        data.join("coord").is_dir(),
+        "coordination store under the data dir"
+    );
+    assert!(
+        data.join("lake").is_dir(),
+        "object storage under the data dir"
+    );
+    interrupt(&child);
+    let status = child.wait().expect("wait");
+    assert!(status.success(), "clean exit on Ctrl-C: {status:?}");
+
+    // A second start recovers the store it left behind.
+    let (mut child, _) = start_dev(&data);
+    interrupt(&child);
+    assert!(child.wait().expect("wait").success());
+}
+
+#[test]
+fn dev_refuses_a_corrupt_store_with_a_clear_error() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let coord = dir.path().join("coord");
+    std::fs::create_dir_all(&coord).expect("mkdir");
+    std::fs::write(
+        coord.join("snapshot.00000000000000000001"),
+        b"not a snapshot",
+    )
+    .expect("write");
+    let out = Command::new(FERRY)
+        .args(["dev", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("corrupt"), "{stderr}");
+    assert!(
+        std::fs::read(coord.join("snapshot.00000000000000000001")).expect("read")
+            == b"not a snapshot",
+        "nothing was changed"
+    );
+}
+
+#[test]
+fn coordination_benchmark_prints_figures() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut cmd = Command::new(FERRY);
+    cmd.args(["bench", "coord", "--ops", "300", "--writers", "4", "--dir"])
+        .arg(dir.path());
+    if let Ok(zk) = std::env::var("FERRY_TEST_ZK") {
+        cmd.args(["--zk", &zk]);
+    }
+    let out = cmd.output().expect("run bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for label in ["create", "set", "get", "10-op multi"] {
+        assert!(
+            stdout
+                .lines()
+                .any(|l| l.trim_start().starts_with(label) && l.contains("/s")),
+            "no {label} figure in:\n{stdout}"
+        );
+    }
+    if std::env::var("FERRY_TEST_ZK").is_ok() {
+        assert!(stdout.contains("100 round trips"), "{stdout}");
+        assert!(stdout.contains("1 round trip,"), "{stdout}");
+    }
+}
