@@ -139,7 +139,9 @@ impl Backend for ZooKeeper {
 
     async fn expire(&self, session: &Session) {
         // ZooKeeper's own way to expire a session from outside: attach a second
-        // client to it and close that one.
+        // client to it and close that one. The owner, kicked off by the attach,
+        // reconnects and may kick the second client off before its close is
+        // through, so try until the owner sees the expiry.
         let info = self
             .infos
             .lock()
@@ -147,10 +149,21 @@ impl Backend for ZooKeeper {
             .get(&session.session_id())
             .cloned()
             .expect("session made by this back-end");
-        let thief = ZkSession::attach(&self.options, info)
-            .await
-            .expect("attach");
-        thief.close().await;
+        let mut state = session.session_state();
+        for attempt in 1..=10 {
+            match ZkSession::attach(&self.options, info.clone()).await {
+                Ok(thief) => thief.close().await,
+                Err(e) => eprintln!("attach attempt {attempt}: {e}"),
+            }
+            let expired = state.wait_for(|s| *s == ferry_coord::SessionState::Expired);
+            if tokio::time::timeout(Duration::from_secs(3), expired)
+                .await
+                .is_ok()
+            {
+                return;
+            }
+        }
+        panic!("could not expire session {:#x}", session.session_id());
     }
 }
 
