@@ -1,0 +1,390 @@
+//! Messages between the writer (proposer), safekeepers and replicas, and their
+//! framing on a byte stream.
+//!
+//! A frame is `len: u32 LE | version: u8 | body`, where `len` counts the version
+//! byte and the body, and the body is the postcard encoding of a message enum. A
+//! frame longer than [`MAX_FRAME_BYTES`] or of another protocol version is refused
+//! before anything is allocated or decoded; a body that does not decode is a typed
+//! error, never a panic.
+
+use std::io;
+
+use bytes::Bytes;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::record::MAX_RECORD_BYTES;
+use crate::{Lsn, Term, TermHistory};
+
+/// Version byte of every frame; bumped on any incompatible message change.
+pub const PROTOCOL_VERSION: u8 = 1;
+/// Largest frame accepted: one maximal record plus headroom for the header fields.
+pub const MAX_FRAME_BYTES: usize = MAX_RECORD_BYTES + (64 << 10);
+/// Most WAL bytes a walsender puts in one message (Neon's MAX_SEND_SIZE).
+pub const MAX_SEND_BYTES: usize = 128 << 10;
+
+/// The first message of a writer: who it is and what WAL it writes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Greeting {
+    /// Random id of this writer incarnation, for logs.
+    pub proposer_id: u128,
+    /// The WAL timeline; a safekeeper serves exactly one and refuses others.
+    pub timeline_id: u64,
+    /// Segment size the writer expects; must match the safekeeper's.
+    pub segment_bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GreetingResponse {
+    /// The safekeeper's current term, so the writer can pick a higher one.
+    pub term: Term,
+    pub node_id: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VoteResponse {
+    pub term: Term,
+    pub vote_given: bool,
+    pub flush_lsn: Lsn,
+    /// The safekeeper's peer horizon: WAL below it is on every safekeeper.
+    pub truncate_lsn: Lsn,
+    /// History cut at `flush_lsn`.
+    pub term_history: TermHistory,
+    pub timeline_start_lsn: Lsn,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProposerElected {
+    pub term: Term,
+    /// Where this safekeeper's WAL stops agreeing with the writer's: it truncates
+    /// to here (never below its commit_lsn) and receives WAL from here on.
+    pub start_streaming_at: Lsn,
+    /// The writer's history, ending with `(term, epoch start)`.
+    pub term_history: TermHistory,
+    pub timeline_start_lsn: Lsn,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AppendRequest {
+    pub term: Term,
+    pub begin_lsn: Lsn,
+    pub end_lsn: Lsn,
+    pub commit_lsn: Lsn,
+    pub truncate_lsn: Lsn,
+    /// Whole records, `end_lsn - begin_lsn` bytes (empty for a heartbeat).
+    pub wal: Bytes,
+}
+
+impl AppendRequest {
+    /// The bounds agree with the payload.
+    pub fn is_consistent(&self) -> bool {
+        self.begin_lsn <= self.end_lsn
+            && self.end_lsn.distance_from(self.begin_lsn) == self.wal.len() as u64
+    }
+}
+
+/// What a replica (storage shard) tells about its progress; relayed by
+/// safekeepers to the writer for back-pressure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardFeedback {
+    pub shard_number: u32,
+    pub last_received_lsn: Lsn,
+    pub disk_consistent_lsn: Lsn,
+    pub remote_consistent_lsn: Lsn,
+    /// Microseconds since the Unix epoch at the replica when sent.
+    pub reply_time_micros: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AppendResponse {
+    pub term: Term,
+    pub flush_lsn: Lsn,
+    pub commit_lsn: Lsn,
+    /// Latest feedback of each shard streaming from this safekeeper.
+    pub shard_feedback: Vec<ShardFeedback>,
+}
+
+/// Everything a safekeeper receives.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ToSafekeeper {
+    Greeting(Greeting),
+    VoteRequest {
+        term: Term,
+    },
+    Elected(ProposerElected),
+    Append(AppendRequest),
+    /// Opens a walsender: stream committed WAL from `start_lsn`.
+    StartReplication {
+        shard_number: u32,
+        start_lsn: Lsn,
+    },
+    Feedback(ShardFeedback),
+}
+
+/// Everything a safekeeper sends.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FromSafekeeper {
+    Greeting(GreetingResponse),
+    Vote(VoteResponse),
+    Append(AppendResponse),
+    /// Committed WAL for a replica, starting at `begin_lsn`.
+    Wal {
+        begin_lsn: Lsn,
+        commit_lsn: Lsn,
+        wal: Bytes,
+    },
+    /// Sent to a replica that is caught up, so it learns of commit progress.
+    Keepalive {
+        commit_lsn: Lsn,
+    },
+    /// The request was refused; `term` is the safekeeper's current term (a writer
+    /// with a lower term has been superseded).
+    Refused {
+        term: Term,
+        reason: String,
+    },
+}
+
+/// Why a frame could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    #[error("connection I/O: {0}")]
+    Io(#[from] io::Error),
+    #[error("frame of {len} bytes exceeds the limit of {max}")]
+    TooLarge { len: usize, max: usize },
+    #[error("empty frame")]
+    Empty,
+    #[error("protocol version {got}, expected {expected}")]
+    Version { got: u8, expected: u8 },
+    #[error("undecodable message: {0}")]
+    Decode(String),
+    #[error("unencodable message: {0}")]
+    Encode(String),
+}
+
+/// Encodes a frame into a new buffer.
+pub fn encode_frame<T: Serialize>(msg: &T) -> Result<Vec<u8>, FrameError> {
+    let body = postcard::to_allocvec(msg).map_err(|e| FrameError::Encode(e.to_string()))?;
+    let len = body.len() + 1;
+    if len > MAX_FRAME_BYTES {
+        return Err(FrameError::TooLarge {
+            len,
+            max: MAX_FRAME_BYTES,
+        });
+    }
+    let mut out = Vec::with_capacity(4 + len);
+    out.extend_from_slice(&(len as u32).to_le_bytes());
+    out.push(PROTOCOL_VERSION);
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+/// Decodes the part of a frame after its length prefix.
+pub fn decode_frame_body<T: DeserializeOwned>(frame: &[u8]) -> Result<T, FrameError> {
+    let (&version, body) = frame.split_first().ok_or(FrameError::Empty)?;
+    if version != PROTOCOL_VERSION {
+        return Err(FrameError::Version {
+            got: version,
+            expected: PROTOCOL_VERSION,
+        });
+    }
+    postcard::from_bytes(body).map_err(|e| FrameError::Decode(e.to_string()))
+}
+
+/// Reads one message; `Ok(None)` at a clean end of stream (between frames).
+pub async fn read_frame<R, T>(reader: &mut R) -> Result<Option<T>, FrameError>
+where
+    R: AsyncRead + Unpin,
+    T: DeserializeOwned,
+{
+    let mut len_bytes = [0u8; 4];
+    match reader.read_exact(&mut len_bytes).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e.into()),
+    }
+    let len = u32::from_le_bytes(len_bytes) as usize;
+    if len > MAX_FRAME_BYTES {
+        return Err(FrameError::TooLarge {
+            len,
+            max: MAX_FRAME_BYTES,
+        });
+    }
+    let mut frame = vec![0u8; len];
+    reader.read_exact(&mut frame).await?;
+    decode_frame_body(&frame).map(Some)
+}
+
+/// Writes one message (without flushing buffered writers).
+pub async fn write_frame<W, T>(writer: &mut W, msg: &T) -> Result<(), FrameError>
+where
+    W: AsyncWrite + Unpin,
+    T: Serialize,
+{
+    let frame = encode_frame(msg)?;
+    writer.write_all(&frame).await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::TermLsn;
+    use proptest::prelude::*;
+
+    fn history() -> TermHistory {
+        TermHistory(vec![
+            TermLsn {
+                term: 1,
+                lsn: Lsn(0),
+            },
+            TermLsn {
+                term: 3,
+                lsn: Lsn(4096),
+            },
+        ])
+    }
+
+    fn every_message() -> (Vec<ToSafekeeper>, Vec<FromSafekeeper>) {
+        let feedback = ShardFeedback {
+            shard_number: 2,
+            last_received_lsn: Lsn(10),
+            disk_consistent_lsn: Lsn(9),
+            remote_consistent_lsn: Lsn(8),
+            reply_time_micros: 1_700_000_000_000_000,
+        };
+        let to = vec![
+            ToSafekeeper::Greeting(Greeting {
+                proposer_id: u128::MAX - 5,
+                timeline_id: 1,
+                segment_bytes: 16 << 20,
+            }),
+            ToSafekeeper::VoteRequest { term: 4 },
+            ToSafekeeper::Elected(ProposerElected {
+                term: 4,
+                start_streaming_at: Lsn(4096),
+                term_history: history(),
+                timeline_start_lsn: Lsn(0),
+            }),
+            ToSafekeeper::Append(AppendRequest {
+                term: 4,
+                begin_lsn: Lsn(4096),
+                end_lsn: Lsn(4101),
+                commit_lsn: Lsn(4000),
+                truncate_lsn: Lsn(100),
+                wal: Bytes::from_static(b"hello"),
+            }),
+            ToSafekeeper::StartReplication {
+                shard_number: 2,
+                start_lsn: Lsn(77),
+            },
+            ToSafekeeper::Feedback(feedback),
+        ];
+        let from = vec![
+            FromSafekeeper::Greeting(GreetingResponse {
+                term: 3,
+                node_id: 1,
+            }),
+            FromSafekeeper::Vote(VoteResponse {
+                term: 4,
+                vote_given: true,
+                flush_lsn: Lsn(5000),
+                truncate_lsn: Lsn(100),
+                term_history: history(),
+                timeline_start_lsn: Lsn(0),
+            }),
+            FromSafekeeper::Append(AppendResponse {
+                term: 4,
+                flush_lsn: Lsn(4101),
+                commit_lsn: Lsn(4000),
+                shard_feedback: vec![feedback],
+            }),
+            FromSafekeeper::Wal {
+                begin_lsn: Lsn(77),
+                commit_lsn: Lsn(90),
+                wal: Bytes::from_static(&[1, 2, 3]),
+            },
+            FromSafekeeper::Keepalive {
+                commit_lsn: Lsn(90),
+            },
+            FromSafekeeper::Refused {
+                term: 9,
+                reason: "stale term".into(),
+            },
+        ];
+        (to, from)
+    }
+
+    #[tokio::test]
+    async fn every_message_round_trips_through_a_stream() {
+        let (to, from) = every_message();
+        let (mut a, mut b) = tokio::io::duplex(1 << 20);
+        for msg in &to {
+            write_frame(&mut a, msg).await.expect("write");
+        }
+        for msg in &from {
+            write_frame(&mut a, msg).await.expect("write");
+        }
+        drop(a);
+        for msg in &to {
+            let got: ToSafekeeper = read_frame(&mut b).await.expect("read").expect("frame");
+            assert_eq!(&got, msg);
+        }
+        for msg in &from {
+            let got: FromSafekeeper = read_frame(&mut b).await.expect("read").expect("frame");
+            assert_eq!(&got, msg);
+        }
+        let end: Option<ToSafekeeper> = read_frame(&mut b).await.expect("clean end");
+        assert!(end.is_none());
+    }
+
+    #[tokio::test]
+    async fn bad_frames_are_typed_errors() {
+        let (to, _) = every_message();
+        let mut frame = encode_frame(&to[0]).expect("encode");
+        frame[4] = 99;
+        assert!(matches!(
+            decode_frame_body::<ToSafekeeper>(&frame[4..]),
+            Err(FrameError::Version { got: 99, .. })
+        ));
+        let (mut a, mut b) = tokio::io::duplex(64);
+        tokio::io::AsyncWriteExt::write_all(&mut a, &u32::MAX.to_le_bytes())
+            .await
+            .expect("write");
+        assert!(matches!(
+            read_frame::<_, ToSafekeeper>(&mut b).await,
+            Err(FrameError::TooLarge { .. })
+        ));
+        // A frame cut in the middle is an I/O error, not a clean end.
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        let frame = encode_frame(&to[3]).expect("encode");
+        tokio::io::AsyncWriteExt::write_all(&mut a, &frame[..frame.len() - 2])
+            .await
+            .expect("write");
+        drop(a);
+        assert!(matches!(
+            read_frame::<_, ToSafekeeper>(&mut b).await,
+            Err(FrameError::Io(_))
+        ));
+        assert!(!AppendRequest {
+            term: 1,
+            begin_lsn: Lsn(10),
+            end_lsn: Lsn(12),
+            commit_lsn: Lsn(0),
+            truncate_lsn: Lsn(0),
+            wal: Bytes::from_static(b"x"),
+        }
+        .is_consistent());
+    }
+
+    proptest! {
+        #[test]
+        fn garbage_never_panics(body in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let mut frame = vec![PROTOCOL_VERSION];
+            frame.extend(body);
+            let _ = decode_frame_body::<ToSafekeeper>(&frame);
+            let _ = decode_frame_body::<FromSafekeeper>(&frame);
+        }
+    }
+}
