@@ -1,0 +1,269 @@
+//! The control file: everything a safekeeper must remember besides the WAL bytes.
+//!
+//! Layout: `magic: u32 LE | format version: u32 LE | postcard(state) | crc32c: u32 LE`
+//! where the checksum covers everything before it. It is replaced atomically
+//! (temp file, fsync, rename, directory fsync) through the disk seam, and it is
+//! persisted *before* any message that depends on it is answered (a vote, a term
+//! change, an adopted term history). A damaged file is refused, never reset: a
+//! safekeeper that forgot its term could vote twice.
+
+use std::sync::Arc;
+
+use ferry_env::Disk;
+use ferry_wal::{Lsn, Term, TermHistory};
+use serde::{Deserialize, Serialize};
+
+/// File name inside the safekeeper's data dir.
+pub const CONTROL_FILE: &str = "safekeeper.control";
+const MAGIC: u32 = 0xFE55_AFE0;
+/// Bumped on every incompatible change of [`SafekeeperState`].
+pub const FORMAT_VERSION: u32 = 1;
+
+/// Status of an object uploaded by partial segment backup (room for that feature:
+/// the list is kept and persisted, nothing fills it yet).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum UploadStatus {
+    InProgress,
+    Uploaded,
+    Deleting,
+}
+
+/// A remote partial segment this safekeeper may have created.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartialRemoteSegment {
+    pub status: UploadStatus,
+    pub name: String,
+    pub flush_lsn: Lsn,
+    pub commit_lsn: Lsn,
+    pub term: Term,
+}
+
+/// The persistent state of a safekeeper.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SafekeeperState {
+    pub node_id: u64,
+    pub timeline_id: u64,
+    pub segment_bytes: u64,
+    /// The highest term this safekeeper has voted in or accepted.
+    pub term: Term,
+    /// History of the terms that wrote this safekeeper's WAL.
+    pub term_history: TermHistory,
+    /// Id of the writer that last got elected here, for logs.
+    pub proposer_id: u128,
+    pub timeline_start_lsn: Lsn,
+    /// Committed position as last persisted (the live value runs ahead of it).
+    pub commit_lsn: Lsn,
+    /// WAL below this is in the remote backup.
+    pub backup_lsn: Lsn,
+    /// WAL below this is on every safekeeper (the writer's truncate_lsn).
+    pub peer_horizon_lsn: Lsn,
+    /// The lowest LSN every registered replica has durably applied.
+    pub remote_consistent_lsn: Lsn,
+    /// Segments up to and including this one were removed locally (0: none).
+    pub last_removed_segno: u64,
+    /// Remote partial segments that may exist.
+    pub partial_backup: Vec<PartialRemoteSegment>,
+}
+
+impl SafekeeperState {
+    /// The state of a brand-new safekeeper.
+    pub fn new(node_id: u64, timeline_id: u64, segment_bytes: u64) -> SafekeeperState {
+        SafekeeperState {
+            node_id,
+            timeline_id,
+            segment_bytes,
+            term: 0,
+            term_history: TermHistory::default(),
+            proposer_id: 0,
+            timeline_start_lsn: Lsn(0),
+            commit_lsn: Lsn(0),
+            backup_lsn: Lsn(0),
+            peer_horizon_lsn: Lsn(0),
+            remote_consistent_lsn: Lsn(0),
+            last_removed_segno: 0,
+            partial_backup: Vec::new(),
+        }
+    }
+}
+
+/// Why the control file could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlFileError {
+    #[error("control file I/O: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("control file is corrupt: {0}")]
+    Corrupt(String),
+    #[error("control file format version {0} is not supported (expected {FORMAT_VERSION})")]
+    UnsupportedVersion(u32),
+}
+
+/// Encodes a state into control-file bytes.
+pub fn encode(state: &SafekeeperState) -> Result<Vec<u8>, ControlFileError> {
+    let body =
+        postcard::to_allocvec(state).map_err(|e| ControlFileError::Corrupt(e.to_string()))?;
+    let mut out = Vec::with_capacity(body.len() + 12);
+    out.extend_from_slice(&MAGIC.to_le_bytes());
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&body);
+    let crc = crc32c::crc32c(&out);
+    out.extend_from_slice(&crc.to_le_bytes());
+    Ok(out)
+}
+
+/// Decodes control-file bytes, checking magic, version and checksum.
+pub fn decode(bytes: &[u8]) -> Result<SafekeeperState, ControlFileError> {
+    if bytes.len() < 12 {
+        return Err(ControlFileError::Corrupt(format!(
+            "{} bytes is too short",
+            bytes.len()
+        )));
+    }
+    let word =
+        |at: usize| u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
+    if word(0) != MAGIC {
+        return Err(ControlFileError::Corrupt("bad magic".into()));
+    }
+    let crc_at = bytes.len() - 4;
+    if crc32c::crc32c(&bytes[..crc_at]) != word(crc_at) {
+        return Err(ControlFileError::Corrupt("checksum mismatch".into()));
+    }
+    let version = word(4);
+    if version != FORMAT_VERSION {
+        return Err(ControlFileError::UnsupportedVersion(version));
+    }
+    let state: SafekeeperState = postcard::from_bytes(&bytes[8..crc_at])
+        .map_err(|e| ControlFileError::Corrupt(e.to_string()))?;
+    if !state.term_history.is_well_formed() {
+        return Err(ControlFileError::Corrupt(
+            "term history out of order".into(),
+        ));
+    }
+    Ok(state)
+}
+
+/// The control file of one safekeeper, and the last state made durable.
+#[derive(Debug)]
+pub struct ControlFile {
+    disk: Arc<dyn Disk>,
+    path: String,
+    persisted: SafekeeperState,
+}
+
+impl ControlFile {
+    /// Loads the control file in `dir`, or creates one with `fresh` if there is
+    /// none. A present but damaged file is an error.
+    pub async fn open(
+        disk: Arc<dyn Disk>,
+        dir: &str,
+        fresh: SafekeeperState,
+    ) -> Result<ControlFile, ControlFileError> {
+        disk.create_dir_all(dir).await?;
+        let path = format!("{dir}/{CONTROL_FILE}");
+        let persisted = match disk.read(&path).await {
+            Ok(bytes) => decode(&bytes)?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                disk.write_atomic(&path, encode(&fresh)?).await?;
+                fresh
+            }
+            Err(e) => return Err(e.into()),
+        };
+        Ok(ControlFile {
+            disk,
+            path,
+            persisted,
+        })
+    }
+
+    /// The state as last persisted.
+    pub fn state(&self) -> &SafekeeperState {
+        &self.persisted
+    }
+
+    /// Makes `state` durable; on return it survives any crash.
+    pub async fn persist(&mut self, state: &SafekeeperState) -> Result<(), ControlFileError> {
+        if *state == self.persisted {
+            return Ok(());
+        }
+        self.disk.write_atomic(&self.path, encode(state)?).await?;
+        self.persisted = state.clone();
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_env::RealDisk;
+    use ferry_wal::TermLsn;
+
+    fn sample() -> SafekeeperState {
+        let mut s = SafekeeperState::new(2, 1, 16 << 20);
+        s.term = 5;
+        s.term_history = TermHistory(vec![
+            TermLsn {
+                term: 1,
+                lsn: Lsn(0),
+            },
+            TermLsn {
+                term: 5,
+                lsn: Lsn(900),
+            },
+        ]);
+        s.commit_lsn = Lsn(800);
+        s
+    }
+
+    #[test]
+    fn round_trip_and_damage() {
+        let bytes = encode(&sample()).expect("encode");
+        assert_eq!(decode(&bytes).expect("decode"), sample());
+        for at in [0, 5, bytes.len() / 2, bytes.len() - 1] {
+            let mut bad = bytes.clone();
+            bad[at] ^= 0x10;
+            assert!(decode(&bad).is_err(), "flip at {at} accepted");
+        }
+        assert!(matches!(
+            decode(&bytes[..bytes.len() - 3]),
+            Err(ControlFileError::Corrupt(_))
+        ));
+        assert!(matches!(decode(&[]), Err(ControlFileError::Corrupt(_))));
+        // A future format version is named as such.
+        let mut future = bytes[..bytes.len() - 4].to_vec();
+        future[4] = 9;
+        let crc = crc32c::crc32c(&future);
+        future.extend_from_slice(&crc.to_le_bytes());
+        assert!(matches!(
+            decode(&future),
+            Err(ControlFileError::UnsupportedVersion(9))
+        ));
+    }
+
+    #[tokio::test]
+    async fn persisted_state_survives_reopen_and_damage_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+        let fresh = SafekeeperState::new(2, 1, 16 << 20);
+        let mut cf = ControlFile::open(Arc::clone(&disk), "sk", fresh.clone())
+            .await
+            .expect("open");
+        assert_eq!(cf.state(), &fresh);
+        cf.persist(&sample()).await.expect("persist");
+        let cf = ControlFile::open(Arc::clone(&disk), "sk", fresh.clone())
+            .await
+            .expect("reopen");
+        assert_eq!(cf.state(), &sample());
+        std::fs::write(
+            dir.path().join("sk").join(CONTROL_FILE),
+            b"garbage!garbage!",
+        )
+        .expect("damage");
+        let err = ControlFile::open(disk, "sk", fresh)
+            .await
+            .expect_err("refused");
+        assert!(matches!(err, ControlFileError::Corrupt(_)), "{err}");
+        assert_eq!(
+            std::fs::read(dir.path().join("sk").join(CONTROL_FILE)).expect("read"),
+            b"garbage!garbage!"
+        );
+    }
+}

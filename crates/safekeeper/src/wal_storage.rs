@@ -1,0 +1,525 @@
+//! WAL bytes on the local disk, in segment files.
+//!
+//! Invariants:
+//! * bytes are written contiguously: a write starts exactly at `write_lsn`;
+//! * `flush_lsn` is reported only after the data and every directory change
+//!   needed to reach it (a new segment file, a rename) were synced;
+//! * a segment is renamed from `<name>.partial` to `<name>` only when it is full
+//!   and synced;
+//! * after a crash, [`WalStorage::open`] walks records from a known record boundary
+//!   (the persisted commit_lsn) and cuts everything after the last valid record,
+//!   so a torn tail never becomes WAL; committed WAL is never cut because it lies
+//!   below every safekeeper's durable flush point.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use ferry_env::{Disk, DiskFile};
+use ferry_wal::record::{self, RecordError};
+use ferry_wal::segment::{SegmentSize, PARTIAL_SUFFIX};
+use ferry_wal::Lsn;
+
+/// Why a WAL operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum WalStorageError {
+    #[error("WAL I/O: {0}")]
+    Io(#[from] io::Error),
+    #[error("WAL write at {got} but the WAL ends at {expected}")]
+    NonContiguous { expected: Lsn, got: Lsn },
+    #[error("WAL position {lsn} is beyond the flushed end {flush_lsn}")]
+    BeyondFlush { lsn: Lsn, flush_lsn: Lsn },
+    #[error("WAL at {lsn} was removed locally")]
+    Removed { lsn: Lsn },
+    #[error("WAL is damaged: {0}")]
+    Corrupt(String),
+}
+
+struct OpenSegment {
+    segno: u64,
+    file: Box<dyn DiskFile>,
+}
+
+/// The WAL of one safekeeper.
+pub struct WalStorage {
+    disk: Arc<dyn Disk>,
+    dir: String,
+    seg: SegmentSize,
+    write_lsn: Lsn,
+    flush_lsn: Lsn,
+    open: Option<OpenSegment>,
+    dir_dirty: bool,
+}
+
+impl std::fmt::Debug for WalStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WalStorage")
+            .field("dir", &self.dir)
+            .field("write_lsn", &self.write_lsn)
+            .field("flush_lsn", &self.flush_lsn)
+            .finish()
+    }
+}
+
+impl WalStorage {
+    /// Opens the WAL in `dir`, finds its real end by walking records from
+    /// `record_boundary` (a position known to start a record and to be durable:
+    /// the persisted commit_lsn), and cuts any torn tail.
+    pub async fn open(
+        disk: Arc<dyn Disk>,
+        dir: &str,
+        seg: SegmentSize,
+        record_boundary: Lsn,
+    ) -> Result<WalStorage, WalStorageError> {
+        disk.create_dir_all(dir).await?;
+        let segments = list_segments(disk.as_ref(), dir, seg).await?;
+        let mut wal = WalStorage {
+            disk,
+            dir: dir.to_string(),
+            seg,
+            write_lsn: record_boundary,
+            flush_lsn: record_boundary,
+            open: None,
+            dir_dirty: false,
+        };
+        let end = wal.find_end(&segments, record_boundary).await?;
+        wal.cut_after(end).await?;
+        wal.write_lsn = end;
+        wal.flush_lsn = end;
+        Ok(wal)
+    }
+
+    pub fn write_lsn(&self) -> Lsn {
+        self.write_lsn
+    }
+
+    pub fn flush_lsn(&self) -> Lsn {
+        self.flush_lsn
+    }
+
+    pub fn segment_size(&self) -> SegmentSize {
+        self.seg
+    }
+
+    fn path(&self, segno: u64, partial: bool) -> String {
+        let suffix = if partial { PARTIAL_SUFFIX } else { "" };
+        format!("{}/{}{suffix}", self.dir, self.seg.file_name(segno))
+    }
+
+    async fn find_end(
+        &self,
+        segments: &BTreeMap<u64, bool>,
+        start: Lsn,
+    ) -> Result<Lsn, WalStorageError> {
+        let first = self.seg.segno(start);
+        if !segments.contains_key(&first) {
+            if segments.range(first..).next().is_some() {
+                return Err(WalStorageError::Corrupt(format!(
+                    "segment {} holding {start} is missing but later ones exist",
+                    self.seg.file_name(first)
+                )));
+            }
+            // Nothing written at or after the boundary.
+            return Ok(start);
+        }
+        let mut carry: Vec<u8> = Vec::new();
+        let mut carry_start = start;
+        let mut segno = first;
+        while let Some(&partial) = segments.get(&segno) {
+            let mut data = self.disk.read(&self.path(segno, partial)).await?;
+            if segno == first {
+                let skip = self.seg.offset(start) as usize;
+                if data.len() < skip {
+                    return Ok(start);
+                }
+                data.drain(..skip);
+            }
+            let full = data.len() as u64
+                + if segno == first {
+                    self.seg.offset(start)
+                } else {
+                    0
+                }
+                == self.seg.bytes();
+            carry.extend_from_slice(&data);
+            let mut at = 0;
+            let mut stop = false;
+            loop {
+                match record::check(&carry[at..]) {
+                    Ok(len) => at += len,
+                    Err(RecordError::Incomplete { .. }) => break,
+                    Err(_) => {
+                        stop = true;
+                        break;
+                    }
+                }
+            }
+            carry.drain(..at);
+            carry_start = Lsn(carry_start.0 + at as u64);
+            if stop || !full {
+                break;
+            }
+            segno += 1;
+        }
+        Ok(carry_start)
+    }
+
+    /// Removes every byte at or after `end`, durably.
+    async fn cut_after(&mut self, end: Lsn) -> Result<(), WalStorageError> {
+        self.open = None;
+        let segments = list_segments(self.disk.as_ref(), &self.dir, self.seg).await?;
+        let end_segno = self.seg.segno(end);
+        for (&segno, &partial) in segments.iter() {
+            if segno > end_segno {
+                self.disk.remove_file(&self.path(segno, partial)).await?;
+            } else if segno == end_segno {
+                if !partial {
+                    self.disk
+                        .rename(&self.path(segno, false), &self.path(segno, true))
+                        .await?;
+                }
+                let file = self.disk.open(&self.path(segno, true)).await?;
+                let keep = self.seg.offset(end);
+                if file.size().await? != keep {
+                    file.set_len(keep).await?;
+                    file.sync_data().await?;
+                }
+            } else if partial {
+                // A full segment whose rename did not survive a crash.
+                self.disk
+                    .rename(&self.path(segno, true), &self.path(segno, false))
+                    .await?;
+            }
+        }
+        self.disk.sync_dir(&self.dir).await?;
+        self.dir_dirty = false;
+        Ok(())
+    }
+
+    /// Writes WAL at `begin` (which must be the current end); not durable until
+    /// [`WalStorage::flush`].
+    pub async fn write(&mut self, begin: Lsn, data: &[u8]) -> Result<(), WalStorageError> {
+        if begin != self.write_lsn {
+            return Err(WalStorageError::NonContiguous {
+                expected: self.write_lsn,
+                got: begin,
+            });
+        }
+        let mut pos = begin;
+        let mut rest = data;
+        while !rest.is_empty() {
+            let segno = self.seg.segno(pos);
+            let offset = self.seg.offset(pos);
+            if self.open.as_ref().is_none_or(|o| o.segno != segno) {
+                self.open_segment(segno).await?;
+            }
+            let n = rest.len().min((self.seg.bytes() - offset) as usize);
+            let file = &self
+                .open
+                .as_ref()
+                .ok_or_else(|| io::Error::other("no open segment"))?
+                .file;
+            file.write_at(offset, rest[..n].to_vec()).await?;
+            rest = &rest[n..];
+            pos = Lsn(pos.0 + n as u64);
+            if self.seg.offset(pos) == 0 {
+                self.finish_segment().await?;
+            }
+        }
+        self.write_lsn = pos;
+        Ok(())
+    }
+
+    async fn open_segment(&mut self, segno: u64) -> Result<(), WalStorageError> {
+        let path = self.path(segno, true);
+        let file = match self.disk.create_new(&path).await {
+            Ok(file) => {
+                self.dir_dirty = true;
+                file
+            }
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => self.disk.open(&path).await?,
+            Err(e) => return Err(e.into()),
+        };
+        self.open = Some(OpenSegment { segno, file });
+        Ok(())
+    }
+
+    /// Syncs the full open segment and gives it its final name.
+    async fn finish_segment(&mut self) -> Result<(), WalStorageError> {
+        if let Some(open) = self.open.take() {
+            open.file.sync_data().await?;
+            self.disk
+                .rename(&self.path(open.segno, true), &self.path(open.segno, false))
+                .await?;
+            self.dir_dirty = true;
+        }
+        Ok(())
+    }
+
+    /// Makes everything written durable; returns the new flush_lsn.
+    pub async fn flush(&mut self) -> Result<Lsn, WalStorageError> {
+        if self.flush_lsn == self.write_lsn && !self.dir_dirty {
+            return Ok(self.flush_lsn);
+        }
+        if let Some(open) = &self.open {
+            open.file.sync_data().await?;
+        }
+        if self.dir_dirty {
+            self.disk.sync_dir(&self.dir).await?;
+            self.dir_dirty = false;
+        }
+        self.flush_lsn = self.write_lsn;
+        Ok(self.flush_lsn)
+    }
+
+    /// Cuts the WAL back to `lsn` (divergent WAL of an older term), durably.
+    pub async fn truncate(&mut self, lsn: Lsn) -> Result<(), WalStorageError> {
+        self.flush().await?;
+        if lsn > self.flush_lsn {
+            return Err(WalStorageError::BeyondFlush {
+                lsn,
+                flush_lsn: self.flush_lsn,
+            });
+        }
+        if lsn == self.flush_lsn {
+            return Ok(());
+        }
+        self.cut_after(lsn).await?;
+        self.write_lsn = lsn;
+        self.flush_lsn = lsn;
+        Ok(())
+    }
+
+    /// Reads flushed WAL from `begin`: at most `max` bytes, and never across a
+    /// segment boundary (call again for the rest).
+    pub async fn read(&self, begin: Lsn, max: usize) -> Result<Bytes, WalStorageError> {
+        if begin > self.flush_lsn {
+            return Err(WalStorageError::BeyondFlush {
+                lsn: begin,
+                flush_lsn: self.flush_lsn,
+            });
+        }
+        let segno = self.seg.segno(begin);
+        let offset = self.seg.offset(begin);
+        let len = (self.flush_lsn.distance_from(begin))
+            .min(max as u64)
+            .min(self.seg.bytes() - offset) as usize;
+        if len == 0 {
+            return Ok(Bytes::new());
+        }
+        let file = match self.disk.open(&self.path(segno, false)).await {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                match self.disk.open(&self.path(segno, true)).await {
+                    Ok(f) => f,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                        return Err(WalStorageError::Removed { lsn: begin })
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            Err(e) => return Err(e.into()),
+        };
+        Ok(Bytes::from(file.read_at(offset, len).await?))
+    }
+
+    /// Removes every whole segment below `segno` (they must be behind every
+    /// consumer; the caller decides that). Returns how many were removed.
+    pub async fn remove_below(&mut self, segno: u64) -> Result<usize, WalStorageError> {
+        let limit = segno.min(self.seg.segno(self.flush_lsn));
+        let segments = list_segments(self.disk.as_ref(), &self.dir, self.seg).await?;
+        let mut removed = 0;
+        for (&s, &partial) in segments.range(..limit) {
+            self.disk.remove_file(&self.path(s, partial)).await?;
+            removed += 1;
+        }
+        if removed > 0 {
+            self.disk.sync_dir(&self.dir).await?;
+        }
+        Ok(removed)
+    }
+}
+
+/// Segment files in `dir`: segno → is it `.partial`. Two files for one segment is
+/// damage (a rename is atomic, so it cannot happen by crashing).
+async fn list_segments(
+    disk: &dyn Disk,
+    dir: &str,
+    seg: SegmentSize,
+) -> Result<BTreeMap<u64, bool>, WalStorageError> {
+    let mut segments = BTreeMap::new();
+    for name in disk.list_dir(dir).await? {
+        if let Some((segno, partial)) = seg.parse_file_name(&name) {
+            if segments.insert(segno, partial).is_some() {
+                return Err(WalStorageError::Corrupt(format!(
+                    "segment {} exists both whole and partial",
+                    seg.file_name(segno)
+                )));
+            }
+        }
+    }
+    Ok(segments)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::BytesMut;
+    use ferry_env::RealDisk;
+    use ferry_wal::record::Record;
+
+    const SEG: u64 = 64 << 10;
+
+    fn records(n: usize, size: usize) -> Vec<u8> {
+        let mut buf = BytesMut::new();
+        for i in 0..n {
+            Record::Insert {
+                table_id: 1,
+                block_number: i as u64,
+                arrow_ipc: Bytes::from(vec![i as u8; size]),
+            }
+            .encode(&mut buf);
+        }
+        buf.to_vec()
+    }
+
+    async fn open(root: &std::path::Path, boundary: Lsn) -> WalStorage {
+        let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(root).expect("disk"));
+        WalStorage::open(disk, "wal", SegmentSize::new(SEG).expect("seg"), boundary)
+            .await
+            .expect("open")
+    }
+
+    fn names(root: &std::path::Path) -> Vec<String> {
+        let mut v: Vec<_> = std::fs::read_dir(root.join("wal"))
+            .expect("ls")
+            .map(|e| e.expect("e").file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[tokio::test]
+    async fn writes_span_segments_and_survive_reopen() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut wal = open(dir.path(), Lsn(0)).await;
+        let data = records(100, 3000); // ~300 KiB: several 64 KiB segments
+        for chunk in data.chunks(7000) {
+            let at = wal.write_lsn();
+            wal.write(at, chunk).await.expect("write");
+        }
+        assert_eq!(wal.flush().await.expect("flush"), Lsn(data.len() as u64));
+        let segs = names(dir.path());
+        assert_eq!(
+            segs.iter().filter(|n| n.ends_with(".partial")).count(),
+            1,
+            "{segs:?}"
+        );
+        assert_eq!(segs.len() as u64, data.len() as u64 / SEG + 1);
+        drop(wal);
+        let wal = open(dir.path(), Lsn(0)).await;
+        assert_eq!(wal.flush_lsn(), Lsn(data.len() as u64));
+        // Reading back, segment by segment.
+        let mut got = Vec::new();
+        while (got.len() as u64) < wal.flush_lsn().0 {
+            got.extend_from_slice(&wal.read(Lsn(got.len() as u64), 50_000).await.expect("read"));
+        }
+        assert!(got == data);
+        assert!(matches!(
+            wal.read(Lsn(data.len() as u64 + 1), 10).await,
+            Err(WalStorageError::BeyondFlush { .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn torn_tail_is_cut_on_open() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut wal = open(dir.path(), Lsn(0)).await;
+        let data = records(30, 3000);
+        wal.write(Lsn(0), &data).await.expect("write");
+        wal.flush().await.expect("flush");
+        let end = data.len() as u64;
+        drop(wal);
+        // Tear the last record: cut 100 bytes off the partial segment, then add
+        // garbage after it.
+        let partial = names(dir.path())
+            .into_iter()
+            .find(|n| n.ends_with(".partial"))
+            .expect("partial");
+        let path = dir.path().join("wal").join(partial);
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .expect("open");
+        let len = f.metadata().expect("meta").len();
+        f.set_len(len - 100).expect("tear");
+        drop(f);
+        let mut bytes = std::fs::read(&path).expect("read");
+        bytes.extend_from_slice(&[0xAB; 300]);
+        std::fs::write(&path, &bytes).expect("garbage");
+
+        let last_record = Record::insert_len(3000) as u64;
+        let wal = open(dir.path(), Lsn(0)).await;
+        assert_eq!(
+            wal.flush_lsn(),
+            Lsn(end - last_record),
+            "exactly the torn record is gone"
+        );
+        let reopened = open(dir.path(), Lsn(0)).await;
+        assert_eq!(
+            reopened.flush_lsn(),
+            Lsn(end - last_record),
+            "the cut was durable"
+        );
+    }
+
+    #[tokio::test]
+    async fn truncate_removes_divergent_wal_across_segments() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut wal = open(dir.path(), Lsn(0)).await;
+        let data = records(60, 3000);
+        wal.write(Lsn(0), &data).await.expect("write");
+        wal.flush().await.expect("flush");
+        let keep = Lsn(Record::insert_len(3000) as u64 * 10); // inside the first segment
+        wal.truncate(keep).await.expect("truncate");
+        assert_eq!((wal.write_lsn(), wal.flush_lsn()), (keep, keep));
+        assert_eq!(names(dir.path()), vec!["000000010000000000000000.partial"]);
+        let more = records(5, 100);
+        wal.write(keep, &more).await.expect("write after truncate");
+        wal.flush().await.expect("flush");
+        drop(wal);
+        let wal = open(dir.path(), Lsn(0)).await;
+        assert_eq!(wal.flush_lsn(), Lsn(keep.0 + more.len() as u64));
+        let mut wal = wal;
+        assert!(matches!(
+            wal.truncate(Lsn(u64::MAX / 2)).await,
+            Err(WalStorageError::BeyondFlush { .. })
+        ));
+        assert!(matches!(
+            wal.write(Lsn(1), b"x").await,
+            Err(WalStorageError::NonContiguous { .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn old_segments_are_removed_but_never_the_current_one() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut wal = open(dir.path(), Lsn(0)).await;
+        let data = records(100, 3000);
+        wal.write(Lsn(0), &data).await.expect("write");
+        wal.flush().await.expect("flush");
+        let current = SegmentSize::new(SEG).expect("seg").segno(wal.flush_lsn());
+        let removed = wal.remove_below(u64::MAX).await.expect("remove");
+        assert_eq!(removed as u64, current);
+        assert!(matches!(
+            wal.read(Lsn(0), 10).await,
+            Err(WalStorageError::Removed { .. })
+        ));
+        // Recovery starts from a boundary in a kept segment.
+        drop(wal);
+        let boundary = Lsn(data.len() as u64);
+        let wal = open(dir.path(), boundary).await;
+        assert_eq!(wal.flush_lsn(), boundary);
+    }
+}
