@@ -1,4 +1,9 @@
 //! A safekeeper: one WAL server of the quorum.
+//!
+//! * [`control`]: the control file (the state that must survive crashes);
+//! * [`wal_storage`]: WAL bytes in segment files, with crash recovery;
+//! * [`acceptor`]: the protocol logic that ties them together.
 
+pub mod acceptor;
 pub mod control;
 pub mod wal_storage;

@@ -114,6 +114,13 @@ pub enum ToSafekeeper {
     },
     Elected(ProposerElected),
     Append(AppendRequest),
+    /// The writer elected in `term` reads flushed WAL `[begin_lsn, end_lsn)` of
+    /// this safekeeper (committed or not) to bring other safekeepers up to it.
+    ReadWal {
+        term: Term,
+        begin_lsn: Lsn,
+        end_lsn: Lsn,
+    },
     /// Opens a walsender: stream committed WAL from `start_lsn`.
     StartReplication {
         shard_number: u32,
@@ -275,6 +282,11 @@ mod tests {
                 truncate_lsn: Lsn(100),
                 wal: Bytes::from_static(b"hello"),
             }),
+            ToSafekeeper::ReadWal {
+                term: 4,
+                begin_lsn: Lsn(0),
+                end_lsn: Lsn(4096),
+            },
             ToSafekeeper::StartReplication {
                 shard_number: 2,
                 start_lsn: Lsn(77),

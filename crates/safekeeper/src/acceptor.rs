@@ -1,0 +1,539 @@
+//! The acceptor: a safekeeper's side of the WAL protocol, over the control file
+//! and the WAL storage.
+//!
+//! The acceptor is driven by a connection handler (TCP in production, in-memory
+//! pipes in the simulator) and reaches the disk only through the [`Disk`] seam, so
+//! the very same code runs in both.
+//!
+//! Invariants (each checked where it is enforced):
+//! * `term` never decreases, and it is persisted before a vote is answered: a
+//!   safekeeper votes at most once per term, even across crashes;
+//! * WAL below `commit_lsn` is never truncated; an election that asks for it is
+//!   refused (it would mean the writer lost committed WAL);
+//! * appends are accepted only from the writer elected in the current term and
+//!   only contiguously; `flush_lsn` is reported only after the fsync;
+//! * `commit_lsn` never decreases and never exceeds `flush_lsn`.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use ferry_env::Disk;
+use ferry_wal::proto::{
+    AppendRequest, AppendResponse, FromSafekeeper, Greeting, GreetingResponse, ProposerElected,
+    ShardFeedback, ToSafekeeper, VoteResponse, MAX_SEND_BYTES,
+};
+use ferry_wal::segment::SegmentSize;
+use ferry_wal::{Lsn, Term};
+use serde::Serialize;
+use tokio::sync::watch;
+
+use crate::control::{ControlFile, ControlFileError, SafekeeperState};
+use crate::wal_storage::{WalStorage, WalStorageError};
+
+/// Identity and geometry of a safekeeper.
+#[derive(Debug, Clone)]
+pub struct AcceptorConfig {
+    pub node_id: u64,
+    pub timeline_id: u64,
+    pub segment_size: SegmentSize,
+}
+
+/// Why a message was not accepted.
+#[derive(Debug, thiserror::Error)]
+pub enum AcceptorError {
+    /// A protocol-level refusal: answered to the peer, the safekeeper goes on.
+    #[error("refused (term {term}): {reason}")]
+    Refused { term: Term, reason: String },
+    /// The WAL could not be read or written: the safekeeper must stop.
+    #[error(transparent)]
+    Storage(#[from] WalStorageError),
+    /// The control file could not be written: the safekeeper must stop.
+    #[error(transparent)]
+    Control(#[from] ControlFileError),
+}
+
+impl AcceptorError {
+    /// True for refusals, which end a request but not the safekeeper.
+    pub fn is_refusal(&self) -> bool {
+        matches!(self, AcceptorError::Refused { .. })
+    }
+
+    /// The message that tells the peer about a refusal.
+    pub fn to_message(&self, term: Term) -> FromSafekeeper {
+        match self {
+            AcceptorError::Refused { term, reason } => FromSafekeeper::Refused {
+                term: *term,
+                reason: reason.clone(),
+            },
+            other => FromSafekeeper::Refused {
+                term,
+                reason: other.to_string(),
+            },
+        }
+    }
+}
+
+/// What an operator sees of a safekeeper.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct AcceptorStatus {
+    pub node_id: u64,
+    pub term: Term,
+    pub last_log_term: Term,
+    pub flush_lsn: String,
+    pub commit_lsn: String,
+    pub peer_horizon_lsn: String,
+    pub backup_lsn: String,
+    pub shards: usize,
+}
+
+/// The acceptor of one safekeeper.
+pub struct Acceptor {
+    config: AcceptorConfig,
+    control: ControlFile,
+    /// Working copy of the persistent state; fields that must be durable before a
+    /// reply are persisted right where they change.
+    state: SafekeeperState,
+    wal: WalStorage,
+    commit_lsn: Lsn,
+    /// Highest commit_lsn announced by appends not yet flushed.
+    pending_commit_lsn: Lsn,
+    peer_horizon_lsn: Lsn,
+    feedback: BTreeMap<u32, ShardFeedback>,
+    commit_watch: watch::Sender<Lsn>,
+}
+
+impl std::fmt::Debug for Acceptor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Acceptor")
+            .field("status", &self.status())
+            .finish()
+    }
+}
+
+fn refused(term: Term, reason: impl Into<String>) -> AcceptorError {
+    AcceptorError::Refused {
+        term,
+        reason: reason.into(),
+    }
+}
+
+impl Acceptor {
+    /// Opens (or creates) the safekeeper in `dir`: control file first, then the
+    /// WAL, walked from the persisted commit_lsn to its real end.
+    pub async fn open(
+        disk: Arc<dyn Disk>,
+        dir: &str,
+        config: AcceptorConfig,
+    ) -> Result<Acceptor, AcceptorError> {
+        let fresh = SafekeeperState::new(
+            config.node_id,
+            config.timeline_id,
+            config.segment_size.bytes(),
+        );
+        let control = ControlFile::open(Arc::clone(&disk), dir, fresh).await?;
+        let state = control.state().clone();
+        if state.node_id != config.node_id
+            || state.timeline_id != config.timeline_id
+            || state.segment_bytes != config.segment_size.bytes()
+        {
+            return Err(ControlFileError::Corrupt(format!(
+                "control file belongs to node {} timeline {} with {}-byte segments, not node {} timeline {} with {}-byte segments",
+                state.node_id,
+                state.timeline_id,
+                state.segment_bytes,
+                config.node_id,
+                config.timeline_id,
+                config.segment_size.bytes()
+            ))
+            .into());
+        }
+        let wal = WalStorage::open(
+            disk,
+            &format!("{dir}/wal"),
+            config.segment_size,
+            state.commit_lsn,
+        )
+        .await?;
+        let commit_lsn = state.commit_lsn;
+        let (commit_watch, _) = watch::channel(commit_lsn);
+        Ok(Acceptor {
+            peer_horizon_lsn: state.peer_horizon_lsn,
+            config,
+            control,
+            state,
+            wal,
+            commit_lsn,
+            pending_commit_lsn: commit_lsn,
+            feedback: BTreeMap::new(),
+            commit_watch,
+        })
+    }
+
+    pub fn term(&self) -> Term {
+        self.state.term
+    }
+
+    /// The term that wrote the tail of this safekeeper's WAL.
+    pub fn last_log_term(&self) -> Term {
+        self.state
+            .term_history
+            .up_to(self.wal.flush_lsn())
+            .last_term()
+    }
+
+    pub fn flush_lsn(&self) -> Lsn {
+        self.wal.flush_lsn()
+    }
+
+    pub fn commit_lsn(&self) -> Lsn {
+        self.commit_lsn
+    }
+
+    pub fn state(&self) -> &SafekeeperState {
+        &self.state
+    }
+
+    /// Follows commit_lsn (walsenders wait on it).
+    pub fn subscribe_commit(&self) -> watch::Receiver<Lsn> {
+        self.commit_watch.subscribe()
+    }
+
+    pub fn status(&self) -> AcceptorStatus {
+        AcceptorStatus {
+            node_id: self.config.node_id,
+            term: self.state.term,
+            last_log_term: self.last_log_term(),
+            flush_lsn: self.flush_lsn().to_string(),
+            commit_lsn: self.commit_lsn.to_string(),
+            peer_horizon_lsn: self.peer_horizon_lsn.to_string(),
+            backup_lsn: self.state.backup_lsn.to_string(),
+            shards: self.feedback.len(),
+        }
+    }
+
+    /// Greeting: checks that the writer writes our timeline with our geometry.
+    pub fn handle_greeting(&self, greeting: &Greeting) -> Result<FromSafekeeper, AcceptorError> {
+        if greeting.timeline_id != self.config.timeline_id {
+            return Err(refused(
+                self.state.term,
+                format!(
+                    "timeline {} is not served here (this is timeline {})",
+                    greeting.timeline_id, self.config.timeline_id
+                ),
+            ));
+        }
+        if greeting.segment_bytes != self.config.segment_size.bytes() {
+            return Err(refused(
+                self.state.term,
+                format!(
+                    "segment size {} differs from this safekeeper's {}",
+                    greeting.segment_bytes,
+                    self.config.segment_size.bytes()
+                ),
+            ));
+        }
+        Ok(FromSafekeeper::Greeting(GreetingResponse {
+            term: self.state.term,
+            node_id: self.config.node_id,
+        }))
+    }
+
+    /// Vote request: grants the vote iff `term` is above every term seen here,
+    /// persisting the new term before answering.
+    pub async fn handle_vote(&mut self, term: Term) -> Result<FromSafekeeper, AcceptorError> {
+        self.flush().await?;
+        let vote_given = self.state.term < term;
+        if vote_given {
+            self.state.term = term;
+            self.control.persist(&self.state).await?;
+        }
+        let flush_lsn = self.flush_lsn();
+        Ok(FromSafekeeper::Vote(VoteResponse {
+            term: self.state.term,
+            vote_given,
+            flush_lsn,
+            truncate_lsn: self.peer_horizon_lsn,
+            term_history: self.state.term_history.up_to(flush_lsn),
+            timeline_start_lsn: self.state.timeline_start_lsn,
+        }))
+    }
+
+    /// The elected writer tells where our WAL stops agreeing with its own: cut the
+    /// divergent tail, adopt its term history, and persist before answering.
+    pub async fn handle_elected(
+        &mut self,
+        msg: &ProposerElected,
+    ) -> Result<FromSafekeeper, AcceptorError> {
+        if msg.term < self.state.term {
+            return Err(refused(
+                self.state.term,
+                format!("term {} is stale", msg.term),
+            ));
+        }
+        if !msg.term_history.is_well_formed() || msg.term_history.last_term() != msg.term {
+            return Err(refused(self.state.term, "malformed term history"));
+        }
+        self.flush().await?;
+        let flush_lsn = self.flush_lsn();
+        if self.last_log_term() == msg.term && flush_lsn > msg.start_streaming_at {
+            return Err(refused(
+                self.state.term,
+                format!(
+                    "already holds WAL of term {} up to {flush_lsn}, beyond {}",
+                    msg.term, msg.start_streaming_at
+                ),
+            ));
+        }
+        if msg.start_streaming_at < self.commit_lsn {
+            // The writer would lose committed WAL: never do it.
+            tracing::error!(
+                node = self.config.node_id,
+                start = %msg.start_streaming_at,
+                commit = %self.commit_lsn,
+                "election asks to truncate committed WAL"
+            );
+            return Err(refused(
+                self.state.term,
+                format!(
+                    "start_streaming_at {} is below commit_lsn {}: refusing to truncate committed WAL",
+                    msg.start_streaming_at, self.commit_lsn
+                ),
+            ));
+        }
+        if msg.start_streaming_at > flush_lsn {
+            return Err(refused(
+                self.state.term,
+                format!(
+                    "start_streaming_at {} is beyond flush_lsn {flush_lsn}",
+                    msg.start_streaming_at
+                ),
+            ));
+        }
+        self.wal.truncate(msg.start_streaming_at).await?;
+        // Commit announcements of an older writer say nothing about this term's WAL.
+        self.pending_commit_lsn = self.commit_lsn;
+        self.state.term = msg.term;
+        self.state.term_history = msg.term_history.clone();
+        self.state.timeline_start_lsn = msg.timeline_start_lsn;
+        self.state.commit_lsn = self.commit_lsn;
+        self.state.peer_horizon_lsn = self.peer_horizon_lsn;
+        self.control.persist(&self.state).await?;
+        Ok(self.append_response())
+    }
+
+    /// Writes an append without flushing; [`Acceptor::flush_appends`] makes a
+    /// batch durable with one fsync and produces the answer.
+    pub async fn append_no_flush(&mut self, req: &AppendRequest) -> Result<(), AcceptorError> {
+        if req.term < self.state.term {
+            return Err(refused(
+                self.state.term,
+                format!("term {} is stale", req.term),
+            ));
+        }
+        if req.term > self.state.term || self.state.term_history.last_term() != req.term {
+            return Err(refused(
+                self.state.term,
+                format!("append of term {} before its election", req.term),
+            ));
+        }
+        if !req.is_consistent() {
+            return Err(refused(
+                self.state.term,
+                "append bounds do not match its payload",
+            ));
+        }
+        if !req.wal.is_empty() {
+            self.wal
+                .write(req.begin_lsn, &req.wal)
+                .await
+                .map_err(|e| match e {
+                    WalStorageError::NonContiguous { .. } => {
+                        refused(self.state.term, e.to_string())
+                    }
+                    other => AcceptorError::Storage(other),
+                })?;
+        }
+        self.pending_commit_lsn = self.pending_commit_lsn.max(req.commit_lsn);
+        self.peer_horizon_lsn = self
+            .peer_horizon_lsn
+            .max(req.truncate_lsn.min(req.commit_lsn));
+        Ok(())
+    }
+
+    /// Flushes the WAL written so far (one fsync for the whole batch), advances
+    /// commit_lsn and answers with the new positions.
+    pub async fn flush_appends(&mut self) -> Result<FromSafekeeper, AcceptorError> {
+        self.flush().await?;
+        Ok(self.append_response())
+    }
+
+    async fn flush(&mut self) -> Result<(), AcceptorError> {
+        let flush_lsn = self.wal.flush().await?;
+        let commit = self.commit_lsn.max(self.pending_commit_lsn.min(flush_lsn));
+        assert!(commit >= self.commit_lsn, "commit_lsn went back");
+        if commit > self.commit_lsn {
+            self.commit_lsn = commit;
+            self.commit_watch.send_replace(commit);
+            self.maybe_persist().await?;
+        }
+        Ok(())
+    }
+
+    /// Persists commit_lsn and the horizons when they moved far enough (a segment)
+    /// or commit reached the start of the current term; cheap to call often.
+    pub async fn maybe_persist(&mut self) -> Result<(), AcceptorError> {
+        let seg = self.config.segment_size.bytes();
+        let epoch_start = self.state.term_history.0.last().map_or(Lsn(0), |e| e.lsn);
+        let far = self.commit_lsn.distance_from(self.state.commit_lsn) >= seg
+            || self
+                .peer_horizon_lsn
+                .distance_from(self.state.peer_horizon_lsn)
+                >= seg;
+        let reached_epoch = self.state.commit_lsn < epoch_start && self.commit_lsn >= epoch_start;
+        if far || reached_epoch {
+            self.persist_now().await?;
+        }
+        Ok(())
+    }
+
+    /// Persists the in-memory positions now (clean shutdown, periodic save).
+    pub async fn persist_now(&mut self) -> Result<(), AcceptorError> {
+        self.state.commit_lsn = self.commit_lsn;
+        self.state.peer_horizon_lsn = self.peer_horizon_lsn;
+        self.control.persist(&self.state).await?;
+        Ok(())
+    }
+
+    fn append_response(&self) -> FromSafekeeper {
+        FromSafekeeper::Append(AppendResponse {
+            term: self.state.term,
+            flush_lsn: self.flush_lsn(),
+            commit_lsn: self.commit_lsn,
+            shard_feedback: self.feedback.values().copied().collect(),
+        })
+    }
+
+    /// Records a replica's feedback (relayed to the writer in append responses).
+    pub fn record_feedback(&mut self, feedback: ShardFeedback) {
+        self.feedback.insert(feedback.shard_number, feedback);
+    }
+
+    /// Committed WAL from `begin`, at most `max` bytes (walsenders).
+    pub async fn read_committed(&self, begin: Lsn, max: usize) -> Result<Bytes, AcceptorError> {
+        if begin >= self.commit_lsn {
+            return Ok(Bytes::new());
+        }
+        let max = max.min(self.commit_lsn.distance_from(begin) as usize);
+        Ok(self.wal.read(begin, max).await?)
+    }
+
+    /// Flushed WAL from `begin`, committed or not, at most `max` bytes: for the
+    /// writer elected in `term`, which recovers the WAL of the donor safekeeper.
+    pub async fn read_for_recovery(
+        &self,
+        term: Term,
+        begin: Lsn,
+        max: usize,
+    ) -> Result<Bytes, AcceptorError> {
+        if term != self.state.term {
+            return Err(refused(
+                self.state.term,
+                format!("recovery read for term {term}"),
+            ));
+        }
+        match self.wal.read(begin, max).await {
+            Ok(bytes) => Ok(bytes),
+            Err(e @ (WalStorageError::Removed { .. } | WalStorageError::BeyondFlush { .. })) => {
+                Err(refused(self.state.term, e.to_string()))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Handles a batch of messages from the writer that arrived together: appends
+    /// in a row share one fsync and one answer (group commit). Refusals become
+    /// `Refused` answers; an `Err` is a storage failure and the safekeeper must stop.
+    pub async fn handle_batch(
+        &mut self,
+        msgs: Vec<ToSafekeeper>,
+    ) -> Result<Vec<FromSafekeeper>, AcceptorError> {
+        let mut out = Vec::new();
+        let mut appended = false;
+        for msg in msgs {
+            if appended && !matches!(msg, ToSafekeeper::Append(_)) {
+                out.push(self.flush_appends().await?);
+                appended = false;
+            }
+            let result = match msg {
+                ToSafekeeper::Greeting(g) => self.handle_greeting(&g).map(Some),
+                ToSafekeeper::VoteRequest { term } => self.handle_vote(term).await.map(Some),
+                ToSafekeeper::Elected(e) => self.handle_elected(&e).await.map(Some),
+                ToSafekeeper::Append(a) => match self.append_no_flush(&a).await {
+                    Ok(()) => {
+                        appended = true;
+                        Ok(None)
+                    }
+                    Err(e) => Err(e),
+                },
+                ToSafekeeper::ReadWal {
+                    term,
+                    begin_lsn,
+                    end_lsn,
+                } => match self.read_range(term, begin_lsn, end_lsn, &mut out).await {
+                    Ok(()) => Ok(None),
+                    Err(e) => Err(e),
+                },
+                ToSafekeeper::Feedback(fb) => {
+                    self.record_feedback(fb);
+                    Ok(None)
+                }
+                ToSafekeeper::StartReplication { .. } => Err(refused(
+                    self.state.term,
+                    "START_REPLICATION opens its own connection",
+                )),
+            };
+            match result {
+                Ok(Some(reply)) => out.push(reply),
+                Ok(None) => {}
+                Err(e) if e.is_refusal() => out.push(e.to_message(self.state.term)),
+                Err(e) => return Err(e),
+            }
+        }
+        if appended {
+            out.push(self.flush_appends().await?);
+        }
+        Ok(out)
+    }
+
+    async fn read_range(
+        &mut self,
+        term: Term,
+        begin: Lsn,
+        end: Lsn,
+        out: &mut Vec<FromSafekeeper>,
+    ) -> Result<(), AcceptorError> {
+        if end < begin || end > self.flush_lsn() {
+            return Err(refused(
+                self.state.term,
+                format!("cannot read WAL {begin}..{end}"),
+            ));
+        }
+        let mut pos = begin;
+        while pos < end {
+            let max = (end.distance_from(pos) as usize).min(MAX_SEND_BYTES);
+            let wal = self.read_for_recovery(term, pos, max).await?;
+            if wal.is_empty() {
+                return Err(refused(self.state.term, format!("no WAL at {pos}")));
+            }
+            let len = wal.len() as u64;
+            out.push(FromSafekeeper::Wal {
+                begin_lsn: pos,
+                commit_lsn: self.commit_lsn,
+                wal,
+            });
+            pos = Lsn(pos.0 + len);
+        }
+        Ok(())
+    }
+}

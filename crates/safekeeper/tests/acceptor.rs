@@ -1,0 +1,288 @@
+//! The acceptor's answers to each message, including every refusal, and its state
+//! across restarts.
+
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use ferry_env::{Disk, RealDisk};
+use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig, AcceptorError};
+use ferry_wal::proto::{
+    AppendRequest, FromSafekeeper, Greeting, ProposerElected, ShardFeedback, ToSafekeeper,
+};
+use ferry_wal::record::Record;
+use ferry_wal::segment::SegmentSize;
+use ferry_wal::{Lsn, TermHistory, TermLsn};
+
+fn config() -> AcceptorConfig {
+    AcceptorConfig {
+        node_id: 7,
+        timeline_id: 1,
+        segment_size: SegmentSize::new(64 << 10).expect("seg"),
+    }
+}
+
+async fn open(disk: &Arc<dyn Disk>) -> Acceptor {
+    Acceptor::open(Arc::clone(disk), "sk", config())
+        .await
+        .expect("open")
+}
+
+fn records(n: u64) -> Bytes {
+    let mut buf = BytesMut::new();
+    for b in 0..n {
+        Record::Insert {
+            table_id: 1,
+            block_number: b,
+            arrow_ipc: Bytes::from(vec![1u8; 100]),
+        }
+        .encode(&mut buf);
+    }
+    buf.freeze()
+}
+
+fn elected(term: u64, start: u64, history: &[(u64, u64)]) -> ProposerElected {
+    ProposerElected {
+        term,
+        start_streaming_at: Lsn(start),
+        term_history: TermHistory(
+            history
+                .iter()
+                .map(|&(term, lsn)| TermLsn {
+                    term,
+                    lsn: Lsn(lsn),
+                })
+                .collect(),
+        ),
+        timeline_start_lsn: Lsn(0),
+    }
+}
+
+fn append(term: u64, begin: u64, wal: &Bytes, commit: u64) -> AppendRequest {
+    AppendRequest {
+        term,
+        begin_lsn: Lsn(begin),
+        end_lsn: Lsn(begin + wal.len() as u64),
+        commit_lsn: Lsn(commit),
+        truncate_lsn: Lsn(0),
+        wal: wal.clone(),
+    }
+}
+
+fn refusal(e: AcceptorError) -> String {
+    match e {
+        AcceptorError::Refused { reason, .. } => reason,
+        other => panic!("expected a refusal, got {other}"),
+    }
+}
+
+#[tokio::test]
+async fn greeting_checks_timeline_and_geometry() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let a = open(&disk).await;
+    let ok = Greeting {
+        proposer_id: 1,
+        timeline_id: 1,
+        segment_bytes: 64 << 10,
+    };
+    assert!(
+        matches!(a.handle_greeting(&ok), Ok(FromSafekeeper::Greeting(g)) if g.node_id == 7 && g.term == 0)
+    );
+    let wrong_timeline = Greeting {
+        timeline_id: 2,
+        ..ok.clone()
+    };
+    assert!(refusal(a.handle_greeting(&wrong_timeline).expect_err("refused")).contains("timeline"));
+    let wrong_segments = Greeting {
+        segment_bytes: 16 << 20,
+        ..ok
+    };
+    assert!(refusal(a.handle_greeting(&wrong_segments).expect_err("refused")).contains("segment"));
+}
+
+#[tokio::test]
+async fn votes_once_per_term_even_across_restarts() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let mut a = open(&disk).await;
+    let FromSafekeeper::Vote(v) = a.handle_vote(3).await.expect("vote") else {
+        panic!("not a vote")
+    };
+    assert!(v.vote_given);
+    assert_eq!(v.term, 3);
+    drop(a);
+    let mut a = open(&disk).await;
+    assert_eq!(a.term(), 3, "the term was persisted before the answer");
+    let FromSafekeeper::Vote(v) = a.handle_vote(3).await.expect("vote") else {
+        panic!("not a vote")
+    };
+    assert!(!v.vote_given, "no second vote in term 3");
+    let FromSafekeeper::Vote(v) = a.handle_vote(2).await.expect("vote") else {
+        panic!("not a vote")
+    };
+    assert!(!v.vote_given);
+    assert_eq!(v.term, 3, "a stale candidate learns the current term");
+}
+
+#[tokio::test]
+async fn appends_are_refused_unless_from_the_elected_writer_and_contiguous() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let mut a = open(&disk).await;
+    let wal = records(3);
+    a.handle_vote(1).await.expect("vote");
+    let e = refusal(
+        a.append_no_flush(&append(1, 0, &wal, 0))
+            .await
+            .expect_err("before elected"),
+    );
+    assert!(e.contains("before its election"), "{e}");
+    a.handle_elected(&elected(1, 0, &[(1, 0)]))
+        .await
+        .expect("elected");
+    a.append_no_flush(&append(1, 0, &wal, 0))
+        .await
+        .expect("append");
+    let e = refusal(
+        a.append_no_flush(&append(1, 5, &wal, 0))
+            .await
+            .expect_err("gap"),
+    );
+    assert!(e.contains("ends at"), "{e}");
+    let mut inconsistent = append(1, wal.len() as u64, &wal, 0);
+    inconsistent.end_lsn = Lsn(1);
+    assert!(a.append_no_flush(&inconsistent).await.is_err());
+    let FromSafekeeper::Append(r) = a.flush_appends().await.expect("flush") else {
+        panic!("not an append response")
+    };
+    assert_eq!(r.flush_lsn, Lsn(wal.len() as u64));
+    assert_eq!(r.commit_lsn, Lsn(0), "nothing committed yet");
+
+    // A newer writer is elected; the old one's appends are refused with the term.
+    a.handle_vote(2).await.expect("vote");
+    match a
+        .append_no_flush(&append(1, wal.len() as u64, &wal, 0))
+        .await
+    {
+        Err(AcceptorError::Refused { term, .. }) => assert_eq!(term, 2),
+        other => panic!("stale append accepted: {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn commit_follows_flush_and_truncation_never_cuts_committed_wal() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let mut a = open(&disk).await;
+    let wal = records(4);
+    let len = wal.len() as u64;
+    a.handle_vote(1).await.expect("vote");
+    a.handle_elected(&elected(1, 0, &[(1, 0)]))
+        .await
+        .expect("elected");
+    a.append_no_flush(&append(1, 0, &wal, 0))
+        .await
+        .expect("append");
+    a.flush_appends().await.expect("flush");
+    assert_eq!(a.commit_lsn(), Lsn(0));
+    a.append_no_flush(&append(1, len, &wal, len))
+        .await
+        .expect("append");
+    a.flush_appends().await.expect("flush");
+    assert_eq!((a.commit_lsn(), a.flush_lsn()), (Lsn(len), Lsn(2 * len)));
+
+    a.handle_vote(2).await.expect("vote");
+    let e = refusal(
+        a.handle_elected(&elected(2, len / 2, &[(1, 0), (2, len / 2)]))
+            .await
+            .expect_err("below commit"),
+    );
+    assert!(e.contains("committed"), "{e}");
+    let e = refusal(
+        a.handle_elected(&elected(2, 3 * len, &[(1, 0), (2, 3 * len)]))
+            .await
+            .expect_err("gap"),
+    );
+    assert!(e.contains("beyond"), "{e}");
+    let e = refusal(
+        a.handle_elected(&elected(2, len, &[(1, 0), (3, len)]))
+            .await
+            .expect_err("history"),
+    );
+    assert!(e.contains("history"), "{e}");
+    // Cutting the uncommitted second half is fine.
+    a.handle_elected(&elected(2, len, &[(1, 0), (2, len)]))
+        .await
+        .expect("elected");
+    assert_eq!(a.flush_lsn(), Lsn(len));
+    assert_eq!(a.last_log_term(), 2);
+    drop(a);
+    let mut a = open(&disk).await;
+    assert_eq!(
+        (a.flush_lsn(), a.term(), a.last_log_term()),
+        (Lsn(len), 2, 2),
+        "all of it durable"
+    );
+    // A commit announced beyond this safekeeper's WAL is capped at its flush.
+    a.append_no_flush(&append(2, len, &wal, 10 * len))
+        .await
+        .expect("append");
+    a.flush_appends().await.expect("flush");
+    assert_eq!(a.commit_lsn(), Lsn(2 * len));
+}
+
+#[tokio::test]
+async fn batch_shares_one_answer_and_relays_feedback() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let mut a = open(&disk).await;
+    a.handle_vote(1).await.expect("vote");
+    a.handle_elected(&elected(1, 0, &[(1, 0)]))
+        .await
+        .expect("elected");
+    let wal = records(2);
+    let len = wal.len() as u64;
+    let feedback = ShardFeedback {
+        shard_number: 3,
+        last_received_lsn: Lsn(1),
+        disk_consistent_lsn: Lsn(1),
+        remote_consistent_lsn: Lsn(0),
+        reply_time_micros: 5,
+    };
+    let msgs = vec![
+        ToSafekeeper::Feedback(feedback),
+        ToSafekeeper::Append(append(1, 0, &wal, 0)),
+        ToSafekeeper::Append(append(1, len, &wal, len)),
+        ToSafekeeper::Append(append(1, 2 * len, &wal, 2 * len)),
+        ToSafekeeper::ReadWal {
+            term: 1,
+            begin_lsn: Lsn(0),
+            end_lsn: Lsn(len),
+        },
+        ToSafekeeper::StartReplication {
+            shard_number: 0,
+            start_lsn: Lsn(0),
+        },
+    ];
+    let out = a.handle_batch(msgs).await.expect("batch");
+    assert_eq!(out.len(), 3, "{out:?}");
+    match &out[0] {
+        FromSafekeeper::Append(r) => {
+            assert_eq!(
+                r.flush_lsn,
+                Lsn(3 * len),
+                "one answer after one flush for three appends"
+            );
+            assert_eq!(r.commit_lsn, Lsn(2 * len));
+            assert_eq!(r.shard_feedback, vec![feedback]);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(&out[1], FromSafekeeper::Wal { begin_lsn: Lsn(0), wal: w, .. } if *w == wal));
+    assert!(matches!(&out[2], FromSafekeeper::Refused { .. }));
+    assert_eq!(
+        a.read_committed(Lsn(0), 1 << 20).await.expect("read").len() as u64,
+        2 * len,
+        "only committed WAL for walsenders"
+    );
+}

@@ -1,0 +1,798 @@
+//! The proposer state machine.
+//!
+//! Election (after Neon's walproposer, itself Paxos-like):
+//! 1. greet every safekeeper; once a quorum answered, take a term above every
+//!    term heard and ask everyone for a vote;
+//! 2. with a quorum of votes, the donor is the voter with the highest
+//!    `(last_log_term, flush_lsn)`; its flush_lsn is the epoch start: all WAL the
+//!    new term builds on. Every committed record is on a quorum, and that quorum
+//!    intersects the voters, so the donor holds it: an election never proposes less
+//!    than the committed LSN;
+//! 3. each safekeeper is told where its WAL stops agreeing with the donor's
+//!    (`start_streaming_at`); it truncates there and receives WAL from there on.
+//!    WAL the writer does not hold yet is read from the donor first.
+//!
+//! Commit: `commit_lsn` is the highest LSN flushed by a quorum *in this term*;
+//! flush positions below the epoch start count as nothing, so WAL of an older term
+//! is committed only together with the new term's start (no commit from a previous
+//! term). Appends always carry whole records, so every flush_lsn and commit_lsn is
+//! a record boundary.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use bytes::{Bytes, BytesMut};
+use ferry_wal::proto::{
+    AppendRequest, FromSafekeeper, Greeting, ProposerElected, ShardFeedback, ToSafekeeper,
+    VoteResponse,
+};
+use ferry_wal::record;
+use ferry_wal::{Lsn, Term, TermHistory};
+
+/// Limits and identity of a proposer.
+#[derive(Debug, Clone)]
+pub struct ProposerConfig {
+    /// Number of safekeepers; a quorum is a majority of them.
+    pub safekeepers: usize,
+    pub timeline_id: u64,
+    pub segment_bytes: u64,
+    /// Random id of this writer incarnation.
+    pub proposer_id: u128,
+    /// Elect a term strictly above this one (a restarted writer passes the term it
+    /// last held, so it never reuses it).
+    pub min_term: Term,
+    /// Most WAL bytes in one append message (whole records; a bigger record goes
+    /// alone).
+    pub max_append_bytes: usize,
+    /// Most unacknowledged WAL bytes in flight to one safekeeper.
+    pub max_in_flight_bytes: u64,
+    /// Most WAL bytes kept in memory for safekeepers that lag behind; beyond it the
+    /// buffer is trimmed to the quorum, and a lagging safekeeper is caught up by
+    /// reading from an up-to-date one.
+    pub max_buffered_bytes: u64,
+}
+
+impl ProposerConfig {
+    /// Defaults for `safekeepers` safekeepers.
+    pub fn new(
+        safekeepers: usize,
+        timeline_id: u64,
+        segment_bytes: u64,
+        proposer_id: u128,
+    ) -> ProposerConfig {
+        ProposerConfig {
+            safekeepers,
+            timeline_id,
+            segment_bytes,
+            proposer_id,
+            min_term: 0,
+            max_append_bytes: 1 << 20,
+            max_in_flight_bytes: 16 << 20,
+            max_buffered_bytes: 256 << 20,
+        }
+    }
+}
+
+/// What the driver must do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    Send {
+        to: usize,
+        msg: ToSafekeeper,
+    },
+    /// This writer is elected: from now on [`Proposer::append`] works.
+    Elected {
+        term: Term,
+        epoch_start_lsn: Lsn,
+    },
+    /// WAL up to here is committed: acknowledge inserts that end at or below it.
+    Committed {
+        commit_lsn: Lsn,
+    },
+    /// A higher term exists: this writer must stop; nothing it has not seen
+    /// committed may be acknowledged.
+    Superseded {
+        term: Term,
+        reason: String,
+    },
+    /// The connection to this safekeeper is in a bad state: drop it and connect
+    /// again (the safekeeper then starts over with a greeting).
+    Reconnect {
+        peer: usize,
+    },
+}
+
+/// Why [`Proposer::append`] refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProposerError {
+    #[error("not elected (yet)")]
+    NotElected,
+    #[error("superseded by term {0}")]
+    Superseded(Term),
+    #[error("invalid WAL: {0}")]
+    InvalidRecords(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Peer {
+    Offline,
+    /// Greeting sent.
+    Greeting,
+    /// Greeted; its term is known.
+    Greeted {
+        term: Term,
+    },
+    /// Vote request sent.
+    Voting,
+    /// Answered the vote request of this term.
+    Voted(VoteResponse),
+    /// ProposerElected sent; waiting for its answer.
+    Electing {
+        start: Lsn,
+    },
+    /// Receives WAL.
+    Streaming {
+        flush_lsn: Lsn,
+        next_send: Lsn,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Greeting,
+    Voting,
+    Elected,
+    Stopped,
+}
+
+/// A read of WAL the writer does not hold, from an up-to-date safekeeper.
+#[derive(Debug, Clone)]
+struct Fetch {
+    source: usize,
+    begin: Lsn,
+    end: Lsn,
+    received: BytesMut,
+}
+
+/// The proposer of one writer incarnation.
+#[derive(Debug)]
+pub struct Proposer {
+    config: ProposerConfig,
+    quorum: usize,
+    phase: Phase,
+    term: Term,
+    peers: Vec<Peer>,
+    history: TermHistory,
+    epoch_start_lsn: Lsn,
+    /// WAL held in memory: `buffer` starts at `buffer_start`; `boundaries` lists
+    /// the record ends inside it.
+    buffer_start: Lsn,
+    buffer: BytesMut,
+    boundaries: VecDeque<Lsn>,
+    fetch: Option<Fetch>,
+    /// The donor of the election: its WAL up to the epoch start is this term's.
+    donor: Option<usize>,
+    commit_lsn: Lsn,
+    truncate_lsn: Lsn,
+    feedback: BTreeMap<u32, ShardFeedback>,
+}
+
+impl Proposer {
+    pub fn new(config: ProposerConfig) -> Proposer {
+        assert!(config.safekeepers >= 1, "need at least one safekeeper");
+        Proposer {
+            quorum: config.safekeepers / 2 + 1,
+            peers: vec![Peer::Offline; config.safekeepers],
+            term: config.min_term,
+            config,
+            phase: Phase::Greeting,
+            history: TermHistory::default(),
+            epoch_start_lsn: Lsn(0),
+            buffer_start: Lsn(0),
+            buffer: BytesMut::new(),
+            boundaries: VecDeque::new(),
+            fetch: None,
+            donor: None,
+            commit_lsn: Lsn(0),
+            truncate_lsn: Lsn(0),
+            feedback: BTreeMap::new(),
+        }
+    }
+
+    pub fn term(&self) -> Term {
+        self.term
+    }
+
+    pub fn is_elected(&self) -> bool {
+        self.phase == Phase::Elected
+    }
+
+    pub fn commit_lsn(&self) -> Lsn {
+        self.commit_lsn
+    }
+
+    pub fn epoch_start_lsn(&self) -> Lsn {
+        self.epoch_start_lsn
+    }
+
+    /// End of the WAL this writer has produced or recovered.
+    pub fn end_lsn(&self) -> Lsn {
+        Lsn(self.buffer_start.0 + self.buffer.len() as u64)
+    }
+
+    /// The latest feedback of each shard, for back-pressure.
+    pub fn shard_feedback(&self) -> impl Iterator<Item = &ShardFeedback> {
+        self.feedback.values()
+    }
+
+    /// Flush positions of the safekeepers that stream in this term.
+    pub fn peer_flush_lsns(&self) -> Vec<Option<Lsn>> {
+        self.peers
+            .iter()
+            .map(|p| match p {
+                Peer::Streaming { flush_lsn, .. } => Some(*flush_lsn),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// A connection to safekeeper `peer` is up.
+    pub fn on_connected(&mut self, peer: usize) -> Vec<Action> {
+        if self.phase == Phase::Stopped || peer >= self.peers.len() {
+            return Vec::new();
+        }
+        self.peers[peer] = Peer::Greeting;
+        vec![Action::Send {
+            to: peer,
+            msg: ToSafekeeper::Greeting(Greeting {
+                proposer_id: self.config.proposer_id,
+                timeline_id: self.config.timeline_id,
+                segment_bytes: self.config.segment_bytes,
+            }),
+        }]
+    }
+
+    /// The connection to `peer` broke; anything in flight to it is forgotten and
+    /// it starts over with a greeting when it reconnects.
+    pub fn on_disconnected(&mut self, peer: usize) -> Vec<Action> {
+        if peer >= self.peers.len() {
+            return Vec::new();
+        }
+        self.peers[peer] = Peer::Offline;
+        let mut actions = Vec::new();
+        if self.fetch.as_ref().is_some_and(|f| f.source == peer) {
+            self.fetch = None;
+            self.start_fetch_if_needed(&mut actions);
+        }
+        actions
+    }
+
+    /// Sends an empty append to every streaming safekeeper, carrying the current
+    /// commit_lsn (call periodically).
+    pub fn heartbeat(&mut self) -> Vec<Action> {
+        let mut actions = Vec::new();
+        if self.phase != Phase::Elected {
+            return actions;
+        }
+        for peer in 0..self.peers.len() {
+            if let Peer::Streaming { next_send, .. } = self.peers[peer] {
+                actions.push(Action::Send {
+                    to: peer,
+                    msg: ToSafekeeper::Append(AppendRequest {
+                        term: self.term,
+                        begin_lsn: next_send,
+                        end_lsn: next_send,
+                        commit_lsn: self.commit_lsn,
+                        truncate_lsn: self.truncate_lsn,
+                        wal: Bytes::new(),
+                    }),
+                });
+            }
+        }
+        actions
+    }
+
+    /// Appends whole, valid records; returns the LSN just past them: they are
+    /// durable once [`Action::Committed`] reaches it.
+    pub fn append(&mut self, records: &[u8]) -> Result<(Lsn, Vec<Action>), ProposerError> {
+        match self.phase {
+            Phase::Elected => {}
+            Phase::Stopped => return Err(ProposerError::Superseded(self.term)),
+            _ => return Err(ProposerError::NotElected),
+        }
+        let mut at = 0;
+        let mut ends = Vec::new();
+        while at < records.len() {
+            let len = record::check(&records[at..])
+                .map_err(|e| ProposerError::InvalidRecords(e.to_string()))?;
+            at += len;
+            ends.push(Lsn(self.end_lsn().0 + at as u64));
+        }
+        self.buffer.extend_from_slice(records);
+        self.boundaries.extend(ends);
+        let mut actions = Vec::new();
+        self.pump_all(&mut actions);
+        Ok((self.end_lsn(), actions))
+    }
+
+    /// Handles one message from safekeeper `peer`.
+    pub fn on_message(&mut self, peer: usize, msg: FromSafekeeper) -> Vec<Action> {
+        let mut actions = Vec::new();
+        if self.phase == Phase::Stopped || peer >= self.peers.len() {
+            return actions;
+        }
+        match msg {
+            FromSafekeeper::Greeting(g) => self.on_greeting(peer, g.term, &mut actions),
+            FromSafekeeper::Vote(v) => self.on_vote(peer, v, &mut actions),
+            FromSafekeeper::Append(a) => {
+                if a.term > self.term {
+                    self.stop(a.term, "a safekeeper is in a higher term", &mut actions);
+                    return actions;
+                }
+                for fb in &a.shard_feedback {
+                    let newer = self
+                        .feedback
+                        .get(&fb.shard_number)
+                        .is_none_or(|old| old.reply_time_micros <= fb.reply_time_micros);
+                    if newer {
+                        self.feedback.insert(fb.shard_number, *fb);
+                    }
+                }
+                self.on_append_response(peer, a.flush_lsn, &mut actions);
+            }
+            FromSafekeeper::Wal { begin_lsn, wal, .. } => {
+                self.on_fetched(peer, begin_lsn, wal, &mut actions)
+            }
+            FromSafekeeper::Refused { term, reason } => {
+                if term > self.term {
+                    self.stop(term, &reason, &mut actions);
+                } else {
+                    tracing::warn!(peer, %reason, "safekeeper refused; reconnecting to it");
+                    self.peers[peer] = Peer::Offline;
+                    actions.push(Action::Reconnect { peer });
+                    if self.fetch.as_ref().is_some_and(|f| f.source == peer) {
+                        self.fetch = None;
+                        self.start_fetch_if_needed(&mut actions);
+                    }
+                }
+            }
+            FromSafekeeper::Keepalive { .. } => {}
+        }
+        actions
+    }
+
+    fn stop(&mut self, term: Term, reason: &str, actions: &mut Vec<Action>) {
+        self.phase = Phase::Stopped;
+        actions.push(Action::Superseded {
+            term,
+            reason: reason.to_string(),
+        });
+    }
+
+    fn on_greeting(&mut self, peer: usize, term: Term, actions: &mut Vec<Action>) {
+        if self.peers[peer] != Peer::Greeting {
+            return;
+        }
+        match self.phase {
+            Phase::Greeting => {
+                self.peers[peer] = Peer::Greeted { term };
+                let greeted: Vec<Term> = self
+                    .peers
+                    .iter()
+                    .filter_map(|p| match p {
+                        Peer::Greeted { term } => Some(*term),
+                        _ => None,
+                    })
+                    .collect();
+                if greeted.len() >= self.quorum {
+                    let highest = greeted.iter().copied().max().unwrap_or(0);
+                    self.term = self.term.max(highest) + 1;
+                    self.phase = Phase::Voting;
+                    for p in 0..self.peers.len() {
+                        if matches!(self.peers[p], Peer::Greeted { .. }) {
+                            self.peers[p] = Peer::Voting;
+                            actions.push(Action::Send {
+                                to: p,
+                                msg: ToSafekeeper::VoteRequest { term: self.term },
+                            });
+                        }
+                    }
+                }
+            }
+            Phase::Voting | Phase::Elected => {
+                if term > self.term {
+                    self.stop(term, "a safekeeper greeted with a higher term", actions);
+                    return;
+                }
+                // Late safekeeper: its vote response tells us where its WAL is.
+                self.peers[peer] = Peer::Voting;
+                actions.push(Action::Send {
+                    to: peer,
+                    msg: ToSafekeeper::VoteRequest { term: self.term },
+                });
+            }
+            Phase::Stopped => {}
+        }
+    }
+
+    fn on_vote(&mut self, peer: usize, vote: VoteResponse, actions: &mut Vec<Action>) {
+        if self.peers[peer] != Peer::Voting {
+            return;
+        }
+        if vote.term > self.term {
+            self.stop(vote.term, "a safekeeper voted in a higher term", actions);
+            return;
+        }
+        if !vote.term_history.is_well_formed() {
+            tracing::warn!(peer, "malformed term history in a vote response");
+            self.peers[peer] = Peer::Offline;
+            return;
+        }
+        match self.phase {
+            Phase::Voting => {
+                if !vote.vote_given {
+                    // Voted for a rival with the same term: it cannot count.
+                    self.peers[peer] = Peer::Offline;
+                    return;
+                }
+                self.peers[peer] = Peer::Voted(vote);
+                let votes = self
+                    .peers
+                    .iter()
+                    .filter(|p| matches!(p, Peer::Voted(_)))
+                    .count();
+                if votes >= self.quorum {
+                    self.become_elected(actions);
+                }
+            }
+            Phase::Elected => {
+                // A late safekeeper: same term at most, so it may stream from us.
+                self.send_elected(peer, &vote, actions);
+            }
+            _ => {}
+        }
+    }
+
+    fn become_elected(&mut self, actions: &mut Vec<Action>) {
+        let voters: Vec<(usize, VoteResponse)> = self
+            .peers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| match p {
+                Peer::Voted(v) => Some((i, v.clone())),
+                _ => None,
+            })
+            .collect();
+        let Some((donor, donor_vote)) = voters
+            .iter()
+            .max_by_key(|(i, v)| {
+                (
+                    v.term_history.last_term(),
+                    v.flush_lsn,
+                    std::cmp::Reverse(*i),
+                )
+            })
+            .cloned()
+        else {
+            return;
+        };
+        self.phase = Phase::Elected;
+        self.epoch_start_lsn = donor_vote.flush_lsn;
+        self.truncate_lsn = voters
+            .iter()
+            .map(|(_, v)| v.truncate_lsn)
+            .max()
+            .unwrap_or(Lsn(0));
+        self.history = donor_vote.term_history.clone();
+        self.history.push(self.term, self.epoch_start_lsn);
+        // The writer holds no WAL yet; what safekeepers miss below the epoch start
+        // is fetched from the donor.
+        self.buffer_start = self.epoch_start_lsn;
+        self.buffer.clear();
+        self.boundaries.clear();
+        tracing::info!(
+            term = self.term,
+            donor,
+            epoch_start = %self.epoch_start_lsn,
+            "elected"
+        );
+        actions.push(Action::Elected {
+            term: self.term,
+            epoch_start_lsn: self.epoch_start_lsn,
+        });
+        for (peer, vote) in voters {
+            self.send_elected(peer, &vote, actions);
+        }
+        self.donor = Some(donor);
+        self.start_fetch_if_needed(actions);
+    }
+
+    fn send_elected(&mut self, peer: usize, vote: &VoteResponse, actions: &mut Vec<Action>) {
+        // Our WAL is the donor's up to the epoch start, then this term's up to
+        // end_lsn; a safekeeper already streaming in this term agrees with it up
+        // to its own flush_lsn.
+        let start = self
+            .history
+            .common_prefix_end(self.end_lsn(), &vote.term_history, vote.flush_lsn)
+            .unwrap_or_else(|| self.history.0.first().map_or(Lsn(0), |e| e.lsn));
+        self.peers[peer] = Peer::Electing { start };
+        actions.push(Action::Send {
+            to: peer,
+            msg: ToSafekeeper::Elected(ProposerElected {
+                term: self.term,
+                start_streaming_at: start,
+                term_history: self.history.clone(),
+                timeline_start_lsn: Lsn(0),
+            }),
+        });
+    }
+
+    fn on_append_response(&mut self, peer: usize, flush: Lsn, actions: &mut Vec<Action>) {
+        match self.peers[peer].clone() {
+            Peer::Electing { start } => {
+                if flush != start {
+                    tracing::warn!(peer, %flush, %start, "safekeeper did not truncate where told");
+                    self.peers[peer] = Peer::Offline;
+                    actions.push(Action::Reconnect { peer });
+                    return;
+                }
+                self.peers[peer] = Peer::Streaming {
+                    flush_lsn: flush,
+                    next_send: start,
+                };
+                self.start_fetch_if_needed(actions);
+            }
+            Peer::Streaming {
+                flush_lsn,
+                next_send,
+            } => {
+                if flush > next_send {
+                    tracing::warn!(peer, %flush, %next_send, "safekeeper flushed more than was sent");
+                    self.peers[peer] = Peer::Offline;
+                    actions.push(Action::Reconnect { peer });
+                    return;
+                }
+                self.peers[peer] = Peer::Streaming {
+                    flush_lsn: flush_lsn.max(flush),
+                    next_send,
+                };
+                self.advance_commit(actions);
+                self.trim_buffer();
+            }
+            _ => return,
+        }
+        self.pump(peer, actions);
+    }
+
+    fn advance_commit(&mut self, actions: &mut Vec<Action>) {
+        let mut flushes: Vec<Lsn> = self
+            .peers
+            .iter()
+            .filter_map(|p| match p {
+                // No commit from a previous term: positions below the epoch start
+                // prove nothing about this term's WAL.
+                Peer::Streaming { flush_lsn, .. } if *flush_lsn >= self.epoch_start_lsn => {
+                    Some(*flush_lsn)
+                }
+                _ => None,
+            })
+            .collect();
+        if flushes.len() < self.quorum {
+            return;
+        }
+        flushes.sort_unstable_by(|a, b| b.cmp(a));
+        let candidate = flushes[self.quorum - 1];
+        if candidate > self.commit_lsn {
+            self.commit_lsn = candidate;
+            actions.push(Action::Committed {
+                commit_lsn: candidate,
+            });
+        }
+        let all: Vec<Lsn> = self
+            .peers
+            .iter()
+            .filter_map(|p| match p {
+                Peer::Streaming { flush_lsn, .. } => Some(*flush_lsn),
+                _ => None,
+            })
+            .collect();
+        if all.len() == self.peers.len() {
+            let horizon = all
+                .iter()
+                .copied()
+                .min()
+                .unwrap_or(Lsn(0))
+                .min(self.commit_lsn);
+            self.truncate_lsn = self.truncate_lsn.max(horizon);
+        }
+    }
+
+    /// Drops WAL no safekeeper can need from the buffer: below every streaming
+    /// safekeeper's flush when all stream, else below the commit once the buffer
+    /// is over its limit (a returning safekeeper then reads from a peer).
+    fn trim_buffer(&mut self) {
+        if self.fetch.is_some() {
+            return;
+        }
+        let streaming: Vec<Lsn> = self
+            .peers
+            .iter()
+            .filter_map(|p| match p {
+                Peer::Streaming { flush_lsn, .. } => Some(*flush_lsn),
+                _ => None,
+            })
+            .collect();
+        let target = if streaming.len() == self.peers.len() {
+            streaming.iter().copied().min().unwrap_or(self.buffer_start)
+        } else if self.buffer.len() as u64 > self.config.max_buffered_bytes {
+            self.commit_lsn
+                .min(streaming.iter().copied().min().unwrap_or(self.commit_lsn))
+        } else {
+            return;
+        };
+        let mut new_start = self.buffer_start;
+        while let Some(&end) = self.boundaries.front() {
+            if end > target {
+                break;
+            }
+            new_start = end;
+            self.boundaries.pop_front();
+        }
+        if new_start > self.buffer_start {
+            let cut = new_start.distance_from(self.buffer_start) as usize;
+            let _ = self.buffer.split_to(cut);
+            self.buffer_start = new_start;
+        }
+    }
+
+    fn pump_all(&mut self, actions: &mut Vec<Action>) {
+        for peer in 0..self.peers.len() {
+            self.pump(peer, actions);
+        }
+    }
+
+    /// Sends WAL to a streaming safekeeper, whole records only, up to the in-flight
+    /// limit.
+    fn pump(&mut self, peer: usize, actions: &mut Vec<Action>) {
+        let Peer::Streaming {
+            flush_lsn,
+            mut next_send,
+        } = self.peers[peer]
+        else {
+            return;
+        };
+        let end = self.end_lsn();
+        while next_send < end
+            && next_send >= self.buffer_start
+            && next_send.distance_from(flush_lsn) < self.config.max_in_flight_bytes
+        {
+            let limit = Lsn(next_send.0 + self.config.max_append_bytes as u64);
+            let mut chunk_end = None;
+            for &b in self.boundaries.iter() {
+                if b <= next_send {
+                    continue;
+                }
+                if b > limit && chunk_end.is_some() {
+                    break;
+                }
+                chunk_end = Some(b);
+                if b >= limit {
+                    break;
+                }
+            }
+            let Some(chunk_end) = chunk_end else { break };
+            let from = next_send.distance_from(self.buffer_start) as usize;
+            let to = chunk_end.distance_from(self.buffer_start) as usize;
+            actions.push(Action::Send {
+                to: peer,
+                msg: ToSafekeeper::Append(AppendRequest {
+                    term: self.term,
+                    begin_lsn: next_send,
+                    end_lsn: chunk_end,
+                    commit_lsn: self.commit_lsn,
+                    truncate_lsn: self.truncate_lsn,
+                    wal: Bytes::copy_from_slice(&self.buffer[from..to]),
+                }),
+            });
+            next_send = chunk_end;
+        }
+        self.peers[peer] = Peer::Streaming {
+            flush_lsn,
+            next_send,
+        };
+        if next_send < self.buffer_start {
+            self.start_fetch_if_needed(actions);
+        }
+    }
+
+    /// Starts reading WAL below the buffer that a safekeeper needs, from the donor
+    /// or from a safekeeper that already streams in this term.
+    fn start_fetch_if_needed(&mut self, actions: &mut Vec<Action>) {
+        if self.fetch.is_some() || self.phase != Phase::Elected {
+            return;
+        }
+        let needed = self
+            .peers
+            .iter()
+            .filter_map(|p| match p {
+                Peer::Streaming { next_send, .. } => Some(*next_send),
+                _ => None,
+            })
+            .filter(|lsn| *lsn < self.buffer_start)
+            .min();
+        let Some(begin) = needed else { return };
+        let end = self.buffer_start;
+        let donor_ok = self
+            .donor
+            .filter(|&d| !matches!(self.peers[d], Peer::Offline | Peer::Greeting));
+        let source = donor_ok.or_else(|| {
+            self.peers
+                .iter()
+                .position(|p| matches!(p, Peer::Streaming { flush_lsn, .. } if *flush_lsn >= end))
+        });
+        let Some(source) = source else {
+            tracing::warn!(%begin, %end, "no safekeeper can provide the WAL a lagging safekeeper needs");
+            return;
+        };
+        self.fetch = Some(Fetch {
+            source,
+            begin,
+            end,
+            received: BytesMut::new(),
+        });
+        actions.push(Action::Send {
+            to: source,
+            msg: ToSafekeeper::ReadWal {
+                term: self.term,
+                begin_lsn: begin,
+                end_lsn: end,
+            },
+        });
+    }
+
+    fn on_fetched(&mut self, peer: usize, begin: Lsn, wal: Bytes, actions: &mut Vec<Action>) {
+        let Some(fetch) = self.fetch.as_mut() else {
+            return;
+        };
+        if fetch.source != peer || begin != Lsn(fetch.begin.0 + fetch.received.len() as u64) {
+            return;
+        }
+        fetch.received.extend_from_slice(&wal);
+        let have = Lsn(fetch.begin.0 + fetch.received.len() as u64);
+        if have < fetch.end {
+            return;
+        }
+        let Some(fetch) = self.fetch.take() else {
+            return;
+        };
+        if have > fetch.end {
+            tracing::warn!(peer, "recovery read returned more than asked");
+        }
+        let data = &fetch.received[..fetch.end.distance_from(fetch.begin) as usize];
+        let mut ends = Vec::new();
+        let mut at = 0;
+        while at < data.len() {
+            match record::check(&data[at..]) {
+                Ok(len) => {
+                    at += len;
+                    ends.push(Lsn(fetch.begin.0 + at as u64));
+                }
+                Err(e) => {
+                    tracing::error!(peer, error = %e, "recovered WAL is not whole records");
+                    self.peers[peer] = Peer::Offline;
+                    actions.push(Action::Reconnect { peer });
+                    return;
+                }
+            }
+        }
+        let mut buffer = BytesMut::with_capacity(data.len() + self.buffer.len());
+        buffer.extend_from_slice(data);
+        buffer.extend_from_slice(&self.buffer);
+        self.buffer = buffer;
+        for end in ends.into_iter().rev() {
+            self.boundaries.push_front(end);
+        }
+        self.buffer_start = fetch.begin;
+        self.pump_all(actions);
+        self.start_fetch_if_needed(actions);
+    }
+}

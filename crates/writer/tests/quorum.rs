@@ -1,0 +1,427 @@
+//! The proposer and three real acceptors (on real disks) wired in-process: every
+//! message is delivered by the test in a deterministic order, so each scenario of
+//! the WAL quorum can be staged exactly: elections, commit, failures of one or two
+//! safekeepers, restarts, writer takeover and truncation of divergent WAL.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use ferry_env::{Disk, RealDisk};
+use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig};
+use ferry_wal::proto::ToSafekeeper;
+use ferry_wal::record::Record;
+use ferry_wal::segment::SegmentSize;
+use ferry_wal::{Lsn, Term};
+use ferry_writer::proposer::{Action, Proposer, ProposerConfig, ProposerError};
+
+const SEG: u64 = 64 << 10;
+const TIMELINE: u64 = 1;
+
+struct Cluster {
+    _dir: tempfile::TempDir,
+    disk: Arc<dyn Disk>,
+    acceptors: Vec<Option<Acceptor>>,
+}
+
+fn config(node: u64) -> AcceptorConfig {
+    AcceptorConfig {
+        node_id: node,
+        timeline_id: TIMELINE,
+        segment_size: SegmentSize::new(SEG).expect("segment size"),
+    }
+}
+
+impl Cluster {
+    async fn new(n: usize) -> Cluster {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+        let mut acceptors = Vec::new();
+        for i in 0..n {
+            acceptors.push(Some(
+                Acceptor::open(Arc::clone(&disk), &format!("sk{i}"), config(i as u64))
+                    .await
+                    .expect("open"),
+            ));
+        }
+        Cluster {
+            _dir: dir,
+            disk,
+            acceptors,
+        }
+    }
+
+    /// Kills safekeeper `i`: its in-memory state is gone, its disk stays.
+    fn kill(&mut self, i: usize, writers: &mut [&mut Writer]) {
+        self.acceptors[i] = None;
+        for w in writers.iter_mut() {
+            w.connected[i] = false;
+            let actions = w.proposer.on_disconnected(i);
+            w.absorb(actions);
+        }
+    }
+
+    async fn start(&mut self, i: usize) {
+        assert!(self.acceptors[i].is_none());
+        self.acceptors[i] = Some(
+            Acceptor::open(Arc::clone(&self.disk), &format!("sk{i}"), config(i as u64))
+                .await
+                .expect("reopen"),
+        );
+    }
+
+    fn acceptor(&self, i: usize) -> &Acceptor {
+        self.acceptors[i].as_ref().expect("running")
+    }
+
+    /// The whole flushed WAL of safekeeper `i`.
+    async fn wal(&self, i: usize) -> Vec<u8> {
+        let a = self.acceptor(i);
+        let mut out = Vec::new();
+        while (out.len() as u64) < a.flush_lsn().0 {
+            let chunk = a
+                .read_for_recovery(a.term(), Lsn(out.len() as u64), 1 << 20)
+                .await
+                .expect("read");
+            assert!(!chunk.is_empty());
+            out.extend_from_slice(&chunk);
+        }
+        out
+    }
+}
+
+struct Writer {
+    proposer: Proposer,
+    connected: Vec<bool>,
+    outbox: VecDeque<(usize, ToSafekeeper)>,
+    pending: Vec<Action>,
+    elected: Option<(Term, Lsn)>,
+    commit_lsn: Lsn,
+    superseded: Option<Term>,
+}
+
+impl Writer {
+    fn new(n: usize, min_term: Term) -> Writer {
+        let mut config = ProposerConfig::new(n, TIMELINE, SEG, 42);
+        config.min_term = min_term;
+        config.max_append_bytes = 8 << 10;
+        Writer {
+            proposer: Proposer::new(config),
+            connected: vec![false; n],
+            outbox: VecDeque::new(),
+            pending: Vec::new(),
+            elected: None,
+            commit_lsn: Lsn(0),
+            superseded: None,
+        }
+    }
+
+    fn absorb(&mut self, actions: Vec<Action>) {
+        self.pending.extend(actions);
+    }
+
+    /// Connects to every running safekeeper and runs until quiet.
+    async fn connect_all(&mut self, cluster: &mut Cluster) {
+        for i in 0..cluster.acceptors.len() {
+            if cluster.acceptors[i].is_some() && !self.connected[i] {
+                self.connected[i] = true;
+                let actions = self.proposer.on_connected(i);
+                self.absorb(actions);
+            }
+        }
+        self.run(cluster).await;
+    }
+
+    /// Delivers messages until nothing moves. Messages queued for one safekeeper
+    /// are handed over together, as a batch read from a socket would be.
+    async fn run(&mut self, cluster: &mut Cluster) {
+        loop {
+            for action in std::mem::take(&mut self.pending) {
+                match action {
+                    Action::Send { to, msg } => {
+                        if self.connected[to] && cluster.acceptors[to].is_some() {
+                            self.outbox.push_back((to, msg));
+                        }
+                    }
+                    Action::Elected {
+                        term,
+                        epoch_start_lsn,
+                    } => self.elected = Some((term, epoch_start_lsn)),
+                    Action::Committed { commit_lsn } => {
+                        assert!(commit_lsn > self.commit_lsn, "commit_lsn must only grow");
+                        self.commit_lsn = commit_lsn;
+                    }
+                    Action::Superseded { term, .. } => self.superseded = Some(term),
+                    Action::Reconnect { peer } => {
+                        self.connected[peer] = false;
+                        let more = self.proposer.on_disconnected(peer);
+                        self.pending.extend(more);
+                    }
+                }
+            }
+            if self.outbox.is_empty() {
+                if self.pending.is_empty() {
+                    return;
+                }
+                continue;
+            }
+            let mut batches: BTreeMap<usize, Vec<ToSafekeeper>> = BTreeMap::new();
+            for (to, msg) in self.outbox.drain(..) {
+                batches.entry(to).or_default().push(msg);
+            }
+            for (to, msgs) in batches {
+                let Some(acceptor) = cluster.acceptors[to].as_mut() else {
+                    continue;
+                };
+                let replies = acceptor
+                    .handle_batch(msgs)
+                    .await
+                    .expect("safekeeper storage");
+                for reply in replies {
+                    let actions = self.proposer.on_message(to, reply);
+                    self.pending.extend(actions);
+                }
+            }
+        }
+    }
+
+    async fn append(
+        &mut self,
+        cluster: &mut Cluster,
+        records: &[u8],
+    ) -> Result<Lsn, ProposerError> {
+        let (end, actions) = self.proposer.append(records)?;
+        self.absorb(actions);
+        self.run(cluster).await;
+        Ok(end)
+    }
+}
+
+fn batch(first_block: u64, n: u64, size: usize) -> Bytes {
+    let mut buf = BytesMut::new();
+    for b in first_block..first_block + n {
+        Record::Insert {
+            table_id: 1,
+            block_number: b,
+            arrow_ipc: Bytes::from(vec![(b % 251) as u8; size]),
+        }
+        .encode(&mut buf);
+    }
+    buf.freeze()
+}
+
+#[tokio::test]
+async fn election_append_and_commit_on_three_safekeepers() {
+    let mut cluster = Cluster::new(3).await;
+    let mut w = Writer::new(3, 0);
+    assert!(matches!(
+        w.proposer.append(b""),
+        Err(ProposerError::NotElected)
+    ));
+    w.connect_all(&mut cluster).await;
+    assert_eq!(w.elected, Some((1, Lsn(0))));
+    let mut expected = Vec::new();
+    for i in 0..20 {
+        let records = batch(i * 5, 5, 700);
+        expected.extend_from_slice(&records);
+        let end = w.append(&mut cluster, &records).await.expect("append");
+        assert_eq!(end, Lsn(expected.len() as u64));
+        assert_eq!(w.commit_lsn, end, "committed once a quorum flushed");
+    }
+    let heartbeat = w.proposer.heartbeat();
+    w.absorb(heartbeat);
+    w.run(&mut cluster).await;
+    for i in 0..3 {
+        assert!(
+            cluster.wal(i).await == expected,
+            "safekeeper {i} holds exactly the WAL"
+        );
+        assert_eq!(cluster.acceptor(i).commit_lsn(), w.commit_lsn);
+        assert_eq!(cluster.acceptor(i).term(), 1);
+    }
+    // Invalid records are refused before anything is sent.
+    assert!(matches!(
+        w.proposer.append(b"not a record at all"),
+        Err(ProposerError::InvalidRecords(_))
+    ));
+}
+
+#[tokio::test]
+async fn one_down_writes_go_on_two_down_writes_wait() {
+    let mut cluster = Cluster::new(3).await;
+    let mut w = Writer::new(3, 0);
+    w.connect_all(&mut cluster).await;
+    let first = batch(0, 10, 500);
+    w.append(&mut cluster, &first).await.expect("append");
+
+    cluster.kill(2, &mut [&mut w]);
+    let second = batch(10, 10, 500);
+    let end = w.append(&mut cluster, &second).await.expect("append");
+    assert_eq!(w.commit_lsn, end, "two of three commit");
+
+    cluster.kill(1, &mut [&mut w]);
+    let third = batch(20, 10, 500);
+    let end3 = w
+        .append(&mut cluster, &third)
+        .await
+        .expect("append is accepted");
+    assert!(w.commit_lsn < end3, "one of three cannot commit");
+    assert_eq!(w.commit_lsn, end);
+
+    // One comes back: the writer catches it up and the waiting records commit.
+    cluster.start(1).await;
+    w.connect_all(&mut cluster).await;
+    assert_eq!(w.commit_lsn, end3);
+    cluster.start(2).await;
+    w.connect_all(&mut cluster).await;
+    let mut all = first.to_vec();
+    all.extend_from_slice(&second);
+    all.extend_from_slice(&third);
+    for i in 0..3 {
+        assert!(cluster.wal(i).await == all, "safekeeper {i} caught up");
+    }
+}
+
+#[tokio::test]
+async fn restarted_safekeeper_rejoins_without_losing_wal() {
+    let mut cluster = Cluster::new(3).await;
+    let mut w = Writer::new(3, 0);
+    w.connect_all(&mut cluster).await;
+    let mut all = Vec::new();
+    for i in 0..10 {
+        let records = batch(i * 4, 4, 3000);
+        all.extend_from_slice(&records);
+        w.append(&mut cluster, &records).await.expect("append");
+        if i == 4 {
+            cluster.kill(0, &mut [&mut w]);
+            cluster.start(0).await;
+            w.connect_all(&mut cluster).await;
+        }
+    }
+    assert_eq!(w.commit_lsn, Lsn(all.len() as u64));
+    for i in 0..3 {
+        assert!(cluster.wal(i).await == all, "safekeeper {i}");
+    }
+}
+
+#[tokio::test]
+async fn a_new_writer_takes_over_and_the_old_one_is_refused() {
+    let mut cluster = Cluster::new(3).await;
+    let mut old = Writer::new(3, 0);
+    old.connect_all(&mut cluster).await;
+    let committed = batch(0, 8, 400);
+    let end = old.append(&mut cluster, &committed).await.expect("append");
+    assert_eq!(old.commit_lsn, end);
+
+    let mut new = Writer::new(3, 0);
+    new.connect_all(&mut cluster).await;
+    assert_eq!(
+        new.elected,
+        Some((2, end)),
+        "the new term builds on all committed WAL"
+    );
+
+    // The old writer's next append meets the higher term: it stops, unacknowledged.
+    let lost = batch(8, 2, 400);
+    let _ = old
+        .append(&mut cluster, &lost)
+        .await
+        .expect("accepted locally");
+    assert_eq!(old.superseded, Some(2));
+    assert_eq!(
+        old.commit_lsn, end,
+        "nothing of the old writer commits after the takeover"
+    );
+    assert!(matches!(
+        old.proposer.append(&lost),
+        Err(ProposerError::Superseded(_))
+    ));
+
+    let next = batch(8, 3, 400);
+    let end2 = new.append(&mut cluster, &next).await.expect("append");
+    assert_eq!(new.commit_lsn, end2);
+    let mut all = committed.to_vec();
+    all.extend_from_slice(&next);
+    for i in 0..3 {
+        assert!(
+            cluster.wal(i).await == all,
+            "safekeeper {i}: old uncommitted WAL is gone"
+        );
+    }
+}
+
+#[tokio::test]
+async fn divergent_uncommitted_wal_is_truncated_committed_wal_never() {
+    let mut cluster = Cluster::new(3).await;
+    let mut w1 = Writer::new(3, 0);
+    w1.connect_all(&mut cluster).await;
+    let committed = batch(0, 6, 600);
+    let end = w1.append(&mut cluster, &committed).await.expect("append");
+    assert_eq!(w1.commit_lsn, end);
+
+    // Safekeepers 1 and 2 go away; safekeeper 0 alone receives more WAL of term 1,
+    // which therefore never commits.
+    cluster.kill(1, &mut [&mut w1]);
+    cluster.kill(2, &mut [&mut w1]);
+    let divergent = batch(6, 6, 600);
+    w1.append(&mut cluster, &divergent).await.expect("append");
+    assert_eq!(w1.commit_lsn, end);
+    assert_eq!(
+        cluster.acceptor(0).flush_lsn().0,
+        (committed.len() + divergent.len()) as u64
+    );
+
+    // Safekeeper 0 goes away, 1 and 2 come back and elect a new writer without it.
+    cluster.kill(0, &mut [&mut w1]);
+    cluster.start(1).await;
+    cluster.start(2).await;
+    let mut w2 = Writer::new(3, 1);
+    w2.connect_all(&mut cluster).await;
+    assert_eq!(w2.elected, Some((2, end)));
+    let fresh = batch(100, 3, 300);
+    let end2 = w2.append(&mut cluster, &fresh).await.expect("append");
+    assert_eq!(w2.commit_lsn, end2);
+
+    // Safekeeper 0 returns: its divergent tail is cut, the new term's WAL replaces it.
+    cluster.start(0).await;
+    w2.connect_all(&mut cluster).await;
+    let mut all = committed.to_vec();
+    all.extend_from_slice(&fresh);
+    for i in 0..3 {
+        assert!(cluster.wal(i).await == all, "safekeeper {i}");
+    }
+    assert!(cluster.acceptor(0).commit_lsn() >= end);
+}
+
+#[tokio::test]
+async fn lagging_voter_is_caught_up_from_the_donor() {
+    let mut cluster = Cluster::new(3).await;
+    let mut w1 = Writer::new(3, 0);
+    w1.connect_all(&mut cluster).await;
+    let first = batch(0, 5, 800);
+    w1.append(&mut cluster, &first).await.expect("append");
+    cluster.kill(2, &mut [&mut w1]);
+    let second = batch(5, 20, 800);
+    let end = w1.append(&mut cluster, &second).await.expect("append");
+    assert_eq!(w1.commit_lsn, end);
+    drop(w1);
+
+    // Safekeeper 2 is behind; safekeeper 0 is away, so 2 must vote, and the new
+    // writer reads the WAL it misses from the donor (safekeeper 1).
+    cluster.kill(0, &mut []);
+    cluster.start(2).await;
+    let mut w2 = Writer::new(3, 1);
+    w2.connect_all(&mut cluster).await;
+    assert_eq!(w2.elected, Some((2, end)));
+    let third = batch(25, 2, 800);
+    let end3 = w2.append(&mut cluster, &third).await.expect("append");
+    assert_eq!(w2.commit_lsn, end3, "safekeepers 1 and 2 commit together");
+    let mut all = first.to_vec();
+    all.extend_from_slice(&second);
+    all.extend_from_slice(&third);
+    assert!(cluster.wal(1).await == all);
+    assert!(
+        cluster.wal(2).await == all,
+        "the lagging voter got the donor's WAL"
+    );
+}
