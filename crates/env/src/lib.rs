@@ -7,9 +7,11 @@
 //! same node code on one current-thread tokio runtime with a paused clock.
 //!
 //! Time is the one seam that is not a trait: node code uses `tokio::time`, which the
-//! simulator pauses and advances. Wall-clock timestamps, randomness and the network
-//! get their own traits here when the first code that needs them arrives.
+//! simulator pauses and advances. Wall-clock timestamps and randomness get their
+//! own traits here when the first code that needs them arrives.
 
 mod disk;
+mod net;
 
 pub use disk::{Disk, DiskFile, RealDisk};
+pub use net::{BoxConnection, Connection, Listener, Network, TcpNetwork};

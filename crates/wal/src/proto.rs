@@ -223,6 +223,17 @@ where
     decode_frame_body(&frame).map(Some)
 }
 
+/// True when `buffered` starts with a whole frame, so that [`read_frame`] on the
+/// buffered reader holding it completes without waiting for the network. Used to
+/// gather messages that arrived together into one batch (group commit).
+pub fn has_whole_frame(buffered: &[u8]) -> bool {
+    if buffered.len() < 4 {
+        return false;
+    }
+    let len = u32::from_le_bytes([buffered[0], buffered[1], buffered[2], buffered[3]]) as usize;
+    len <= MAX_FRAME_BYTES && buffered.len() >= 4 + len
+}
+
 /// Writes one message (without flushing buffered writers).
 pub async fn write_frame<W, T>(writer: &mut W, msg: &T) -> Result<(), FrameError>
 where

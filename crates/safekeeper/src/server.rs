@@ -1,0 +1,251 @@
+//! The safekeeper's connection handling: the writer's connection (batched into
+//! group commits) and walsenders (committed WAL streamed to replicas).
+//!
+//! It reaches the network only through the [`Network`] seam. Invariant: if the
+//! disk fails, the safekeeper stops serving at once (fail-stop) and reports why;
+//! it never answers from a state it could not persist.
+
+use std::sync::Arc;
+
+use ferry_env::{BoxConnection, Listener, Network};
+use ferry_wal::proto::{self, FromSafekeeper, ToSafekeeper, MAX_SEND_BYTES};
+use ferry_wal::Lsn;
+use tokio::io::{AsyncWriteExt, BufReader, BufWriter};
+use tokio::sync::{watch, Mutex};
+use tokio::task::JoinSet;
+
+use crate::acceptor::{Acceptor, AcceptorStatus};
+
+/// Most messages handled as one batch (one fsync).
+pub const MAX_BATCH_MESSAGES: usize = 256;
+/// How often a caught-up walsender reminds its replica of the commit position.
+pub const WALSENDER_KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(1);
+
+struct Shared {
+    acceptor: Mutex<Acceptor>,
+    /// Set once, with the reason, when the safekeeper must stop.
+    fatal: watch::Sender<Option<String>>,
+}
+
+/// A running safekeeper.
+pub struct SafekeeperServer {
+    shared: Arc<Shared>,
+    addr: String,
+    stop: watch::Sender<bool>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl SafekeeperServer {
+    /// Listens on `listen` and serves `acceptor`.
+    pub async fn start(
+        network: Arc<dyn Network>,
+        listen: &str,
+        acceptor: Acceptor,
+    ) -> std::io::Result<SafekeeperServer> {
+        let listener = network.bind(listen).await?;
+        let addr = listener.local_addr()?;
+        let (fatal, _) = watch::channel(None);
+        let shared = Arc::new(Shared {
+            acceptor: Mutex::new(acceptor),
+            fatal,
+        });
+        let (stop, stop_rx) = watch::channel(false);
+        let task = tokio::spawn(accept_loop(listener, Arc::clone(&shared), stop_rx));
+        Ok(SafekeeperServer {
+            shared,
+            addr,
+            stop,
+            task: Some(task),
+        })
+    }
+
+    /// The address writers and replicas connect to.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    pub async fn status(&self) -> AcceptorStatus {
+        self.shared.acceptor.lock().await.status()
+    }
+
+    /// Follows the fail-stop reason (`Some` once the safekeeper gave up).
+    pub fn failure(&self) -> watch::Receiver<Option<String>> {
+        self.shared.fatal.subscribe()
+    }
+
+    /// Stops accepting, drops every connection and persists the positions.
+    pub async fn shutdown(mut self) {
+        self.stop.send_replace(true);
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+        if self.shared.fatal.borrow().is_none() {
+            if let Err(e) = self.shared.acceptor.lock().await.persist_now().await {
+                tracing::error!(error = %e, "could not persist the control file at shutdown");
+            }
+        }
+    }
+}
+
+async fn accept_loop(
+    mut listener: Box<dyn Listener>,
+    shared: Arc<Shared>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut connections = JoinSet::new();
+    let mut fatal = shared.fatal.subscribe();
+    loop {
+        tokio::select! {
+            biased;
+            () = async { let _ = stop.wait_for(|s| *s).await; } => break,
+            () = async { let _ = fatal.wait_for(|f| f.is_some()).await; } => break,
+            accepted = listener.accept() => match accepted {
+                Ok((conn, peer)) => {
+                    let shared = Arc::clone(&shared);
+                    connections.spawn(async move {
+                        if let Err(e) = serve_connection(conn, &shared).await {
+                            tracing::debug!(%peer, error = %e, "connection ended");
+                        }
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+    connections.shutdown().await;
+}
+
+async fn serve_connection(conn: BoxConnection, shared: &Shared) -> Result<(), proto::FrameError> {
+    let (read, write) = tokio::io::split(conn);
+    let mut reader = BufReader::with_capacity(1 << 20, read);
+    let mut writer = BufWriter::with_capacity(1 << 20, write);
+    let Some(first) = proto::read_frame::<_, ToSafekeeper>(&mut reader).await? else {
+        return Ok(());
+    };
+    if let ToSafekeeper::StartReplication {
+        shard_number,
+        start_lsn,
+    } = first
+    {
+        return walsender(reader, writer, shared, shard_number, start_lsn).await;
+    }
+    let mut batch = vec![first];
+    loop {
+        while batch.len() < MAX_BATCH_MESSAGES && proto::has_whole_frame(reader.buffer()) {
+            match proto::read_frame::<_, ToSafekeeper>(&mut reader).await? {
+                Some(msg) => batch.push(msg),
+                None => break,
+            }
+        }
+        if shared.fatal.borrow().is_some() {
+            return Ok(());
+        }
+        let replies = {
+            let mut acceptor = shared.acceptor.lock().await;
+            let term = acceptor.term();
+            match acceptor.handle_batch(std::mem::take(&mut batch)).await {
+                Ok(replies) => replies,
+                Err(e) => {
+                    tracing::error!(error = %e, "safekeeper storage failed; stopping");
+                    shared.fatal.send_replace(Some(e.to_string()));
+                    vec![e.to_message(term)]
+                }
+            }
+        };
+        for reply in &replies {
+            proto::write_frame(&mut writer, reply).await?;
+        }
+        writer.flush().await?;
+        if shared.fatal.borrow().is_some() {
+            return Ok(());
+        }
+        match proto::read_frame::<_, ToSafekeeper>(&mut reader).await? {
+            Some(msg) => batch.push(msg),
+            None => return Ok(()),
+        }
+    }
+}
+
+/// Streams committed WAL from `start` to a replica and records its feedback.
+async fn walsender<R, W>(
+    mut reader: BufReader<R>,
+    mut writer: BufWriter<W>,
+    shared: &Shared,
+    shard_number: u32,
+    start: Lsn,
+) -> Result<(), proto::FrameError>
+where
+    R: tokio::io::AsyncRead + Unpin,
+    W: tokio::io::AsyncWrite + Unpin,
+{
+    let mut commit_rx = shared.acceptor.lock().await.subscribe_commit();
+    let mut pos = start;
+    let mut announced = Lsn(0);
+    tracing::info!(shard_number, %start, "walsender started");
+    loop {
+        let commit = *commit_rx.borrow_and_update();
+        while pos < commit {
+            let wal = {
+                let acceptor = shared.acceptor.lock().await;
+                match acceptor.read_committed(pos, MAX_SEND_BYTES).await {
+                    Ok(wal) => wal,
+                    Err(e) => {
+                        let msg = e.to_message(acceptor.term());
+                        drop(acceptor);
+                        proto::write_frame(&mut writer, &msg).await?;
+                        writer.flush().await?;
+                        return Ok(());
+                    }
+                }
+            };
+            if wal.is_empty() {
+                break;
+            }
+            let begin = pos;
+            pos = Lsn(pos.0 + wal.len() as u64);
+            proto::write_frame(
+                &mut writer,
+                &FromSafekeeper::Wal {
+                    begin_lsn: begin,
+                    commit_lsn: commit,
+                    wal,
+                },
+            )
+            .await?;
+            announced = commit;
+        }
+        if announced < commit {
+            proto::write_frame(
+                &mut writer,
+                &FromSafekeeper::Keepalive { commit_lsn: commit },
+            )
+            .await?;
+            announced = commit;
+        }
+        writer.flush().await?;
+        tokio::select! {
+            changed = commit_rx.changed() => {
+                if changed.is_err() {
+                    return Ok(());
+                }
+            }
+            frame = proto::read_frame::<_, ToSafekeeper>(&mut reader) => match frame? {
+                Some(ToSafekeeper::Feedback(fb)) => shared.acceptor.lock().await.record_feedback(fb),
+                Some(_) => {
+                    let term = shared.acceptor.lock().await.term();
+                    proto::write_frame(&mut writer, &FromSafekeeper::Refused { term, reason: "only feedback is expected on a walsender".into() }).await?;
+                    writer.flush().await?;
+                    return Ok(());
+                }
+                None => return Ok(()),
+            },
+            () = tokio::time::sleep(WALSENDER_KEEPALIVE) => {
+                proto::write_frame(&mut writer, &FromSafekeeper::Keepalive { commit_lsn: commit }).await?;
+            }
+        }
+    }
+}

@@ -1,0 +1,525 @@
+//! Runs a [`Proposer`] against real connections: one task per safekeeper that
+//! keeps a connection up (reconnecting with a delay), and one driver task that owns
+//! the proposer and turns its actions into frames, acknowledgements and status.
+//!
+//! Invariant: an append is acknowledged (its future resolves `Ok`) only once the
+//! proposer reported `commit_lsn` at or past its end. If the writer loses its
+//! leadership first, the append fails with [`WriterError::Superseded`], whose
+//! outcome is unknown: a newer writer may or may not have kept the record.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use ferry_env::Network;
+use ferry_wal::proto::{self, FromSafekeeper, ShardFeedback, ToSafekeeper};
+use ferry_wal::record::Record;
+use ferry_wal::{Lsn, Term};
+use serde::Serialize;
+use tokio::io::{AsyncWriteExt, BufReader, BufWriter};
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+
+use crate::proposer::{Action, Proposer, ProposerConfig, ProposerError};
+
+/// How to run a writer.
+#[derive(Debug, Clone)]
+pub struct WriterConfig {
+    /// Addresses of the safekeepers, in a fixed order (their index is their id
+    /// for the proposer).
+    pub safekeepers: Vec<String>,
+    pub proposer: ProposerConfig,
+    /// Pause between connection attempts to one safekeeper.
+    pub reconnect_delay: Duration,
+    /// Period of empty appends that carry commit_lsn to the safekeepers.
+    pub heartbeat: Duration,
+    /// Give up an election that has not succeeded in this time and try again
+    /// with a higher term (split votes).
+    pub election_timeout: Duration,
+    /// Appends waiting for election or commit, at most; more are refused.
+    pub max_pending_appends: usize,
+}
+
+impl WriterConfig {
+    pub fn new(safekeepers: Vec<String>, proposer: ProposerConfig) -> WriterConfig {
+        WriterConfig {
+            safekeepers,
+            proposer,
+            reconnect_delay: Duration::from_millis(200),
+            heartbeat: Duration::from_millis(100),
+            election_timeout: Duration::from_secs(3),
+            max_pending_appends: 100_000,
+        }
+    }
+}
+
+/// Why an append was not acknowledged.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WriterError {
+    /// A newer writer took over; whether the record survived is unknown.
+    #[error("writer superseded by term {term}; the outcome of this append is unknown")]
+    Superseded { term: Term },
+    #[error("writer stopped")]
+    Stopped,
+    #[error("too many appends waiting")]
+    Overloaded,
+    #[error("invalid records: {0}")]
+    InvalidRecords(String),
+}
+
+/// One safekeeper as the writer sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PeerStatus {
+    pub addr: String,
+    pub connected: bool,
+    pub flush_lsn: Option<String>,
+}
+
+/// What an operator sees of a writer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct WriterStatus {
+    pub term: Term,
+    pub elected: bool,
+    pub commit_lsn: String,
+    pub end_lsn: String,
+    pub peers: Vec<PeerStatus>,
+    pub shards: Vec<ShardFeedback>,
+}
+
+enum Command {
+    Append {
+        records: Bytes,
+        reply: oneshot::Sender<Result<Lsn, WriterError>>,
+    },
+    Shutdown {
+        reply: oneshot::Sender<Result<Lsn, WriterError>>,
+    },
+}
+
+enum Event {
+    Connected(usize, u64, mpsc::Sender<ToSafekeeper>),
+    Message(usize, u64, FromSafekeeper),
+    Disconnected(usize, u64),
+}
+
+/// Handle of a running writer.
+pub struct Writer {
+    commands: mpsc::Sender<Command>,
+    status: watch::Receiver<WriterStatus>,
+    task: JoinHandle<()>,
+    connections: Vec<JoinHandle<()>>,
+}
+
+impl Writer {
+    /// Starts connecting and electing on the current tokio runtime.
+    pub fn start(network: Arc<dyn Network>, config: WriterConfig) -> Writer {
+        let n = config.safekeepers.len();
+        let (events_tx, events_rx) = mpsc::channel(1024);
+        let (commands, commands_rx) = mpsc::channel(1024);
+        let mut connections = Vec::new();
+        for (i, addr) in config.safekeepers.iter().enumerate() {
+            connections.push(tokio::spawn(connection_task(
+                Arc::clone(&network),
+                i,
+                addr.clone(),
+                config.reconnect_delay,
+                events_tx.clone(),
+            )));
+        }
+        let status0 = WriterStatus {
+            term: 0,
+            elected: false,
+            commit_lsn: Lsn(0).to_string(),
+            end_lsn: Lsn(0).to_string(),
+            peers: config
+                .safekeepers
+                .iter()
+                .map(|a| PeerStatus {
+                    addr: a.clone(),
+                    connected: false,
+                    flush_lsn: None,
+                })
+                .collect(),
+            shards: Vec::new(),
+        };
+        let (status_tx, status) = watch::channel(status0);
+        let driver = Driver {
+            proposer: Proposer::new(config.proposer.clone()),
+            conns: vec![None; n],
+            waiters: VecDeque::new(),
+            queued: VecDeque::new(),
+            shutdown: None,
+            status: status_tx,
+            attempt_started: tokio::time::Instant::now(),
+            config,
+        };
+        let task = tokio::spawn(driver.run(events_rx, commands_rx));
+        Writer {
+            commands,
+            status,
+            task,
+            connections,
+        }
+    }
+
+    /// Appends whole records; resolves with their end LSN once they are committed.
+    pub async fn append(&self, records: Bytes) -> Result<Lsn, WriterError> {
+        let (reply, rx) = oneshot::channel();
+        self.commands
+            .send(Command::Append { records, reply })
+            .await
+            .map_err(|_| WriterError::Stopped)?;
+        rx.await.map_err(|_| WriterError::Stopped)?
+    }
+
+    pub fn status(&self) -> WriterStatus {
+        self.status.borrow().clone()
+    }
+
+    /// Follows the writer's status.
+    pub fn subscribe(&self) -> watch::Receiver<WriterStatus> {
+        self.status.clone()
+    }
+
+    /// Clean shutdown: appends a shutdown checkpoint, waits until it is committed
+    /// (so every safekeeper quorum has everything acknowledged before), then stops.
+    /// Returns the LSN after the checkpoint.
+    pub async fn shutdown(self) -> Result<Lsn, WriterError> {
+        let (reply, rx) = oneshot::channel();
+        let result = match self.commands.send(Command::Shutdown { reply }).await {
+            Ok(()) => rx.await.unwrap_or(Err(WriterError::Stopped)),
+            Err(_) => Err(WriterError::Stopped),
+        };
+        self.stop().await;
+        result
+    }
+
+    /// Stops at once, without a checkpoint (pending appends fail).
+    pub async fn stop(self) {
+        self.task.abort();
+        let _ = self.task.await;
+        for c in self.connections {
+            c.abort();
+            let _ = c.await;
+        }
+    }
+}
+
+async fn connection_task(
+    network: Arc<dyn Network>,
+    peer: usize,
+    addr: String,
+    reconnect_delay: Duration,
+    events: mpsc::Sender<Event>,
+) {
+    let mut generation = 0u64;
+    loop {
+        generation += 1;
+        match network.connect(&addr).await {
+            Ok(conn) => {
+                let (out_tx, mut out_rx) = mpsc::channel::<ToSafekeeper>(4096);
+                if events
+                    .send(Event::Connected(peer, generation, out_tx))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                let (read, write) = tokio::io::split(conn);
+                let mut reader = BufReader::with_capacity(1 << 20, read);
+                let mut writer = BufWriter::with_capacity(1 << 20, write);
+                let result: Result<(), proto::FrameError> = async {
+                    loop {
+                        tokio::select! {
+                            frame = proto::read_frame::<_, FromSafekeeper>(&mut reader) => match frame? {
+                                Some(msg) => {
+                                    if events.send(Event::Message(peer, generation, msg)).await.is_err() {
+                                        return Ok(());
+                                    }
+                                }
+                                None => return Ok(()),
+                            },
+                            out = out_rx.recv() => match out {
+                                Some(msg) => {
+                                    proto::write_frame(&mut writer, &msg).await?;
+                                    while let Ok(more) = out_rx.try_recv() {
+                                        proto::write_frame(&mut writer, &more).await?;
+                                    }
+                                    writer.flush().await?;
+                                }
+                                // The driver dropped this connection.
+                                None => return Ok(()),
+                            },
+                        }
+                    }
+                }
+                .await;
+                if let Err(e) = result {
+                    tracing::debug!(peer, %addr, error = %e, "safekeeper connection lost");
+                }
+                if events
+                    .send(Event::Disconnected(peer, generation))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            Err(e) => tracing::debug!(peer, %addr, error = %e, "cannot connect to safekeeper"),
+        }
+        tokio::time::sleep(reconnect_delay).await;
+    }
+}
+
+struct Driver {
+    config: WriterConfig,
+    proposer: Proposer,
+    conns: Vec<Option<(u64, mpsc::Sender<ToSafekeeper>)>>,
+    /// Appends sent to the proposer, in LSN order, waiting for commit.
+    waiters: VecDeque<(Lsn, oneshot::Sender<Result<Lsn, WriterError>>)>,
+    /// Appends received before the election.
+    queued: VecDeque<(Bytes, oneshot::Sender<Result<Lsn, WriterError>>)>,
+    shutdown: Option<oneshot::Sender<Result<Lsn, WriterError>>>,
+    status: watch::Sender<WriterStatus>,
+    attempt_started: tokio::time::Instant,
+}
+
+impl Driver {
+    async fn run(
+        mut self,
+        mut events: mpsc::Receiver<Event>,
+        mut commands: mpsc::Receiver<Command>,
+    ) {
+        let mut heartbeat = tokio::time::interval(self.config.heartbeat);
+        heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let actions = tokio::select! {
+                biased;
+                Some(event) = events.recv() => self.on_event(event),
+                Some(cmd) = commands.recv() => self.on_command(cmd),
+                _ = heartbeat.tick() => self.on_tick(),
+                else => return,
+            };
+            if !self.apply(actions) {
+                return;
+            }
+            self.publish_status();
+        }
+    }
+
+    fn on_event(&mut self, event: Event) -> Vec<Action> {
+        match event {
+            Event::Connected(peer, generation, tx) => {
+                self.conns[peer] = Some((generation, tx));
+                self.proposer.on_connected(peer)
+            }
+            Event::Message(peer, generation, msg) => {
+                if self.conns[peer]
+                    .as_ref()
+                    .is_some_and(|(g, _)| *g == generation)
+                {
+                    self.proposer.on_message(peer, msg)
+                } else {
+                    Vec::new()
+                }
+            }
+            Event::Disconnected(peer, generation) => {
+                if self.conns[peer]
+                    .as_ref()
+                    .is_some_and(|(g, _)| *g == generation)
+                {
+                    self.conns[peer] = None;
+                    self.proposer.on_disconnected(peer)
+                } else {
+                    Vec::new()
+                }
+            }
+        }
+    }
+
+    fn on_command(&mut self, cmd: Command) -> Vec<Action> {
+        match cmd {
+            Command::Append { records, reply } => {
+                if self.waiters.len() + self.queued.len() >= self.config.max_pending_appends {
+                    let _ = reply.send(Err(WriterError::Overloaded));
+                    return Vec::new();
+                }
+                if self.proposer.is_elected() {
+                    self.append_now(records, reply)
+                } else {
+                    self.queued.push_back((records, reply));
+                    Vec::new()
+                }
+            }
+            Command::Shutdown { reply } => {
+                let checkpoint = Record::ShutdownCheckpoint {
+                    term: self.proposer.term(),
+                }
+                .to_bytes();
+                let (tx, rx) = oneshot::channel();
+                self.shutdown = Some(reply);
+                // The checkpoint's own waiter is not needed: completion is seen
+                // through `shutdown` when commit reaches its end.
+                drop(rx);
+                if self.proposer.is_elected() {
+                    self.append_now(checkpoint, tx)
+                } else {
+                    self.queued.push_back((checkpoint, tx));
+                    Vec::new()
+                }
+            }
+        }
+    }
+
+    fn append_now(
+        &mut self,
+        records: Bytes,
+        reply: oneshot::Sender<Result<Lsn, WriterError>>,
+    ) -> Vec<Action> {
+        match self.proposer.append(&records) {
+            Ok((end, actions)) => {
+                self.waiters.push_back((end, reply));
+                actions
+            }
+            Err(ProposerError::InvalidRecords(e)) => {
+                let _ = reply.send(Err(WriterError::InvalidRecords(e)));
+                Vec::new()
+            }
+            Err(ProposerError::Superseded(term)) => {
+                let _ = reply.send(Err(WriterError::Superseded { term }));
+                Vec::new()
+            }
+            Err(ProposerError::NotElected) => {
+                self.queued.push_back((records, reply));
+                Vec::new()
+            }
+        }
+    }
+
+    fn on_tick(&mut self) -> Vec<Action> {
+        if !self.proposer.is_elected()
+            && self.attempt_started.elapsed() > self.config.election_timeout
+        {
+            // Split vote or lost quorum: start over above every term seen.
+            let mut config = self.config.proposer.clone();
+            config.min_term = self.proposer.term();
+            tracing::info!(
+                term = config.min_term,
+                "election timed out; trying again with a higher term"
+            );
+            self.proposer = Proposer::new(config);
+            self.attempt_started = tokio::time::Instant::now();
+            // Dropping the senders makes the connection tasks reconnect, which
+            // restarts the greeting on a clean stream.
+            for conn in self.conns.iter_mut() {
+                *conn = None;
+            }
+            return Vec::new();
+        }
+        self.proposer.heartbeat()
+    }
+
+    /// Carries out actions; returns false when the writer must stop.
+    fn apply(&mut self, actions: Vec<Action>) -> bool {
+        let mut queue: VecDeque<Action> = actions.into();
+        while let Some(action) = queue.pop_front() {
+            match action {
+                Action::Send { to, msg } => {
+                    let sent = match &self.conns[to] {
+                        Some((_, tx)) => tx.try_send(msg).is_ok(),
+                        None => true,
+                    };
+                    if !sent {
+                        // The connection cannot keep up: start it over.
+                        self.conns[to] = None;
+                        queue.extend(self.proposer.on_disconnected(to));
+                    }
+                }
+                Action::Elected {
+                    term,
+                    epoch_start_lsn,
+                } => {
+                    tracing::info!(term, %epoch_start_lsn, "writer elected");
+                    for (records, reply) in std::mem::take(&mut self.queued) {
+                        queue.extend(self.append_now(records, reply));
+                    }
+                }
+                Action::Committed { commit_lsn } => {
+                    while self
+                        .waiters
+                        .front()
+                        .is_some_and(|(end, _)| *end <= commit_lsn)
+                    {
+                        if let Some((end, reply)) = self.waiters.pop_front() {
+                            let _ = reply.send(Ok(end));
+                        }
+                    }
+                    if self.waiters.is_empty() && self.queued.is_empty() {
+                        if let Some(reply) = self.shutdown.take() {
+                            let _ = reply.send(Ok(commit_lsn));
+                            return false;
+                        }
+                    }
+                }
+                Action::Superseded { term, reason } => {
+                    tracing::warn!(term, %reason, "writer superseded; stopping");
+                    for (_, reply) in self.waiters.drain(..) {
+                        let _ = reply.send(Err(WriterError::Superseded { term }));
+                    }
+                    for (_, reply) in self.queued.drain(..) {
+                        let _ = reply.send(Err(WriterError::Superseded { term }));
+                    }
+                    if let Some(reply) = self.shutdown.take() {
+                        let _ = reply.send(Err(WriterError::Superseded { term }));
+                    }
+                    self.publish_status();
+                    return false;
+                }
+                Action::Reconnect { peer } => {
+                    self.conns[peer] = None;
+                }
+            }
+        }
+        true
+    }
+
+    fn publish_status(&self) {
+        let flushes = self.proposer.peer_flush_lsns();
+        let status = WriterStatus {
+            term: self.proposer.term(),
+            elected: self.proposer.is_elected(),
+            commit_lsn: self.proposer.commit_lsn().to_string(),
+            end_lsn: self.proposer.end_lsn().to_string(),
+            peers: self
+                .config
+                .safekeepers
+                .iter()
+                .enumerate()
+                .map(|(i, addr)| PeerStatus {
+                    addr: addr.clone(),
+                    connected: self.conns[i].is_some(),
+                    flush_lsn: flushes[i].map(|l| l.to_string()),
+                })
+                .collect(),
+            shards: self.proposer.shard_feedback().copied().collect(),
+        };
+        self.status.send_if_modified(|old| {
+            if *old == status {
+                false
+            } else {
+                *old = status;
+                true
+            }
+        });
+    }
+}
+
+/// Encodes insert records into one buffer (a convenience for callers and tests).
+pub fn encode_records(records: &[Record]) -> Bytes {
+    let mut buf = BytesMut::new();
+    for r in records {
+        r.encode(&mut buf);
+    }
+    buf.freeze()
+}

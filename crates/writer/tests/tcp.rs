@@ -1,0 +1,272 @@
+//! The writer and three safekeepers over real loopback TCP with fsync: appends
+//! commit, one safekeeper down is tolerated, two down makes writes wait (and lose
+//! nothing), a walsender streams committed WAL and relays feedback, a second writer
+//! takes over, and a clean shutdown ends with a committed checkpoint.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use ferry_env::{Disk, Network, RealDisk, TcpNetwork};
+use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig};
+use ferry_safekeeper::server::SafekeeperServer;
+use ferry_wal::proto::{self, FromSafekeeper, ShardFeedback, ToSafekeeper};
+use ferry_wal::record::{self, Record};
+use ferry_wal::segment::SegmentSize;
+use ferry_wal::Lsn;
+use ferry_writer::driver::{encode_records, Writer, WriterConfig, WriterError};
+use ferry_writer::proposer::ProposerConfig;
+
+const SEG: u64 = 1 << 20;
+const SOON: Duration = Duration::from_secs(20);
+
+struct Node {
+    disk: Arc<dyn Disk>,
+    addr: String,
+    server: Option<SafekeeperServer>,
+    id: u64,
+}
+
+impl Node {
+    async fn start(&mut self) {
+        let acceptor = Acceptor::open(
+            Arc::clone(&self.disk),
+            &format!("sk{}", self.id),
+            AcceptorConfig {
+                node_id: self.id,
+                timeline_id: 1,
+                segment_size: SegmentSize::new(SEG).expect("seg"),
+            },
+        )
+        .await
+        .expect("open acceptor");
+        let server = SafekeeperServer::start(Arc::new(TcpNetwork), &self.addr, acceptor)
+            .await
+            .expect("listen");
+        self.addr = server.addr().to_string();
+        self.server = Some(server);
+    }
+
+    async fn stop(&mut self) {
+        if let Some(server) = self.server.take() {
+            server.shutdown().await;
+        }
+    }
+}
+
+async fn cluster(dir: &std::path::Path) -> Vec<Node> {
+    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir).expect("disk"));
+    let mut nodes = Vec::new();
+    for id in 0..3 {
+        let mut node = Node {
+            disk: Arc::clone(&disk),
+            addr: "127.0.0.1:0".into(),
+            server: None,
+            id,
+        };
+        node.start().await;
+        nodes.push(node);
+    }
+    nodes
+}
+
+fn writer(nodes: &[Node], id: u128) -> Writer {
+    let mut config = WriterConfig::new(
+        nodes.iter().map(|n| n.addr.clone()).collect(),
+        ProposerConfig::new(3, 1, SEG, id),
+    );
+    config.reconnect_delay = Duration::from_millis(50);
+    Writer::start(Arc::new(TcpNetwork), config)
+}
+
+fn insert(block: u64, size: usize) -> Bytes {
+    encode_records(&[Record::Insert {
+        table_id: 9,
+        block_number: block,
+        arrow_ipc: Bytes::from(vec![(block % 256) as u8; size]),
+    }])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_commit_survive_failures_and_stream_to_replicas() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut nodes = cluster(dir.path()).await;
+    let w = Arc::new(writer(&nodes, 1));
+
+    // Concurrent appends: each resolves once committed, at increasing LSNs.
+    let mut tasks = Vec::new();
+    for block in 0..50u64 {
+        let w = Arc::clone(&w);
+        tasks.push(tokio::spawn(
+            async move { w.append(insert(block, 1000)).await },
+        ));
+    }
+    let mut ends = Vec::new();
+    for t in tasks {
+        ends.push(
+            tokio::time::timeout(SOON, t)
+                .await
+                .expect("in time")
+                .expect("task")
+                .expect("committed"),
+        );
+    }
+    ends.sort();
+    ends.dedup();
+    assert_eq!(ends.len(), 50);
+    let size = record::Record::insert_len(1000) as u64;
+    assert_eq!(*ends.last().expect("end"), Lsn(50 * size));
+
+    // One safekeeper down: writes go on.
+    nodes[2].stop().await;
+    let end = tokio::time::timeout(SOON, w.append(insert(50, 1000)))
+        .await
+        .expect("in time")
+        .expect("committed");
+    assert_eq!(end, Lsn(51 * size));
+
+    // Two down: the append waits...
+    nodes[1].stop().await;
+    let waiting = {
+        let w = Arc::clone(&w);
+        tokio::spawn(async move { w.append(insert(51, 1000)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !waiting.is_finished(),
+        "one of three safekeepers cannot commit"
+    );
+    // ...and completes once a second safekeeper is back.
+    nodes[1].start().await;
+    let end = tokio::time::timeout(SOON, waiting)
+        .await
+        .expect("in time")
+        .expect("task")
+        .expect("committed");
+    assert_eq!(end, Lsn(52 * size));
+    nodes[2].start().await;
+
+    // A walsender streams committed WAL from the start; its feedback reaches the writer.
+    let mut conn = TcpNetwork.connect(&nodes[2].addr).await.expect("connect");
+    proto::write_frame(
+        &mut conn,
+        &ToSafekeeper::StartReplication {
+            shard_number: 4,
+            start_lsn: Lsn(0),
+        },
+    )
+    .await
+    .expect("start replication");
+    let mut received = Vec::new();
+    while (received.len() as u64) < end.0 {
+        let msg: FromSafekeeper = tokio::time::timeout(SOON, proto::read_frame(&mut conn))
+            .await
+            .expect("WAL in time")
+            .expect("frame")
+            .expect("open");
+        match msg {
+            FromSafekeeper::Wal {
+                begin_lsn,
+                commit_lsn,
+                wal,
+            } => {
+                assert_eq!(begin_lsn, Lsn(received.len() as u64));
+                assert!(
+                    Lsn(begin_lsn.0 + wal.len() as u64) <= commit_lsn,
+                    "only committed WAL"
+                );
+                received.extend_from_slice(&wal);
+            }
+            FromSafekeeper::Keepalive { .. } => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    let mut blocks = Vec::new();
+    let bytes = Bytes::from(received);
+    let mut at = 0;
+    while at < bytes.len() {
+        let (rec, len) = record::decode(&bytes.slice(at..)).expect("whole records");
+        if let Record::Insert { block_number, .. } = rec {
+            blocks.push(block_number);
+        }
+        at += len;
+    }
+    blocks.sort();
+    assert_eq!(
+        blocks,
+        (0..52).collect::<Vec<_>>(),
+        "every acknowledged insert, once"
+    );
+    let feedback = ShardFeedback {
+        shard_number: 4,
+        last_received_lsn: end,
+        disk_consistent_lsn: end,
+        remote_consistent_lsn: Lsn(0),
+        reply_time_micros: 1,
+    };
+    proto::write_frame(&mut conn, &ToSafekeeper::Feedback(feedback))
+        .await
+        .expect("feedback");
+    let mut status = w.subscribe();
+    tokio::time::timeout(SOON, status.wait_for(|s| s.shards.contains(&feedback)))
+        .await
+        .expect("feedback relayed to the writer in time")
+        .expect("status");
+
+    // Clean shutdown: the checkpoint is committed before the writer exits.
+    let w = Arc::into_inner(w).expect("sole owner");
+    let after = tokio::time::timeout(SOON, w.shutdown())
+        .await
+        .expect("in time")
+        .expect("shutdown");
+    assert!(after > end);
+    let mut holding = 0;
+    for node in &nodes {
+        let status = node.server.as_ref().expect("running").status().await;
+        if status.flush_lsn == after.to_string() {
+            holding += 1;
+        }
+    }
+    assert!(holding >= 2, "a quorum holds the checkpoint");
+    for node in &mut nodes {
+        node.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_writer_takes_over() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut nodes = cluster(dir.path()).await;
+    let first = writer(&nodes, 1);
+    let end = tokio::time::timeout(SOON, first.append(insert(0, 100)))
+        .await
+        .expect("in time")
+        .expect("committed");
+
+    let second = writer(&nodes, 2);
+    let end2 = tokio::time::timeout(SOON, second.append(insert(1, 100)))
+        .await
+        .expect("in time")
+        .expect("committed");
+    assert!(
+        end2 > end,
+        "the new writer continues after all committed WAL"
+    );
+    assert!(second.status().term > first.status().term);
+
+    let refused = tokio::time::timeout(SOON, first.append(insert(2, 100)))
+        .await
+        .expect("in time");
+    assert!(
+        matches!(
+            refused,
+            Err(WriterError::Superseded { .. }) | Err(WriterError::Stopped)
+        ),
+        "the old writer gets no acknowledgement: {refused:?}"
+    );
+    second.stop().await;
+    first.stop().await;
+    for node in &mut nodes {
+        node.stop().await;
+    }
+}
