@@ -11,15 +11,25 @@ use ferry_env::RealDisk;
 
 #[derive(Debug, clap::Args)]
 pub struct DevArgs {
-    /// Data directory (coordination store, object storage); created if missing.
+    /// Data directory (coordination store, WAL, object storage); created if missing.
     #[arg(long, env = "FERRY_DATA_DIR", default_value_os_t = crate::default_data_dir())]
     data_dir: PathBuf,
+    /// HTTP status endpoint (`GET /status`).
+    #[arg(long, default_value = "127.0.0.1:7878")]
+    http: String,
+    /// Number of safekeepers.
+    #[arg(long, default_value_t = 3)]
+    safekeepers: usize,
+    /// WAL segment size in bytes (a power of two, 64 KiB to 1 GiB).
+    #[arg(long, default_value_t = ferry_wal::segment::DEFAULT_SEGMENT_BYTES)]
+    segment_bytes: u64,
 }
 
 /// Coordination path under which ferry keeps its state.
 pub const ROOT: &str = "/ferry";
 
-async fn shutdown_signal() -> anyhow::Result<&'static str> {
+/// Waits for Ctrl-C (SIGINT) or SIGTERM.
+pub async fn shutdown_signal() -> anyhow::Result<&'static str> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
     tokio::select! {
@@ -52,18 +62,52 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let lake = ferry_storage::open(&lake_url, &ferry_storage::S3Settings::default())
         .context("opening the object storage")?;
 
+    anyhow::ensure!(args.safekeepers >= 1, "at least one safekeeper is needed");
+    let segment = ferry_wal::segment::SegmentSize::new(args.segment_bytes)?;
+    let quorum = Arc::new(
+        crate::local::LocalQuorum::start(&data_dir.join("wal"), args.safekeepers, segment)
+            .await
+            .context("starting the WAL quorum")?,
+    );
+    let mut writer_status = quorum.writer.subscribe();
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        writer_status.wait_for(|s| s.elected),
+    )
+    .await
+    .context("the writer was not elected in 30 s")?
+    .context("writer stopped")?;
+    let status_quorum = Arc::clone(&quorum);
+    let (http, http_task) = crate::http::serve_status(&args.http, move || {
+        let q = Arc::clone(&status_quorum);
+        async move {
+            serde_json::json!({
+                "writer": q.writer.status(),
+                "safekeepers": q.safekeeper_status().await,
+            })
+        }
+    })
+    .await?;
+
     println!(
-        "ferry dev ready: data dir {}, coordination store {}, object storage {}",
+        "ferry dev ready: data dir {}, coordination store {}, object storage {}, {} safekeepers ({}), writer term {}, status on http://{http}/status",
         data_dir.display(),
         data_dir.join("coord").display(),
-        lake.url
+        lake.url,
+        args.safekeepers,
+        quorum.safekeepers.iter().map(|s| s.addr().to_string()).collect::<Vec<_>>().join(", "),
+        quorum.writer.status().term,
     );
-    println!("WAL quorum, replicas and export are not implemented yet; press Ctrl-C to stop");
+    println!("replicas, partition export and the insert API are not implemented yet; press Ctrl-C to stop");
 
     let why = shutdown_signal().await?;
     tracing::info!(signal = why, "stopping");
+    http_task.abort();
+    let _ = http_task.await;
+    let quorum = Arc::into_inner(quorum).context("status endpoint still holds the quorum")?;
+    let end = quorum.shutdown().await?;
     session.close().await;
     store.shutdown().await;
-    println!("ferry dev stopped cleanly");
+    println!("ferry dev stopped cleanly; shutdown checkpoint committed at {end}");
     Ok(())
 }

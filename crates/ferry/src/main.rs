@@ -2,6 +2,9 @@
 
 mod bench;
 mod dev;
+mod http;
+mod local;
+mod roles;
 
 use std::path::PathBuf;
 
@@ -23,6 +26,10 @@ enum Command {
     /// Runs everything in one process on embedded defaults (coordination store and
     /// object storage under the data dir) until Ctrl-C.
     Dev(dev::DevArgs),
+    /// Runs one safekeeper (WAL server) of a distributed deployment.
+    Safekeeper(roles::SafekeeperArgs),
+    /// Runs the writer (the proposer of the WAL quorum) of a distributed deployment.
+    Writer(roles::WriterArgs),
     /// Prints performance figures.
     Bench {
         #[command(subcommand)]
@@ -58,6 +65,8 @@ fn main() -> anyhow::Result<()> {
     runtime.block_on(async {
         match cli.command {
             Command::Dev(args) => dev::run(args).await,
+            Command::Safekeeper(args) => roles::safekeeper(args).await,
+            Command::Writer(args) => roles::writer(args).await,
             Command::Bench { which } => match which {
                 BenchCommand::Coord(args) => bench::coord(args).await,
             },

@@ -10,7 +10,7 @@ const FERRY: &str = env!("CARGO_BIN_EXE_ferry");
 
 fn start_dev(data_dir: &std::path::Path) -> (std::process::Child, Vec<String>) {
     let mut child = Command::new(FERRY)
-        .args(["dev", "--data-dir"])
+        .args(["dev", "--http", "127.0.0.1:0", "--data-dir"])
         .arg(data_dir)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -43,15 +43,42 @@ fn interrupt(child: &std::process::Child) {
     assert!(status.success());
 }
 
+/// GET on a `http://host:port/path` URL, returning the body.
+fn http_get(url: &str) -> String {
+    use std::io::{Read, Write};
+    let rest = url.strip_prefix("http://").expect("http URL");
+    let (host, path) = rest.split_once('/').expect("path");
+    let mut conn = std::net::TcpStream::connect(host).expect("connect");
+    write!(
+        conn,
+        "GET /{path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )
+    .expect("send");
+    let mut response = String::new();
+    conn.read_to_string(&mut response).expect("read");
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default()
+}
+
+fn ready_line(lines: &[String]) -> &str {
+    lines
+        .iter()
+        .find(|l| l.contains("ferry dev ready"))
+        .expect("ready line")
+}
+
 #[test]
 fn dev_starts_reports_ready_and_stops_cleanly_on_ctrl_c() {
     let dir = tempfile::tempdir().expect("tempdir");
     let data = dir.path().join("data");
     let (mut child, lines) = start_dev(&data);
-    assert!(
-        lines.iter().any(|l| l.contains("object storage file://")),
-        "{lines:?}"
-    );
+    let ready = ready_line(&lines);
+    assert!(ready.contains("object storage file://"), "{ready}");
+    assert!(ready.contains("3 safekeepers"), "{ready}");
+    assert!(ready.contains("writer term 1,"), "{ready}");
     assert!(
         data.join("coord").is_dir(),
         "coordination store under the data dir"
@@ -60,12 +87,29 @@ fn dev_starts_reports_ready_and_stops_cleanly_on_ctrl_c() {
         data.join("lake").is_dir(),
         "object storage under the data dir"
     );
+    for sk in 0..3 {
+        assert!(
+            data.join(format!("wal/sk{sk}/safekeeper.control"))
+                .is_file(),
+            "safekeeper {sk}"
+        );
+    }
+    let url = ready
+        .rsplit("status on ")
+        .next()
+        .expect("status url")
+        .trim();
+    let status = http_get(url);
+    assert!(status.contains("\"elected\":true"), "{status}");
+    assert_eq!(status.matches("\"node_id\"").count(), 3, "{status}");
     interrupt(&child);
     let status = child.wait().expect("wait");
     assert!(status.success(), "clean exit on Ctrl-C: {status:?}");
 
-    // A second start recovers the store it left behind.
-    let (mut child, _) = start_dev(&data);
+    // A second start recovers what the first left behind: the safekeepers
+    // remember term 1, so the new writer is elected in term 2.
+    let (mut child, lines) = start_dev(&data);
+    assert!(ready_line(&lines).contains("writer term 2,"), "{lines:?}");
     interrupt(&child);
     assert!(child.wait().expect("wait").success());
 }

@@ -32,7 +32,7 @@ pub struct SafekeeperServer {
     shared: Arc<Shared>,
     addr: String,
     stop: watch::Sender<bool>,
-    task: Option<tokio::task::JoinHandle<()>>,
+    task: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 impl SafekeeperServer {
@@ -55,7 +55,7 @@ impl SafekeeperServer {
             shared,
             addr,
             stop,
-            task: Some(task),
+            task: std::sync::Mutex::new(Some(task)),
         })
     }
 
@@ -74,9 +74,10 @@ impl SafekeeperServer {
     }
 
     /// Stops accepting, drops every connection and persists the positions.
-    pub async fn shutdown(mut self) {
+    pub async fn shutdown(&self) {
         self.stop.send_replace(true);
-        if let Some(task) = self.task.take() {
+        let task = self.task.lock().ok().and_then(|mut t| t.take());
+        if let Some(task) = task {
             let _ = task.await;
         }
         if self.shared.fatal.borrow().is_none() {

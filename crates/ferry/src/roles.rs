@@ -1,0 +1,98 @@
+//! The roles of a distributed deployment: one process per safekeeper, one writer.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+use ferry_env::{Disk, RealDisk, TcpNetwork};
+use ferry_wal::segment::{SegmentSize, DEFAULT_SEGMENT_BYTES};
+use ferry_writer::driver::{Writer, WriterConfig};
+use ferry_writer::proposer::ProposerConfig;
+
+use crate::local::{start_safekeeper, TIMELINE_ID};
+
+#[derive(Debug, clap::Args)]
+pub struct SafekeeperArgs {
+    /// Id of this safekeeper (unique in the quorum).
+    #[arg(long)]
+    id: u64,
+    /// Address writers and replicas connect to.
+    #[arg(long, default_value = "127.0.0.1:5454")]
+    listen: String,
+    /// Data directory (control file and WAL segments).
+    #[arg(long, env = "FERRY_DATA_DIR")]
+    data_dir: PathBuf,
+    /// WAL segment size in bytes (a power of two, 64 KiB to 1 GiB); must be the
+    /// same on every safekeeper and the writer.
+    #[arg(long, default_value_t = DEFAULT_SEGMENT_BYTES)]
+    segment_bytes: u64,
+    /// HTTP status endpoint.
+    #[arg(long, default_value = "127.0.0.1:7676")]
+    http: String,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct WriterArgs {
+    /// Safekeeper addresses, comma-separated, in the same order for every writer.
+    #[arg(long, value_delimiter = ',', required = true)]
+    safekeepers: Vec<String>,
+    /// WAL segment size in bytes; must match the safekeepers'.
+    #[arg(long, default_value_t = DEFAULT_SEGMENT_BYTES)]
+    segment_bytes: u64,
+    /// HTTP status endpoint.
+    #[arg(long, default_value = "127.0.0.1:7677")]
+    http: String,
+}
+
+pub async fn safekeeper(args: SafekeeperArgs) -> anyhow::Result<()> {
+    let segment = SegmentSize::new(args.segment_bytes)?;
+    let disk: Arc<dyn Disk> =
+        Arc::new(RealDisk::open_root(&args.data_dir).context("opening the data dir")?);
+    let server = start_safekeeper(disk, args.id, &args.listen, segment).await?;
+    let status_server = Arc::clone(&server);
+    let (http, _) = crate::http::serve_status(&args.http, move || {
+        let s = Arc::clone(&status_server);
+        async move { serde_json::to_value(s.status().await).unwrap_or_default() }
+    })
+    .await?;
+    println!(
+        "safekeeper {} listening on {}, status on http://{http}/status",
+        args.id,
+        server.addr()
+    );
+    let mut failure = server.failure();
+    tokio::select! {
+        r = crate::dev::shutdown_signal() => { r?; }
+        reason = async { failure.wait_for(|f| f.is_some()).await.map(|f| f.clone().unwrap_or_default()) } => {
+            anyhow::bail!("safekeeper stopped after a storage failure: {}", reason.unwrap_or_default());
+        }
+    }
+    server.shutdown().await;
+    println!("safekeeper {} stopped cleanly", args.id);
+    Ok(())
+}
+
+pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
+    let segment = SegmentSize::new(args.segment_bytes)?;
+    let n = args.safekeepers.len();
+    anyhow::ensure!(n >= 1, "at least one safekeeper is needed");
+    let proposer_id = u128::from(std::process::id());
+    let writer = Writer::start(
+        Arc::new(TcpNetwork),
+        WriterConfig::new(
+            args.safekeepers.clone(),
+            ProposerConfig::new(n, TIMELINE_ID, segment.bytes(), proposer_id),
+        ),
+    );
+    let status = writer.subscribe();
+    let (http, _) = crate::http::serve_status(&args.http, move || {
+        let s = status.borrow().clone();
+        async move { serde_json::to_value(s).unwrap_or_default() }
+    })
+    .await?;
+    println!("writer for {n} safekeepers started, status on http://{http}/status");
+    crate::dev::shutdown_signal().await?;
+    let end = writer.shutdown().await?;
+    println!("writer stopped cleanly; shutdown checkpoint committed, WAL ends at {end}");
+    Ok(())
+}
