@@ -222,3 +222,173 @@ pub async fn coord(args: CoordBenchArgs) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[derive(Debug, clap::Args)]
+pub struct WalBenchArgs {
+    /// Directory for the safekeepers' data; a temporary directory inside the
+    /// working folder by default (so the figures are for this disk).
+    #[arg(long)]
+    dir: Option<std::path::PathBuf>,
+    /// MiB written per throughput run.
+    #[arg(long, default_value_t = 256)]
+    mib: u64,
+    /// 1 KiB appends per latency run.
+    #[arg(long, default_value_t = 2000)]
+    appends: usize,
+    /// Appends in flight during throughput runs.
+    #[arg(long, default_value_t = 32)]
+    in_flight: usize,
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[idx.min(sorted.len() - 1)]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// The disk's own limits, measured with plain system calls: the latency of one
+/// 4 KiB write + fdatasync, and the sequential write rate (1 MiB writes, fsync).
+fn disk_limits(dir: &std::path::Path) -> anyhow::Result<(Duration, f64)> {
+    use std::io::Write;
+    let path = dir.join("disk-probe");
+    let mut f = std::fs::File::create(&path)?;
+    let block = vec![0x5au8; 4096];
+    let mut lat = Vec::new();
+    for _ in 0..300 {
+        let t = Instant::now();
+        f.write_all(&block)?;
+        f.sync_data()?;
+        lat.push(t.elapsed());
+    }
+    lat.sort();
+    drop(f);
+    let chunk = vec![0xa5u8; 1 << 20];
+    let mut f = std::fs::File::create(&path)?;
+    let total = 256u64;
+    let t = Instant::now();
+    for _ in 0..total {
+        f.write_all(&chunk)?;
+    }
+    f.sync_all()?;
+    let rate = total as f64 / t.elapsed().as_secs_f64();
+    drop(f);
+    std::fs::remove_file(&path)?;
+    Ok((percentile(&lat, 0.5), rate))
+}
+
+fn insert_of(total_bytes: usize, block: u64) -> bytes::Bytes {
+    let payload = total_bytes.saturating_sub(ferry_wal::record::Record::insert_len(0));
+    ferry_wal::record::Record::Insert {
+        table_id: 1,
+        block_number: block,
+        arrow_ipc: bytes::Bytes::from(vec![(block % 251) as u8; payload]),
+    }
+    .to_bytes()
+}
+
+pub async fn wal(args: WalBenchArgs) -> anyhow::Result<()> {
+    let tmp = match &args.dir {
+        Some(d) => {
+            std::fs::create_dir_all(d)?;
+            tempfile::Builder::new()
+                .prefix("ferry-bench-wal-")
+                .tempdir_in(d)?
+        }
+        None => tempfile::Builder::new()
+            .prefix("ferry-bench-wal-")
+            .tempdir_in(".")?,
+    };
+    let (fsync_p50, disk_mb_s) = disk_limits(tmp.path())?;
+    println!(
+        "disk: one 4 KiB write+fdatasync p50 {:.3} ms; sequential write {disk_mb_s:.0} MB/s",
+        ms(fsync_p50)
+    );
+
+    let segment = ferry_wal::segment::SegmentSize::new(ferry_wal::segment::DEFAULT_SEGMENT_BYTES)?;
+    let quorum = crate::local::LocalQuorum::start(&tmp.path().join("wal"), 3, segment).await?;
+    let writer = Arc::new(quorum.writer);
+    let mut status = writer.subscribe();
+    tokio::time::timeout(Duration::from_secs(30), status.wait_for(|s| s.elected))
+        .await
+        .context("writer not elected")??;
+    println!("WAL quorum: 3 safekeepers on loopback TCP, fsync on, 16 MiB segments");
+
+    let mut block = 0u64;
+    for size in [64usize << 10, 1 << 20] {
+        let count = ((args.mib << 20) as usize / size).max(1);
+        let records: Vec<bytes::Bytes> = (0..count)
+            .map(|_| {
+                block += 1;
+                insert_of(size, block)
+            })
+            .collect();
+        let sem = Arc::new(tokio::sync::Semaphore::new(args.in_flight.max(1)));
+        let started = Instant::now();
+        let mut tasks = Vec::new();
+        for r in records {
+            let permit = Arc::clone(&sem).acquire_owned().await?;
+            let w = Arc::clone(&writer);
+            tasks.push(tokio::spawn(async move {
+                let result = w.append(r).await;
+                drop(permit);
+                result
+            }));
+        }
+        for t in tasks {
+            t.await??;
+        }
+        let rate = (count * size) as f64 / (1 << 20) as f64 / started.elapsed().as_secs_f64();
+        // All three safekeepers write to this one disk, so it absorbs three times
+        // the WAL rate.
+        println!(
+            "  throughput, {:>4} KiB appends: {rate:>7.1} MB/s of WAL = {:.0}% of the disk's sequential rate; x3 safekeepers on this disk = {:.0}%",
+            size >> 10,
+            100.0 * rate / disk_mb_s,
+            300.0 * rate / disk_mb_s
+        );
+    }
+
+    for writers in [1usize, 64] {
+        let per = (args.appends / writers).max(1);
+        let mut tasks = Vec::new();
+        for wi in 0..writers {
+            let w = Arc::clone(&writer);
+            let base = block + 1 + (wi * per) as u64;
+            tasks.push(tokio::spawn(async move {
+                let mut lat = Vec::with_capacity(per);
+                for i in 0..per {
+                    let r = insert_of(1024, base + i as u64);
+                    let t = Instant::now();
+                    w.append(r).await?;
+                    lat.push(t.elapsed());
+                }
+                Ok::<_, ferry_writer::driver::WriterError>(lat)
+            }));
+        }
+        block += (writers * per) as u64 + 1;
+        let mut all = Vec::new();
+        for t in tasks {
+            all.extend(t.await??);
+        }
+        all.sort();
+        let p50 = percentile(&all, 0.5);
+        println!(
+            "  commit latency, 1 KiB appends, {writers:>2} writers: p50 {:.3} ms, p99 {:.3} ms ({:.1}x one fdatasync)",
+            ms(p50),
+            ms(percentile(&all, 0.99)),
+            p50.as_secs_f64() / fsync_p50.as_secs_f64().max(1e-9)
+        );
+    }
+    let writer = Arc::into_inner(writer).context("writer still shared")?;
+    writer.shutdown().await?;
+    for s in &quorum.safekeepers {
+        s.shutdown().await;
+    }
+    Ok(())
+}

@@ -42,6 +42,9 @@ enum BenchCommand {
     /// Coordination: embedded store ops/s, and ZooKeeper round trips of separate
     /// creates against one multi.
     Coord(bench::CoordBenchArgs),
+    /// WAL quorum: throughput and commit latency of 3 safekeepers on loopback,
+    /// next to the disk's own fdatasync latency and sequential write rate.
+    Wal(bench::WalBenchArgs),
 }
 
 /// Where `ferry dev` keeps its data unless told otherwise: under the working folder.
@@ -69,6 +72,7 @@ fn main() -> anyhow::Result<()> {
             Command::Writer(args) => roles::writer(args).await,
             Command::Bench { which } => match which {
                 BenchCommand::Coord(args) => bench::coord(args).await,
+                BenchCommand::Wal(args) => bench::wal(args).await,
             },
         }
     })

@@ -42,6 +42,10 @@ pub struct WriterArgs {
     /// HTTP status endpoint.
     #[arg(long, default_value = "127.0.0.1:7677")]
     http: String,
+    /// Sync mode: get elected, wait until a quorum of safekeepers agrees on a
+    /// common committed end of WAL, print it and exit (writes nothing).
+    #[arg(long)]
+    sync: bool,
 }
 
 pub async fn safekeeper(args: SafekeeperArgs) -> anyhow::Result<()> {
@@ -84,6 +88,12 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
             ProposerConfig::new(n, TIMELINE_ID, segment.bytes(), proposer_id),
         ),
     );
+    if args.sync {
+        let (term, end) = writer.wait_synced().await?;
+        println!("synced: safekeepers agree on committed end {end} (term {term})");
+        writer.stop().await;
+        return Ok(());
+    }
     let status = writer.subscribe();
     let (http, _) = crate::http::serve_status(&args.http, move || {
         let s = status.borrow().clone();

@@ -168,3 +168,29 @@ fn coordination_benchmark_prints_figures() {
         assert!(stdout.contains("1 round trip,"), "{stdout}");
     }
 }
+
+#[test]
+fn wal_benchmark_prints_figures() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = Command::new(FERRY)
+        .args(["bench", "wal", "--mib", "2", "--appends", "64", "--dir"])
+        .arg(dir.path())
+        .output()
+        .expect("run bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for needle in [
+        "fdatasync p50",
+        "sequential write",
+        "64 KiB appends",
+        "1024 KiB appends",
+        " 1 writers: p50",
+        "64 writers: p50",
+    ] {
+        assert!(stdout.contains(needle), "no {needle:?} in:\n{stdout}");
+    }
+}

@@ -17,7 +17,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use ferry_env::Disk;
 use ferry_wal::proto::{
     AppendRequest, AppendResponse, FromSafekeeper, Greeting, GreetingResponse, ProposerElected,
@@ -30,6 +30,9 @@ use tokio::sync::watch;
 
 use crate::control::{ControlFile, ControlFileError, SafekeeperState};
 use crate::wal_storage::{WalStorage, WalStorageError};
+
+/// Most WAL gathered from a batch of appends before it is written out.
+const MAX_PENDING_WAL_BYTES: usize = 8 << 20;
 
 /// Identity and geometry of a safekeeper.
 #[derive(Debug, Clone)]
@@ -98,6 +101,8 @@ pub struct Acceptor {
     commit_lsn: Lsn,
     /// Highest commit_lsn announced by appends not yet flushed.
     pending_commit_lsn: Lsn,
+    /// WAL of the current batch, not yet written.
+    pending_wal: BytesMut,
     peer_horizon_lsn: Lsn,
     feedback: BTreeMap<u32, ShardFeedback>,
     commit_watch: watch::Sender<Lsn>,
@@ -165,6 +170,7 @@ impl Acceptor {
             wal,
             commit_lsn,
             pending_commit_lsn: commit_lsn,
+            pending_wal: BytesMut::new(),
             feedback: BTreeMap::new(),
             commit_watch,
         })
@@ -344,15 +350,22 @@ impl Acceptor {
             ));
         }
         if !req.wal.is_empty() {
-            self.wal
-                .write(req.begin_lsn, &req.wal)
-                .await
-                .map_err(|e| match e {
-                    WalStorageError::NonContiguous { .. } => {
-                        refused(self.state.term, e.to_string())
-                    }
-                    other => AcceptorError::Storage(other),
-                })?;
+            // Appends of one batch are gathered and written with one call at the
+            // flush: one system call and one fsync for the whole batch.
+            let expected = Lsn(self.wal.write_lsn().0 + self.pending_wal.len() as u64);
+            if req.begin_lsn != expected {
+                return Err(refused(
+                    self.state.term,
+                    format!(
+                        "WAL write at {} but the WAL ends at {expected}",
+                        req.begin_lsn
+                    ),
+                ));
+            }
+            if self.pending_wal.len() + req.wal.len() > MAX_PENDING_WAL_BYTES {
+                self.write_pending().await?;
+            }
+            self.pending_wal.extend_from_slice(&req.wal);
         }
         self.pending_commit_lsn = self.pending_commit_lsn.max(req.commit_lsn);
         self.peer_horizon_lsn = self
@@ -368,7 +381,17 @@ impl Acceptor {
         Ok(self.append_response())
     }
 
+    async fn write_pending(&mut self) -> Result<(), AcceptorError> {
+        if !self.pending_wal.is_empty() {
+            let begin = self.wal.write_lsn();
+            let data = std::mem::take(&mut self.pending_wal);
+            self.wal.write(begin, &data).await?;
+        }
+        Ok(())
+    }
+
     async fn flush(&mut self) -> Result<(), AcceptorError> {
+        self.write_pending().await?;
         let flush_lsn = self.wal.flush().await?;
         let commit = self.commit_lsn.max(self.pending_commit_lsn.min(flush_lsn));
         assert!(commit >= self.commit_lsn, "commit_lsn went back");

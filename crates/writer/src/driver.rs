@@ -23,6 +23,9 @@ use tokio::task::JoinHandle;
 
 use crate::proposer::{Action, Proposer, ProposerConfig, ProposerError};
 
+/// Most queued commands taken together into one send.
+const MAX_COMMANDS_PER_BATCH: usize = 1024;
+
 /// How to run a writer.
 #[derive(Debug, Clone)]
 pub struct WriterConfig {
@@ -81,6 +84,11 @@ pub struct PeerStatus {
 pub struct WriterStatus {
     pub term: Term,
     pub elected: bool,
+    /// Where this term's WAL starts (the donor's end of WAL at the election).
+    pub epoch_start_lsn: String,
+    /// True once a quorum has committed everything up to the epoch start: the
+    /// safekeepers agree on a common committed end (sync mode waits for this).
+    pub synced: bool,
     pub commit_lsn: String,
     pub end_lsn: String,
     pub peers: Vec<PeerStatus>,
@@ -130,6 +138,8 @@ impl Writer {
         let status0 = WriterStatus {
             term: 0,
             elected: false,
+            epoch_start_lsn: Lsn(0).to_string(),
+            synced: false,
             commit_lsn: Lsn(0).to_string(),
             end_lsn: Lsn(0).to_string(),
             peers: config
@@ -152,6 +162,7 @@ impl Writer {
             shutdown: None,
             status: status_tx,
             attempt_started: tokio::time::Instant::now(),
+            batching: false,
             config,
         };
         let task = tokio::spawn(driver.run(events_rx, commands_rx));
@@ -180,6 +191,18 @@ impl Writer {
     /// Follows the writer's status.
     pub fn subscribe(&self) -> watch::Receiver<WriterStatus> {
         self.status.clone()
+    }
+
+    /// Sync mode (Neon's sync-safekeepers): waits until this writer is elected and
+    /// a quorum committed everything up to the epoch start, and returns that common
+    /// committed end. Writes nothing itself.
+    pub async fn wait_synced(&self) -> Result<(Term, String), WriterError> {
+        let mut status = self.status.clone();
+        let synced = status
+            .wait_for(|s| s.synced)
+            .await
+            .map_err(|_| WriterError::Stopped)?;
+        Ok((synced.term, synced.epoch_start_lsn.clone()))
     }
 
     /// Clean shutdown: appends a shutdown checkpoint, waits until it is committed
@@ -283,6 +306,8 @@ struct Driver {
     shutdown: Option<oneshot::Sender<Result<Lsn, WriterError>>>,
     status: watch::Sender<WriterStatus>,
     attempt_started: tokio::time::Instant,
+    /// Inside a run of commands whose appends are sent together at its end.
+    batching: bool,
 }
 
 impl Driver {
@@ -297,7 +322,21 @@ impl Driver {
             let actions = tokio::select! {
                 biased;
                 Some(event) = events.recv() => self.on_event(event),
-                Some(cmd) = commands.recv() => self.on_command(cmd),
+                Some(cmd) = commands.recv() => {
+                    // Take every append already waiting, so that they leave in one
+                    // message per safekeeper (the writer's half of group commit).
+                    self.batching = true;
+                    let mut actions = self.on_command(cmd);
+                    for _ in 0..MAX_COMMANDS_PER_BATCH {
+                        match commands.try_recv() {
+                            Ok(cmd) => actions.extend(self.on_command(cmd)),
+                            Err(_) => break,
+                        }
+                    }
+                    self.batching = false;
+                    actions.extend(self.proposer.send_pending());
+                    actions
+                }
                 _ = heartbeat.tick() => self.on_tick(),
                 else => return,
             };
@@ -377,10 +416,14 @@ impl Driver {
         records: Bytes,
         reply: oneshot::Sender<Result<Lsn, WriterError>>,
     ) -> Vec<Action> {
-        match self.proposer.append(&records) {
-            Ok((end, actions)) => {
+        match self.proposer.append_unsent(&records) {
+            Ok(end) => {
                 self.waiters.push_back((end, reply));
-                actions
+                if self.batching {
+                    Vec::new()
+                } else {
+                    self.proposer.send_pending()
+                }
             }
             Err(ProposerError::InvalidRecords(e)) => {
                 let _ = reply.send(Err(WriterError::InvalidRecords(e)));
@@ -489,6 +532,9 @@ impl Driver {
         let status = WriterStatus {
             term: self.proposer.term(),
             elected: self.proposer.is_elected(),
+            epoch_start_lsn: self.proposer.epoch_start_lsn().to_string(),
+            synced: self.proposer.is_elected()
+                && self.proposer.commit_lsn() >= self.proposer.epoch_start_lsn(),
             commit_lsn: self.proposer.commit_lsn().to_string(),
             end_lsn: self.proposer.end_lsn().to_string(),
             peers: self

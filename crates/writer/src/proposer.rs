@@ -294,6 +294,16 @@ impl Proposer {
     /// Appends whole, valid records; returns the LSN just past them: they are
     /// durable once [`Action::Committed`] reaches it.
     pub fn append(&mut self, records: &[u8]) -> Result<(Lsn, Vec<Action>), ProposerError> {
+        let end = self.append_unsent(records)?;
+        let mut actions = Vec::new();
+        self.pump_all(&mut actions);
+        Ok((end, actions))
+    }
+
+    /// Like [`Proposer::append`] without sending anything yet: a driver that has
+    /// several appends at hand adds them all, then calls [`Proposer::send_pending`]
+    /// once, so they travel in one message per safekeeper.
+    pub fn append_unsent(&mut self, records: &[u8]) -> Result<Lsn, ProposerError> {
         match self.phase {
             Phase::Elected => {}
             Phase::Stopped => return Err(ProposerError::Superseded(self.term)),
@@ -309,9 +319,16 @@ impl Proposer {
         }
         self.buffer.extend_from_slice(records);
         self.boundaries.extend(ends);
+        Ok(self.end_lsn())
+    }
+
+    /// Sends what [`Proposer::append_unsent`] added.
+    pub fn send_pending(&mut self) -> Vec<Action> {
         let mut actions = Vec::new();
-        self.pump_all(&mut actions);
-        Ok((self.end_lsn(), actions))
+        if self.phase == Phase::Elected {
+            self.pump_all(&mut actions);
+        }
+        actions
     }
 
     /// Handles one message from safekeeper `peer`.
@@ -539,6 +556,9 @@ impl Proposer {
                     flush_lsn: flush,
                     next_send: start,
                 };
+                // A quorum already at the epoch start commits it right away (what
+                // sync mode waits for).
+                self.advance_commit(actions);
                 self.start_fetch_if_needed(actions);
             }
             Peer::Streaming {
