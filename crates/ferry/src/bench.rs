@@ -77,7 +77,7 @@ async fn embedded(args: &CoordBenchArgs) -> anyhow::Result<()> {
     let n = args.ops.max(1);
     let payload = vec![7u8; 100];
 
-    println!(
+    say!(
         "embedded coordination store, fsync on, {} sessions, {n} ops per kind, 100-byte data:",
         sessions.len()
     );
@@ -91,19 +91,19 @@ async fn embedded(args: &CoordBenchArgs) -> anyhow::Result<()> {
         }
     })
     .await?;
-    println!("  create      {:>10.0} ops/s", rate(n, t));
+    say!("  create      {:>10.0} ops/s", rate(n, t));
     let p = payload.clone();
     let t = run_parallel(&sessions, n, move |s, i| {
         let p = p.clone();
         async move { s.set(&format!("/bench/n{i}"), &p, None).await.map(|_| ()) }
     })
     .await?;
-    println!("  set         {:>10.0} ops/s", rate(n, t));
+    say!("  set         {:>10.0} ops/s", rate(n, t));
     let t = run_parallel(&sessions, n, move |s, i| async move {
         s.get(&format!("/bench/n{i}")).await.map(|_| ())
     })
     .await?;
-    println!("  get         {:>10.0} ops/s", rate(n, t));
+    say!("  get         {:>10.0} ops/s", rate(n, t));
     let multis = (n / 10).max(1);
     let p = payload.clone();
     let t = run_parallel(&sessions, multis, move |s, i| {
@@ -116,7 +116,7 @@ async fn embedded(args: &CoordBenchArgs) -> anyhow::Result<()> {
         }
     })
     .await?;
-    println!(
+    say!(
         "  10-op multi {:>10.0} multis/s ({:.0} ops/s)",
         rate(multis, t),
         rate(multis * 10, t)
@@ -132,7 +132,7 @@ async fn embedded(args: &CoordBenchArgs) -> anyhow::Result<()> {
     })
     .await?;
     let serial_rate = rate(serial, t);
-    println!("  set, 1 session (one fsync each) {serial_rate:>10.0} ops/s");
+    say!("  set, 1 session (one fsync each) {serial_rate:>10.0} ops/s");
     for s in &sessions {
         s.close().await;
     }
@@ -188,16 +188,16 @@ async fn zookeeper(addr: &str) -> anyhow::Result<()> {
         "a multi must be one request"
     );
 
-    println!("ZooKeeper at {addr}, {n} creates:");
-    println!(
+    say!("ZooKeeper at {addr}, {n} creates:");
+    say!(
         "  separate creates: {separate_trips:>3} round trips, {:>8.2} ms",
         separate.as_secs_f64() * 1e3
     );
-    println!(
+    say!(
         "  one {n}-op multi: {multi_trips:>3} round trip,  {:>8.2} ms",
         multi.as_secs_f64() * 1e3
     );
-    println!(
+    say!(
         "  multi is {:.1}x faster with {}x fewer round trips",
         separate.as_secs_f64() / multi.as_secs_f64().max(1e-9),
         separate_trips / multi_trips.max(1)
@@ -218,7 +218,7 @@ pub async fn coord(args: CoordBenchArgs) -> anyhow::Result<()> {
     embedded(&args).await?;
     match &args.zk {
         Some(addr) => zookeeper(addr).await?,
-        None => println!("ZooKeeper part skipped: pass --zk host:port"),
+        None => say!("ZooKeeper part skipped: pass --zk host:port"),
     }
     Ok(())
 }
@@ -305,7 +305,7 @@ pub async fn wal(args: WalBenchArgs) -> anyhow::Result<()> {
             .tempdir_in(".")?,
     };
     let (fsync_p50, disk_mb_s) = disk_limits(tmp.path())?;
-    println!(
+    say!(
         "disk: one 4 KiB write+fdatasync p50 {:.3} ms; sequential write {disk_mb_s:.0} MB/s",
         ms(fsync_p50)
     );
@@ -317,7 +317,7 @@ pub async fn wal(args: WalBenchArgs) -> anyhow::Result<()> {
     tokio::time::timeout(Duration::from_secs(30), status.wait_for(|s| s.elected))
         .await
         .context("writer not elected")??;
-    println!("WAL quorum: 3 safekeepers on loopback TCP, fsync on, 16 MiB segments");
+    say!("WAL quorum: 3 safekeepers on loopback TCP, fsync on, 16 MiB segments");
 
     let mut block = 0u64;
     for size in [64usize << 10, 1 << 20] {
@@ -346,7 +346,7 @@ pub async fn wal(args: WalBenchArgs) -> anyhow::Result<()> {
         let rate = (count * size) as f64 / (1 << 20) as f64 / started.elapsed().as_secs_f64();
         // All three safekeepers write to this one disk, so it absorbs three times
         // the WAL rate.
-        println!(
+        say!(
             "  throughput, {:>4} KiB appends: {rate:>7.1} MB/s of WAL = {:.0}% of the disk's sequential rate; x3 safekeepers on this disk = {:.0}%",
             size >> 10,
             100.0 * rate / disk_mb_s,
@@ -378,7 +378,7 @@ pub async fn wal(args: WalBenchArgs) -> anyhow::Result<()> {
         }
         all.sort();
         let p50 = percentile(&all, 0.5);
-        println!(
+        say!(
             "  commit latency, 1 KiB appends, {writers:>2} writers: p50 {:.3} ms, p99 {:.3} ms ({:.1}x one fdatasync)",
             ms(p50),
             ms(percentile(&all, 0.99)),

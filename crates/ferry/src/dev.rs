@@ -89,7 +89,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     })
     .await?;
 
-    println!(
+    say!(
         "ferry dev ready: data dir {}, coordination store {}, object storage {}, {} safekeepers ({}), writer term {}, status on http://{http}/status",
         data_dir.display(),
         data_dir.join("coord").display(),
@@ -98,7 +98,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         quorum.safekeepers.iter().map(|s| s.addr().to_string()).collect::<Vec<_>>().join(", "),
         quorum.writer.status().term,
     );
-    println!("replicas, partition export and the insert API are not implemented yet; press Ctrl-C to stop");
+    say!("replicas, partition export and the insert API are not implemented yet; press Ctrl-C to stop");
 
     let why = shutdown_signal().await?;
     tracing::info!(signal = why, "stopping");
@@ -108,6 +108,6 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let end = quorum.shutdown().await?;
     session.close().await;
     store.shutdown().await;
-    println!("ferry dev stopped cleanly; shutdown checkpoint committed at {end}");
+    say!("ferry dev stopped cleanly; shutdown checkpoint committed at {end}");
     Ok(())
 }

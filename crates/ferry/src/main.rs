@@ -1,5 +1,14 @@
 //! The `ferry` binary: wires the library crates into runnable roles.
 
+/// Prints a line to stdout, ignoring a closed stdout (a supervisor that stopped
+/// reading must not turn a clean shutdown into a panic).
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 mod bench;
 mod dev;
 mod http;

@@ -59,7 +59,7 @@ pub async fn safekeeper(args: SafekeeperArgs) -> anyhow::Result<()> {
         async move { serde_json::to_value(s.status().await).unwrap_or_default() }
     })
     .await?;
-    println!(
+    say!(
         "safekeeper {} listening on {}, status on http://{http}/status",
         args.id,
         server.addr()
@@ -72,7 +72,7 @@ pub async fn safekeeper(args: SafekeeperArgs) -> anyhow::Result<()> {
         }
     }
     server.shutdown().await;
-    println!("safekeeper {} stopped cleanly", args.id);
+    say!("safekeeper {} stopped cleanly", args.id);
     Ok(())
 }
 
@@ -90,7 +90,7 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
     );
     if args.sync {
         let (term, end) = writer.wait_synced().await?;
-        println!("synced: safekeepers agree on committed end {end} (term {term})");
+        say!("synced: safekeepers agree on committed end {end} (term {term})");
         writer.stop().await;
         return Ok(());
     }
@@ -100,9 +100,9 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
         async move { serde_json::to_value(s).unwrap_or_default() }
     })
     .await?;
-    println!("writer for {n} safekeepers started, status on http://{http}/status");
+    say!("writer for {n} safekeepers started, status on http://{http}/status");
     crate::dev::shutdown_signal().await?;
     let end = writer.shutdown().await?;
-    println!("writer stopped cleanly; shutdown checkpoint committed, WAL ends at {end}");
+    say!("writer stopped cleanly; shutdown checkpoint committed, WAL ends at {end}");
     Ok(())
 }

@@ -8,9 +8,9 @@
 use std::sync::Arc;
 
 use ferry_env::{BoxConnection, Listener, Network};
-use ferry_wal::proto::{self, FromSafekeeper, ToSafekeeper, MAX_SEND_BYTES};
+use ferry_wal::proto::{self, FrameReader, FromSafekeeper, ToSafekeeper, MAX_SEND_BYTES};
 use ferry_wal::Lsn;
-use tokio::io::{AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{AsyncWriteExt, BufWriter};
 use tokio::sync::{watch, Mutex};
 use tokio::task::JoinSet;
 
@@ -122,9 +122,9 @@ async fn accept_loop(
 
 async fn serve_connection(conn: BoxConnection, shared: &Shared) -> Result<(), proto::FrameError> {
     let (read, write) = tokio::io::split(conn);
-    let mut reader = BufReader::with_capacity(1 << 20, read);
+    let mut reader = FrameReader::new(read);
     let mut writer = BufWriter::with_capacity(1 << 20, write);
-    let Some(first) = proto::read_frame::<_, ToSafekeeper>(&mut reader).await? else {
+    let Some(first) = reader.next::<ToSafekeeper>().await? else {
         return Ok(());
     };
     if let ToSafekeeper::StartReplication {
@@ -136,9 +136,10 @@ async fn serve_connection(conn: BoxConnection, shared: &Shared) -> Result<(), pr
     }
     let mut batch = vec![first];
     loop {
-        while batch.len() < MAX_BATCH_MESSAGES && proto::has_whole_frame(reader.buffer()) {
-            match proto::read_frame::<_, ToSafekeeper>(&mut reader).await? {
-                Some(msg) => batch.push(msg),
+        // Everything that already arrived joins the batch: one fsync for all.
+        while batch.len() < MAX_BATCH_MESSAGES {
+            match reader.next_buffered::<ToSafekeeper>() {
+                Some(msg) => batch.push(msg?),
                 None => break,
             }
         }
@@ -164,7 +165,7 @@ async fn serve_connection(conn: BoxConnection, shared: &Shared) -> Result<(), pr
         if shared.fatal.borrow().is_some() {
             return Ok(());
         }
-        match proto::read_frame::<_, ToSafekeeper>(&mut reader).await? {
+        match reader.next::<ToSafekeeper>().await? {
             Some(msg) => batch.push(msg),
             None => return Ok(()),
         }
@@ -173,7 +174,7 @@ async fn serve_connection(conn: BoxConnection, shared: &Shared) -> Result<(), pr
 
 /// Streams committed WAL from `start` to a replica and records its feedback.
 async fn walsender<R, W>(
-    mut reader: BufReader<R>,
+    mut reader: FrameReader<R>,
     mut writer: BufWriter<W>,
     shared: &Shared,
     shard_number: u32,
@@ -234,7 +235,7 @@ where
                     return Ok(());
                 }
             }
-            frame = proto::read_frame::<_, ToSafekeeper>(&mut reader) => match frame? {
+            frame = reader.next::<ToSafekeeper>() => match frame? {
                 Some(ToSafekeeper::Feedback(fb)) => shared.acceptor.lock().await.record_feedback(fb),
                 Some(_) => {
                     let term = shared.acceptor.lock().await.term();

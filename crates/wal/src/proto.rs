@@ -9,7 +9,7 @@
 
 use std::io;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -199,7 +199,72 @@ pub fn decode_frame_body<T: DeserializeOwned>(frame: &[u8]) -> Result<T, FrameEr
     postcard::from_bytes(body).map_err(|e| FrameError::Decode(e.to_string()))
 }
 
+/// Reads frames from a stream, keeping partial frames in its own buffer so that
+/// [`FrameReader::next`] is cancel-safe: it can sit in a `select!` next to other
+/// branches without losing bytes when another branch wins.
+pub struct FrameReader<R> {
+    reader: R,
+    buf: BytesMut,
+}
+
+impl<R: AsyncRead + Unpin> FrameReader<R> {
+    pub fn new(reader: R) -> FrameReader<R> {
+        FrameReader {
+            reader,
+            buf: BytesMut::with_capacity(64 << 10),
+        }
+    }
+
+    /// Decodes the next frame if it is already buffered, without reading.
+    pub fn next_buffered<T: DeserializeOwned>(&mut self) -> Option<Result<T, FrameError>> {
+        if self.buf.len() < 4 {
+            return None;
+        }
+        let len = u32::from_le_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]]) as usize;
+        if len > MAX_FRAME_BYTES {
+            return Some(Err(FrameError::TooLarge {
+                len,
+                max: MAX_FRAME_BYTES,
+            }));
+        }
+        if self.buf.len() < 4 + len {
+            return None;
+        }
+        let frame = self.buf.split_to(4 + len);
+        Some(decode_frame_body(&frame[4..]))
+    }
+
+    /// The next message; `Ok(None)` at a clean end of stream (between frames).
+    /// Cancel-safe.
+    pub async fn next<T: DeserializeOwned>(&mut self) -> Result<Option<T>, FrameError> {
+        loop {
+            if let Some(frame) = self.next_buffered() {
+                return frame.map(Some);
+            }
+            if self.buf.len() >= 4 {
+                // Make room for the rest of the frame in one allocation.
+                let len = u32::from_le_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]])
+                    as usize;
+                self.buf.reserve((4 + len).saturating_sub(self.buf.len()));
+            } else {
+                self.buf.reserve(64 << 10);
+            }
+            // `read_buf` is cancel-safe: if this future is dropped, no byte is lost.
+            if self.reader.read_buf(&mut self.buf).await? == 0 {
+                if self.buf.is_empty() {
+                    return Ok(None);
+                }
+                return Err(FrameError::Io(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "stream ended inside a frame",
+                )));
+            }
+        }
+    }
+}
+
 /// Reads one message; `Ok(None)` at a clean end of stream (between frames).
+/// Not cancel-safe (use [`FrameReader`] inside `select!`).
 pub async fn read_frame<R, T>(reader: &mut R) -> Result<Option<T>, FrameError>
 where
     R: AsyncRead + Unpin,
@@ -221,17 +286,6 @@ where
     let mut frame = vec![0u8; len];
     reader.read_exact(&mut frame).await?;
     decode_frame_body(&frame).map(Some)
-}
-
-/// True when `buffered` starts with a whole frame, so that [`read_frame`] on the
-/// buffered reader holding it completes without waiting for the network. Used to
-/// gather messages that arrived together into one batch (group commit).
-pub fn has_whole_frame(buffered: &[u8]) -> bool {
-    if buffered.len() < 4 {
-        return false;
-    }
-    let len = u32::from_le_bytes([buffered[0], buffered[1], buffered[2], buffered[3]]) as usize;
-    len <= MAX_FRAME_BYTES && buffered.len() >= 4 + len
 }
 
 /// Writes one message (without flushing buffered writers).
@@ -399,6 +453,41 @@ mod tests {
             wal: Bytes::from_static(b"x"),
         }
         .is_consistent());
+    }
+
+    #[tokio::test]
+    async fn frame_reader_survives_cancellation_mid_frame() {
+        let (to, _) = every_message();
+        let (mut a, b) = tokio::io::duplex(1 << 16);
+        let mut reader = FrameReader::new(b);
+        let frame = encode_frame(&to[3]).expect("encode");
+        // Half a frame arrives; a read is started and abandoned.
+        tokio::io::AsyncWriteExt::write_all(&mut a, &frame[..frame.len() / 2])
+            .await
+            .expect("write");
+        let abandoned = tokio::time::timeout(
+            std::time::Duration::from_millis(20),
+            reader.next::<ToSafekeeper>(),
+        )
+        .await;
+        assert!(abandoned.is_err(), "no whole frame yet");
+        tokio::io::AsyncWriteExt::write_all(&mut a, &frame[frame.len() / 2..])
+            .await
+            .expect("write");
+        write_frame(&mut a, &to[1]).await.expect("write");
+        assert_eq!(
+            reader.next::<ToSafekeeper>().await.expect("read"),
+            Some(to[3].clone())
+        );
+        assert_eq!(
+            reader
+                .next_buffered::<ToSafekeeper>()
+                .transpose()
+                .expect("buffered"),
+            Some(to[1].clone())
+        );
+        drop(a);
+        assert_eq!(reader.next::<ToSafekeeper>().await.expect("end"), None);
     }
 
     proptest! {

@@ -13,15 +13,19 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use ferry_env::Network;
-use ferry_wal::proto::{self, FromSafekeeper, ShardFeedback, ToSafekeeper};
+use ferry_wal::proto::{self, FrameReader, FromSafekeeper, ShardFeedback, ToSafekeeper};
 use ferry_wal::record::Record;
 use ferry_wal::{Lsn, Term};
 use serde::Serialize;
-use tokio::io::{AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
 use crate::proposer::{Action, Proposer, ProposerConfig, ProposerError};
+
+/// How long a clean shutdown waits for the safekeepers to learn the final
+/// commit_lsn once the checkpoint is committed.
+const SHUTDOWN_ANNOUNCE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Most queued commands taken together into one send.
 const MAX_COMMANDS_PER_BATCH: usize = 1024;
@@ -163,6 +167,7 @@ impl Writer {
             status: status_tx,
             attempt_started: tokio::time::Instant::now(),
             batching: false,
+            announcing: None,
             config,
         };
         let task = tokio::spawn(driver.run(events_rx, commands_rx));
@@ -206,8 +211,10 @@ impl Writer {
     }
 
     /// Clean shutdown: appends a shutdown checkpoint, waits until it is committed
-    /// (so every safekeeper quorum has everything acknowledged before), then stops.
-    /// Returns the LSN after the checkpoint.
+    /// (so a quorum has it and everything acknowledged before it), then until every
+    /// streaming safekeeper confirmed the final commit_lsn (at most 5 s), so their
+    /// walsenders hand the whole WAL to the replicas; then stops. Returns the LSN
+    /// after the checkpoint.
     pub async fn shutdown(self) -> Result<Lsn, WriterError> {
         let (reply, rx) = oneshot::channel();
         let result = match self.commands.send(Command::Shutdown { reply }).await {
@@ -250,12 +257,12 @@ async fn connection_task(
                     return;
                 }
                 let (read, write) = tokio::io::split(conn);
-                let mut reader = BufReader::with_capacity(1 << 20, read);
+                let mut reader = FrameReader::new(read);
                 let mut writer = BufWriter::with_capacity(1 << 20, write);
                 let result: Result<(), proto::FrameError> = async {
                     loop {
                         tokio::select! {
-                            frame = proto::read_frame::<_, FromSafekeeper>(&mut reader) => match frame? {
+                            frame = reader.next::<FromSafekeeper>() => match frame? {
                                 Some(msg) => {
                                     if events.send(Event::Message(peer, generation, msg)).await.is_err() {
                                         return Ok(());
@@ -308,6 +315,9 @@ struct Driver {
     attempt_started: tokio::time::Instant,
     /// Inside a run of commands whose appends are sent together at its end.
     batching: bool,
+    /// Shutting down: the checkpoint ending at this LSN is committed; waiting (until
+    /// the deadline) for the safekeepers to confirm they know it.
+    announcing: Option<(Lsn, tokio::time::Instant)>,
 }
 
 impl Driver {
@@ -342,6 +352,25 @@ impl Driver {
             };
             if !self.apply(actions) {
                 return;
+            }
+            if let Some((target, deadline)) = self.announcing {
+                let (knowing, streaming) = self.proposer.peers_knowing_commit(target);
+                let quorum = self.config.safekeepers.len() / 2 + 1;
+                let everyone = knowing == streaming && knowing >= quorum;
+                if everyone || tokio::time::Instant::now() >= deadline {
+                    if !everyone {
+                        tracing::warn!(
+                            knowing,
+                            streaming,
+                            "shutdown: not every safekeeper confirmed the final commit_lsn in time"
+                        );
+                    }
+                    if let Some(reply) = self.shutdown.take() {
+                        let _ = reply.send(Ok(target));
+                    }
+                    self.publish_status();
+                    return;
+                }
             }
             self.publish_status();
         }
@@ -498,11 +527,18 @@ impl Driver {
                             let _ = reply.send(Ok(end));
                         }
                     }
-                    if self.waiters.is_empty() && self.queued.is_empty() {
-                        if let Some(reply) = self.shutdown.take() {
-                            let _ = reply.send(Ok(commit_lsn));
-                            return false;
-                        }
+                    if self.waiters.is_empty()
+                        && self.queued.is_empty()
+                        && self.shutdown.is_some()
+                        && self.announcing.is_none()
+                    {
+                        // The checkpoint is committed. Tell the safekeepers, so
+                        // that their walsenders can hand it to the replicas.
+                        self.announcing = Some((
+                            commit_lsn,
+                            tokio::time::Instant::now() + SHUTDOWN_ANNOUNCE_TIMEOUT,
+                        ));
+                        queue.extend(self.proposer.heartbeat());
                     }
                 }
                 Action::Superseded { term, reason } => {

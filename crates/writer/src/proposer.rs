@@ -174,11 +174,14 @@ pub struct Proposer {
     commit_lsn: Lsn,
     truncate_lsn: Lsn,
     feedback: BTreeMap<u32, ShardFeedback>,
+    /// The commit_lsn each safekeeper last reported (it learns it from appends).
+    peer_commit: Vec<Lsn>,
 }
 
 impl Proposer {
     pub fn new(config: ProposerConfig) -> Proposer {
         assert!(config.safekeepers >= 1, "need at least one safekeeper");
+        let n = config.safekeepers;
         Proposer {
             quorum: config.safekeepers / 2 + 1,
             peers: vec![Peer::Offline; config.safekeepers],
@@ -195,6 +198,7 @@ impl Proposer {
             commit_lsn: Lsn(0),
             truncate_lsn: Lsn(0),
             feedback: BTreeMap::new(),
+            peer_commit: vec![Lsn(0); n],
         }
     }
 
@@ -233,6 +237,22 @@ impl Proposer {
                 _ => None,
             })
             .collect()
+    }
+
+    /// How many streaming safekeepers reported a commit_lsn at or past `lsn`, and
+    /// how many stream at all.
+    pub fn peers_knowing_commit(&self, lsn: Lsn) -> (usize, usize) {
+        let mut knowing = 0;
+        let mut streaming = 0;
+        for (peer, state) in self.peers.iter().enumerate() {
+            if matches!(state, Peer::Streaming { .. }) {
+                streaming += 1;
+                if self.peer_commit[peer] >= lsn {
+                    knowing += 1;
+                }
+            }
+        }
+        (knowing, streaming)
     }
 
     /// A connection to safekeeper `peer` is up.
@@ -354,6 +374,7 @@ impl Proposer {
                         self.feedback.insert(fb.shard_number, *fb);
                     }
                 }
+                self.peer_commit[peer] = self.peer_commit[peer].max(a.commit_lsn);
                 self.on_append_response(peer, a.flush_lsn, &mut actions);
             }
             FromSafekeeper::Wal { begin_lsn, wal, .. } => {

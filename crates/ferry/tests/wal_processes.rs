@@ -1,0 +1,174 @@
+//! Safekeepers as real processes: one is killed with SIGKILL in the middle of a
+//! stream of appends and restarted from its data dir; no acknowledged record is
+//! lost, the restarted safekeeper catches up, and `ferry writer --sync` finds the
+//! committed end every safekeeper agrees on.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use ferry_env::{Network, TcpNetwork};
+use ferry_wal::proto::{self, FromSafekeeper, ToSafekeeper};
+use ferry_wal::record::{self, Record};
+use ferry_wal::Lsn;
+use ferry_writer::driver::{encode_records, Writer, WriterConfig};
+use ferry_writer::proposer::ProposerConfig;
+
+const FERRY: &str = env!("CARGO_BIN_EXE_ferry");
+const SEG: u64 = 1 << 20;
+
+/// Starts `ferry safekeeper` and returns it with the address it listens on.
+fn start_safekeeper(id: u64, data: &std::path::Path, listen: &str) -> (Child, String) {
+    let mut child = Command::new(FERRY)
+        .args([
+            "safekeeper",
+            "--id",
+            &id.to_string(),
+            "--listen",
+            listen,
+            "--http",
+            "127.0.0.1:0",
+        ])
+        .args(["--segment-bytes", &SEG.to_string(), "--data-dir"])
+        .arg(data)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn safekeeper");
+    let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    reader.read_line(&mut line).expect("read");
+    let addr = line
+        .split("listening on ")
+        .nth(1)
+        .and_then(|rest| rest.split(',').next())
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .to_string();
+    std::thread::spawn(move || for _ in reader.lines().map_while(Result::ok) {});
+    (child, addr)
+}
+
+fn insert(block: u64) -> Bytes {
+    encode_records(&[Record::Insert {
+        table_id: 3,
+        block_number: block,
+        arrow_ipc: Bytes::from(vec![(block % 256) as u8; 2000]),
+    }])
+}
+
+/// Every insert block number in the committed WAL of the safekeeper at `addr`.
+async fn committed_blocks(addr: &str, end: Lsn) -> Vec<u64> {
+    let mut conn = TcpNetwork.connect(addr).await.expect("connect");
+    proto::write_frame(
+        &mut conn,
+        &ToSafekeeper::StartReplication {
+            shard_number: 0,
+            start_lsn: Lsn(0),
+        },
+    )
+    .await
+    .expect("start");
+    let mut wal = Vec::new();
+    while (wal.len() as u64) < end.0 {
+        let msg: FromSafekeeper =
+            tokio::time::timeout(Duration::from_secs(20), proto::read_frame(&mut conn))
+                .await
+                .expect("in time")
+                .expect("frame")
+                .expect("open");
+        if let FromSafekeeper::Wal { wal: chunk, .. } = msg {
+            wal.extend_from_slice(&chunk);
+        }
+    }
+    let wal = Bytes::from(wal);
+    let mut blocks = Vec::new();
+    let mut at = 0;
+    while at < wal.len() {
+        let (rec, len) = record::decode(&wal.slice(at..)).expect("record");
+        if let Record::Insert { block_number, .. } = rec {
+            blocks.push(block_number);
+        }
+        at += len;
+    }
+    blocks
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_of_a_safekeeper_mid_stream_loses_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut children = Vec::new();
+    let mut addrs = Vec::new();
+    for id in 0..3 {
+        let (child, addr) =
+            start_safekeeper(id, &dir.path().join(format!("sk{id}")), "127.0.0.1:0");
+        children.push(child);
+        addrs.push(addr);
+    }
+    let mut config = WriterConfig::new(addrs.clone(), ProposerConfig::new(3, 1, SEG, 77));
+    config.reconnect_delay = Duration::from_millis(50);
+    let writer = Arc::new(Writer::start(Arc::new(TcpNetwork), config));
+
+    let appends = {
+        let writer = Arc::clone(&writer);
+        tokio::spawn(async move {
+            let mut acked = Vec::new();
+            for block in 0..600u64 {
+                let end = writer.append(insert(block)).await.expect("acknowledged");
+                acked.push((block, end));
+            }
+            acked
+        })
+    };
+    // SIGKILL safekeeper 0 while appends stream, then restart it on its address.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    children[0].kill().expect("kill -9");
+    children[0].wait().expect("reap");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (child, _) = start_safekeeper(0, &dir.path().join("sk0"), &addrs[0]);
+    children[0] = child;
+
+    let acked = tokio::time::timeout(Duration::from_secs(60), appends)
+        .await
+        .expect("in time")
+        .expect("task");
+    assert_eq!(acked.len(), 600);
+    let writer = Arc::into_inner(writer).expect("sole owner");
+    let end = writer.shutdown().await.expect("clean shutdown");
+
+    for addr in &addrs {
+        let blocks = committed_blocks(addr, end).await;
+        assert_eq!(
+            blocks,
+            (0..600).collect::<Vec<_>>(),
+            "safekeeper {addr} has every acknowledged insert once, in order"
+        );
+    }
+
+    // Sync mode: a new writer finds the common committed end.
+    let out = Command::new(FERRY)
+        .args([
+            "writer",
+            "--sync",
+            "--http",
+            "127.0.0.1:0",
+            "--segment-bytes",
+            &SEG.to_string(),
+            "--safekeepers",
+        ])
+        .arg(addrs.join(","))
+        .output()
+        .expect("run writer --sync");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(
+        stdout.contains(&format!("committed end {end} ")),
+        "expected end {end}: {stdout}"
+    );
+
+    for mut child in children {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
