@@ -202,6 +202,9 @@ impl Disk for RealDisk {
     }
 }
 
+/// Writes up to this size run on the calling thread (see `RealFile::write_at`).
+const INLINE_WRITE_BYTES: usize = 256 << 10;
+
 #[derive(Debug)]
 struct RealFile {
     file: Arc<std::fs::File>,
@@ -222,6 +225,11 @@ impl DiskFile for RealFile {
 
     async fn write_at(&self, offset: u64, data: Vec<u8>) -> io::Result<()> {
         use std::os::unix::fs::FileExt;
+        if data.len() <= INLINE_WRITE_BYTES {
+            // A small write only copies into the page cache: cheaper than a hop
+            // to the blocking pool and back, which costs two thread wake-ups.
+            return self.file.write_all_at(&data, offset);
+        }
         let file = Arc::clone(&self.file);
         blocking(move || file.write_all_at(&data, offset)).await
     }
