@@ -14,6 +14,7 @@ mod dev;
 mod http;
 mod local;
 mod roles;
+mod sim;
 
 use std::path::PathBuf;
 
@@ -39,11 +40,23 @@ enum Command {
     Safekeeper(roles::SafekeeperArgs),
     /// Runs the writer (the proposer of the WAL quorum) of a distributed deployment.
     Writer(roles::WriterArgs),
+    /// Deterministic simulation: random schedules of faults, checked invariants.
+    Sim {
+        #[command(subcommand)]
+        which: SimCommand,
+    },
     /// Prints performance figures.
     Bench {
         #[command(subcommand)]
         which: BenchCommand,
     },
+}
+
+#[derive(Debug, Subcommand)]
+enum SimCommand {
+    /// The WAL random test: 3 safekeepers and a writer under crashes, restarts,
+    /// partitions, broken connections and disk stalls.
+    Wal(sim::WalSimArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -62,6 +75,21 @@ pub fn default_data_dir() -> PathBuf {
 }
 
 fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    if let Command::Sim {
+        which: SimCommand::Wal(args),
+    } = cli.command
+    {
+        // Node logs would drown the event log; RUST_LOG turns them on.
+        if std::env::var_os("RUST_LOG").is_some() {
+            tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+                .with_writer(std::io::stderr)
+                .init();
+        }
+        // The simulator builds its own single-threaded runtime per seed.
+        return sim::wal(args);
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
@@ -70,7 +98,6 @@ fn main() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -79,6 +106,7 @@ fn main() -> anyhow::Result<()> {
             Command::Dev(args) => dev::run(args).await,
             Command::Safekeeper(args) => roles::safekeeper(args).await,
             Command::Writer(args) => roles::writer(args).await,
+            Command::Sim { .. } => unreachable!("handled before the runtime starts"),
             Command::Bench { which } => match which {
                 BenchCommand::Coord(args) => bench::coord(args).await,
                 BenchCommand::Wal(args) => bench::wal(args).await,

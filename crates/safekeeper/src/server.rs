@@ -18,6 +18,8 @@ use crate::acceptor::{Acceptor, AcceptorStatus};
 
 /// Most messages handled as one batch (one fsync).
 pub const MAX_BATCH_MESSAGES: usize = 256;
+/// A writer connection on which nothing arrived for this long is closed.
+pub const WRITER_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 /// How often a caught-up walsender reminds its replica of the commit position.
 pub const WALSENDER_KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(1);
 
@@ -71,6 +73,19 @@ impl SafekeeperServer {
     /// Follows the fail-stop reason (`Some` once the safekeeper gave up).
     pub fn failure(&self) -> watch::Receiver<Option<String>> {
         self.shared.fatal.subscribe()
+    }
+
+    /// Stops at once, like a killed process: connections are dropped and nothing
+    /// more is persisted (what is on disk is what a crash would leave).
+    pub async fn kill(&self) {
+        self.stop.send_replace(true);
+        let task = self.task.lock().ok().and_then(|mut t| t.take());
+        if let Some(task) = task {
+            task.abort();
+            // Wait until the task is really gone: its listener and connections
+            // are closed, as the kernel closes a dead process's sockets.
+            let _ = task.await;
+        }
     }
 
     /// Stops accepting, drops every connection and persists the positions.
@@ -165,9 +180,14 @@ async fn serve_connection(conn: BoxConnection, shared: &Shared) -> Result<(), pr
         if shared.fatal.borrow().is_some() {
             return Ok(());
         }
-        match reader.next::<ToSafekeeper>().await? {
-            Some(msg) => batch.push(msg),
-            None => return Ok(()),
+        match tokio::time::timeout(WRITER_IDLE_TIMEOUT, reader.next::<ToSafekeeper>()).await {
+            Ok(frame) => match frame? {
+                Some(msg) => batch.push(msg),
+                None => return Ok(()),
+            },
+            // A writer sends heartbeats; a silent connection is dead (a partition
+            // sends no reset) and must not pin a task forever.
+            Err(_) => return Ok(()),
         }
     }
 }
@@ -229,7 +249,9 @@ where
             announced = commit;
         }
         writer.flush().await?;
+        // `biased`: the simulator needs the same choice for the same inputs.
         tokio::select! {
+            biased;
             changed = commit_rx.changed() => {
                 if changed.is_err() {
                     return Ok(());

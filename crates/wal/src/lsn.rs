@@ -32,6 +32,20 @@ impl fmt::Display for Lsn {
     }
 }
 
+/// Parses the `high/low` hex form that [`Lsn`]'s `Display` prints.
+impl std::str::FromStr for Lsn {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Lsn, String> {
+        let (hi, lo) = s
+            .split_once('/')
+            .ok_or_else(|| format!("{s:?} is not an LSN (expected X/Y)"))?;
+        let hi = u32::from_str_radix(hi, 16).map_err(|e| format!("{s:?}: {e}"))?;
+        let lo = u32::from_str_radix(lo, 16).map_err(|e| format!("{s:?}: {e}"))?;
+        Ok(Lsn((u64::from(hi) << 32) | u64::from(lo)))
+    }
+}
+
 /// A leadership epoch: at most one writer is elected per term.
 pub type Term = u64;
 
@@ -123,6 +137,11 @@ mod tests {
     fn display_is_postgres_style() {
         assert_eq!(Lsn(0x1_0000_00A0).to_string(), "1/A0");
         assert_eq!(Lsn(0x16B3740).to_string(), "0/16B3740");
+        for lsn in [0u64, 1, 0x1_0000_00A0, u64::MAX] {
+            assert_eq!(Lsn(lsn).to_string().parse::<Lsn>(), Ok(Lsn(lsn)));
+        }
+        assert!("12".parse::<Lsn>().is_err());
+        assert!("x/1".parse::<Lsn>().is_err());
     }
 
     #[test]

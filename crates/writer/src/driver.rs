@@ -41,6 +41,9 @@ pub struct WriterConfig {
     pub reconnect_delay: Duration,
     /// Period of empty appends that carry commit_lsn to the safekeepers.
     pub heartbeat: Duration,
+    /// A connection on which nothing arrived for this long is dropped and made
+    /// again (a silent partition sends no reset).
+    pub peer_timeout: Duration,
     /// Give up an election that has not succeeded in this time and try again
     /// with a higher term (split votes).
     pub election_timeout: Duration,
@@ -55,6 +58,7 @@ impl WriterConfig {
             proposer,
             reconnect_delay: Duration::from_millis(200),
             heartbeat: Duration::from_millis(100),
+            peer_timeout: Duration::from_secs(2),
             election_timeout: Duration::from_secs(3),
             max_pending_appends: 100_000,
         }
@@ -136,6 +140,7 @@ impl Writer {
                 i,
                 addr.clone(),
                 config.reconnect_delay,
+                config.peer_timeout,
                 events_tx.clone(),
             )));
         }
@@ -225,6 +230,15 @@ impl Writer {
         result
     }
 
+    /// Kills the writer at once, like a crashed process: no checkpoint, pending
+    /// appends fail with [`WriterError::Stopped`] (outcome unknown).
+    pub fn abort(&self) {
+        self.task.abort();
+        for c in &self.connections {
+            c.abort();
+        }
+    }
+
     /// Stops at once, without a checkpoint (pending appends fail).
     pub async fn stop(self) {
         self.task.abort();
@@ -241,6 +255,7 @@ async fn connection_task(
     peer: usize,
     addr: String,
     reconnect_delay: Duration,
+    peer_timeout: Duration,
     events: mpsc::Sender<Event>,
 ) {
     let mut generation = 0u64;
@@ -260,10 +275,13 @@ async fn connection_task(
                 let mut reader = FrameReader::new(read);
                 let mut writer = BufWriter::with_capacity(1 << 20, write);
                 let result: Result<(), proto::FrameError> = async {
+                    let mut last_heard = tokio::time::Instant::now();
                     loop {
                         tokio::select! {
+                            biased;
                             frame = reader.next::<FromSafekeeper>() => match frame? {
                                 Some(msg) => {
+                                    last_heard = tokio::time::Instant::now();
                                     if events.send(Event::Message(peer, generation, msg)).await.is_err() {
                                         return Ok(());
                                     }
@@ -281,6 +299,12 @@ async fn connection_task(
                                 // The driver dropped this connection.
                                 None => return Ok(()),
                             },
+                            () = tokio::time::sleep_until(last_heard + peer_timeout) => {
+                                // Heartbeats are answered within a few hundred ms;
+                                // silence means a dead peer or a partition.
+                                tracing::debug!(peer, %addr, "safekeeper silent; reconnecting");
+                                return Ok(());
+                            }
                         }
                     }
                 }

@@ -1,0 +1,69 @@
+//! `ferry sim ...`: runs simulation seeds and reports speed and failures.
+
+use std::time::{Duration, Instant};
+
+#[derive(Debug, clap::Args)]
+pub struct WalSimArgs {
+    /// Run exactly this seed (with `--log`, print its event log).
+    #[arg(long, conflicts_with_all = ["seeds", "start_seed"])]
+    seed: Option<u64>,
+    /// Print the time-stamped event log of the run.
+    #[arg(long)]
+    log: bool,
+    /// How many seeds to run.
+    #[arg(long, default_value_t = 100)]
+    seeds: u64,
+    /// First seed of the range.
+    #[arg(long, default_value_t = 0)]
+    start_seed: u64,
+}
+
+pub fn wal(args: WalSimArgs) -> anyhow::Result<()> {
+    if let Some(seed) = args.seed {
+        return match ferry_sim::wal::run_seed(seed, args.log) {
+            Ok(o) => {
+                say!(
+                    "seed {seed}: ok, {} events, {:.1} simulated s, {} acknowledged writes, {} elections, commit_lsn {}, log hash {:08x}",
+                    o.events,
+                    o.simulated.as_secs_f64(),
+                    o.acknowledged,
+                    o.elections,
+                    o.commit_lsn,
+                    o.log_hash
+                );
+                Ok(())
+            }
+            Err(f) => {
+                if !args.log {
+                    for line in &f.log {
+                        say!("{line}");
+                    }
+                }
+                anyhow::bail!("{f}")
+            }
+        };
+    }
+    let started = Instant::now();
+    let mut simulated = Duration::ZERO;
+    let mut failures = Vec::new();
+    for seed in args.start_seed..args.start_seed + args.seeds {
+        match ferry_sim::wal::run_seed(seed, false) {
+            Ok(o) => simulated += o.simulated,
+            Err(f) => {
+                say!("FAILED {f}");
+                say!("  replay: ferry sim wal --seed {} --log", f.seed);
+                failures.push(f.seed);
+            }
+        }
+    }
+    let wall = started.elapsed().as_secs_f64();
+    say!(
+        "{} seeds in {wall:.2} s: {:.1} seeds/s, {:.0} simulated s per wall s, {} failed",
+        args.seeds,
+        args.seeds as f64 / wall.max(1e-9),
+        simulated.as_secs_f64() / wall.max(1e-9),
+        failures.len()
+    );
+    anyhow::ensure!(failures.is_empty(), "failing seeds: {failures:?}");
+    Ok(())
+}

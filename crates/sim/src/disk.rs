@@ -1,0 +1,376 @@
+//! A simulated disk: what was not synced is lost on a crash.
+//!
+//! File contents become durable with `sync_data`, directory entries (creations,
+//! renames, removals) with `sync_dir` of their directory; directories themselves
+//! are durable at once (ferry creates them at start-up only). A crash reverts every
+//! file to its last synced contents, optionally keeping a random prefix of the
+//! unsynced bytes appended after it (a torn write), and every directory to its last
+//! synced entries. Stalls delay every operation until a virtual time.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io;
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use ferry_env::{Disk, DiskFile};
+use rand::rngs::SmallRng;
+use rand::Rng;
+use tokio::time::Instant;
+
+#[derive(Debug, Default, Clone)]
+struct FileData {
+    synced: Vec<u8>,
+    current: Vec<u8>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    files: BTreeMap<u64, FileData>,
+    next_id: u64,
+    current: BTreeMap<String, u64>,
+    synced: BTreeMap<String, u64>,
+    dirs: BTreeSet<String>,
+    stall_until: Option<Instant>,
+    fsyncs: u64,
+}
+
+/// One node's simulated disk; clones share it (it outlives node crashes).
+#[derive(Debug, Clone, Default)]
+pub struct SimDisk {
+    state: Arc<Mutex<State>>,
+}
+
+fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
+    state
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn parent(path: &str) -> &str {
+    path.rfind('/').map_or("", |i| &path[..i])
+}
+
+fn not_found(path: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::NotFound, format!("{path}: no such file"))
+}
+
+impl SimDisk {
+    pub fn new() -> SimDisk {
+        SimDisk::default()
+    }
+
+    /// Loses everything not synced, as a power cut would. With `tear`, a file
+    /// whose unsynced bytes extend its synced contents keeps a random prefix of
+    /// them.
+    pub fn crash(&self, rng: &mut SmallRng, tear: bool) {
+        let mut s = lock(&self.state);
+        s.current = s.synced.clone();
+        let live: BTreeSet<u64> = s.current.values().copied().collect();
+        s.files.retain(|id, _| live.contains(id));
+        for file in s.files.values_mut() {
+            let extended =
+                file.current.len() > file.synced.len() && file.current.starts_with(&file.synced);
+            if tear && extended && rng.random_bool(0.5) {
+                let extra = rng.random_range(0..=file.current.len() - file.synced.len());
+                file.current.truncate(file.synced.len() + extra);
+                file.synced = file.current.clone();
+            } else {
+                file.current = file.synced.clone();
+            }
+        }
+        s.stall_until = None;
+    }
+
+    /// Every operation waits until `until`.
+    pub fn stall_until(&self, until: Instant) {
+        lock(&self.state).stall_until = Some(until);
+    }
+
+    /// fsyncs so far (`sync_data` and `sync_dir`).
+    pub fn fsyncs(&self) -> u64 {
+        lock(&self.state).fsyncs
+    }
+
+    async fn stall(&self) {
+        let until = lock(&self.state).stall_until;
+        if let Some(until) = until {
+            tokio::time::sleep_until(until).await;
+        }
+    }
+
+    fn check_path(path: &str) -> io::Result<()> {
+        if path.is_empty()
+            || path.starts_with('/')
+            || path.split('/').any(|c| c.is_empty() || c == "..")
+        {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("bad path {path:?}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Disk for SimDisk {
+    async fn create_dir_all(&self, path: &str) -> io::Result<()> {
+        Self::check_path(path)?;
+        self.stall().await;
+        let mut s = lock(&self.state);
+        let mut prefix = String::new();
+        for part in path.split('/') {
+            if !prefix.is_empty() {
+                prefix.push('/');
+            }
+            prefix.push_str(part);
+            s.dirs.insert(prefix.clone());
+        }
+        Ok(())
+    }
+
+    async fn open(&self, path: &str) -> io::Result<Box<dyn DiskFile>> {
+        Self::check_path(path)?;
+        self.stall().await;
+        let s = lock(&self.state);
+        let id = *s.current.get(path).ok_or_else(|| not_found(path))?;
+        Ok(Box::new(SimFile {
+            disk: self.clone(),
+            id,
+        }))
+    }
+
+    async fn create_new(&self, path: &str) -> io::Result<Box<dyn DiskFile>> {
+        Self::check_path(path)?;
+        self.stall().await;
+        let mut s = lock(&self.state);
+        if s.current.contains_key(path) {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                path.to_string(),
+            ));
+        }
+        if !parent(path).is_empty() && !s.dirs.contains(parent(path)) {
+            return Err(not_found(parent(path)));
+        }
+        let id = s.next_id;
+        s.next_id += 1;
+        s.files.insert(id, FileData::default());
+        s.current.insert(path.to_string(), id);
+        Ok(Box::new(SimFile {
+            disk: self.clone(),
+            id,
+        }))
+    }
+
+    async fn read(&self, path: &str) -> io::Result<Vec<u8>> {
+        Self::check_path(path)?;
+        self.stall().await;
+        let s = lock(&self.state);
+        let id = s.current.get(path).ok_or_else(|| not_found(path))?;
+        Ok(s.files
+            .get(id)
+            .map(|f| f.current.clone())
+            .unwrap_or_default())
+    }
+
+    async fn write_atomic(&self, path: &str, data: Vec<u8>) -> io::Result<()> {
+        Self::check_path(path)?;
+        self.stall().await;
+        let mut s = lock(&self.state);
+        if !parent(path).is_empty() && !s.dirs.contains(parent(path)) {
+            return Err(not_found(parent(path)));
+        }
+        let id = s.next_id;
+        s.next_id += 1;
+        s.files.insert(
+            id,
+            FileData {
+                synced: data.clone(),
+                current: data,
+            },
+        );
+        s.current.insert(path.to_string(), id);
+        s.synced.insert(path.to_string(), id);
+        s.fsyncs += 2;
+        Ok(())
+    }
+
+    async fn rename(&self, from: &str, to: &str) -> io::Result<()> {
+        Self::check_path(from)?;
+        Self::check_path(to)?;
+        self.stall().await;
+        let mut s = lock(&self.state);
+        let id = s.current.remove(from).ok_or_else(|| not_found(from))?;
+        s.current.insert(to.to_string(), id);
+        Ok(())
+    }
+
+    async fn remove_file(&self, path: &str) -> io::Result<()> {
+        Self::check_path(path)?;
+        self.stall().await;
+        let mut s = lock(&self.state);
+        s.current.remove(path).ok_or_else(|| not_found(path))?;
+        Ok(())
+    }
+
+    async fn list_dir(&self, path: &str) -> io::Result<Vec<String>> {
+        Self::check_path(path)?;
+        self.stall().await;
+        let s = lock(&self.state);
+        if !s.dirs.contains(path) {
+            return Err(not_found(path));
+        }
+        let mut names: BTreeSet<String> = BTreeSet::new();
+        for p in s.current.keys().chain(s.dirs.iter()) {
+            if parent(p) == path {
+                names.insert(p[path.len() + 1..].to_string());
+            }
+        }
+        Ok(names.into_iter().collect())
+    }
+
+    async fn sync_dir(&self, path: &str) -> io::Result<()> {
+        Self::check_path(path)?;
+        self.stall().await;
+        let mut s = lock(&self.state);
+        s.synced.retain(|p, _| parent(p) != path);
+        let entries: Vec<(String, u64)> = s
+            .current
+            .iter()
+            .filter(|(p, _)| parent(p) == path)
+            .map(|(p, id)| (p.clone(), *id))
+            .collect();
+        s.synced.extend(entries);
+        s.fsyncs += 1;
+        Ok(())
+    }
+}
+
+#[derive(Debug)]
+struct SimFile {
+    disk: SimDisk,
+    id: u64,
+}
+
+impl SimFile {
+    fn with<T>(&self, f: impl FnOnce(&mut FileData) -> io::Result<T>) -> io::Result<T> {
+        let mut s = lock(&self.disk.state);
+        let file = s
+            .files
+            .get_mut(&self.id)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "file was lost in a crash"))?;
+        f(file)
+    }
+}
+
+#[async_trait]
+impl DiskFile for SimFile {
+    async fn read_at(&self, offset: u64, len: usize) -> io::Result<Vec<u8>> {
+        self.disk.stall().await;
+        self.with(|f| {
+            let start = offset as usize;
+            if start + len > f.current.len() {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "read past the end",
+                ));
+            }
+            Ok(f.current[start..start + len].to_vec())
+        })
+    }
+
+    async fn write_at(&self, offset: u64, data: Vec<u8>) -> io::Result<()> {
+        self.disk.stall().await;
+        self.with(|f| {
+            let start = offset as usize;
+            if f.current.len() < start + data.len() {
+                f.current.resize(start + data.len(), 0);
+            }
+            f.current[start..start + data.len()].copy_from_slice(&data);
+            Ok(())
+        })
+    }
+
+    async fn set_len(&self, len: u64) -> io::Result<()> {
+        self.disk.stall().await;
+        self.with(|f| {
+            f.current.resize(len as usize, 0);
+            Ok(())
+        })
+    }
+
+    async fn sync_data(&self) -> io::Result<()> {
+        self.disk.stall().await;
+        let result = self.with(|f| {
+            f.synced.clone_from(&f.current);
+            Ok(())
+        });
+        lock(&self.disk.state).fsyncs += 1;
+        result
+    }
+
+    async fn size(&self) -> io::Result<u64> {
+        self.disk.stall().await;
+        self.with(|f| Ok(f.current.len() as u64))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+
+    #[tokio::test]
+    async fn unsynced_data_and_entries_are_lost() {
+        let disk = SimDisk::new();
+        let mut rng = SmallRng::seed_from_u64(1);
+        disk.create_dir_all("d").await.expect("mkdir");
+        let f = disk.create_new("d/a").await.expect("create");
+        f.write_at(0, b"durable".to_vec()).await.expect("write");
+        f.sync_data().await.expect("sync");
+        disk.sync_dir("d").await.expect("sync dir");
+        f.write_at(7, b" lost".to_vec()).await.expect("write");
+        let g = disk.create_new("d/b").await.expect("create");
+        g.write_at(0, b"synced data, unsynced entry".to_vec())
+            .await
+            .expect("write");
+        g.sync_data().await.expect("sync");
+        disk.rename("d/a", "d/c").await.expect("rename");
+        disk.crash(&mut rng, false);
+        assert_eq!(disk.list_dir("d").await.expect("ls"), vec!["a"]);
+        assert_eq!(disk.read("d/a").await.expect("read"), b"durable");
+        disk.write_atomic("d/x", b"atomic".to_vec())
+            .await
+            .expect("atomic");
+        disk.crash(&mut rng, false);
+        assert_eq!(disk.read("d/x").await.expect("read"), b"atomic");
+    }
+
+    #[tokio::test]
+    async fn tearing_keeps_a_prefix_of_appended_bytes() {
+        let disk = SimDisk::new();
+        disk.create_dir_all("d").await.expect("mkdir");
+        let f = disk.create_new("d/a").await.expect("create");
+        f.write_at(0, b"base".to_vec()).await.expect("write");
+        f.sync_data().await.expect("sync");
+        disk.sync_dir("d").await.expect("sync dir");
+        let mut seen = BTreeSet::new();
+        for seed in 0..64 {
+            f.write_at(4, b"0123456789".to_vec()).await.ok();
+            let mut rng = SmallRng::seed_from_u64(seed);
+            let d2 = SimDisk {
+                state: Arc::clone(&disk.state),
+            };
+            d2.crash(&mut rng, true);
+            let data = disk.read("d/a").await.expect("read");
+            assert!(data.starts_with(b"base") && b"base0123456789".starts_with(&data[..]));
+            seen.insert(data.len());
+            // Back to the base for the next round.
+            let f2 = disk.open("d/a").await.expect("open");
+            f2.set_len(4).await.expect("truncate");
+            f2.sync_data().await.expect("sync");
+        }
+        assert!(seen.len() > 3, "torn lengths vary: {seen:?}");
+    }
+}

@@ -1,0 +1,15 @@
+//! Deterministic simulation of ferry's nodes.
+//!
+//! Everything runs on one current-thread tokio runtime whose clock is paused:
+//! when every task waits, time jumps to the next timer, so a simulated minute
+//! costs only the work done in it. Nodes are the production crates, unchanged;
+//! they reach the world only through the seams of `ferry-env`, which the simulator
+//! fills with [`disk::SimDisk`] (loses unsynced writes on a crash) and
+//! [`net::SimNet`] (delays, broken connections, partitions). All choices come from
+//! one seed, so a seed replays the same run and the same event log.
+//!
+//! * [`wal`]: the WAL random test (safekeepers, writers, faults, invariants).
+
+pub mod disk;
+pub mod net;
+pub mod wal;

@@ -1,0 +1,369 @@
+//! A simulated network of byte streams between named nodes.
+//!
+//! Every direction of a connection is a link: writes are delivered in order after
+//! a delay drawn from the network's range (never overtaking earlier bytes). A link
+//! may break on a write (with the configured probability), closing the stream as a
+//! reset would. A partition between two nodes silently swallows everything sent
+//! between them (no reset, as with a real network cut) and makes new connections
+//! time out; repairing it lets new connections through, while swallowed streams
+//! stay dead until their owners give up on them.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use ferry_env::{BoxConnection, Listener, Network};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, DuplexStream, ReadBuf};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+/// Fault and delay settings of the network.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NetOptions {
+    pub min_delay: Duration,
+    pub max_delay: Duration,
+    /// Chance that a write breaks its link.
+    pub break_prob: f64,
+    /// Chance that a connection attempt fails.
+    pub connect_fail_prob: f64,
+    /// How long a connection attempt across a partition hangs before failing.
+    pub connect_timeout: Duration,
+}
+
+impl Default for NetOptions {
+    fn default() -> Self {
+        NetOptions {
+            min_delay: Duration::from_millis(1),
+            max_delay: Duration::from_millis(5),
+            break_prob: 0.0,
+            connect_fail_prob: 0.0,
+            connect_timeout: Duration::from_millis(500),
+        }
+    }
+}
+
+type Accepted = (BoxConnection, String);
+
+struct State {
+    options: NetOptions,
+    rng: SmallRng,
+    listeners: BTreeMap<String, (String, u64, mpsc::UnboundedSender<Accepted>)>,
+    next_listener: u64,
+    partitions: BTreeSet<(String, String)>,
+}
+
+/// The network of one simulated world.
+#[derive(Clone)]
+pub struct SimNet {
+    state: Arc<Mutex<State>>,
+}
+
+fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
+    state.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn pair(a: &str, b: &str) -> (String, String) {
+    if a <= b {
+        (a.to_string(), b.to_string())
+    } else {
+        (b.to_string(), a.to_string())
+    }
+}
+
+impl SimNet {
+    pub fn new(seed: u64, options: NetOptions) -> SimNet {
+        SimNet {
+            state: Arc::new(Mutex::new(State {
+                options,
+                rng: SmallRng::seed_from_u64(seed),
+                listeners: BTreeMap::new(),
+                next_listener: 0,
+                partitions: BTreeSet::new(),
+            })),
+        }
+    }
+
+    /// The network as node `node` sees it.
+    pub fn node(&self, node: &str) -> Arc<dyn Network> {
+        Arc::new(NodeNet {
+            net: self.clone(),
+            node: node.to_string(),
+        })
+    }
+
+    pub fn set_options(&self, options: NetOptions) {
+        lock(&self.state).options = options;
+    }
+
+    pub fn partition(&self, a: &str, b: &str) {
+        lock(&self.state).partitions.insert(pair(a, b));
+    }
+
+    pub fn repair_all(&self) {
+        lock(&self.state).partitions.clear();
+    }
+
+    fn partitioned(&self, a: &str, b: &str) -> bool {
+        lock(&self.state).partitions.contains(&pair(a, b))
+    }
+
+    fn delay(&self) -> Duration {
+        let mut s = lock(&self.state);
+        let (lo, hi) = (
+            s.options.min_delay,
+            s.options.max_delay.max(s.options.min_delay),
+        );
+        let lo_us = lo.as_micros() as u64;
+        let hi_us = hi.as_micros() as u64;
+        Duration::from_micros(s.rng.random_range(lo_us..=hi_us))
+    }
+
+    fn chance(&self, pick: impl Fn(&NetOptions) -> f64) -> bool {
+        let mut s = lock(&self.state);
+        let p = pick(&s.options).clamp(0.0, 1.0);
+        p > 0.0 && s.rng.random_bool(p)
+    }
+
+    /// One direction of a connection, from `from` to `to`: returns the sending end
+    /// and the stream the receiver reads.
+    fn link(&self, from: &str, to: &str) -> (mpsc::UnboundedSender<Bytes>, DuplexStream) {
+        let (tx, mut rx) = mpsc::unbounded_channel::<Bytes>();
+        let (mut write_end, read_end) = tokio::io::duplex(1 << 20);
+        let net = self.clone();
+        let (from, to) = (from.to_string(), to.to_string());
+        tokio::spawn(async move {
+            let mut last = Instant::now();
+            let mut swallowing = false;
+            while let Some(chunk) = rx.recv().await {
+                let at = (Instant::now() + net.delay()).max(last);
+                last = at;
+                tokio::time::sleep_until(at).await;
+                if swallowing || net.partitioned(&from, &to) {
+                    swallowing = true;
+                    continue;
+                }
+                if net.chance(|o| o.break_prob) {
+                    // The reader sees the stream end.
+                    return;
+                }
+                if write_end.write_all(&chunk).await.is_err() {
+                    return;
+                }
+            }
+        });
+        (tx, read_end)
+    }
+}
+
+struct NodeNet {
+    net: SimNet,
+    node: String,
+}
+
+impl std::fmt::Debug for NodeNet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SimNetwork({})", self.node)
+    }
+}
+
+/// A stream end: writes go into a link, reads come from the other link.
+struct SimStream {
+    tx: Option<mpsc::UnboundedSender<Bytes>>,
+    rx: DuplexStream,
+}
+
+impl AsyncRead for SimStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.rx).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for SimStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match &self.tx {
+            Some(tx) if tx.send(Bytes::copy_from_slice(buf)).is_ok() => Poll::Ready(Ok(buf.len())),
+            _ => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "connection closed",
+            ))),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.tx = None;
+        Poll::Ready(Ok(()))
+    }
+}
+
+struct SimListener {
+    net: SimNet,
+    addr: String,
+    id: u64,
+    rx: mpsc::UnboundedReceiver<Accepted>,
+}
+
+impl Drop for SimListener {
+    fn drop(&mut self) {
+        let mut s = lock(&self.net.state);
+        if s.listeners
+            .get(&self.addr)
+            .is_some_and(|(_, id, _)| *id == self.id)
+        {
+            s.listeners.remove(&self.addr);
+        }
+    }
+}
+
+#[async_trait]
+impl Listener for SimListener {
+    async fn accept(&mut self) -> io::Result<(BoxConnection, String)> {
+        self.rx
+            .recv()
+            .await
+            .ok_or_else(|| io::Error::new(io::ErrorKind::BrokenPipe, "listener closed"))
+    }
+
+    fn local_addr(&self) -> io::Result<String> {
+        Ok(self.addr.clone())
+    }
+}
+
+#[async_trait]
+impl Network for NodeNet {
+    async fn connect(&self, addr: &str) -> io::Result<BoxConnection> {
+        let target = lock(&self.net.state)
+            .listeners
+            .get(addr)
+            .map(|(node, _, tx)| (node.clone(), tx.clone()));
+        let Some((server, accept_tx)) = target else {
+            tokio::time::sleep(self.net.delay()).await;
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionRefused,
+                format!("nothing listens on {addr}"),
+            ));
+        };
+        if self.net.partitioned(&self.node, &server) {
+            let timeout = lock(&self.net.state).options.connect_timeout;
+            tokio::time::sleep(timeout).await;
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("{addr} unreachable"),
+            ));
+        }
+        tokio::time::sleep(self.net.delay()).await;
+        if self.net.chance(|o| o.connect_fail_prob) {
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionReset,
+                "connection attempt failed",
+            ));
+        }
+        let (to_server, server_reads) = self.net.link(&self.node, &server);
+        let (to_client, client_reads) = self.net.link(&server, &self.node);
+        let server_end = SimStream {
+            tx: Some(to_client),
+            rx: server_reads,
+        };
+        accept_tx
+            .send((Box::new(server_end), self.node.clone()))
+            .map_err(|_| {
+                io::Error::new(
+                    io::ErrorKind::ConnectionRefused,
+                    format!("{addr} stopped listening"),
+                )
+            })?;
+        Ok(Box::new(SimStream {
+            tx: Some(to_server),
+            rx: client_reads,
+        }))
+    }
+
+    async fn bind(&self, addr: &str) -> io::Result<Box<dyn Listener>> {
+        let mut s = lock(&self.net.state);
+        if s.listeners.contains_key(addr) {
+            return Err(io::Error::new(io::ErrorKind::AddrInUse, addr.to_string()));
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let id = s.next_listener;
+        s.next_listener += 1;
+        s.listeners
+            .insert(addr.to_string(), (self.node.clone(), id, tx));
+        Ok(Box::new(SimListener {
+            net: self.clone_net(),
+            addr: addr.to_string(),
+            id,
+            rx,
+        }))
+    }
+}
+
+impl NodeNet {
+    fn clone_net(&self) -> SimNet {
+        self.net.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+
+    #[tokio::test(start_paused = true)]
+    async fn delivers_in_order_with_delay_and_partitions_swallow() {
+        let net = SimNet::new(
+            7,
+            NetOptions {
+                min_delay: Duration::from_millis(10),
+                max_delay: Duration::from_millis(30),
+                ..NetOptions::default()
+            },
+        );
+        let mut listener = net.node("server").bind("server:1").await.expect("bind");
+        let client = net.node("client");
+        let started = Instant::now();
+        let mut conn = client.connect("server:1").await.expect("connect");
+        let (mut server_conn, peer) = listener.accept().await.expect("accept");
+        assert_eq!(peer, "client");
+        for i in 0..50u8 {
+            conn.write_all(&[i]).await.expect("write");
+        }
+        let mut got = [0u8; 50];
+        server_conn.read_exact(&mut got).await.expect("read");
+        assert_eq!(got.to_vec(), (0..50).collect::<Vec<u8>>(), "in order");
+        assert!(started.elapsed() >= Duration::from_millis(20), "delayed");
+
+        net.partition("client", "server");
+        conn.write_all(b"lost").await.expect("write is accepted");
+        let read = tokio::time::timeout(Duration::from_secs(5), server_conn.read_u8()).await;
+        assert!(read.is_err(), "nothing crosses a partition");
+        assert!(
+            client.connect("server:1").await.is_err(),
+            "no new connection either"
+        );
+        net.repair_all();
+        assert!(client.connect("server:1").await.is_ok());
+        drop(listener);
+        assert!(
+            client.connect("server:1").await.is_err(),
+            "nobody listens any more"
+        );
+    }
+}

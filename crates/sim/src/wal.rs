@@ -1,0 +1,738 @@
+//! The WAL random test: three safekeepers and a writer under a random schedule of
+//! writes, crashes, restarts, partitions and disk stalls, checked against the
+//! invariants of the WAL quorum.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use ferry_env::Disk;
+use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig};
+use ferry_safekeeper::server::SafekeeperServer;
+use ferry_wal::record::{self, Record};
+use ferry_wal::segment::SegmentSize;
+use ferry_wal::Lsn;
+use ferry_writer::driver::{encode_records, Writer, WriterConfig, WriterError, WriterStatus};
+use ferry_writer::proposer::ProposerConfig;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+
+use crate::disk::SimDisk;
+use crate::net::{NetOptions, SimNet};
+
+const SAFEKEEPERS: usize = 3;
+const SEGMENT_BYTES: u64 = 64 << 10;
+const TIMELINE: u64 = 1;
+const WRITER_NODE: &str = "writer";
+/// After the faults stop, a write must commit within this (virtual) time.
+const LIVENESS_BOUND: Duration = Duration::from_secs(60);
+
+/// One scheduled fault or action.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// Append `records` inserts of about `bytes` bytes each, one after another.
+    Write {
+        records: u32,
+        bytes: usize,
+    },
+    /// Power-cut a safekeeper (unsynced writes lost, last one maybe torn); it stays
+    /// down until restarted.
+    CrashSafekeeper(usize),
+    /// Power-cut a safekeeper and start it again from its disk.
+    RestartSafekeeper(usize),
+    /// Kill the writer and start a new one (which must win a new term).
+    RestartWriter,
+    /// Cut the network between two nodes (safekeeper indexes; 3 = the writer).
+    Partition(usize, usize),
+    RepairPartitions,
+    /// A safekeeper's disk stops answering for this many milliseconds.
+    DiskStall {
+        safekeeper: usize,
+        millis: u64,
+    },
+}
+
+/// A schedule: events at virtual times, plus the network settings.
+#[derive(Debug, Clone)]
+pub struct Schedule {
+    pub events: Vec<(Duration, Event)>,
+    pub net: NetOptions,
+}
+
+/// Draws a schedule from a seed: 1 to 99 events, 0 to 500 ms apart, actions
+/// chosen uniformly; delays up to 50 ms, and up to 2% of writes breaking a link.
+pub fn generate_schedule(rng: &mut SmallRng) -> Schedule {
+    let max_delay = rng.random_range(1..=50u64);
+    let min_delay = rng.random_range(0..=max_delay);
+    let break_prob = if rng.random_bool(0.5) {
+        rng.random_range(0.0..0.02)
+    } else {
+        0.0
+    };
+    let net = NetOptions {
+        min_delay: Duration::from_millis(min_delay),
+        max_delay: Duration::from_millis(max_delay),
+        break_prob,
+        connect_fail_prob: break_prob * 5.0,
+        connect_timeout: Duration::from_millis(500),
+    };
+    let count = rng.random_range(1..100usize);
+    let mut at = Duration::ZERO;
+    let mut events = Vec::with_capacity(count);
+    for _ in 0..count {
+        at += Duration::from_millis(rng.random_range(0..500));
+        let event = match rng.random_range(0..7u32) {
+            0 | 1 => Event::Write {
+                records: rng.random_range(1..10),
+                bytes: rng.random_range(16..4000),
+            },
+            2 => Event::CrashSafekeeper(rng.random_range(0..SAFEKEEPERS)),
+            3 => Event::RestartSafekeeper(rng.random_range(0..SAFEKEEPERS)),
+            4 => Event::RestartWriter,
+            5 => {
+                if rng.random_bool(0.5) {
+                    let a = rng.random_range(0..=SAFEKEEPERS);
+                    let b = (a + rng.random_range(1..=SAFEKEEPERS)) % (SAFEKEEPERS + 1);
+                    Event::Partition(a, b)
+                } else {
+                    Event::RepairPartitions
+                }
+            }
+            _ => Event::DiskStall {
+                safekeeper: rng.random_range(0..SAFEKEEPERS),
+                millis: rng.random_range(1..2000),
+            },
+        };
+        events.push((at, event));
+    }
+    Schedule { events, net }
+}
+
+/// What one seed did.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub seed: u64,
+    pub events: usize,
+    pub simulated: Duration,
+    pub acknowledged: usize,
+    pub elections: usize,
+    pub commit_lsn: Lsn,
+    /// crc32c of the event log: equal for equal runs.
+    pub log_hash: u32,
+    pub log: Vec<String>,
+}
+
+/// A broken invariant (or a run that could not finish), with the log so far.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    pub seed: u64,
+    pub reason: String,
+    pub log: Vec<String>,
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "seed {}: {}", self.seed, self.reason)
+    }
+}
+
+fn node_name(i: usize) -> String {
+    if i == SAFEKEEPERS {
+        WRITER_NODE.to_string()
+    } else {
+        format!("sk{i}")
+    }
+}
+
+/// The deterministic payload of insert `block`.
+fn insert_record(block: u64, bytes: usize) -> Record {
+    let mut payload = Vec::with_capacity(bytes + 8);
+    payload.extend_from_slice(&block.to_le_bytes());
+    payload.extend((0..bytes).map(|i| (block as usize * 31 + i) as u8));
+    Record::Insert {
+        table_id: 1,
+        block_number: block,
+        arrow_ipc: Bytes::from(payload),
+    }
+}
+
+fn payload_is_intact(block: u64, arrow_ipc: &Bytes) -> bool {
+    arrow_ipc.len() >= 8
+        && arrow_ipc[..8] == block.to_le_bytes()
+        && arrow_ipc[8..]
+            .iter()
+            .enumerate()
+            .all(|(i, b)| *b == (block as usize * 31 + i) as u8)
+}
+
+/// (writer incarnation, block, outcome) of one append.
+type AppendResult = (u64, u64, Result<Lsn, WriterError>);
+
+struct Sim {
+    seed: u64,
+    start: Instant,
+    rng: SmallRng,
+    net: SimNet,
+    disks: Vec<SimDisk>,
+    servers: Vec<Option<Arc<SafekeeperServer>>>,
+    writer: Option<Arc<Writer>>,
+    status: Option<watch::Receiver<WriterStatus>>,
+    writers_started: u64,
+    pending_writes: Vec<tokio::task::JoinHandle<()>>,
+    next_block: u64,
+    acked: BTreeMap<u64, Lsn>,
+    results: (
+        mpsc::UnboundedSender<AppendResult>,
+        mpsc::UnboundedReceiver<AppendResult>,
+    ),
+    /// Highest LSN known committed (acknowledgements and writer reports).
+    committed: Lsn,
+    /// Highest LSN each writer incarnation got committed.
+    committed_by: BTreeMap<u64, Lsn>,
+    /// The election of each writer incarnation: (term, epoch start).
+    elected: BTreeMap<u64, (u64, Lsn)>,
+    /// Highest end of WAL any writer produced.
+    produced: Lsn,
+    last_term: u64,
+    elections: usize,
+    log: Vec<String>,
+    verbose: bool,
+}
+
+impl Sim {
+    fn log(&mut self, msg: impl AsRef<str>) {
+        let t = self.start.elapsed();
+        let line = format!("{:>9.3}s {}", t.as_secs_f64(), msg.as_ref());
+        if self.verbose {
+            println!("{line}");
+        }
+        self.log.push(line);
+    }
+
+    fn fail(&self, reason: impl Into<String>) -> Failure {
+        Failure {
+            seed: self.seed,
+            reason: reason.into(),
+            log: self.log.clone(),
+        }
+    }
+
+    fn segment() -> SegmentSize {
+        SegmentSize::new(SEGMENT_BYTES)
+            .unwrap_or_else(|_| unreachable!("64 KiB is a valid segment size"))
+    }
+
+    async fn start_safekeeper(&mut self, i: usize) -> Result<(), Failure> {
+        let disk: Arc<dyn Disk> = Arc::new(self.disks[i].clone());
+        let acceptor = Acceptor::open(
+            disk,
+            &format!("sk{i}"),
+            AcceptorConfig {
+                node_id: i as u64,
+                timeline_id: TIMELINE,
+                segment_size: Self::segment(),
+            },
+        )
+        .await
+        .map_err(|e| self.fail(format!("sk{i} cannot recover from its disk: {e}")))?;
+        let server = SafekeeperServer::start(self.net.node(&node_name(i)), &node_name(i), acceptor)
+            .await
+            .map_err(|e| self.fail(format!("sk{i} cannot listen: {e}")))?;
+        self.servers[i] = Some(Arc::new(server));
+        self.log(format!("sk{i} started"));
+        Ok(())
+    }
+
+    async fn crash_safekeeper(&mut self, i: usize) {
+        if let Some(server) = self.servers[i].take() {
+            server.kill().await;
+            self.disks[i].crash(&mut self.rng, true);
+            self.log(format!("sk{i} crashed"));
+        }
+    }
+
+    fn start_writer(&mut self) {
+        self.writers_started += 1;
+        let mut config = WriterConfig::new(
+            (0..SAFEKEEPERS).map(node_name).collect(),
+            ProposerConfig::new(
+                SAFEKEEPERS,
+                TIMELINE,
+                SEGMENT_BYTES,
+                u128::from(self.writers_started),
+            ),
+        );
+        config.reconnect_delay = Duration::from_millis(50);
+        config.peer_timeout = Duration::from_secs(1);
+        config.election_timeout = Duration::from_secs(2);
+        config.proposer.max_append_bytes = 16 << 10;
+        let writer = Writer::start(self.net.node(WRITER_NODE), config);
+        self.status = Some(writer.subscribe());
+        self.writer = Some(Arc::new(writer));
+        self.log(format!("writer {} started", self.writers_started));
+    }
+
+    fn kill_writer(&mut self) {
+        if let Some(status) = &self.status {
+            let s = status.borrow().clone();
+            let _ = self.observe(self.writers_started, &s);
+        }
+        if let Some(writer) = self.writer.take() {
+            writer.abort();
+            self.log(format!("writer {} killed", self.writers_started));
+        }
+        self.status = None;
+    }
+
+    /// Highest LSN committed by writer incarnations before `writer`.
+    fn committed_before(&self, writer: u64) -> Lsn {
+        self.committed_by
+            .range(..writer)
+            .map(|(_, l)| *l)
+            .max()
+            .unwrap_or(Lsn(0))
+    }
+
+    /// Records that `writer` got `lsn` committed, checking it against the
+    /// elections of every later writer: they must all have started at or above it.
+    fn record_commit(&mut self, writer: u64, lsn: Lsn) -> Result<(), Failure> {
+        let entry = self.committed_by.entry(writer).or_insert(Lsn(0));
+        *entry = (*entry).max(lsn);
+        if let Some((later, (term, epoch))) = self
+            .elected
+            .range(writer + 1..)
+            .find(|(_, (_, e))| *e < lsn)
+        {
+            return Err(self.fail(format!(
+                "writer {later} was elected in term {term} at {epoch}, below {lsn} committed by writer {writer}: committed WAL lost"
+            )));
+        }
+        if lsn > self.committed {
+            self.committed = lsn;
+        }
+        self.produced = self.produced.max(lsn);
+        Ok(())
+    }
+
+    /// Checks the status of writer incarnation `writer` against what is known to
+    /// be committed and produced.
+    fn observe(&mut self, writer: u64, s: &WriterStatus) -> Result<(), Failure> {
+        let parse = |v: &str| {
+            v.parse::<Lsn>()
+                .map_err(|e| self.fail(format!("bad status LSN: {e}")))
+        };
+        let end = parse(&s.end_lsn)?;
+        let commit = parse(&s.commit_lsn)?;
+        let epoch = parse(&s.epoch_start_lsn)?;
+        if s.elected && !self.elected.contains_key(&writer) {
+            if s.term <= self.last_term {
+                return Err(self.fail(format!(
+                    "term {} elected after term {}",
+                    s.term, self.last_term
+                )));
+            }
+            self.last_term = s.term;
+            self.elections += 1;
+            self.log(format!(
+                "writer {writer} elected in term {} at epoch start {epoch}",
+                s.term
+            ));
+            let before = self.committed_before(writer);
+            if epoch < before {
+                return Err(self.fail(format!(
+                    "election of term {} starts at {epoch}, below the committed {before}: committed WAL lost",
+                    s.term
+                )));
+            }
+            if epoch > self.produced {
+                return Err(self.fail(format!(
+                    "election of term {} starts at {epoch}, beyond all WAL ever produced ({}): WAL invented",
+                    s.term, self.produced
+                )));
+            }
+            self.elected.insert(writer, (s.term, epoch));
+        }
+        if s.synced && commit > Lsn(0) {
+            let mine = self.committed_by.get(&writer).copied().unwrap_or(Lsn(0));
+            let before = self.committed_before(writer);
+            if commit < mine || commit < before {
+                return Err(self.fail(format!(
+                    "commit_lsn went back: writer {writer} reports {commit} after {}",
+                    mine.max(before)
+                )));
+            }
+            if commit > mine {
+                self.log(format!("writer {writer} commit_lsn {commit}"));
+            }
+            self.record_commit(writer, commit)?;
+        }
+        self.produced = self.produced.max(end);
+        Ok(())
+    }
+
+    fn on_result(
+        &mut self,
+        writer: u64,
+        block: u64,
+        result: Result<Lsn, WriterError>,
+    ) -> Result<(), Failure> {
+        match result {
+            Ok(end) => {
+                if self.acked.insert(block, end).is_some() {
+                    return Err(self.fail(format!("block {block} acknowledged twice")));
+                }
+                self.record_commit(writer, end)?;
+            }
+            Err(e) => self.log(format!("block {block} not acknowledged: {e}")),
+        }
+        Ok(())
+    }
+
+    fn write(&mut self, records: u32, bytes: usize) {
+        let Some(writer) = self.writer.clone() else {
+            return;
+        };
+        let first = self.next_block;
+        self.next_block += u64::from(records);
+        let tx = self.results.0.clone();
+        let incarnation = self.writers_started;
+        self.log(format!(
+            "write blocks {first}..{}",
+            first + u64::from(records)
+        ));
+        self.pending_writes.push(tokio::spawn(async move {
+            for block in first..first + u64::from(records) {
+                let data = encode_records(&[insert_record(block, bytes)]);
+                let result = writer.append(data).await;
+                let failed = result.is_err();
+                if tx.send((incarnation, block, result)).is_err() || failed {
+                    return;
+                }
+            }
+        }));
+    }
+
+    /// Runs until `deadline`, watching writer status and acknowledgements.
+    async fn run_until(&mut self, deadline: Instant) -> Result<(), Failure> {
+        loop {
+            let status_changed = async {
+                match self.status.as_mut() {
+                    Some(rx) => rx.changed().await.is_ok(),
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                biased;
+                changed = status_changed => {
+                    if changed {
+                        let s = self.status.as_ref().map(|rx| rx.borrow().clone());
+                        if let Some(s) = s {
+                            self.observe(self.writers_started, &s)?;
+                        }
+                    } else {
+                        self.status = None;
+                    }
+                }
+                Some((writer, block, result)) = self.results.1.recv() => self.on_result(writer, block, result)?,
+                () = tokio::time::sleep_until(deadline) => return Ok(()),
+            }
+        }
+    }
+
+    async fn apply(&mut self, event: &Event) -> Result<(), Failure> {
+        match *event {
+            Event::Write { records, bytes } => self.write(records, bytes),
+            Event::CrashSafekeeper(i) => self.crash_safekeeper(i).await,
+            Event::RestartSafekeeper(i) => {
+                self.crash_safekeeper(i).await;
+                self.start_safekeeper(i).await?;
+            }
+            Event::RestartWriter => {
+                self.kill_writer();
+                self.start_writer();
+            }
+            Event::Partition(a, b) => {
+                self.net.partition(&node_name(a), &node_name(b));
+                self.log(format!("partition {} | {}", node_name(a), node_name(b)));
+            }
+            Event::RepairPartitions => {
+                self.net.repair_all();
+                self.log("partitions repaired");
+            }
+            Event::DiskStall { safekeeper, millis } => {
+                self.disks[safekeeper].stall_until(Instant::now() + Duration::from_millis(millis));
+                self.log(format!("sk{safekeeper} disk stalls {millis} ms"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Faults stop: everything is repaired and restarted, and a write must commit.
+    async fn settle(&mut self, net: NetOptions) -> Result<Lsn, Failure> {
+        self.net.repair_all();
+        self.net.set_options(NetOptions {
+            break_prob: 0.0,
+            connect_fail_prob: 0.0,
+            ..net
+        });
+        self.log("faults stop");
+        for i in 0..SAFEKEEPERS {
+            if self.servers[i].is_none() {
+                self.start_safekeeper(i).await?;
+            }
+        }
+        if self.writer.is_none() {
+            self.start_writer();
+        }
+        let Some(writer) = self.writer.clone() else {
+            return Err(self.fail("no writer"));
+        };
+        let block = self.next_block;
+        self.next_block += 1;
+        let data = encode_records(&[insert_record(block, 100)]);
+        let tx = self.results.0.clone();
+        let incarnation = self.writers_started;
+        tokio::spawn(async move {
+            let _ = tx.send((incarnation, block, writer.append(data).await));
+        });
+        let deadline = Instant::now() + LIVENESS_BOUND;
+        while !self.acked.contains_key(&block) {
+            if Instant::now() >= deadline {
+                return Err(self.fail(format!(
+                    "after the faults stopped, a write did not commit within {LIVENESS_BOUND:?}"
+                )));
+            }
+            self.run_until((Instant::now() + Duration::from_millis(100)).min(deadline))
+                .await?;
+        }
+        self.log(format!("final write committed at {}", self.acked[&block]));
+        // Every write still running completes too.
+        while self.pending_writes.iter().any(|t| !t.is_finished()) {
+            if Instant::now() >= deadline {
+                return Err(self.fail(format!(
+                    "after the faults stopped, writes did not complete within {LIVENESS_BOUND:?}"
+                )));
+            }
+            self.run_until((Instant::now() + Duration::from_millis(100)).min(deadline))
+                .await?;
+        }
+        while let Ok((writer, block, result)) = self.results.1.try_recv() {
+            self.on_result(writer, block, result)?;
+        }
+        let end = self.acked.values().copied().max().unwrap_or(Lsn(0));
+        // Every safekeeper catches up and learns the commit (heartbeats carry it).
+        loop {
+            let mut behind = Vec::new();
+            for (i, server) in self.servers.iter().enumerate() {
+                if let Some(server) = server {
+                    let status = server.status().await;
+                    let commit: Lsn = status
+                        .commit_lsn
+                        .parse()
+                        .map_err(|e: String| self.fail(e))?;
+                    if commit < end {
+                        behind.push(i);
+                    }
+                }
+            }
+            if behind.is_empty() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                return Err(self.fail(format!(
+                    "after the faults stopped, safekeepers {behind:?} did not catch up to {end} within {LIVENESS_BOUND:?}"
+                )));
+            }
+            self.run_until((Instant::now() + Duration::from_millis(100)).min(deadline))
+                .await?;
+        }
+        self.log("every safekeeper caught up");
+        Ok(end)
+    }
+
+    /// Stops every node and checks the WAL on every disk.
+    async fn check_disks(&mut self, committed: Lsn) -> Result<(), Failure> {
+        self.kill_writer();
+        for i in 0..SAFEKEEPERS {
+            if let Some(server) = self.servers[i].take() {
+                server.kill().await;
+            }
+        }
+        let mut wals = Vec::new();
+        for i in 0..SAFEKEEPERS {
+            let disk: Arc<dyn Disk> = Arc::new(self.disks[i].clone());
+            let acceptor = Acceptor::open(
+                disk,
+                &format!("sk{i}"),
+                AcceptorConfig {
+                    node_id: i as u64,
+                    timeline_id: TIMELINE,
+                    segment_size: Self::segment(),
+                },
+            )
+            .await
+            .map_err(|e| self.fail(format!("sk{i} cannot reopen: {e}")))?;
+            let upto = acceptor.flush_lsn().min(committed);
+            let mut wal = Vec::with_capacity(upto.0 as usize);
+            while (wal.len() as u64) < upto.0 {
+                let max = (upto.0 - wal.len() as u64) as usize;
+                let chunk = acceptor
+                    .read_for_recovery(acceptor.term(), Lsn(wal.len() as u64), max)
+                    .await
+                    .map_err(|e| self.fail(format!("sk{i} cannot read its WAL: {e}")))?;
+                if chunk.is_empty() {
+                    return Err(self.fail(format!("sk{i} WAL ends early at {}", wal.len())));
+                }
+                wal.extend_from_slice(&chunk);
+            }
+            wals.push(wal);
+        }
+        for i in 0..SAFEKEEPERS {
+            for j in i + 1..SAFEKEEPERS {
+                let common = wals[i].len().min(wals[j].len());
+                if wals[i][..common] != wals[j][..common] {
+                    let at = (0..common)
+                        .find(|&k| wals[i][k] != wals[j][k])
+                        .unwrap_or(common);
+                    return Err(self.fail(format!(
+                        "sk{i} and sk{j} disagree on committed WAL at byte {at}"
+                    )));
+                }
+            }
+        }
+        let holders = wals
+            .iter()
+            .filter(|w| w.len() as u64 == committed.0)
+            .count();
+        if holders != SAFEKEEPERS {
+            return Err(self.fail(format!(
+                "after catching up, committed WAL up to {committed} is on only {holders} safekeepers"
+            )));
+        }
+        let Some(full) = wals.iter().find(|w| w.len() as u64 == committed.0) else {
+            return Err(self.fail("no safekeeper holds the committed WAL"));
+        };
+        let full = Bytes::from(full.clone());
+        let mut seen: BTreeMap<u64, Lsn> = BTreeMap::new();
+        let mut at = 0usize;
+        while at < full.len() {
+            let (rec, len) = record::decode(&full.slice(at..))
+                .map_err(|e| self.fail(format!("committed WAL damaged at {at}: {e}")))?;
+            at += len;
+            if let Record::Insert {
+                block_number,
+                arrow_ipc,
+                ..
+            } = rec
+            {
+                if !payload_is_intact(block_number, &arrow_ipc) {
+                    return Err(self.fail(format!("block {block_number} changed in the WAL")));
+                }
+                if seen.insert(block_number, Lsn(at as u64)).is_some() {
+                    return Err(self.fail(format!("block {block_number} appears twice in the WAL")));
+                }
+            }
+        }
+        for (block, end) in &self.acked {
+            match seen.get(block) {
+                None => {
+                    return Err(self.fail(format!("acknowledged block {block} (end {end}) is lost")))
+                }
+                Some(found) if found != end => {
+                    return Err(self.fail(format!(
+                        "acknowledged block {block} ends at {found}, acknowledged at {end}"
+                    )))
+                }
+                Some(_) => {}
+            }
+        }
+        self.log(format!(
+            "checked: {} acknowledged blocks in {} bytes of committed WAL; safekeepers hold {:?} bytes of it",
+            self.acked.len(),
+            full.len(),
+            wals.iter().map(Vec::len).collect::<Vec<_>>()
+        ));
+        Ok(())
+    }
+}
+
+/// Runs one seed of the WAL random test; `verbose` prints the event log as it
+/// happens.
+pub fn run_seed(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .map_err(|e| Failure {
+            seed,
+            reason: format!("cannot build the runtime: {e}"),
+            log: Vec::new(),
+        })?;
+    runtime.block_on(run_seed_async(seed, verbose))
+}
+
+async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let schedule = generate_schedule(&mut rng);
+    let net = SimNet::new(rng.random(), schedule.net);
+    let mut sim = Sim {
+        seed,
+        start: Instant::now(),
+        rng: SmallRng::seed_from_u64(rng.random()),
+        net,
+        disks: (0..SAFEKEEPERS).map(|_| SimDisk::new()).collect(),
+        servers: vec![None, None, None],
+        writer: None,
+        status: None,
+        writers_started: 0,
+        pending_writes: Vec::new(),
+        next_block: 0,
+        acked: BTreeMap::new(),
+        results: mpsc::unbounded_channel(),
+        committed: Lsn(0),
+        committed_by: BTreeMap::new(),
+        elected: BTreeMap::new(),
+        produced: Lsn(0),
+        last_term: 0,
+        elections: 0,
+        log: Vec::new(),
+        verbose,
+    };
+    let mut header = String::new();
+    let _ = write!(
+        header,
+        "seed {seed}: {} events, network {:?}",
+        schedule.events.len(),
+        schedule.net
+    );
+    sim.log(header);
+    for i in 0..SAFEKEEPERS {
+        sim.start_safekeeper(i).await?;
+    }
+    sim.start_writer();
+    for (at, event) in &schedule.events {
+        sim.run_until(sim.start + *at).await?;
+        sim.log(format!("{event:?}"));
+        sim.apply(event).await?;
+    }
+    let committed = sim.settle(schedule.net).await?;
+    sim.check_disks(committed).await?;
+    let log_hash = sim
+        .log
+        .iter()
+        .fold(0u32, |h, line| crc32c::crc32c_append(h, line.as_bytes()));
+    Ok(Outcome {
+        seed,
+        events: schedule.events.len(),
+        simulated: sim.start.elapsed(),
+        acknowledged: sim.acked.len(),
+        elections: sim.elections,
+        commit_lsn: committed,
+        log_hash,
+        log: sim.log,
+    })
+}
