@@ -440,7 +440,7 @@ async fn silent_session_expires_after_its_timeout() {
         SessionState::Connected,
         "heartbeats keep it"
     );
-    quiet.suspend_heartbeats();
+    quiet.set_heartbeats_paused(true);
     let mut state = quiet.session_state();
     let started = tokio::time::Instant::now();
     state

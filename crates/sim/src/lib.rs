@@ -8,8 +8,14 @@
 //! [`net::SimNet`] (delays, broken connections, partitions). All choices come from
 //! one seed, so a seed replays the same run and the same event log.
 //!
+//! * [`coord`]: coordination with ZooKeeper's failure behaviour (latency, loss
+//!   before or after apply, partitions that expire sessions, abandoned sessions);
+//! * [`objstore`]: object storage with errors, latency and failures after a
+//!   successful write;
 //! * [`wal`]: the WAL random test (safekeepers, writers, faults, invariants).
 
+pub mod coord;
 pub mod disk;
 pub mod net;
+pub mod objstore;
 pub mod wal;

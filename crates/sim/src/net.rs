@@ -1,7 +1,8 @@
 //! A simulated network of byte streams between named nodes.
 //!
-//! Every direction of a connection is a link: writes are delivered in order after
-//! a delay drawn from the network's range (never overtaking earlier bytes). A link
+//! Every direction of a connection is a link with its own delay range (drawn
+//! inside the network's): writes are delivered in order after a delay drawn from
+//! it (never overtaking earlier bytes). A link
 //! may break on a write (with the configured probability), closing the stream as a
 //! reset would. A partition between two nodes silently swallows everything sent
 //! between them (no reset, as with a real network cut) and makes new connections
@@ -115,14 +116,30 @@ impl SimNet {
     }
 
     fn delay(&self) -> Duration {
+        let range = {
+            let s = lock(&self.state);
+            (s.options.min_delay, s.options.max_delay)
+        };
+        self.delay_in(range)
+    }
+
+    fn delay_in(&self, (lo, hi): (Duration, Duration)) -> Duration {
         let mut s = lock(&self.state);
-        let (lo, hi) = (
-            s.options.min_delay,
-            s.options.max_delay.max(s.options.min_delay),
-        );
         let lo_us = lo.as_micros() as u64;
-        let hi_us = hi.as_micros() as u64;
+        let hi_us = (hi.as_micros() as u64).max(lo_us);
         Duration::from_micros(s.rng.random_range(lo_us..=hi_us))
+    }
+
+    /// A connection's own delay range, inside the network's: some connections are
+    /// steadily slower than others.
+    fn link_range(&self) -> (Duration, Duration) {
+        let network = {
+            let s = lock(&self.state);
+            (s.options.min_delay, s.options.max_delay)
+        };
+        let a = self.delay_in(network);
+        let b = self.delay_in(network);
+        (a.min(b), a.max(b))
     }
 
     fn chance(&self, pick: impl Fn(&NetOptions) -> f64) -> bool {
@@ -138,11 +155,12 @@ impl SimNet {
         let (mut write_end, read_end) = tokio::io::duplex(1 << 20);
         let net = self.clone();
         let (from, to) = (from.to_string(), to.to_string());
+        let range = self.link_range();
         tokio::spawn(async move {
             let mut last = Instant::now();
             let mut swallowing = false;
             while let Some(chunk) = rx.recv().await {
-                let at = (Instant::now() + net.delay()).max(last);
+                let at = (Instant::now() + net.delay_in(range)).max(last);
                 last = at;
                 tokio::time::sleep_until(at).await;
                 if swallowing || net.partitioned(&from, &to) {

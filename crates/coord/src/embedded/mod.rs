@@ -253,8 +253,17 @@ impl EmbeddedStore {
         let (reply, rx) = oneshot::channel();
         send(&self.tx, Command::Open { timeout, reply }).await?;
         let (id, state) = rx.await.map_err(|_| stopped())??;
-        let heartbeat = tokio::spawn(heartbeat(self.tx.clone(), id, timeout, state.clone()));
+        let (paused, paused_rx) = watch::channel(false);
+        let heartbeat = tokio::spawn(heartbeat(
+            self.tx.clone(),
+            id,
+            timeout,
+            state.clone(),
+            paused_rx,
+        ));
         Ok(EmbeddedSession {
+            paused,
+            close_on_drop: std::sync::atomic::AtomicBool::new(true),
             id,
             tx: self.tx.clone(),
             state,
@@ -309,6 +318,7 @@ async fn heartbeat(
     session: i64,
     timeout: Duration,
     mut state: watch::Receiver<SessionState>,
+    paused: watch::Receiver<bool>,
 ) {
     let period = timeout / 3;
     loop {
@@ -320,6 +330,9 @@ async fn heartbeat(
                 }
             }
             () = tokio::time::sleep(period) => {
+                if *paused.borrow() {
+                    continue;
+                }
                 if tx.send(Command::Ping { session }).await.is_err() {
                     return;
                 }
@@ -677,12 +690,17 @@ pub struct EmbeddedSession {
     state: watch::Receiver<SessionState>,
     metrics: Arc<CoordMetrics>,
     heartbeat: JoinHandle<()>,
+    paused: watch::Sender<bool>,
+    close_on_drop: std::sync::atomic::AtomicBool,
 }
 
 impl Drop for EmbeddedSession {
     fn drop(&mut self) {
         self.heartbeat.abort();
-        if !self.state.borrow().is_terminal() {
+        let close = self
+            .close_on_drop
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if close && !self.state.borrow().is_terminal() {
             // Best effort: if the queue is full the session simply expires.
             let _ = self.tx.try_send(Command::End {
                 session: self.id,
@@ -707,10 +725,20 @@ fn unexpected() -> CoordError {
 }
 
 impl EmbeddedSession {
-    /// Stops the heartbeat, as a hung or partitioned process would: unless it
-    /// sends requests, the session expires after its timeout. For fault injection.
-    pub fn suspend_heartbeats(&self) {
-        self.heartbeat.abort();
+    /// Pauses or resumes the heartbeat, as a hung or partitioned process would:
+    /// a session that sends nothing expires after its timeout; resumed in time, it
+    /// lives on. For fault injection.
+    pub fn set_heartbeats_paused(&self, paused: bool) {
+        self.paused.send_replace(paused);
+    }
+
+    /// Forgets the session without closing it, as a crashed process does: it
+    /// expires after its timeout, taking its ephemerals with it. For fault
+    /// injection.
+    pub fn abandon(&self) {
+        self.set_heartbeats_paused(true);
+        self.close_on_drop
+            .store(false, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn local_state_error(&self) -> Option<CoordError> {

@@ -1,0 +1,238 @@
+//! Simulated object storage: `object_store`'s in-memory store behind a fault
+//! injector. Requests take a random latency, may fail outright, and writes may
+//! fail *after* they took effect (the object exists but the caller saw an error),
+//! which is what makes exactly-once uploads hard.
+
+use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::stream::BoxStream;
+use object_store::memory::InMemory;
+use object_store::path::Path;
+use object_store::{
+    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
+    PutMultipartOptions, PutOptions, PutPayload, PutResult, Result,
+};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+/// Fault settings of simulated object storage.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ObjectFaults {
+    pub min_latency: Duration,
+    pub max_latency: Duration,
+    /// Chance a request fails without effect.
+    pub fail_prob: f64,
+    /// Chance a successful write is reported as failed.
+    pub fail_after_write_prob: f64,
+}
+
+impl Default for ObjectFaults {
+    fn default() -> Self {
+        ObjectFaults {
+            min_latency: Duration::from_millis(1),
+            max_latency: Duration::from_millis(20),
+            fail_prob: 0.0,
+            fail_after_write_prob: 0.0,
+        }
+    }
+}
+
+struct State {
+    rng: SmallRng,
+    faults: ObjectFaults,
+    injected: u64,
+}
+
+/// An object store with injected faults.
+#[derive(Clone)]
+pub struct FaultyObjectStore {
+    inner: Arc<InMemory>,
+    state: Arc<Mutex<State>>,
+}
+
+impl fmt::Debug for FaultyObjectStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("FaultyObjectStore")
+    }
+}
+
+impl fmt::Display for FaultyObjectStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("FaultyObjectStore(InMemory)")
+    }
+}
+
+fn injected(what: &str) -> object_store::Error {
+    object_store::Error::Generic {
+        store: "simulated",
+        source: Box::new(std::io::Error::other(format!("injected fault: {what}"))),
+    }
+}
+
+impl FaultyObjectStore {
+    pub fn new(seed: u64, faults: ObjectFaults) -> FaultyObjectStore {
+        FaultyObjectStore {
+            inner: Arc::new(InMemory::new()),
+            state: Arc::new(Mutex::new(State {
+                rng: SmallRng::seed_from_u64(seed),
+                faults,
+                injected: 0,
+            })),
+        }
+    }
+
+    pub fn set_faults(&self, faults: ObjectFaults) {
+        self.lock().faults = faults;
+    }
+
+    /// Faults injected so far.
+    pub fn injected_faults(&self) -> u64 {
+        self.lock().injected
+    }
+
+    /// The store without faults, for checking what really is stored.
+    pub fn truth(&self) -> Arc<InMemory> {
+        Arc::clone(&self.inner)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Draws latency, failure before and failure after.
+    fn draw(&self) -> (Duration, bool, bool) {
+        let mut s = self.lock();
+        let f = s.faults;
+        let lo = f.min_latency.as_micros() as u64;
+        let hi = (f.max_latency.as_micros() as u64).max(lo);
+        let latency = Duration::from_micros(s.rng.random_range(lo..=hi));
+        let before = f.fail_prob > 0.0 && s.rng.random_bool(f.fail_prob.min(1.0));
+        let after =
+            f.fail_after_write_prob > 0.0 && s.rng.random_bool(f.fail_after_write_prob.min(1.0));
+        if before || after {
+            s.injected += 1;
+        }
+        (latency, before, after)
+    }
+
+    async fn enter(&self, what: &str) -> Result<bool> {
+        let (latency, before, after) = self.draw();
+        tokio::time::sleep(latency).await;
+        if before {
+            return Err(injected(what));
+        }
+        Ok(after)
+    }
+}
+
+#[async_trait]
+impl ObjectStore for FaultyObjectStore {
+    async fn put_opts(
+        &self,
+        location: &Path,
+        payload: PutPayload,
+        opts: PutOptions,
+    ) -> Result<PutResult> {
+        let fail_after = self.enter("put").await?;
+        let result = self.inner.put_opts(location, payload, opts).await?;
+        if fail_after {
+            return Err(injected("put applied, answer lost"));
+        }
+        Ok(result)
+    }
+
+    async fn put_multipart_opts(
+        &self,
+        location: &Path,
+        opts: PutMultipartOptions,
+    ) -> Result<Box<dyn MultipartUpload>> {
+        self.enter("put_multipart").await?;
+        self.inner.put_multipart_opts(location, opts).await
+    }
+
+    async fn get_opts(&self, location: &Path, options: GetOptions) -> Result<GetResult> {
+        self.enter("get").await?;
+        self.inner.get_opts(location, options).await
+    }
+
+    fn delete_stream(
+        &self,
+        locations: BoxStream<'static, Result<Path>>,
+    ) -> BoxStream<'static, Result<Path>> {
+        self.inner.delete_stream(locations)
+    }
+
+    fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, Result<ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+
+    async fn list_with_delimiter(&self, prefix: Option<&Path>) -> Result<ListResult> {
+        self.enter("list").await?;
+        self.inner.list_with_delimiter(prefix).await
+    }
+
+    async fn copy_opts(&self, from: &Path, to: &Path, options: CopyOptions) -> Result<()> {
+        let fail_after = self.enter("copy").await?;
+        self.inner.copy_opts(from, to, options).await?;
+        if fail_after {
+            return Err(injected("copy applied, answer lost"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use object_store::ObjectStoreExt;
+
+    #[tokio::test(start_paused = true)]
+    async fn failures_before_and_after_writes() {
+        let store = FaultyObjectStore::new(
+            3,
+            ObjectFaults {
+                fail_after_write_prob: 1.0,
+                ..ObjectFaults::default()
+            },
+        );
+        let key = Path::from("a/b");
+        let err = store
+            .put_opts(&key, PutPayload::from_static(b"x"), PutMode::Create.into())
+            .await
+            .expect_err("answer lost");
+        assert!(err.to_string().contains("injected"), "{err}");
+        assert!(
+            store.truth().head(&key).await.is_ok(),
+            "the write took effect"
+        );
+        // A retry of a create-only write now finds the object: exactly once.
+        store.set_faults(ObjectFaults::default());
+        let again = store
+            .put_opts(&key, PutPayload::from_static(b"x"), PutMode::Create.into())
+            .await;
+        assert!(
+            matches!(again, Err(object_store::Error::AlreadyExists { .. })),
+            "{again:?}"
+        );
+
+        store.set_faults(ObjectFaults {
+            fail_prob: 1.0,
+            ..ObjectFaults::default()
+        });
+        let key2 = Path::from("a/c");
+        assert!(store
+            .put(&key2, PutPayload::from_static(b"y"))
+            .await
+            .is_err());
+        assert!(
+            store.truth().head(&key2).await.is_err(),
+            "a failed-before write has no effect"
+        );
+        assert_eq!(store.injected_faults(), 2);
+    }
+
+    use object_store::PutMode;
+}
