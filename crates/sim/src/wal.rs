@@ -226,19 +226,21 @@ impl Sim {
             .unwrap_or_else(|_| unreachable!("64 KiB is a valid segment size"))
     }
 
-    async fn start_safekeeper(&mut self, i: usize) -> Result<(), Failure> {
+    /// Opens safekeeper `i`'s acceptor from its disk, as a restart does.
+    async fn open_acceptor(&self, i: usize) -> Result<Acceptor, Failure> {
         let disk: Arc<dyn Disk> = Arc::new(self.disks[i].clone());
-        let acceptor = Acceptor::open(
-            disk,
-            &format!("sk{i}"),
-            AcceptorConfig {
-                node_id: i as u64,
-                timeline_id: TIMELINE,
-                segment_size: Self::segment(),
-            },
-        )
-        .await
-        .map_err(|e| self.fail(format!("sk{i} cannot recover from its disk: {e}")))?;
+        let config = AcceptorConfig {
+            node_id: i as u64,
+            timeline_id: TIMELINE,
+            segment_size: Self::segment(),
+        };
+        Acceptor::open(disk, &format!("sk{i}"), config)
+            .await
+            .map_err(|e| self.fail(format!("sk{i} cannot recover from its disk: {e}")))
+    }
+
+    async fn start_safekeeper(&mut self, i: usize) -> Result<(), Failure> {
+        let acceptor = self.open_acceptor(i).await?;
         let server = SafekeeperServer::start(self.net.node(&node_name(i)), &node_name(i), acceptor)
             .await
             .map_err(|e| self.fail(format!("sk{i} cannot listen: {e}")))?;
@@ -564,18 +566,7 @@ impl Sim {
         }
         let mut wals = Vec::new();
         for i in 0..SAFEKEEPERS {
-            let disk: Arc<dyn Disk> = Arc::new(self.disks[i].clone());
-            let acceptor = Acceptor::open(
-                disk,
-                &format!("sk{i}"),
-                AcceptorConfig {
-                    node_id: i as u64,
-                    timeline_id: TIMELINE,
-                    segment_size: Self::segment(),
-                },
-            )
-            .await
-            .map_err(|e| self.fail(format!("sk{i} cannot reopen: {e}")))?;
+            let acceptor = self.open_acceptor(i).await?;
             let upto = acceptor.flush_lsn().min(committed);
             let mut wal = Vec::with_capacity(upto.0 as usize);
             while (wal.len() as u64) < upto.0 {

@@ -628,14 +628,7 @@ impl Proposer {
                 commit_lsn: candidate,
             });
         }
-        let all: Vec<Lsn> = self
-            .peers
-            .iter()
-            .filter_map(|p| match p {
-                Peer::Streaming { flush_lsn, .. } => Some(*flush_lsn),
-                _ => None,
-            })
-            .collect();
+        let all = self.streaming_flushes();
         if all.len() == self.peers.len() {
             let horizon = all
                 .iter()
@@ -647,6 +640,11 @@ impl Proposer {
         }
     }
 
+    /// Flush positions of the safekeepers streaming in this term.
+    fn streaming_flushes(&self) -> Vec<Lsn> {
+        self.peer_flush_lsns().into_iter().flatten().collect()
+    }
+
     /// Drops WAL no safekeeper can need from the buffer: below every streaming
     /// safekeeper's flush when all stream, else below the commit once the buffer
     /// is over its limit (a returning safekeeper then reads from a peer).
@@ -654,14 +652,7 @@ impl Proposer {
         if self.fetch.is_some() {
             return;
         }
-        let streaming: Vec<Lsn> = self
-            .peers
-            .iter()
-            .filter_map(|p| match p {
-                Peer::Streaming { flush_lsn, .. } => Some(*flush_lsn),
-                _ => None,
-            })
-            .collect();
+        let streaming = self.streaming_flushes();
         let target = if streaming.len() == self.peers.len() {
             streaming.iter().copied().min().unwrap_or(self.buffer_start)
         } else if self.buffer.len() as u64 > self.config.max_buffered_bytes {
