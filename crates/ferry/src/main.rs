@@ -33,8 +33,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Runs everything in one process on embedded defaults (coordination store and
-    /// object storage under the data dir) until Ctrl-C.
+    /// Runs everything in one process on embedded defaults (coordination store,
+    /// object storage and a WAL quorum under the data dir) until Ctrl-C.
     Dev(dev::DevArgs),
     /// Runs one safekeeper (WAL server) of a distributed deployment.
     Safekeeper(roles::SafekeeperArgs),
