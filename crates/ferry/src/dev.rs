@@ -46,6 +46,7 @@ fn absolute(dir: &Path) -> anyhow::Result<PathBuf> {
 
 pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let data_dir = absolute(&args.data_dir)?;
+    let _lock = crate::lockfile::lock_data_dir(&data_dir)?;
     let disk = Arc::new(RealDisk::open_root(&data_dir).context("opening the data dir")?);
     let store = EmbeddedStore::open(disk, "coord", EmbeddedOptions::default())
         .await

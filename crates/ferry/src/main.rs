@@ -13,6 +13,7 @@ mod bench;
 mod dev;
 mod http;
 mod local;
+mod lockfile;
 mod roles;
 mod sim;
 

@@ -50,6 +50,7 @@ pub struct WriterArgs {
 
 pub async fn safekeeper(args: SafekeeperArgs) -> anyhow::Result<()> {
     let segment = SegmentSize::new(args.segment_bytes)?;
+    let _lock = crate::lockfile::lock_data_dir(&args.data_dir)?;
     let disk: Arc<dyn Disk> =
         Arc::new(RealDisk::open_root(&args.data_dir).context("opening the data dir")?);
     let server = start_safekeeper(disk, args.id, &args.listen, segment).await?;

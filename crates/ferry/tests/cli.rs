@@ -94,6 +94,18 @@ fn dev_starts_reports_ready_and_stops_cleanly_on_ctrl_c() {
             "safekeeper {sk}"
         );
     }
+    // A second process on the same data dir is refused while the first runs.
+    let second = Command::new(FERRY)
+        .args(["dev", "--http", "127.0.0.1:0", "--data-dir"])
+        .arg(&data)
+        .output()
+        .expect("run a second dev");
+    assert!(!second.status.success());
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(
+        stderr.contains("in use by another ferry process"),
+        "{stderr}"
+    );
     let url = ready
         .rsplit("status on ")
         .next()
