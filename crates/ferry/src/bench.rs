@@ -295,6 +295,18 @@ fn insert_of(total_bytes: usize, block: u64) -> bytes::Bytes {
     .to_bytes()
 }
 
+/// (appends received, WAL fsyncs) of each safekeeper.
+async fn quorum_counters(
+    safekeepers: &[Arc<ferry_safekeeper::server::SafekeeperServer>],
+) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    for s in safekeepers {
+        let status = s.status().await;
+        out.push((status.appends_received, status.wal_fsyncs));
+    }
+    out
+}
+
 pub async fn wal(args: WalBenchArgs) -> anyhow::Result<()> {
     let tmp = match &args.dir {
         Some(d) => {
@@ -359,6 +371,7 @@ pub async fn wal(args: WalBenchArgs) -> anyhow::Result<()> {
     }
 
     for writers in [1usize, 64] {
+        let before = quorum_counters(&quorum.safekeepers).await;
         let per = (args.appends / writers).max(1);
         let mut tasks = Vec::new();
         for wi in 0..writers {
@@ -387,6 +400,18 @@ pub async fn wal(args: WalBenchArgs) -> anyhow::Result<()> {
             ms(p50),
             ms(percentile(&all, 0.99)),
             p50.as_secs_f64() / fsync_p50.as_secs_f64().max(1e-9)
+        );
+        let after = quorum_counters(&quorum.safekeepers).await;
+        let factors: Vec<String> = before
+            .iter()
+            .zip(&after)
+            .map(|((a0, f0), (a1, f1))| {
+                format!("{:.1}", (a1 - a0) as f64 / ((f1 - f0).max(1)) as f64)
+            })
+            .collect();
+        say!(
+            "    appends per WAL fsync on each safekeeper (group commit): {}",
+            factors.join(", ")
         );
     }
     let writer = Arc::into_inner(writer).context("writer still shared")?;

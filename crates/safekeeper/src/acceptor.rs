@@ -88,6 +88,10 @@ pub struct AcceptorStatus {
     pub peer_horizon_lsn: String,
     pub backup_lsn: String,
     pub shards: usize,
+    /// Appends carrying WAL received since start.
+    pub appends_received: u64,
+    /// WAL fsyncs since start: appends / fsyncs is the group-commit factor.
+    pub wal_fsyncs: u64,
 }
 
 /// The acceptor of one safekeeper.
@@ -106,6 +110,8 @@ pub struct Acceptor {
     peer_horizon_lsn: Lsn,
     feedback: BTreeMap<u32, ShardFeedback>,
     commit_watch: watch::Sender<Lsn>,
+    appends_received: u64,
+    wal_fsyncs: u64,
 }
 
 impl std::fmt::Debug for Acceptor {
@@ -173,6 +179,8 @@ impl Acceptor {
             pending_wal: BytesMut::new(),
             feedback: BTreeMap::new(),
             commit_watch,
+            appends_received: 0,
+            wal_fsyncs: 0,
         })
     }
 
@@ -215,6 +223,8 @@ impl Acceptor {
             peer_horizon_lsn: self.peer_horizon_lsn.to_string(),
             backup_lsn: self.state.backup_lsn.to_string(),
             shards: self.feedback.len(),
+            appends_received: self.appends_received,
+            wal_fsyncs: self.wal_fsyncs,
         }
     }
 
@@ -367,6 +377,9 @@ impl Acceptor {
             }
             self.pending_wal.extend_from_slice(&req.wal);
         }
+        if !req.wal.is_empty() {
+            self.appends_received += 1;
+        }
         self.pending_commit_lsn = self.pending_commit_lsn.max(req.commit_lsn);
         self.peer_horizon_lsn = self
             .peer_horizon_lsn
@@ -392,6 +405,9 @@ impl Acceptor {
 
     async fn flush(&mut self) -> Result<(), AcceptorError> {
         self.write_pending().await?;
+        if self.wal.write_lsn() > self.wal.flush_lsn() {
+            self.wal_fsyncs += 1;
+        }
         let flush_lsn = self.wal.flush().await?;
         let commit = self.commit_lsn.max(self.pending_commit_lsn.min(flush_lsn));
         assert!(commit >= self.commit_lsn, "commit_lsn went back");
