@@ -2,8 +2,6 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::{Backend, SOON};
 use ferry_coord::path::{MAX_DATA_BYTES, MAX_REQUEST_BYTES};
 use ferry_coord::{
@@ -525,7 +523,6 @@ async fn create_all_builds_paths(b: &dyn Backend) {
         ferry_coord::create_all(&*s, "/x//y").await,
         Err(CoordError::InvalidPath { .. })
     ));
-    let _ = Duration::ZERO;
 }
 
 conformance!(
