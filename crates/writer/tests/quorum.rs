@@ -425,3 +425,138 @@ async fn lagging_voter_is_caught_up_from_the_donor() {
         "the lagging voter got the donor's WAL"
     );
 }
+
+/// Delivers `msg` to safekeeper `to` and hands every answer to `proposer`;
+/// returns the proposer's resulting actions.
+async fn deliver(
+    cluster: &mut Cluster,
+    proposer: &mut Proposer,
+    to: usize,
+    msg: ToSafekeeper,
+) -> Vec<Action> {
+    let acceptor = cluster.acceptors[to].as_mut().expect("running");
+    let replies = acceptor.handle_batch(vec![msg]).await.expect("storage");
+    let mut actions = Vec::new();
+    for reply in replies {
+        actions.extend(proposer.on_message(to, reply));
+    }
+    actions
+}
+
+/// The messages among `actions`, in order.
+fn sends(actions: Vec<Action>) -> Vec<(usize, ToSafekeeper)> {
+    actions
+        .into_iter()
+        .filter_map(|a| match a {
+            Action::Send { to, msg } => Some((to, msg)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Delivers messages (and the answers' follow-ups) until none is left, except
+/// those `keep` refuses, which are dropped.
+async fn settle(
+    cluster: &mut Cluster,
+    proposer: &mut Proposer,
+    actions: Vec<Action>,
+    keep: impl Fn(usize, &ToSafekeeper) -> bool,
+) {
+    let mut queue: std::collections::VecDeque<(usize, ToSafekeeper)> = sends(actions).into();
+    while let Some((to, msg)) = queue.pop_front() {
+        if !keep(to, &msg) || cluster.acceptors[to].is_none() {
+            continue;
+        }
+        let more = deliver(cluster, proposer, to, msg).await;
+        queue.extend(sends(more));
+    }
+}
+
+fn config_with_small_appends(min_term: Term) -> ProposerConfig {
+    let mut config = ProposerConfig::new(3, TIMELINE, SEG, 7 + min_term as u128);
+    config.min_term = min_term;
+    // One 50-byte record per append, so a safekeeper can be left half-way.
+    config.max_append_bytes = 50;
+    config
+}
+
+/// Raft's "figure 8" on three safekeepers: WAL of an older term that a new writer
+/// has brought to a quorum must not count as committed until the new term's
+/// start is on a quorum too, because a later election may still replace it.
+#[tokio::test]
+async fn no_commit_from_a_previous_term() {
+    let mut cluster = Cluster::new(3).await;
+    let record = |block: u64| batch(block, 1, 18); // 50 bytes each
+    assert_eq!(record(0).len(), 50);
+
+    // Term 1: safekeeper 0 alone gets two records (X), never committed.
+    let mut w1 = Writer::new(3, 0);
+    w1.connect_all(&mut cluster).await;
+    cluster.kill(1, &mut [&mut w1]);
+    cluster.kill(2, &mut [&mut w1]);
+    let mut x = record(1).to_vec();
+    x.extend_from_slice(&record(2));
+    w1.append(&mut cluster, &x).await.expect("append");
+    assert_eq!(w1.commit_lsn, Lsn(0));
+    cluster.kill(0, &mut [&mut w1]);
+
+    // Term 2: elected by 1 and 2, but its election message to 1 is lost; only
+    // safekeeper 2 receives its two records (Z).
+    cluster.start(1).await;
+    cluster.start(2).await;
+    let mut w2 = Proposer::new(config_with_small_appends(1));
+    let mut actions = w2.on_connected(1);
+    actions.extend(w2.on_connected(2));
+    settle(&mut cluster, &mut w2, actions, |to, msg| {
+        !(to == 1 && matches!(msg, ToSafekeeper::Elected(_)))
+    })
+    .await;
+    assert_eq!(w2.term(), 2);
+    assert!(w2.is_elected());
+    let mut z = record(10).to_vec();
+    z.extend_from_slice(&record(11));
+    let (_, actions) = w2.append(&z).expect("append");
+    settle(&mut cluster, &mut w2, actions, |to, _| to == 2).await;
+    assert_eq!(cluster.acceptor(2).flush_lsn(), Lsn(100));
+    assert_eq!(cluster.acceptor(1).flush_lsn(), Lsn(0));
+    assert_eq!(w2.commit_lsn(), Lsn(0), "one safekeeper cannot commit");
+    cluster.acceptors[2] = None;
+
+    // Term 3: elected by 0 and 1. Safekeeper 0 is the donor (term 1, 100 bytes):
+    // the epoch starts at 100 with X. Safekeeper 1 receives only X's first record.
+    cluster.start(0).await;
+    let mut w3 = Proposer::new(config_with_small_appends(2));
+    let mut actions = w3.on_connected(0);
+    actions.extend(w3.on_connected(1));
+    let mut appends_to_1 = 0;
+    let mut queue: std::collections::VecDeque<(usize, ToSafekeeper)> = sends(actions).into();
+    while let Some((to, msg)) = queue.pop_front() {
+        if to == 1 && matches!(msg, ToSafekeeper::Append(ref a) if !a.wal.is_empty()) {
+            appends_to_1 += 1;
+            if appends_to_1 > 1 {
+                continue;
+            }
+        }
+        let more = deliver(&mut cluster, &mut w3, to, msg).await;
+        queue.extend(sends(more));
+    }
+    assert_eq!(w3.epoch_start_lsn(), Lsn(100));
+    assert_eq!(
+        cluster.acceptor(1).flush_lsn(),
+        Lsn(50),
+        "half of X reached safekeeper 1"
+    );
+    // Two safekeepers now hold X's first record, but it is WAL of term 1: it must
+    // not be reported committed.
+    assert_eq!(w3.commit_lsn(), Lsn(0), "no commit from a previous term");
+
+    // Why: term 4 is elected by 1 and 2 without 0, and safekeeper 2's term-2 WAL
+    // (Z) wins over X. Had X's first record been acknowledged, it would be lost now.
+    cluster.acceptors[0] = None;
+    cluster.start(2).await;
+    let mut w4 = Writer::new(3, 3);
+    w4.connect_all(&mut cluster).await;
+    assert_eq!(w4.elected, Some((4, Lsn(100))));
+    assert!(cluster.wal(1).await == z, "safekeeper 1 now holds Z, not X");
+    assert!(cluster.wal(2).await == z);
+}
