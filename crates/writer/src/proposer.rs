@@ -295,20 +295,26 @@ impl Proposer {
         }
         for peer in 0..self.peers.len() {
             if let Peer::Streaming { next_send, .. } = self.peers[peer] {
-                actions.push(Action::Send {
-                    to: peer,
-                    msg: ToSafekeeper::Append(AppendRequest {
-                        term: self.term,
-                        begin_lsn: next_send,
-                        end_lsn: next_send,
-                        commit_lsn: self.commit_lsn,
-                        truncate_lsn: self.truncate_lsn,
-                        wal: Bytes::new(),
-                    }),
-                });
+                actions.push(self.append_to(peer, next_send, Bytes::new()));
             }
         }
         actions
+    }
+
+    /// An append of `wal` starting at `begin` for `peer`, carrying the current
+    /// commit and truncate positions (empty `wal`: a heartbeat).
+    fn append_to(&self, peer: usize, begin: Lsn, wal: Bytes) -> Action {
+        Action::Send {
+            to: peer,
+            msg: ToSafekeeper::Append(AppendRequest {
+                term: self.term,
+                begin_lsn: begin,
+                end_lsn: Lsn(begin.0 + wal.len() as u64),
+                commit_lsn: self.commit_lsn,
+                truncate_lsn: self.truncate_lsn,
+                wal,
+            }),
+        }
     }
 
     /// Appends whole, valid records; returns the LSN just past them: they are
@@ -714,17 +720,8 @@ impl Proposer {
             let Some(chunk_end) = chunk_end else { break };
             let from = next_send.distance_from(self.buffer_start) as usize;
             let to = chunk_end.distance_from(self.buffer_start) as usize;
-            actions.push(Action::Send {
-                to: peer,
-                msg: ToSafekeeper::Append(AppendRequest {
-                    term: self.term,
-                    begin_lsn: next_send,
-                    end_lsn: chunk_end,
-                    commit_lsn: self.commit_lsn,
-                    truncate_lsn: self.truncate_lsn,
-                    wal: Bytes::copy_from_slice(&self.buffer[from..to]),
-                }),
-            });
+            let wal = Bytes::copy_from_slice(&self.buffer[from..to]);
+            actions.push(self.append_to(peer, next_send, wal));
             next_send = chunk_end;
         }
         self.peers[peer] = Peer::Streaming {
