@@ -269,7 +269,7 @@ impl DiskFile for InstrumentedFile {
     async fn read_at(&self, offset: u64, len: usize) -> io::Result<Vec<u8>> {
         self.inner.read_at(offset, len).await
     }
-    async fn write_at(&self, offset: u64, data: Vec<u8>) -> io::Result<()> {
+    async fn write_at(&self, offset: u64, data: bytes::Bytes) -> io::Result<()> {
         self.inner.write_at(offset, data).await
     }
     async fn set_len(&self, len: u64) -> io::Result<()> {

@@ -6,6 +6,7 @@ use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use bytes::Bytes;
 
 /// A node's view of its local disk.
 ///
@@ -45,8 +46,9 @@ pub trait Disk: Send + Sync + fmt::Debug + 'static {
 pub trait DiskFile: Send + Sync + fmt::Debug {
     /// Reads exactly `len` bytes at `offset` (`UnexpectedEof` if the file is shorter).
     async fn read_at(&self, offset: u64, len: usize) -> io::Result<Vec<u8>>;
-    /// Writes all of `data` at `offset`, growing the file if needed.
-    async fn write_at(&self, offset: u64, data: Vec<u8>) -> io::Result<()>;
+    /// Writes all of `data` at `offset`, growing the file if needed. `Bytes`, so
+    /// that WAL received from the network reaches the page cache without a copy.
+    async fn write_at(&self, offset: u64, data: Bytes) -> io::Result<()>;
     /// Truncates or extends the file.
     async fn set_len(&self, len: u64) -> io::Result<()>;
     /// Makes every write so far durable.
@@ -223,7 +225,7 @@ impl DiskFile for RealFile {
         .await
     }
 
-    async fn write_at(&self, offset: u64, data: Vec<u8>) -> io::Result<()> {
+    async fn write_at(&self, offset: u64, data: Bytes) -> io::Result<()> {
         use std::os::unix::fs::FileExt;
         if data.len() <= INLINE_WRITE_BYTES {
             // A small write only copies into the page cache: cheaper than a hop
@@ -271,7 +273,9 @@ mod tests {
         disk.create_dir_all("a/b").await.expect("mkdir");
         let f = disk.create_new("a/b/f").await.expect("create");
         assert!(disk.create_new("a/b/f").await.is_err());
-        f.write_at(0, b"hello world".to_vec()).await.expect("write");
+        f.write_at(0, Bytes::from_static(b"hello world"))
+            .await
+            .expect("write");
         f.sync_data().await.expect("sync");
         assert_eq!(f.read_at(6, 5).await.expect("read"), b"world");
         assert!(f.read_at(6, 50).await.is_err());

@@ -33,6 +33,8 @@ use crate::wal_storage::{WalStorage, WalStorageError};
 
 /// Most WAL gathered from a batch of appends before it is written out.
 const MAX_PENDING_WAL_BYTES: usize = 8 << 20;
+/// Appends smaller than this are copied together into one write.
+const JOIN_BELOW_BYTES: usize = 32 << 10;
 
 /// Identity and geometry of a safekeeper.
 #[derive(Debug, Clone)]
@@ -106,7 +108,9 @@ pub struct Acceptor {
     /// Highest commit_lsn announced by appends not yet flushed.
     pending_commit_lsn: Lsn,
     /// WAL of the current batch, not yet written.
-    pending_wal: BytesMut,
+    /// WAL of the current batch, not yet written: slices of the received frames.
+    pending_wal: Vec<Bytes>,
+    pending_wal_bytes: usize,
     peer_horizon_lsn: Lsn,
     feedback: BTreeMap<u32, ShardFeedback>,
     commit_watch: watch::Sender<Lsn>,
@@ -176,7 +180,8 @@ impl Acceptor {
             wal,
             commit_lsn,
             pending_commit_lsn: commit_lsn,
-            pending_wal: BytesMut::new(),
+            pending_wal: Vec::new(),
+            pending_wal_bytes: 0,
             feedback: BTreeMap::new(),
             commit_watch,
             appends_received: 0,
@@ -362,7 +367,7 @@ impl Acceptor {
         if !req.wal.is_empty() {
             // Appends of one batch are gathered and written with one call at the
             // flush: one system call and one fsync for the whole batch.
-            let expected = Lsn(self.wal.write_lsn().0 + self.pending_wal.len() as u64);
+            let expected = Lsn(self.wal.write_lsn().0 + self.pending_wal_bytes as u64);
             if req.begin_lsn != expected {
                 return Err(refused(
                     self.state.term,
@@ -372,10 +377,11 @@ impl Acceptor {
                     ),
                 ));
             }
-            if self.pending_wal.len() + req.wal.len() > MAX_PENDING_WAL_BYTES {
+            if self.pending_wal_bytes + req.wal.len() > MAX_PENDING_WAL_BYTES {
                 self.write_pending().await?;
             }
-            self.pending_wal.extend_from_slice(&req.wal);
+            self.pending_wal_bytes += req.wal.len();
+            self.pending_wal.push(req.wal.clone());
         }
         if !req.wal.is_empty() {
             self.appends_received += 1;
@@ -395,11 +401,26 @@ impl Acceptor {
     }
 
     async fn write_pending(&mut self) -> Result<(), AcceptorError> {
-        if !self.pending_wal.is_empty() {
+        // Small appends are joined into one write (one system call); a large one
+        // is written from the frame it arrived in, without a copy.
+        let mut small = BytesMut::new();
+        for chunk in std::mem::take(&mut self.pending_wal) {
+            if chunk.len() < JOIN_BELOW_BYTES {
+                small.extend_from_slice(&chunk);
+                continue;
+            }
+            if !small.is_empty() {
+                let begin = self.wal.write_lsn();
+                self.wal.write(begin, small.split().freeze()).await?;
+            }
             let begin = self.wal.write_lsn();
-            let data = std::mem::take(&mut self.pending_wal);
-            self.wal.write(begin, &data).await?;
+            self.wal.write(begin, chunk).await?;
         }
+        if !small.is_empty() {
+            let begin = self.wal.write_lsn();
+            self.wal.write(begin, small.freeze()).await?;
+        }
+        self.pending_wal_bytes = 0;
         Ok(())
     }
 
@@ -451,6 +472,12 @@ impl Acceptor {
             commit_lsn: self.commit_lsn,
             shard_feedback: self.feedback.values().copied().collect(),
         })
+    }
+
+    /// Stops background disk work (a killed safekeeper must leave its disk as a
+    /// crash would).
+    pub fn stop_background(&mut self) {
+        self.wal.stop_background();
     }
 
     /// Records a replica's feedback (relayed to the writer in append responses).

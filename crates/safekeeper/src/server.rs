@@ -86,6 +86,7 @@ impl SafekeeperServer {
             // are closed, as the kernel closes a dead process's sockets.
             let _ = task.await;
         }
+        self.shared.acceptor.lock().await.stop_background();
     }
 
     /// Stops accepting, drops every connection and persists the positions.

@@ -6,6 +6,13 @@
 //!   needed to reach it (a new segment file, a rename) were synced;
 //! * a segment is renamed from `<name>.partial` to `<name>` only when it is full
 //!   and synced;
+//! * segments are preallocated: a `<name>.partial` file always has the full
+//!   segment length, and every byte of it past `write_lsn` is zero. A new segment
+//!   is filled with zeros and synced under a temporary name (`<name>.prep`, by a
+//!   background task one segment ahead) before it is renamed into place. Writes
+//!   then never change a file's size, so an `fdatasync` flushes data blocks only,
+//!   without a file-system journal commit (about half the latency on ext4, and
+//!   the safekeepers sharing a disk no longer queue behind one journal);
 //! * after a crash, [`WalStorage::open`] walks records from a known record boundary
 //!   (the persisted commit_lsn) and cuts everything after the last valid record,
 //!   so a torn tail never becomes WAL; committed WAL is never cut because it lies
@@ -41,6 +48,41 @@ struct OpenSegment {
     file: Box<dyn DiskFile>,
 }
 
+/// Name suffix of a segment being preallocated.
+const PREPARING_SUFFIX: &str = ".prep";
+/// Zeros are written in pieces of this size.
+const ZERO_CHUNK_BYTES: usize = 1 << 20;
+static ZEROS: [u8; ZERO_CHUNK_BYTES] = [0; ZERO_CHUNK_BYTES];
+
+/// Writes zeros over `[from, to)` of `file`.
+async fn write_zeros(file: &dyn DiskFile, from: u64, to: u64) -> io::Result<()> {
+    let mut at = from;
+    while at < to {
+        let n = ((to - at) as usize).min(ZERO_CHUNK_BYTES);
+        file.write_at(at, Bytes::from_static(&ZEROS[..n])).await?;
+        at += n as u64;
+    }
+    Ok(())
+}
+
+/// Creates `path` (replacing a leftover) as `len` zero bytes, synced.
+async fn prepare_segment_file(disk: Arc<dyn Disk>, path: String, len: u64) -> io::Result<()> {
+    match disk.remove_file(&path).await {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let file = disk.create_new(&path).await?;
+    write_zeros(file.as_ref(), 0, len).await?;
+    file.sync_data().await
+}
+
+/// The next segment, being preallocated in the background.
+struct Spare {
+    segno: u64,
+    task: tokio::task::JoinHandle<io::Result<()>>,
+}
+
 /// The WAL of one safekeeper.
 pub struct WalStorage {
     disk: Arc<dyn Disk>,
@@ -49,7 +91,14 @@ pub struct WalStorage {
     write_lsn: Lsn,
     flush_lsn: Lsn,
     open: Option<OpenSegment>,
+    spare: Option<Spare>,
     dir_dirty: bool,
+}
+
+impl Drop for WalStorage {
+    fn drop(&mut self) {
+        self.stop_background();
+    }
 }
 
 impl std::fmt::Debug for WalStorage {
@@ -81,6 +130,7 @@ impl WalStorage {
             write_lsn: record_boundary,
             flush_lsn: record_boundary,
             open: None,
+            spare: None,
             dir_dirty: false,
         };
         let end = wal.find_end(&segments, record_boundary).await?;
@@ -105,6 +155,67 @@ impl WalStorage {
     fn path(&self, segno: u64, partial: bool) -> String {
         let suffix = if partial { PARTIAL_SUFFIX } else { "" };
         format!("{}/{}{suffix}", self.dir, self.seg.file_name(segno))
+    }
+
+    fn preparing_path(&self, segno: u64) -> String {
+        format!(
+            "{}/{}{PREPARING_SUFFIX}",
+            self.dir,
+            self.seg.file_name(segno)
+        )
+    }
+
+    /// Stops preallocating (a killed node must not touch its disk any more).
+    pub fn stop_background(&mut self) {
+        if let Some(spare) = self.spare.take() {
+            spare.task.abort();
+        }
+    }
+
+    /// Starts preallocating segment `segno` in the background, unless it is.
+    fn start_spare(&mut self, segno: u64) {
+        if self.spare.as_ref().is_some_and(|s| s.segno == segno) {
+            return;
+        }
+        self.stop_background();
+        let task = tokio::spawn(prepare_segment_file(
+            Arc::clone(&self.disk),
+            self.preparing_path(segno),
+            self.seg.bytes(),
+        ));
+        self.spare = Some(Spare { segno, task });
+    }
+
+    /// Waits for the background preallocation to end (so that it cannot race
+    /// with a change of the directory).
+    async fn settle_spare(&mut self) {
+        if let Some(spare) = self.spare.take() {
+            spare.task.abort();
+            let _ = spare.task.await;
+        }
+    }
+
+    /// A preallocated, synced `<segno>.prep` file: the spare if it is for
+    /// `segno`, else made now.
+    async fn take_prepared(&mut self, segno: u64) -> Result<(), WalStorageError> {
+        if let Some(spare) = self.spare.take() {
+            if spare.segno == segno {
+                // A cancelled task (`Err`) leaves the work to be done here.
+                if let Ok(result) = spare.task.await {
+                    return result.map_err(Into::into);
+                }
+            } else {
+                spare.task.abort();
+                let _ = spare.task.await;
+            }
+        }
+        prepare_segment_file(
+            Arc::clone(&self.disk),
+            self.preparing_path(segno),
+            self.seg.bytes(),
+        )
+        .await?;
+        Ok(())
     }
 
     async fn find_end(
@@ -165,9 +276,19 @@ impl WalStorage {
         Ok(carry_start)
     }
 
-    /// Removes every byte at or after `end`, durably.
+    /// Removes every byte at or after `end`, durably: later segments are deleted
+    /// and the rest of `end`'s segment is zeroed (keeping it full length), so no
+    /// stale record past the end can ever be read as WAL again.
     async fn cut_after(&mut self, end: Lsn) -> Result<(), WalStorageError> {
         self.open = None;
+        self.settle_spare().await;
+        for name in self.disk.list_dir(&self.dir).await? {
+            if name.ends_with(PREPARING_SUFFIX) {
+                self.disk
+                    .remove_file(&format!("{}/{name}", self.dir))
+                    .await?;
+            }
+        }
         let segments = list_segments(self.disk.as_ref(), &self.dir, self.seg).await?;
         let end_segno = self.seg.segno(end);
         for (&segno, &partial) in segments.iter() {
@@ -179,10 +300,31 @@ impl WalStorage {
                         .rename(&self.path(segno, false), &self.path(segno, true))
                         .await?;
                 }
-                let file = self.disk.open(&self.path(segno, true)).await?;
+                let path = self.path(segno, true);
                 let keep = self.seg.offset(end);
-                if file.size().await? != keep {
-                    file.set_len(keep).await?;
+                let data = self.disk.read(&path).await?;
+                let dirty_end = data
+                    .iter()
+                    .rposition(|&b| b != 0)
+                    .map_or(0, |i| i as u64 + 1)
+                    .min(self.seg.bytes());
+                let file = self.disk.open(&path).await?;
+                let size = data.len() as u64;
+                let mut changed = false;
+                if size > self.seg.bytes() {
+                    file.set_len(self.seg.bytes()).await?;
+                    changed = true;
+                }
+                if dirty_end > keep {
+                    write_zeros(file.as_ref(), keep, dirty_end).await?;
+                    changed = true;
+                }
+                if size < self.seg.bytes() {
+                    // Written before segments were preallocated, or torn.
+                    write_zeros(file.as_ref(), size.max(keep), self.seg.bytes()).await?;
+                    changed = true;
+                }
+                if changed {
                     file.sync_data().await?;
                 }
             } else if partial {
@@ -199,7 +341,7 @@ impl WalStorage {
 
     /// Writes WAL at `begin` (which must be the current end); not durable until
     /// [`WalStorage::flush`].
-    pub async fn write(&mut self, begin: Lsn, data: &[u8]) -> Result<(), WalStorageError> {
+    pub async fn write(&mut self, begin: Lsn, data: Bytes) -> Result<(), WalStorageError> {
         if begin != self.write_lsn {
             return Err(WalStorageError::NonContiguous {
                 expected: self.write_lsn,
@@ -220,8 +362,7 @@ impl WalStorage {
                 .as_ref()
                 .ok_or_else(|| io::Error::other("no open segment"))?
                 .file;
-            file.write_at(offset, rest[..n].to_vec()).await?;
-            rest = &rest[n..];
+            file.write_at(offset, rest.split_to(n)).await?;
             pos = Lsn(pos.0 + n as u64);
             if self.seg.offset(pos) == 0 {
                 self.finish_segment().await?;
@@ -233,15 +374,19 @@ impl WalStorage {
 
     async fn open_segment(&mut self, segno: u64) -> Result<(), WalStorageError> {
         let path = self.path(segno, true);
-        let file = match self.disk.create_new(&path).await {
-            Ok(file) => {
+        let file = match self.disk.open(&path).await {
+            // Kept full length by `cut_after`.
+            Ok(file) => file,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                self.take_prepared(segno).await?;
+                self.disk.rename(&self.preparing_path(segno), &path).await?;
                 self.dir_dirty = true;
-                file
+                self.disk.open(&path).await?
             }
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => self.disk.open(&path).await?,
             Err(e) => return Err(e.into()),
         };
         self.open = Some(OpenSegment { segno, file });
+        self.start_spare(segno + 1);
         Ok(())
     }
 
@@ -407,16 +552,28 @@ mod tests {
         let data = records(100, 3000); // ~300 KiB: several 64 KiB segments
         for chunk in data.chunks(7000) {
             let at = wal.write_lsn();
-            wal.write(at, chunk).await.expect("write");
+            wal.write(at, Bytes::copy_from_slice(chunk))
+                .await
+                .expect("write");
         }
         assert_eq!(wal.flush().await.expect("flush"), Lsn(data.len() as u64));
-        let segs = names(dir.path());
+        // The next segment may be in preparation (`.prep`); it is not WAL.
+        let segs: Vec<String> = names(dir.path())
+            .into_iter()
+            .filter(|n| !n.ends_with(PREPARING_SUFFIX))
+            .collect();
         assert_eq!(
             segs.iter().filter(|n| n.ends_with(".partial")).count(),
             1,
             "{segs:?}"
         );
         assert_eq!(segs.len() as u64, data.len() as u64 / SEG + 1);
+        for name in &segs {
+            let len = std::fs::metadata(dir.path().join("wal").join(name))
+                .expect("meta")
+                .len();
+            assert_eq!(len, SEG, "{name} is preallocated");
+        }
         drop(wal);
         let wal = open(dir.path(), Lsn(0)).await;
         assert_eq!(wal.flush_lsn(), Lsn(data.len() as u64));
@@ -437,27 +594,25 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut wal = open(dir.path(), Lsn(0)).await;
         let data = records(30, 3000);
-        wal.write(Lsn(0), &data).await.expect("write");
+        wal.write(Lsn(0), Bytes::copy_from_slice(&data))
+            .await
+            .expect("write");
         wal.flush().await.expect("flush");
         let end = data.len() as u64;
         drop(wal);
-        // Tear the last record: cut 100 bytes off the partial segment, then add
-        // garbage after it.
+        // Tear the last record: zero its last 100 bytes (a page that did not reach
+        // the disk), and leave garbage after it (a later page that did).
         let partial = names(dir.path())
             .into_iter()
             .find(|n| n.ends_with(".partial"))
             .expect("partial");
         let path = dir.path().join("wal").join(partial);
-        let f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .expect("open");
-        let len = f.metadata().expect("meta").len();
-        f.set_len(len - 100).expect("tear");
-        drop(f);
         let mut bytes = std::fs::read(&path).expect("read");
-        bytes.extend_from_slice(&[0xAB; 300]);
-        std::fs::write(&path, &bytes).expect("garbage");
+        assert_eq!(bytes.len() as u64, SEG, "segments are preallocated");
+        let in_segment = (end % SEG) as usize;
+        bytes[in_segment - 100..in_segment].fill(0);
+        bytes[in_segment + 50..in_segment + 350].fill(0xAB);
+        std::fs::write(&path, &bytes).expect("tear");
 
         let last_record = Record::insert_len(3000) as u64;
         let wal = open(dir.path(), Lsn(0)).await;
@@ -466,11 +621,19 @@ mod tests {
             Lsn(end - last_record),
             "exactly the torn record is gone"
         );
+        drop(wal);
         let reopened = open(dir.path(), Lsn(0)).await;
         assert_eq!(
             reopened.flush_lsn(),
             Lsn(end - last_record),
             "the cut was durable"
+        );
+        let bytes = std::fs::read(&path).expect("read");
+        assert_eq!(bytes.len() as u64, SEG, "still full length");
+        let cut = ((end - last_record) % SEG) as usize;
+        assert!(
+            bytes[cut..].iter().all(|&b| b == 0),
+            "everything past the end is zero, so no stale record can come back"
         );
     }
 
@@ -479,14 +642,18 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut wal = open(dir.path(), Lsn(0)).await;
         let data = records(60, 3000);
-        wal.write(Lsn(0), &data).await.expect("write");
+        wal.write(Lsn(0), Bytes::copy_from_slice(&data))
+            .await
+            .expect("write");
         wal.flush().await.expect("flush");
         let keep = Lsn(Record::insert_len(3000) as u64 * 10); // inside the first segment
         wal.truncate(keep).await.expect("truncate");
         assert_eq!((wal.write_lsn(), wal.flush_lsn()), (keep, keep));
         assert_eq!(names(dir.path()), vec!["000000010000000000000000.partial"]);
         let more = records(5, 100);
-        wal.write(keep, &more).await.expect("write after truncate");
+        wal.write(keep, Bytes::copy_from_slice(&more))
+            .await
+            .expect("write after truncate");
         wal.flush().await.expect("flush");
         drop(wal);
         let wal = open(dir.path(), Lsn(0)).await;
@@ -497,7 +664,7 @@ mod tests {
             Err(WalStorageError::BeyondFlush { .. })
         ));
         assert!(matches!(
-            wal.write(Lsn(1), b"x").await,
+            wal.write(Lsn(1), Bytes::from_static(b"x")).await,
             Err(WalStorageError::NonContiguous { .. })
         ));
     }
@@ -507,7 +674,9 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut wal = open(dir.path(), Lsn(0)).await;
         let data = records(100, 3000);
-        wal.write(Lsn(0), &data).await.expect("write");
+        wal.write(Lsn(0), Bytes::copy_from_slice(&data))
+            .await
+            .expect("write");
         wal.flush().await.expect("flush");
         let current = SegmentSize::new(SEG).expect("seg").segno(wal.flush_lsn());
         let removed = wal.remove_below(u64::MAX).await.expect("remove");

@@ -6,6 +6,12 @@
 //! file to its last synced contents, optionally keeping a random prefix of the
 //! unsynced bytes appended after it (a torn write), and every directory to its last
 //! synced entries. Stalls delay every operation until a virtual time.
+//!
+//! A torn crash keeps a random subset of the unsynced 512-byte sectors of a file
+//! (the page cache writes back in no particular order, a sector is atomic):
+//! sectors overwritten in place come back old or new, and a file grown by
+//! unsynced writes may keep a later sector but lose an earlier one (a hole of
+//! zeros).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io;
@@ -60,23 +66,21 @@ impl SimDisk {
     }
 
     /// Loses everything not synced, as a power cut would. With `tear`, a file
-    /// whose unsynced bytes extend its synced contents keeps a random prefix of
-    /// them.
+    /// with unsynced writes keeps a random subset of their sectors.
     pub fn crash(&self, rng: &mut SmallRng, tear: bool) {
         let mut s = lock(&self.state);
         s.current = s.synced.clone();
         let live: BTreeSet<u64> = s.current.values().copied().collect();
         s.files.retain(|id, _| live.contains(id));
         for file in s.files.values_mut() {
-            let extended =
-                file.current.len() > file.synced.len() && file.current.starts_with(&file.synced);
-            if tear && extended && rng.random_bool(0.5) {
-                let extra = rng.random_range(0..=file.current.len() - file.synced.len());
-                file.current.truncate(file.synced.len() + extra);
-                file.synced = file.current.clone();
-            } else {
-                file.current = file.synced.clone();
+            let torn = tear
+                && file.current.len() >= file.synced.len()
+                && file.current != file.synced
+                && rng.random_bool(0.5);
+            if torn {
+                file.synced = tear_sectors(&file.synced, &file.current, rng);
             }
+            file.current = file.synced.clone();
         }
         s.stall_until = None;
     }
@@ -110,6 +114,29 @@ impl SimDisk {
         }
         Ok(())
     }
+}
+
+/// Sector size of the torn-write model.
+pub const SECTOR_BYTES: usize = 512;
+
+/// `synced` with a random subset of the sectors in which `current` differs from
+/// it; bytes between kept sectors past the old end read as zeros.
+fn tear_sectors(synced: &[u8], current: &[u8], rng: &mut SmallRng) -> Vec<u8> {
+    let mut out = synced.to_vec();
+    for start in (0..current.len()).step_by(SECTOR_BYTES) {
+        let end = (start + SECTOR_BYTES).min(current.len());
+        let old_end = end.min(synced.len());
+        let changed = start >= synced.len()
+            || current[start..old_end] != synced[start..old_end]
+            || end > synced.len();
+        if changed && rng.random_bool(0.5) {
+            if out.len() < end {
+                out.resize(end, 0);
+            }
+            out[start..end].copy_from_slice(&current[start..end]);
+        }
+    }
+    out
 }
 
 #[async_trait]
@@ -280,7 +307,7 @@ impl DiskFile for SimFile {
         })
     }
 
-    async fn write_at(&self, offset: u64, data: Vec<u8>) -> io::Result<()> {
+    async fn write_at(&self, offset: u64, data: bytes::Bytes) -> io::Result<()> {
         self.disk.stall().await;
         self.with(|f| {
             let start = offset as usize;
@@ -327,12 +354,16 @@ mod tests {
         let mut rng = SmallRng::seed_from_u64(1);
         disk.create_dir_all("d").await.expect("mkdir");
         let f = disk.create_new("d/a").await.expect("create");
-        f.write_at(0, b"durable".to_vec()).await.expect("write");
+        f.write_at(0, bytes::Bytes::from_static(b"durable"))
+            .await
+            .expect("write");
         f.sync_data().await.expect("sync");
         disk.sync_dir("d").await.expect("sync dir");
-        f.write_at(7, b" lost".to_vec()).await.expect("write");
+        f.write_at(7, bytes::Bytes::from_static(b" lost"))
+            .await
+            .expect("write");
         let g = disk.create_new("d/b").await.expect("create");
-        g.write_at(0, b"synced data, unsynced entry".to_vec())
+        g.write_at(0, bytes::Bytes::from_static(b"synced data, unsynced entry"))
             .await
             .expect("write");
         g.sync_data().await.expect("sync");
@@ -348,29 +379,44 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn tearing_keeps_a_prefix_of_appended_bytes() {
+    async fn tearing_keeps_a_subset_of_unsynced_sectors() {
+        const S: usize = SECTOR_BYTES;
         let disk = SimDisk::new();
         disk.create_dir_all("d").await.expect("mkdir");
         let f = disk.create_new("d/a").await.expect("create");
-        f.write_at(0, b"base".to_vec()).await.expect("write");
+        let base = bytes::Bytes::from(vec![1u8; 2 * S]);
+        f.write_at(0, base.clone()).await.expect("write");
         f.sync_data().await.expect("sync");
         disk.sync_dir("d").await.expect("sync dir");
         let mut seen = BTreeSet::new();
         for seed in 0..64 {
-            f.write_at(4, b"0123456789".to_vec()).await.ok();
+            // Overwrite the second sector in place and append two more.
+            f.write_at(S as u64, bytes::Bytes::from(vec![2u8; 3 * S]))
+                .await
+                .expect("write");
             let mut rng = SmallRng::seed_from_u64(seed);
             let d2 = SimDisk {
                 state: Arc::clone(&disk.state),
             };
             d2.crash(&mut rng, true);
             let data = disk.read("d/a").await.expect("read");
-            assert!(data.starts_with(b"base") && b"base0123456789".starts_with(&data[..]));
-            seen.insert(data.len());
+            assert!(data.len() == 2 * S || data.len() == 3 * S || data.len() == 4 * S);
+            assert!(data[..S].iter().all(|&b| b == 1), "synced sector kept");
+            let sectors: Vec<u8> = data.chunks(S).map(|c| c[0]).collect();
+            for (i, chunk) in data.chunks(S).enumerate() {
+                assert!(chunk.iter().all(|&b| b == chunk[0]), "sectors are atomic");
+                assert!(
+                    matches!((i, chunk[0]), (0, 1) | (1, 1 | 2) | (2, 0 | 2) | (3, 2)),
+                    "sector {i} is old, new or a hole: {sectors:?}"
+                );
+            }
+            seen.insert(sectors);
             // Back to the base for the next round.
             let f2 = disk.open("d/a").await.expect("open");
-            f2.set_len(4).await.expect("truncate");
+            f2.set_len(0).await.expect("truncate");
+            f2.write_at(0, base.clone()).await.expect("write");
             f2.sync_data().await.expect("sync");
         }
-        assert!(seen.len() > 3, "torn lengths vary: {seen:?}");
+        assert!(seen.len() > 4, "torn outcomes vary: {seen:?}");
     }
 }

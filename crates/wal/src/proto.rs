@@ -1,11 +1,15 @@
 //! Messages between the writer (proposer), safekeepers and replicas, and their
 //! framing on a byte stream.
 //!
-//! A frame is `len: u32 LE | version: u8 | body`, where `len` counts the version
-//! byte and the body, and the body is the postcard encoding of a message enum. A
-//! frame longer than [`MAX_FRAME_BYTES`] or of another protocol version is refused
-//! before anything is allocated or decoded; a body that does not decode is a typed
-//! error, never a panic.
+//! A frame is `len: u32 LE | version: u8 | header | payload`, where `len` counts
+//! everything after itself, `header` is the postcard encoding of a message enum and
+//! `payload` is the bulk WAL of the messages that carry some ([`Message`]). The WAL
+//! travels outside postcard so that it is neither copied into the encoding on the
+//! way out nor copied out of the frame on the way in: a received append's WAL is a
+//! slice of the frame buffer all the way to the disk write. A frame longer than
+//! [`MAX_FRAME_BYTES`] or of another protocol version is refused before anything
+//! is allocated or decoded; a header that does not decode is a typed error, never a
+//! panic.
 
 use std::io;
 
@@ -18,7 +22,7 @@ use crate::record::MAX_RECORD_BYTES;
 use crate::{Lsn, Term, TermHistory};
 
 /// Version byte of every frame; bumped on any incompatible message change.
-pub const PROTOCOL_VERSION: u8 = 1;
+pub const PROTOCOL_VERSION: u8 = 2;
 /// Largest frame accepted: one maximal record plus headroom for the header fields.
 pub const MAX_FRAME_BYTES: usize = MAX_RECORD_BYTES + (64 << 10);
 /// Most WAL bytes a walsender puts in one message (Neon's MAX_SEND_SIZE).
@@ -72,7 +76,9 @@ pub struct AppendRequest {
     pub end_lsn: Lsn,
     pub commit_lsn: Lsn,
     pub truncate_lsn: Lsn,
-    /// Whole records, `end_lsn - begin_lsn` bytes (empty for a heartbeat).
+    /// Whole records, `end_lsn - begin_lsn` bytes (empty for a heartbeat); the
+    /// frame's payload, not part of the postcard header.
+    #[serde(skip)]
     pub wal: Bytes,
 }
 
@@ -139,6 +145,8 @@ pub enum FromSafekeeper {
     Wal {
         begin_lsn: Lsn,
         commit_lsn: Lsn,
+        /// The frame's payload, not part of the postcard header.
+        #[serde(skip)]
         wal: Bytes,
     },
     /// Sent to a replica that is caught up, so it learns of commit progress.
@@ -151,6 +159,47 @@ pub enum FromSafekeeper {
         term: Term,
         reason: String,
     },
+}
+
+/// A message of the protocol: a postcard header, and for some messages a bulk
+/// payload carried after it in the same frame (see the module documentation).
+pub trait Message: Serialize + DeserializeOwned {
+    /// The payload sent after the header, if this message carries one.
+    fn payload(&self) -> Option<&Bytes>;
+    /// Where a received payload goes; `None` for messages that carry none.
+    fn payload_mut(&mut self) -> Option<&mut Bytes>;
+}
+
+impl Message for ToSafekeeper {
+    fn payload(&self) -> Option<&Bytes> {
+        match self {
+            ToSafekeeper::Append(a) => Some(&a.wal),
+            _ => None,
+        }
+    }
+
+    fn payload_mut(&mut self) -> Option<&mut Bytes> {
+        match self {
+            ToSafekeeper::Append(a) => Some(&mut a.wal),
+            _ => None,
+        }
+    }
+}
+
+impl Message for FromSafekeeper {
+    fn payload(&self) -> Option<&Bytes> {
+        match self {
+            FromSafekeeper::Wal { wal, .. } => Some(wal),
+            _ => None,
+        }
+    }
+
+    fn payload_mut(&mut self) -> Option<&mut Bytes> {
+        match self {
+            FromSafekeeper::Wal { wal, .. } => Some(wal),
+            _ => None,
+        }
+    }
 }
 
 /// Why a frame could not be read or written.
@@ -170,25 +219,36 @@ pub enum FrameError {
     Encode(String),
 }
 
-/// Encodes a frame into a new buffer.
-pub fn encode_frame<T: Serialize>(msg: &T) -> Result<Vec<u8>, FrameError> {
-    let body = postcard::to_allocvec(msg).map_err(|e| FrameError::Encode(e.to_string()))?;
-    let len = body.len() + 1;
+/// Encodes the length prefix, version and header of a frame; the payload, if any,
+/// follows them on the stream as it is.
+fn encode_head<T: Message>(msg: &T) -> Result<Vec<u8>, FrameError> {
+    let head = postcard::to_extend(msg, vec![0u8, 0, 0, 0, PROTOCOL_VERSION])
+        .map_err(|e| FrameError::Encode(e.to_string()))?;
+    let len = head.len() - 4 + msg.payload().map_or(0, Bytes::len);
     if len > MAX_FRAME_BYTES {
         return Err(FrameError::TooLarge {
             len,
             max: MAX_FRAME_BYTES,
         });
     }
-    let mut out = Vec::with_capacity(4 + len);
-    out.extend_from_slice(&(len as u32).to_le_bytes());
-    out.push(PROTOCOL_VERSION);
-    out.extend_from_slice(&body);
+    let mut head = head;
+    head[..4].copy_from_slice(&(len as u32).to_le_bytes());
+    Ok(head)
+}
+
+/// Encodes a whole frame into a new buffer (tests and cold paths; streams use
+/// [`write_frame`], which does not copy the payload).
+pub fn encode_frame<T: Message>(msg: &T) -> Result<Vec<u8>, FrameError> {
+    let mut out = encode_head(msg)?;
+    if let Some(payload) = msg.payload() {
+        out.extend_from_slice(payload);
+    }
     Ok(out)
 }
 
-/// Decodes the part of a frame after its length prefix.
-pub fn decode_frame_body<T: DeserializeOwned>(frame: &[u8]) -> Result<T, FrameError> {
+/// Decodes the part of a frame after its length prefix; the payload of the
+/// message is a slice of `frame`, not a copy.
+pub fn decode_frame_body<T: Message>(frame: Bytes) -> Result<T, FrameError> {
     let (&version, body) = frame.split_first().ok_or(FrameError::Empty)?;
     if version != PROTOCOL_VERSION {
         return Err(FrameError::Version {
@@ -196,7 +256,20 @@ pub fn decode_frame_body<T: DeserializeOwned>(frame: &[u8]) -> Result<T, FrameEr
             expected: PROTOCOL_VERSION,
         });
     }
-    postcard::from_bytes(body).map_err(|e| FrameError::Decode(e.to_string()))
+    let (mut msg, rest) =
+        postcard::take_from_bytes::<T>(body).map_err(|e| FrameError::Decode(e.to_string()))?;
+    let payload_start = frame.len() - rest.len();
+    match msg.payload_mut() {
+        Some(slot) => *slot = frame.slice(payload_start..),
+        None if rest.is_empty() => {}
+        None => {
+            return Err(FrameError::Decode(format!(
+                "{} bytes after a message that carries no payload",
+                rest.len()
+            )))
+        }
+    }
+    Ok(msg)
 }
 
 /// Reads frames from a stream, keeping partial frames in its own buffer so that
@@ -216,7 +289,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     }
 
     /// Decodes the next frame if it is already buffered, without reading.
-    pub fn next_buffered<T: DeserializeOwned>(&mut self) -> Option<Result<T, FrameError>> {
+    pub fn next_buffered<T: Message>(&mut self) -> Option<Result<T, FrameError>> {
         if self.buf.len() < 4 {
             return None;
         }
@@ -230,13 +303,14 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         if self.buf.len() < 4 + len {
             return None;
         }
-        let frame = self.buf.split_to(4 + len);
-        Some(decode_frame_body(&frame[4..]))
+        let mut frame = self.buf.split_to(4 + len);
+        let _prefix = frame.split_to(4);
+        Some(decode_frame_body(frame.freeze()))
     }
 
     /// The next message; `Ok(None)` at a clean end of stream (between frames).
     /// Cancel-safe.
-    pub async fn next<T: DeserializeOwned>(&mut self) -> Result<Option<T>, FrameError> {
+    pub async fn next<T: Message>(&mut self) -> Result<Option<T>, FrameError> {
         loop {
             if let Some(frame) = self.next_buffered() {
                 return frame.map(Some);
@@ -268,7 +342,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
 pub async fn read_frame<R, T>(reader: &mut R) -> Result<Option<T>, FrameError>
 where
     R: AsyncRead + Unpin,
-    T: DeserializeOwned,
+    T: Message,
 {
     let mut len_bytes = [0u8; 4];
     match reader.read_exact(&mut len_bytes).await {
@@ -285,17 +359,20 @@ where
     }
     let mut frame = vec![0u8; len];
     reader.read_exact(&mut frame).await?;
-    decode_frame_body(&frame).map(Some)
+    decode_frame_body(Bytes::from(frame)).map(Some)
 }
 
-/// Writes one message (without flushing buffered writers).
+/// Writes one message (without flushing buffered writers); the payload goes to
+/// the stream from where it lies, without being copied into a frame first.
 pub async fn write_frame<W, T>(writer: &mut W, msg: &T) -> Result<(), FrameError>
 where
     W: AsyncWrite + Unpin,
-    T: Serialize,
+    T: Message,
 {
-    let frame = encode_frame(msg)?;
-    writer.write_all(&frame).await?;
+    writer.write_all(&encode_head(msg)?).await?;
+    if let Some(payload) = msg.payload() {
+        writer.write_all(payload).await?;
+    }
     Ok(())
 }
 
@@ -422,7 +499,7 @@ mod tests {
         let mut frame = encode_frame(&to[0]).expect("encode");
         frame[4] = 99;
         assert!(matches!(
-            decode_frame_body::<ToSafekeeper>(&frame[4..]),
+            decode_frame_body::<ToSafekeeper>(Bytes::copy_from_slice(&frame[4..])),
             Err(FrameError::Version { got: 99, .. })
         ));
         let (mut a, mut b) = tokio::io::duplex(64);
@@ -443,6 +520,15 @@ mod tests {
         assert!(matches!(
             read_frame::<_, ToSafekeeper>(&mut b).await,
             Err(FrameError::Io(_))
+        ));
+        // Bytes after a message that carries no payload are refused, and so is a
+        // payload that disagrees with the append's bounds (checked by the
+        // safekeeper with `is_consistent`).
+        let mut frame = encode_frame(&to[1]).expect("encode");
+        frame.extend_from_slice(b"junk");
+        assert!(matches!(
+            decode_frame_body::<ToSafekeeper>(Bytes::copy_from_slice(&frame[4..])),
+            Err(FrameError::Decode(_))
         ));
         assert!(!AppendRequest {
             term: 1,
@@ -490,13 +576,28 @@ mod tests {
         assert_eq!(reader.next::<ToSafekeeper>().await.expect("end"), None);
     }
 
+    #[test]
+    fn a_received_payload_is_a_slice_of_the_frame() {
+        let (to, _) = every_message();
+        let frame = Bytes::from(encode_frame(&to[3]).expect("encode")).slice(4..);
+        let ToSafekeeper::Append(append) =
+            decode_frame_body::<ToSafekeeper>(frame.clone()).expect("decode")
+        else {
+            panic!("not an append");
+        };
+        assert_eq!(append.wal, Bytes::from_static(b"hello"));
+        let frame_range = frame.as_ptr() as usize..frame.as_ptr() as usize + frame.len();
+        assert!(frame_range.contains(&(append.wal.as_ptr() as usize)));
+    }
+
     proptest! {
         #[test]
         fn garbage_never_panics(body in proptest::collection::vec(any::<u8>(), 0..256)) {
             let mut frame = vec![PROTOCOL_VERSION];
             frame.extend(body);
-            let _ = decode_frame_body::<ToSafekeeper>(&frame);
-            let _ = decode_frame_body::<FromSafekeeper>(&frame);
+            let frame = Bytes::from(frame);
+            let _ = decode_frame_body::<ToSafekeeper>(frame.clone());
+            let _ = decode_frame_body::<FromSafekeeper>(frame);
         }
     }
 }

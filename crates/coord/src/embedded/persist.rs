@@ -247,7 +247,7 @@ impl Persister {
         }
         let bytes = std::mem::take(&mut self.buf);
         let len = bytes.len() as u64;
-        self.log.write_at(self.log_len, bytes).await?;
+        self.log.write_at(self.log_len, bytes.into()).await?;
         self.log.sync_data().await?;
         self.log_len += len;
         self.txns_since_snapshot += txns.len() as u64;
