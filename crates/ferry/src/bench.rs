@@ -241,6 +241,10 @@ pub struct WalBenchArgs {
     /// Safekeepers in the quorum (all on this disk).
     #[arg(long, default_value_t = 3)]
     safekeepers: usize,
+    /// Run the safekeepers as `ferry safekeeper` processes (a deployment's
+    /// topology) instead of inside this process.
+    #[arg(long)]
+    processes: bool,
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -255,22 +259,41 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-/// The disk's own limits, measured with plain system calls: the latency of one
-/// 4 KiB write + fdatasync, and the sequential write rate (1 MiB writes, fsync).
-fn disk_limits(dir: &std::path::Path) -> anyhow::Result<(Duration, f64)> {
-    use std::io::Write;
-    let path = dir.join("disk-probe");
-    let mut f = std::fs::File::create(&path)?;
+/// The disk's own limits, measured with plain system calls.
+struct DiskLimits {
+    /// One 4 KiB write + fdatasync at the end of a growing file (the fdatasync
+    /// also commits the new file size to the file-system journal).
+    append_fsync: Duration,
+    /// One 4 KiB write + fdatasync inside a file already written (data only).
+    in_place_fsync: Duration,
+    /// Sequential write rate, MB/s (1 MiB writes, then fsync).
+    sequential_mb_s: f64,
+}
+
+fn fsync_p50(f: &std::fs::File, preallocated: bool) -> anyhow::Result<Duration> {
+    use std::os::unix::fs::FileExt;
+    const N: usize = 300;
     let block = vec![0x5au8; 4096];
-    let mut lat = Vec::new();
-    for _ in 0..300 {
+    if preallocated {
+        f.write_all_at(&vec![0u8; N * 4096], 0)?;
+        f.sync_all()?;
+    }
+    let mut lat = Vec::with_capacity(N);
+    for i in 0..N {
         let t = Instant::now();
-        f.write_all(&block)?;
+        f.write_all_at(&block, (i * 4096) as u64)?;
         f.sync_data()?;
         lat.push(t.elapsed());
     }
     lat.sort();
-    drop(f);
+    Ok(percentile(&lat, 0.5))
+}
+
+fn disk_limits(dir: &std::path::Path) -> anyhow::Result<DiskLimits> {
+    use std::io::Write;
+    let path = dir.join("disk-probe");
+    let append_fsync = fsync_p50(&std::fs::File::create(&path)?, false)?;
+    let in_place_fsync = fsync_p50(&std::fs::File::create(&path)?, true)?;
     let chunk = vec![0xa5u8; 1 << 20];
     let mut f = std::fs::File::create(&path)?;
     let total = 256u64;
@@ -279,10 +302,14 @@ fn disk_limits(dir: &std::path::Path) -> anyhow::Result<(Duration, f64)> {
         f.write_all(&chunk)?;
     }
     f.sync_all()?;
-    let rate = total as f64 / t.elapsed().as_secs_f64();
+    let sequential_mb_s = total as f64 / t.elapsed().as_secs_f64();
     drop(f);
     std::fs::remove_file(&path)?;
-    Ok((percentile(&lat, 0.5), rate))
+    Ok(DiskLimits {
+        append_fsync,
+        in_place_fsync,
+        sequential_mb_s,
+    })
 }
 
 fn insert_of(total_bytes: usize, block: u64) -> bytes::Bytes {
@@ -295,16 +322,212 @@ fn insert_of(total_bytes: usize, block: u64) -> bytes::Bytes {
     .to_bytes()
 }
 
-/// (appends received, WAL fsyncs) of each safekeeper.
-async fn quorum_counters(
-    safekeepers: &[Arc<ferry_safekeeper::server::SafekeeperServer>],
-) -> Vec<(u64, u64)> {
-    let mut out = Vec::new();
-    for s in safekeepers {
-        let status = s.status().await;
-        out.push((status.appends_received, status.wal_fsyncs));
+/// The safekeepers of one measurement.
+enum Safekeepers {
+    InProcess(Vec<Arc<ferry_safekeeper::server::SafekeeperServer>>),
+    /// `ferry safekeeper` children and their status endpoints (`host:port`).
+    Processes(Vec<(std::process::Child, String)>),
+}
+
+impl Drop for Safekeepers {
+    fn drop(&mut self) {
+        if let Safekeepers::Processes(children) = self {
+            for (child, _) in children.iter_mut() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
     }
-    out
+}
+
+/// Counters of one safekeeper that the benchmark reports.
+#[derive(Debug, Clone, Copy, Default)]
+struct Counters {
+    append_messages: u64,
+    wal_fsyncs: u64,
+    segments_preallocated: u64,
+}
+
+/// GET `/status` of a safekeeper process (a plain HTTP/1.1 request: the status
+/// server is ours and answers with one JSON body).
+fn status_over_http(host: &str) -> anyhow::Result<serde_json::Value> {
+    use std::io::{Read, Write};
+    let mut conn = std::net::TcpStream::connect(host)?;
+    write!(
+        conn,
+        "GET /status HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut response = String::new();
+    conn.read_to_string(&mut response)?;
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b)
+        .context("status response without a body")?;
+    Ok(serde_json::from_str(body)?)
+}
+
+impl Safekeepers {
+    async fn counters(&self) -> anyhow::Result<Vec<Counters>> {
+        let mut out = Vec::new();
+        match self {
+            Safekeepers::InProcess(servers) => {
+                for s in servers {
+                    let status = s.status().await;
+                    out.push(Counters {
+                        append_messages: status.appends_received,
+                        wal_fsyncs: status.wal_fsyncs,
+                        segments_preallocated: status.wal_segments_preallocated,
+                    });
+                }
+            }
+            Safekeepers::Processes(children) => {
+                for (_, host) in children {
+                    let host = host.clone();
+                    let status =
+                        tokio::task::spawn_blocking(move || status_over_http(&host)).await??;
+                    let field = |name: &str| status[name].as_u64().unwrap_or(0);
+                    out.push(Counters {
+                        append_messages: field("appends_received"),
+                        wal_fsyncs: field("wal_fsyncs"),
+                        segments_preallocated: field("wal_segments_preallocated"),
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Starts `ferry safekeeper` on a free loopback port; returns it with its WAL
+/// address and status endpoint.
+fn spawn_safekeeper(
+    id: u64,
+    data: &std::path::Path,
+) -> anyhow::Result<(std::process::Child, String, String)> {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .args(["safekeeper", "--id", &id.to_string()])
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+            "--data-dir",
+        ])
+        .arg(data)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .context("starting a safekeeper process")?;
+    let mut reader = std::io::BufReader::new(child.stdout.take().context("safekeeper stdout")?);
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    let parse = || -> Option<(String, String)> {
+        let rest = line.split("listening on ").nth(1)?;
+        let (addr, rest) = rest.split_once(',')?;
+        let status = rest.split("http://").nth(1)?.split('/').next()?;
+        Some((addr.trim().to_string(), status.to_string()))
+    };
+    let Some((addr, status)) = parse() else {
+        let _ = child.kill();
+        anyhow::bail!("unexpected first line from a safekeeper process: {line:?}");
+    };
+    // Keep draining its output so that it never blocks on a full pipe.
+    std::thread::spawn(move || for _ in reader.lines().map_while(Result::ok) {});
+    Ok((child, addr, status))
+}
+
+/// A quorum of one measurement.
+struct BenchQuorum {
+    writer: Arc<ferry_writer::driver::Writer>,
+    safekeepers: Safekeepers,
+}
+
+/// A fresh quorum in its own directory, elected and ready.
+async fn fresh_quorum(
+    root: &std::path::Path,
+    name: &str,
+    n: usize,
+    in_process: bool,
+) -> anyhow::Result<BenchQuorum> {
+    let segment = ferry_wal::segment::SegmentSize::new(ferry_wal::segment::DEFAULT_SEGMENT_BYTES)?;
+    let dir = root.join(name);
+    let (writer, safekeepers) = if in_process {
+        let quorum = crate::local::LocalQuorum::start(&dir, n, segment).await?;
+        (quorum.writer, Safekeepers::InProcess(quorum.safekeepers))
+    } else {
+        let mut children = Vec::new();
+        let mut addrs = Vec::new();
+        for id in 0..n as u64 {
+            let (child, addr, status) = spawn_safekeeper(id, &dir.join(format!("sk{id}")))?;
+            children.push((child, status));
+            addrs.push(addr);
+        }
+        let proposer_id = u128::from(std::process::id()) << 64 | u128::from(n as u64);
+        let config = ferry_writer::driver::WriterConfig::new(
+            addrs,
+            ferry_writer::proposer::ProposerConfig::new(
+                n,
+                crate::local::TIMELINE_ID,
+                segment.bytes(),
+                proposer_id,
+            ),
+        );
+        let writer = ferry_writer::driver::Writer::start(Arc::new(ferry_env::TcpNetwork), config);
+        (writer, Safekeepers::Processes(children))
+    };
+    let mut status = writer.subscribe();
+    tokio::time::timeout(Duration::from_secs(30), status.wait_for(|s| s.elected))
+        .await
+        .context("writer not elected")??;
+    Ok(BenchQuorum {
+        writer: Arc::new(writer),
+        safekeepers,
+    })
+}
+
+/// Appends `per_writer` 1 KiB records from each of `writers` concurrent
+/// writers; returns every commit latency.
+async fn closed_loop(
+    writer: &Arc<ferry_writer::driver::Writer>,
+    writers: usize,
+    per_writer: usize,
+) -> anyhow::Result<Vec<Duration>> {
+    let mut tasks = Vec::new();
+    for wi in 0..writers {
+        let w = Arc::clone(writer);
+        tasks.push(tokio::spawn(async move {
+            let mut lat = Vec::with_capacity(per_writer);
+            for i in 0..per_writer {
+                let r = insert_of(1024, (wi * per_writer + i) as u64);
+                let t = Instant::now();
+                w.append(r).await?;
+                lat.push(t.elapsed());
+            }
+            Ok::<_, ferry_writer::driver::WriterError>(lat)
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await??);
+    }
+    all.sort();
+    Ok(all)
+}
+
+async fn stop_quorum(quorum: BenchQuorum) -> anyhow::Result<()> {
+    let writer = Arc::into_inner(quorum.writer).context("writer still shared")?;
+    writer.shutdown().await?;
+    match &quorum.safekeepers {
+        Safekeepers::InProcess(servers) => {
+            for s in servers {
+                s.shutdown().await;
+            }
+        }
+        // Killed when dropped.
+        Safekeepers::Processes(_) => {}
+    }
+    Ok(())
 }
 
 pub async fn wal(args: WalBenchArgs) -> anyhow::Result<()> {
@@ -319,31 +542,30 @@ pub async fn wal(args: WalBenchArgs) -> anyhow::Result<()> {
             .prefix("ferry-bench-wal-")
             .tempdir_in(".")?,
     };
-    let (fsync_p50, disk_mb_s) = disk_limits(tmp.path())?;
+    let disk = disk_limits(tmp.path())?;
     say!(
-        "disk: one 4 KiB write+fdatasync p50 {:.3} ms; sequential write {disk_mb_s:.0} MB/s",
-        ms(fsync_p50)
+        "disk: 4 KiB write+fdatasync p50 {:.3} ms appending to a file, {:.3} ms in place; sequential write {:.0} MB/s",
+        ms(disk.append_fsync),
+        ms(disk.in_place_fsync),
+        disk.sequential_mb_s
+    );
+    let n = args.safekeepers.max(1);
+    say!(
+        "WAL quorum: {n} safekeepers {} on loopback TCP, all on this disk, fsync on, 16 MiB segments; a fresh quorum for each measurement",
+        if args.processes { "as separate processes" } else { "in this process" }
     );
 
-    let segment = ferry_wal::segment::SegmentSize::new(ferry_wal::segment::DEFAULT_SEGMENT_BYTES)?;
-    let n = args.safekeepers.max(1);
-    let quorum = crate::local::LocalQuorum::start(&tmp.path().join("wal"), n, segment).await?;
-    let writer = Arc::new(quorum.writer);
-    let mut status = writer.subscribe();
-    tokio::time::timeout(Duration::from_secs(30), status.wait_for(|s| s.elected))
-        .await
-        .context("writer not elected")??;
-    say!("WAL quorum: {n} safekeepers on loopback TCP, fsync on, 16 MiB segments");
-
-    let mut block = 0u64;
     for size in [64usize << 10, 1 << 20] {
+        let quorum = fresh_quorum(
+            tmp.path(),
+            &format!("throughput-{size}"),
+            n,
+            !args.processes,
+        )
+        .await?;
+        let writer = Arc::clone(&quorum.writer);
         let count = ((args.mib << 20) as usize / size).max(1);
-        let records: Vec<bytes::Bytes> = (0..count)
-            .map(|_| {
-                block += 1;
-                insert_of(size, block)
-            })
-            .collect();
+        let records: Vec<bytes::Bytes> = (0..count).map(|b| insert_of(size, b as u64)).collect();
         let sem = Arc::new(tokio::sync::Semaphore::new(args.in_flight.max(1)));
         let started = Instant::now();
         let mut tasks = Vec::new();
@@ -359,65 +581,68 @@ pub async fn wal(args: WalBenchArgs) -> anyhow::Result<()> {
         for t in tasks {
             t.await??;
         }
-        let rate = (count * size) as f64 / (1 << 20) as f64 / started.elapsed().as_secs_f64();
-        // Every safekeeper writes to this one disk, so it absorbs n times the WAL
-        // rate.
+        let elapsed = started.elapsed().as_secs_f64();
+        let wal_bytes = (count * size) as f64;
+        let rate = wal_bytes / (1 << 20) as f64 / elapsed;
+        // Every safekeeper writes the WAL to this one disk, plus the segments it
+        // zero-filled ahead of time.
+        drop(writer);
+        let zeroed: u64 = quorum
+            .safekeepers
+            .counters()
+            .await?
+            .iter()
+            .map(|c| c.segments_preallocated)
+            .sum();
+        let zero_bytes = (zeroed * ferry_wal::segment::DEFAULT_SEGMENT_BYTES) as f64;
+        let disk_rate = (n as f64 * wal_bytes + zero_bytes) / (1 << 20) as f64 / elapsed;
         say!(
-            "  throughput, {:>4} KiB appends: {rate:>7.1} MB/s of WAL = {:.0}% of the disk's sequential rate; x{n} safekeepers on this disk = {:.0}%",
+            "  throughput, {:>4} KiB appends: {rate:>6.1} MB/s of WAL = {:.0}% of the disk's sequential rate; the disk absorbs {disk_rate:.0} MB/s ({n} copies + {zeroed} zero-filled segments) = {:.0}%",
             size >> 10,
-            100.0 * rate / disk_mb_s,
-            100.0 * n as f64 * rate / disk_mb_s
+            100.0 * rate / disk.sequential_mb_s,
+            100.0 * disk_rate / disk.sequential_mb_s
         );
+        stop_quorum(quorum).await?;
     }
 
     for writers in [1usize, 64] {
-        let before = quorum_counters(&quorum.safekeepers).await;
-        let per = (args.appends / writers).max(1);
-        let mut tasks = Vec::new();
-        for wi in 0..writers {
-            let w = Arc::clone(&writer);
-            let base = block + 1 + (wi * per) as u64;
-            tasks.push(tokio::spawn(async move {
-                let mut lat = Vec::with_capacity(per);
-                for i in 0..per {
-                    let r = insert_of(1024, base + i as u64);
-                    let t = Instant::now();
-                    w.append(r).await?;
-                    lat.push(t.elapsed());
-                }
-                Ok::<_, ferry_writer::driver::WriterError>(lat)
-            }));
-        }
-        block += (writers * per) as u64 + 1;
-        let mut all = Vec::new();
-        for t in tasks {
-            all.extend(t.await??);
-        }
-        all.sort();
+        let quorum = fresh_quorum(
+            tmp.path(),
+            &format!("latency-{writers}"),
+            n,
+            !args.processes,
+        )
+        .await?;
+        // Warm-up, not measured: connections, buffers and the first segment.
+        closed_loop(&quorum.writer, writers, (200 / writers).max(2)).await?;
+        let before = quorum.safekeepers.counters().await?;
+        let all = closed_loop(&quorum.writer, writers, (args.appends / writers).max(1)).await?;
         let p50 = percentile(&all, 0.5);
         say!(
-            "  commit latency, 1 KiB appends, {writers:>2} writers: p50 {:.3} ms, p99 {:.3} ms ({:.1}x one fdatasync)",
+            "  commit latency, 1 KiB appends, {writers:>2} writers: p50 {:.3} ms, p99 {:.3} ms = {:.1}x an appending fdatasync, {:.1}x an in-place one",
             ms(p50),
             ms(percentile(&all, 0.99)),
-            p50.as_secs_f64() / fsync_p50.as_secs_f64().max(1e-9)
+            p50.as_secs_f64() / disk.append_fsync.as_secs_f64().max(1e-9),
+            p50.as_secs_f64() / disk.in_place_fsync.as_secs_f64().max(1e-9)
         );
-        let after = quorum_counters(&quorum.safekeepers).await;
+        let after = quorum.safekeepers.counters().await?;
         let factors: Vec<String> = before
             .iter()
             .zip(&after)
-            .map(|((a0, f0), (a1, f1))| {
-                format!("{:.1}", (a1 - a0) as f64 / ((f1 - f0).max(1)) as f64)
+            .map(|(b, a)| {
+                let fsyncs = (a.wal_fsyncs - b.wal_fsyncs).max(1) as f64;
+                format!(
+                    "{:.1} ({:.1} messages)",
+                    all.len() as f64 / fsyncs,
+                    (a.append_messages - b.append_messages) as f64 / fsyncs
+                )
             })
             .collect();
         say!(
             "    appends per WAL fsync on each safekeeper (group commit): {}",
             factors.join(", ")
         );
-    }
-    let writer = Arc::into_inner(writer).context("writer still shared")?;
-    writer.shutdown().await?;
-    for s in &quorum.safekeepers {
-        s.shutdown().await;
+        stop_quorum(quorum).await?;
     }
     Ok(())
 }

@@ -183,27 +183,39 @@ fn coordination_benchmark_prints_figures() {
 
 #[test]
 fn wal_benchmark_prints_figures() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let out = Command::new(FERRY)
-        .args(["bench", "wal", "--mib", "2", "--appends", "64", "--dir"])
-        .arg(dir.path())
-        .output()
-        .expect("run bench");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    for needle in [
-        "fdatasync p50",
-        "sequential write",
-        "64 KiB appends",
-        "1024 KiB appends",
-        " 1 writers: p50",
-        "64 writers: p50",
-    ] {
-        assert!(stdout.contains(needle), "no {needle:?} in:\n{stdout}");
+    // Safekeepers in this process (the default) and as `ferry safekeeper`
+    // processes.
+    for extra in [None, Some("--processes")] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let out = Command::new(FERRY)
+            .args(["bench", "wal", "--mib", "2", "--appends", "64", "--dir"])
+            .arg(dir.path())
+            .args(extra)
+            .output()
+            .expect("run bench");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for needle in [
+            "fdatasync p50",
+            "sequential write",
+            "64 KiB appends",
+            "1024 KiB appends",
+            " 1 writers: p50",
+            "64 writers: p50",
+            "appends per WAL fsync",
+        ] {
+            assert!(stdout.contains(needle), "no {needle:?} in:\n{stdout}");
+        }
+        let topology = if extra.is_some() {
+            "as separate processes"
+        } else {
+            "in this process"
+        };
+        assert!(stdout.contains(topology), "{stdout}");
     }
 }
 

@@ -94,6 +94,10 @@ pub struct AcceptorStatus {
     pub appends_received: u64,
     /// WAL fsyncs since start: appends / fsyncs is the group-commit factor.
     pub wal_fsyncs: u64,
+    /// Whether new WAL segments are preallocated now (small commits).
+    pub wal_preallocates: bool,
+    /// WAL segments zero-filled since start.
+    pub wal_segments_preallocated: u64,
 }
 
 /// The acceptor of one safekeeper.
@@ -230,6 +234,8 @@ impl Acceptor {
             shards: self.feedback.len(),
             appends_received: self.appends_received,
             wal_fsyncs: self.wal_fsyncs,
+            wal_preallocates: self.wal.preallocates(),
+            wal_segments_preallocated: self.wal.segments_preallocated(),
         }
     }
 

@@ -6,13 +6,17 @@
 //!   needed to reach it (a new segment file, a rename) were synced;
 //! * a segment is renamed from `<name>.partial` to `<name>` only when it is full
 //!   and synced;
-//! * segments are preallocated: a `<name>.partial` file always has the full
-//!   segment length, and every byte of it past `write_lsn` is zero. A new segment
-//!   is filled with zeros and synced under a temporary name (`<name>.prep`, by a
-//!   background task one segment ahead) before it is renamed into place. Writes
-//!   then never change a file's size, so an `fdatasync` flushes data blocks only,
+//! * every byte of a `<name>.partial` file past `write_lsn` is zero (or absent);
+//! * segments are preallocated while commits are small: a new segment is filled
+//!   with zeros and synced under a temporary name (`<name>.prep`, by a background
+//!   task started half a segment ahead) and then renamed into place. Writes into
+//!   it never change the file's size, so an `fdatasync` flushes data blocks
 //!   without a file-system journal commit (about half the latency on ext4, and
-//!   the safekeepers sharing a disk no longer queue behind one journal);
+//!   safekeepers sharing a disk no longer queue behind one journal). Zeroing costs
+//!   a segment's worth of disk writes, which pays only when there are many
+//!   fsyncs per segment; when the first half of a segment averaged at least
+//!   [`PREALLOCATE_BELOW_BYTES_PER_FSYNC`] per fsync (bulk loads), the next
+//!   segment is not zeroed but grows with its writes instead;
 //! * after a crash, [`WalStorage::open`] walks records from a known record boundary
 //!   (the persisted commit_lsn) and cuts everything after the last valid record,
 //!   so a torn tail never becomes WAL; committed WAL is never cut because it lies
@@ -46,7 +50,18 @@ pub enum WalStorageError {
 struct OpenSegment {
     segno: u64,
     file: Box<dyn DiskFile>,
+    /// Offset of the first write into it since it was opened.
+    first_write_offset: u64,
+    /// fsyncs of this segment since it was opened.
+    fsyncs: u64,
+    /// Whether to preallocate the next segment was decided.
+    next_decided: bool,
 }
+
+/// Preallocate the next segment when the current one averaged fewer WAL bytes
+/// than this per fsync: about what the disk writes sequentially in the time of
+/// the journal commit that an fsync of a growing file adds.
+pub const PREALLOCATE_BELOW_BYTES_PER_FSYNC: u64 = 64 << 10;
 
 /// Name suffix of a segment being preallocated.
 const PREPARING_SUFFIX: &str = ".prep";
@@ -92,6 +107,10 @@ pub struct WalStorage {
     flush_lsn: Lsn,
     open: Option<OpenSegment>,
     spare: Option<Spare>,
+    /// New segments are preallocated (see the module invariants).
+    preallocate: bool,
+    /// Segments zero-filled since start (each one a segment of extra writes).
+    segments_preallocated: u64,
     dir_dirty: bool,
 }
 
@@ -131,12 +150,17 @@ impl WalStorage {
             flush_lsn: record_boundary,
             open: None,
             spare: None,
+            preallocate: true,
+            segments_preallocated: 0,
             dir_dirty: false,
         };
         let end = wal.find_end(&segments, record_boundary).await?;
         wal.cut_after(end).await?;
         wal.write_lsn = end;
         wal.flush_lsn = end;
+        // The segment the next write goes to is ready before the first append.
+        wal.open_segment(seg.segno(end)).await?;
+        wal.flush().await?;
         Ok(wal)
     }
 
@@ -150,6 +174,16 @@ impl WalStorage {
 
     pub fn segment_size(&self) -> SegmentSize {
         self.seg
+    }
+
+    /// Whether new segments are preallocated now.
+    pub fn preallocates(&self) -> bool {
+        self.preallocate
+    }
+
+    /// Segments zero-filled since start.
+    pub fn segments_preallocated(&self) -> u64 {
+        self.segments_preallocated
     }
 
     fn path(&self, segno: u64, partial: bool) -> String {
@@ -364,6 +398,7 @@ impl WalStorage {
                 .file;
             file.write_at(offset, rest.split_to(n)).await?;
             pos = Lsn(pos.0 + n as u64);
+            self.decide_next_segment(offset + n as u64);
             if self.seg.offset(pos) == 0 {
                 self.finish_segment().await?;
             }
@@ -375,19 +410,48 @@ impl WalStorage {
     async fn open_segment(&mut self, segno: u64) -> Result<(), WalStorageError> {
         let path = self.path(segno, true);
         let file = match self.disk.open(&path).await {
-            // Kept full length by `cut_after`.
             Ok(file) => file,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                self.take_prepared(segno).await?;
-                self.disk.rename(&self.preparing_path(segno), &path).await?;
+                let spare_ready = self.spare.as_ref().is_some_and(|s| s.segno == segno);
                 self.dir_dirty = true;
-                self.disk.open(&path).await?
+                if spare_ready || self.preallocate {
+                    self.take_prepared(segno).await?;
+                    self.segments_preallocated += 1;
+                    self.disk.rename(&self.preparing_path(segno), &path).await?;
+                    self.disk.open(&path).await?
+                } else {
+                    self.settle_spare().await;
+                    self.disk.create_new(&path).await?
+                }
             }
             Err(e) => return Err(e.into()),
         };
-        self.open = Some(OpenSegment { segno, file });
-        self.start_spare(segno + 1);
+        self.open = Some(OpenSegment {
+            segno,
+            file,
+            first_write_offset: self.seg.offset(self.write_lsn),
+            fsyncs: 0,
+            next_decided: false,
+        });
         Ok(())
+    }
+
+    /// Half way through a segment, decides from its fsyncs so far whether the
+    /// next one is preallocated, and if so starts preparing it.
+    fn decide_next_segment(&mut self, offset: u64) {
+        let Some(open) = self.open.as_mut() else {
+            return;
+        };
+        if open.next_decided || offset < self.seg.bytes() / 2 {
+            return;
+        }
+        open.next_decided = true;
+        let written = offset.saturating_sub(open.first_write_offset);
+        let segno = open.segno;
+        self.preallocate = open.fsyncs * PREALLOCATE_BELOW_BYTES_PER_FSYNC > written;
+        if self.preallocate {
+            self.start_spare(segno + 1);
+        }
     }
 
     /// Syncs the full open segment and gives it its final name.
@@ -407,8 +471,9 @@ impl WalStorage {
         if self.flush_lsn == self.write_lsn && !self.dir_dirty {
             return Ok(self.flush_lsn);
         }
-        if let Some(open) = &self.open {
+        if let Some(open) = self.open.as_mut() {
             open.file.sync_data().await?;
+            open.fsyncs += 1;
         }
         if self.dir_dirty {
             self.disk.sync_dir(&self.dir).await?;
@@ -545,6 +610,57 @@ mod tests {
         v
     }
 
+    fn segment_len(root: &std::path::Path, segno: u64) -> u64 {
+        let name = SegmentSize::new(SEG).expect("seg").file_name(segno);
+        std::fs::metadata(root.join("wal").join(format!("{name}.partial")))
+            .expect("meta")
+            .len()
+    }
+
+    #[tokio::test]
+    async fn segments_are_preallocated_while_commits_are_small() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut wal = open(dir.path(), Lsn(0)).await;
+        assert!(wal.preallocates(), "a fresh safekeeper preallocates");
+        assert_eq!(
+            segment_len(dir.path(), 0),
+            SEG,
+            "ready before the first write"
+        );
+        // Small commits (one ~1 KiB record per fsync) through the first segment:
+        // the second one is preallocated.
+        let small = records(1, 1000);
+        while wal.write_lsn() < Lsn(SEG + 10) {
+            let at = wal.write_lsn();
+            wal.write(at, Bytes::copy_from_slice(&small))
+                .await
+                .expect("write");
+            wal.flush().await.expect("flush");
+        }
+        assert!(wal.preallocates());
+        assert_eq!(segment_len(dir.path(), 1), SEG);
+        // Bulk writes (several segments per fsync): the next segment grows with
+        // its writes instead of being zeroed first.
+        let bulk = records(3, SEG as usize);
+        let at = wal.write_lsn();
+        wal.write(at, Bytes::copy_from_slice(&bulk))
+            .await
+            .expect("write");
+        wal.flush().await.expect("flush");
+        assert!(!wal.preallocates());
+        let growing = SegmentSize::new(SEG).expect("seg").segno(wal.write_lsn());
+        let len = segment_len(dir.path(), growing);
+        assert_eq!(
+            len,
+            SegmentSize::new(SEG).expect("seg").offset(wal.write_lsn())
+        );
+        // Either kind of segment reopens to the same end.
+        let end = wal.flush_lsn();
+        drop(wal);
+        let wal = open(dir.path(), Lsn(0)).await;
+        assert_eq!(wal.flush_lsn(), end);
+    }
+
     #[tokio::test]
     async fn writes_span_segments_and_survive_reopen() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -568,11 +684,11 @@ mod tests {
             "{segs:?}"
         );
         assert_eq!(segs.len() as u64, data.len() as u64 / SEG + 1);
-        for name in &segs {
+        for name in segs.iter().filter(|n| !n.ends_with(".partial")) {
             let len = std::fs::metadata(dir.path().join("wal").join(name))
                 .expect("meta")
                 .len();
-            assert_eq!(len, SEG, "{name} is preallocated");
+            assert_eq!(len, SEG, "{name} is whole");
         }
         drop(wal);
         let wal = open(dir.path(), Lsn(0)).await;
@@ -589,27 +705,40 @@ mod tests {
         ));
     }
 
-    #[tokio::test]
-    async fn torn_tail_is_cut_on_open() {
+    /// Writes 30 records (one fsync each with `small_commits`, so that the
+    /// second segment is preallocated; one fsync for all otherwise, so that it
+    /// grows), tears the last one and reopens.
+    async fn torn_tail_is_cut_on_open(small_commits: bool) {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut wal = open(dir.path(), Lsn(0)).await;
         let data = records(30, 3000);
-        wal.write(Lsn(0), Bytes::copy_from_slice(&data))
-            .await
-            .expect("write");
+        let one = data.len() / 30;
+        for chunk in data.chunks(if small_commits { one } else { data.len() }) {
+            let at = wal.write_lsn();
+            wal.write(at, Bytes::copy_from_slice(chunk))
+                .await
+                .expect("write");
+            if small_commits {
+                wal.flush().await.expect("flush");
+            }
+        }
         wal.flush().await.expect("flush");
         let end = data.len() as u64;
         drop(wal);
         // Tear the last record: zero its last 100 bytes (a page that did not reach
         // the disk), and leave garbage after it (a later page that did).
-        let partial = names(dir.path())
-            .into_iter()
-            .find(|n| n.ends_with(".partial"))
-            .expect("partial");
-        let path = dir.path().join("wal").join(partial);
+        let path = dir.path().join("wal").join(format!(
+            "{}.partial",
+            SegmentSize::new(SEG).expect("seg").file_name(end / SEG)
+        ));
         let mut bytes = std::fs::read(&path).expect("read");
-        assert_eq!(bytes.len() as u64, SEG, "segments are preallocated");
         let in_segment = (end % SEG) as usize;
+        if small_commits {
+            assert_eq!(bytes.len() as u64, SEG, "preallocated");
+        } else {
+            assert_eq!(bytes.len(), in_segment, "grown with its writes");
+            bytes.resize(in_segment + 400, 0);
+        }
         bytes[in_segment - 100..in_segment].fill(0);
         bytes[in_segment + 50..in_segment + 350].fill(0xAB);
         std::fs::write(&path, &bytes).expect("tear");
@@ -629,12 +758,22 @@ mod tests {
             "the cut was durable"
         );
         let bytes = std::fs::read(&path).expect("read");
-        assert_eq!(bytes.len() as u64, SEG, "still full length");
+        assert_eq!(bytes.len() as u64, SEG, "full length after the cut");
         let cut = ((end - last_record) % SEG) as usize;
         assert!(
             bytes[cut..].iter().all(|&b| b == 0),
             "everything past the end is zero, so no stale record can come back"
         );
+    }
+
+    #[tokio::test]
+    async fn torn_tail_is_cut_on_open_in_a_preallocated_segment() {
+        torn_tail_is_cut_on_open(true).await;
+    }
+
+    #[tokio::test]
+    async fn torn_tail_is_cut_on_open_in_a_growing_segment() {
+        torn_tail_is_cut_on_open(false).await;
     }
 
     #[tokio::test]

@@ -29,6 +29,10 @@ const SHUTDOWN_ANNOUNCE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Most queued commands taken together into one send.
 const MAX_COMMANDS_PER_BATCH: usize = 1024;
+/// Buffer of a safekeeper connection: small messages are gathered into one
+/// system call, while a WAL payload at least this large goes to the socket
+/// straight from the writer's buffer.
+const WRITE_BUFFER_BYTES: usize = 64 << 10;
 
 /// How to run a writer.
 #[derive(Debug, Clone)]
@@ -273,7 +277,7 @@ async fn connection_task(
                 }
                 let (read, write) = tokio::io::split(conn);
                 let mut reader = FrameReader::new(read);
-                let mut writer = BufWriter::with_capacity(1 << 20, write);
+                let mut writer = BufWriter::with_capacity(WRITE_BUFFER_BYTES, write);
                 let result: Result<(), proto::FrameError> = async {
                     let mut last_heard = tokio::time::Instant::now();
                     loop {
@@ -361,6 +365,9 @@ impl Driver {
                     // message per safekeeper (the writer's half of group commit).
                     self.batching = true;
                     let mut actions = self.on_command(cmd);
+                    // Let the other tasks that are ready run first: callers woken
+                    // by the same commit queue their next appends meanwhile.
+                    tokio::task::yield_now().await;
                     for _ in 0..MAX_COMMANDS_PER_BATCH {
                         match commands.try_recv() {
                             Ok(cmd) => actions.extend(self.on_command(cmd)),

@@ -5,5 +5,6 @@
 //! to send, commit progress, loss of leadership). Drivers (TCP in production, the
 //! simulator's network in tests) move the bytes; the protocol is the same.
 
+pub mod buffer;
 pub mod driver;
 pub mod proposer;

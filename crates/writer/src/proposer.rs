@@ -18,7 +18,7 @@
 //! term). Appends always carry whole records, so every flush_lsn and commit_lsn is
 //! a record boundary.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 
 use bytes::{Bytes, BytesMut};
 use ferry_wal::proto::{
@@ -27,6 +27,8 @@ use ferry_wal::proto::{
 };
 use ferry_wal::record;
 use ferry_wal::{Lsn, Term, TermHistory};
+
+use crate::buffer::WalBuffer;
 
 /// Limits and identity of a proposer.
 #[derive(Debug, Clone)]
@@ -163,11 +165,8 @@ pub struct Proposer {
     peers: Vec<Peer>,
     history: TermHistory,
     epoch_start_lsn: Lsn,
-    /// WAL held in memory: `buffer` starts at `buffer_start`; `boundaries` lists
-    /// the record ends inside it.
-    buffer_start: Lsn,
-    buffer: BytesMut,
-    boundaries: VecDeque<Lsn>,
+    /// WAL held in memory for the safekeepers.
+    buffer: WalBuffer,
     fetch: Option<Fetch>,
     /// The donor of the election: its WAL up to the epoch start is this term's.
     donor: Option<usize>,
@@ -190,9 +189,7 @@ impl Proposer {
             phase: Phase::Greeting,
             history: TermHistory::default(),
             epoch_start_lsn: Lsn(0),
-            buffer_start: Lsn(0),
-            buffer: BytesMut::new(),
-            boundaries: VecDeque::new(),
+            buffer: WalBuffer::new(Lsn(0)),
             fetch: None,
             donor: None,
             commit_lsn: Lsn(0),
@@ -220,7 +217,7 @@ impl Proposer {
 
     /// End of the WAL this writer has produced or recovered.
     pub fn end_lsn(&self) -> Lsn {
-        Lsn(self.buffer_start.0 + self.buffer.len() as u64)
+        self.buffer.end()
     }
 
     /// The latest feedback of each shard, for back-pressure.
@@ -319,7 +316,7 @@ impl Proposer {
 
     /// Appends whole, valid records; returns the LSN just past them: they are
     /// durable once [`Action::Committed`] reaches it.
-    pub fn append(&mut self, records: &[u8]) -> Result<(Lsn, Vec<Action>), ProposerError> {
+    pub fn append(&mut self, records: &Bytes) -> Result<(Lsn, Vec<Action>), ProposerError> {
         let end = self.append_unsent(records)?;
         let mut actions = Vec::new();
         self.pump_all(&mut actions);
@@ -329,22 +326,15 @@ impl Proposer {
     /// Like [`Proposer::append`] without sending anything yet: a driver that has
     /// several appends at hand adds them all, then calls [`Proposer::send_pending`]
     /// once, so they travel in one message per safekeeper.
-    pub fn append_unsent(&mut self, records: &[u8]) -> Result<Lsn, ProposerError> {
+    pub fn append_unsent(&mut self, records: &Bytes) -> Result<Lsn, ProposerError> {
         match self.phase {
             Phase::Elected => {}
             Phase::Stopped => return Err(ProposerError::Superseded(self.term)),
             _ => return Err(ProposerError::NotElected),
         }
-        let mut at = 0;
-        let mut ends = Vec::new();
-        while at < records.len() {
-            let len = record::check(&records[at..])
-                .map_err(|e| ProposerError::InvalidRecords(e.to_string()))?;
-            at += len;
-            ends.push(Lsn(self.end_lsn().0 + at as u64));
-        }
-        self.buffer.extend_from_slice(records);
-        self.boundaries.extend(ends);
+        let ends =
+            record_ends(records).map_err(|e| ProposerError::InvalidRecords(e.to_string()))?;
+        self.buffer.push_back(records, &ends);
         Ok(self.end_lsn())
     }
 
@@ -530,9 +520,7 @@ impl Proposer {
         self.history.push(self.term, self.epoch_start_lsn);
         // The writer holds no WAL yet; what safekeepers miss below the epoch start
         // is fetched from the donor.
-        self.buffer_start = self.epoch_start_lsn;
-        self.buffer.clear();
-        self.boundaries.clear();
+        self.buffer = WalBuffer::new(self.epoch_start_lsn);
         tracing::info!(
             term = self.term,
             donor,
@@ -660,29 +648,23 @@ impl Proposer {
         }
         let streaming = self.streaming_flushes();
         let target = if streaming.len() == self.peers.len() {
-            streaming.iter().copied().min().unwrap_or(self.buffer_start)
-        } else if self.buffer.len() as u64 > self.config.max_buffered_bytes {
+            streaming
+                .iter()
+                .copied()
+                .min()
+                .unwrap_or(self.buffer.start())
+        } else if self.buffer.len() > self.config.max_buffered_bytes {
             self.commit_lsn
                 .min(streaming.iter().copied().min().unwrap_or(self.commit_lsn))
         } else {
             return;
         };
-        let mut new_start = self.buffer_start;
-        while let Some(&end) = self.boundaries.front() {
-            if end > target {
-                break;
-            }
-            new_start = end;
-            self.boundaries.pop_front();
-        }
-        if new_start > self.buffer_start {
-            let cut = new_start.distance_from(self.buffer_start) as usize;
-            let _ = self.buffer.split_to(cut);
-            self.buffer_start = new_start;
-        }
+        self.buffer.trim_to(target);
     }
 
     fn pump_all(&mut self, actions: &mut Vec<Action>) {
+        // What was appended leaves now, as one piece for every safekeeper.
+        self.buffer.freeze_tail();
         for peer in 0..self.peers.len() {
             self.pump(peer, actions);
         }
@@ -698,37 +680,22 @@ impl Proposer {
         else {
             return;
         };
-        let end = self.end_lsn();
-        while next_send < end
-            && next_send >= self.buffer_start
-            && next_send.distance_from(flush_lsn) < self.config.max_in_flight_bytes
-        {
-            let limit = Lsn(next_send.0 + self.config.max_append_bytes as u64);
-            let mut chunk_end = None;
-            for &b in self.boundaries.iter() {
-                if b <= next_send {
-                    continue;
-                }
-                if b > limit && chunk_end.is_some() {
-                    break;
-                }
-                chunk_end = Some(b);
-                if b >= limit {
-                    break;
-                }
-            }
-            let Some(chunk_end) = chunk_end else { break };
-            let from = next_send.distance_from(self.buffer_start) as usize;
-            let to = chunk_end.distance_from(self.buffer_start) as usize;
-            let wal = Bytes::copy_from_slice(&self.buffer[from..to]);
-            actions.push(self.append_to(peer, next_send, wal));
-            next_send = chunk_end;
+        while next_send.distance_from(flush_lsn) < self.config.max_in_flight_bytes {
+            let Some(wal) = self
+                .buffer
+                .next_piece(next_send, self.config.max_append_bytes)
+            else {
+                break;
+            };
+            let begin = next_send;
+            next_send = Lsn(next_send.0 + wal.len() as u64);
+            actions.push(self.append_to(peer, begin, wal));
         }
         self.peers[peer] = Peer::Streaming {
             flush_lsn,
             next_send,
         };
-        if next_send < self.buffer_start {
+        if next_send < self.buffer.start() {
             self.start_fetch_if_needed(actions);
         }
     }
@@ -746,10 +713,10 @@ impl Proposer {
                 Peer::Streaming { next_send, .. } => Some(*next_send),
                 _ => None,
             })
-            .filter(|lsn| *lsn < self.buffer_start)
+            .filter(|lsn| *lsn < self.buffer.start())
             .min();
         let Some(begin) = needed else { return };
-        let end = self.buffer_start;
+        let end = self.buffer.start();
         let donor_ok = self
             .donor
             .filter(|&d| !matches!(self.peers[d], Peer::Offline | Peer::Greeting));
@@ -796,32 +763,32 @@ impl Proposer {
         if have > fetch.end {
             tracing::warn!(peer, "recovery read returned more than asked");
         }
-        let data = &fetch.received[..fetch.end.distance_from(fetch.begin) as usize];
-        let mut ends = Vec::new();
-        let mut at = 0;
-        while at < data.len() {
-            match record::check(&data[at..]) {
-                Ok(len) => {
-                    at += len;
-                    ends.push(Lsn(fetch.begin.0 + at as u64));
-                }
-                Err(e) => {
-                    tracing::error!(peer, error = %e, "recovered WAL is not whole records");
-                    self.peers[peer] = Peer::Offline;
-                    actions.push(Action::Reconnect { peer });
-                    return;
-                }
+        let mut received = fetch.received;
+        received.truncate(fetch.end.distance_from(fetch.begin) as usize);
+        let data = received.freeze();
+        let ends = match record_ends(&data) {
+            Ok(ends) => ends,
+            Err(e) => {
+                tracing::error!(peer, error = %e, "recovered WAL is not whole records");
+                self.peers[peer] = Peer::Offline;
+                actions.push(Action::Reconnect { peer });
+                return;
             }
-        }
-        let mut buffer = BytesMut::with_capacity(data.len() + self.buffer.len());
-        buffer.extend_from_slice(data);
-        buffer.extend_from_slice(&self.buffer);
-        self.buffer = buffer;
-        for end in ends.into_iter().rev() {
-            self.boundaries.push_front(end);
-        }
-        self.buffer_start = fetch.begin;
+        };
+        self.buffer.push_front(fetch.begin, data, &ends);
         self.pump_all(actions);
         self.start_fetch_if_needed(actions);
     }
+}
+
+/// The end of each record in `records` (relative to its start), which must be
+/// whole, valid records.
+fn record_ends(records: &[u8]) -> Result<Vec<usize>, record::RecordError> {
+    let mut at = 0;
+    let mut ends = Vec::new();
+    while at < records.len() {
+        at += record::check(&records[at..])?;
+        ends.push(at);
+    }
+    Ok(ends)
 }

@@ -190,7 +190,7 @@ impl Writer {
         cluster: &mut Cluster,
         records: &[u8],
     ) -> Result<Lsn, ProposerError> {
-        let (end, actions) = self.proposer.append(records)?;
+        let (end, actions) = self.proposer.append(&Bytes::copy_from_slice(records))?;
         self.absorb(actions);
         self.run(cluster).await;
         Ok(end)
@@ -215,7 +215,7 @@ async fn election_append_and_commit_on_three_safekeepers() {
     let mut cluster = Cluster::new(3).await;
     let mut w = Writer::new(3, 0);
     assert!(matches!(
-        w.proposer.append(b""),
+        w.proposer.append(&Bytes::new()),
         Err(ProposerError::NotElected)
     ));
     w.connect_all(&mut cluster).await;
@@ -241,7 +241,8 @@ async fn election_append_and_commit_on_three_safekeepers() {
     }
     // Invalid records are refused before anything is sent.
     assert!(matches!(
-        w.proposer.append(b"not a record at all"),
+        w.proposer
+            .append(&Bytes::from_static(b"not a record at all")),
         Err(ProposerError::InvalidRecords(_))
     ));
 }
@@ -515,7 +516,7 @@ async fn no_commit_from_a_previous_term() {
     assert!(w2.is_elected());
     let mut z = record(10).to_vec();
     z.extend_from_slice(&record(11));
-    let (_, actions) = w2.append(&z).expect("append");
+    let (_, actions) = w2.append(&Bytes::from(z.clone())).expect("append");
     settle(&mut cluster, &mut w2, actions, |to, _| to == 2).await;
     assert_eq!(cluster.acceptor(2).flush_lsn(), Lsn(100));
     assert_eq!(cluster.acceptor(1).flush_lsn(), Lsn(0));
