@@ -99,7 +99,10 @@ fn main() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+    // One thread runs every task of the process, as in the simulator: a node's
+    // many small steps (frames, acknowledgements, wake-ups) never cross threads.
+    // Blocking disk calls go to tokio's blocking pool.
+    let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     runtime.block_on(async {
