@@ -487,7 +487,7 @@ async fn fresh_quorum(
     let segment = ferry_wal::segment::SegmentSize::new(ferry_wal::segment::DEFAULT_SEGMENT_BYTES)?;
     let dir = root.join(name);
     let (writer, safekeepers) = if in_process {
-        let quorum = crate::local::LocalQuorum::start(&dir, n, segment).await?;
+        let quorum = crate::local::LocalQuorum::start(&dir, n, segment, Default::default()).await?;
         (quorum.writer, Safekeepers::InProcess(quorum.safekeepers))
     } else {
         let mut children = Vec::new();

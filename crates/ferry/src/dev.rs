@@ -8,6 +8,7 @@ use anyhow::Context;
 use ferry_coord::embedded::{EmbeddedOptions, EmbeddedStore};
 use ferry_coord::Coordination;
 use ferry_env::RealDisk;
+use ferry_safekeeper::wal_storage::Preallocation;
 
 #[derive(Debug, clap::Args)]
 pub struct DevArgs {
@@ -23,6 +24,10 @@ pub struct DevArgs {
     /// WAL segment size in bytes (a power of two, 64 KiB to 1 GiB).
     #[arg(long, default_value_t = ferry_wal::segment::DEFAULT_SEGMENT_BYTES)]
     segment_bytes: u64,
+    /// When WAL segments are zero-filled ahead of time: auto (while commits are
+    /// small), always or never.
+    #[arg(long, default_value_t = Preallocation::Auto)]
+    wal_preallocation: Preallocation,
 }
 
 /// Coordination path under which ferry keeps its state.
@@ -66,9 +71,14 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.safekeepers >= 1, "at least one safekeeper is needed");
     let segment = ferry_wal::segment::SegmentSize::new(args.segment_bytes)?;
     let quorum = Arc::new(
-        crate::local::LocalQuorum::start(&data_dir.join("wal"), args.safekeepers, segment)
-            .await
-            .context("starting the WAL quorum")?,
+        crate::local::LocalQuorum::start(
+            &data_dir.join("wal"),
+            args.safekeepers,
+            segment,
+            args.wal_preallocation,
+        )
+        .await
+        .context("starting the WAL quorum")?,
     );
     let mut writer_status = quorum.writer.subscribe();
     tokio::time::timeout(

@@ -9,6 +9,7 @@ use anyhow::Context;
 use ferry_env::{Disk, RealDisk, TcpNetwork};
 use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig, AcceptorStatus};
 use ferry_safekeeper::server::SafekeeperServer;
+use ferry_safekeeper::wal_storage::Preallocation;
 use ferry_wal::segment::SegmentSize;
 use ferry_writer::driver::{Writer, WriterConfig};
 use ferry_writer::proposer::ProposerConfig;
@@ -22,6 +23,7 @@ pub async fn start_safekeeper(
     id: u64,
     listen: &str,
     segment: SegmentSize,
+    preallocation: Preallocation,
 ) -> anyhow::Result<Arc<SafekeeperServer>> {
     let acceptor = Acceptor::open(
         disk,
@@ -30,6 +32,7 @@ pub async fn start_safekeeper(
             node_id: id,
             timeline_id: TIMELINE_ID,
             segment_size: segment,
+            preallocation,
         },
     )
     .await
@@ -47,13 +50,20 @@ pub struct LocalQuorum {
 
 impl LocalQuorum {
     /// Starts `n` safekeepers under `dir` on free loopback ports and a writer.
-    pub async fn start(dir: &Path, n: usize, segment: SegmentSize) -> anyhow::Result<LocalQuorum> {
+    pub async fn start(
+        dir: &Path,
+        n: usize,
+        segment: SegmentSize,
+        preallocation: Preallocation,
+    ) -> anyhow::Result<LocalQuorum> {
         let disk: Arc<dyn Disk> =
             Arc::new(RealDisk::open_root(dir).context("opening the WAL directory")?);
         let mut safekeepers = Vec::new();
         for id in 0..n as u64 {
-            safekeepers
-                .push(start_safekeeper(Arc::clone(&disk), id, "127.0.0.1:0", segment).await?);
+            safekeepers.push(
+                start_safekeeper(Arc::clone(&disk), id, "127.0.0.1:0", segment, preallocation)
+                    .await?,
+            );
         }
         let addrs = safekeepers.iter().map(|s| s.addr().to_string()).collect();
         let proposer_id = u128::from(std::process::id()) << 64 | u128::from(n as u64);

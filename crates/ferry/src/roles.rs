@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use ferry_env::{Disk, RealDisk, TcpNetwork};
+use ferry_safekeeper::wal_storage::Preallocation;
 use ferry_wal::segment::{SegmentSize, DEFAULT_SEGMENT_BYTES};
 use ferry_writer::driver::{Writer, WriterConfig};
 use ferry_writer::proposer::ProposerConfig;
@@ -26,6 +27,11 @@ pub struct SafekeeperArgs {
     /// same on every safekeeper and the writer.
     #[arg(long, default_value_t = DEFAULT_SEGMENT_BYTES)]
     segment_bytes: u64,
+    /// When WAL segments are zero-filled ahead of time: auto (while commits are
+    /// small, so that an fsync flushes data only), always or never (for
+    /// copy-on-write file systems, where it does not help).
+    #[arg(long, default_value_t = Preallocation::Auto)]
+    wal_preallocation: Preallocation,
     /// HTTP status endpoint.
     #[arg(long, default_value = "127.0.0.1:7676")]
     http: String,
@@ -53,7 +59,8 @@ pub async fn safekeeper(args: SafekeeperArgs) -> anyhow::Result<()> {
     let _lock = crate::lockfile::lock_data_dir(&args.data_dir)?;
     let disk: Arc<dyn Disk> =
         Arc::new(RealDisk::open_root(&args.data_dir).context("opening the data dir")?);
-    let server = start_safekeeper(disk, args.id, &args.listen, segment).await?;
+    let server =
+        start_safekeeper(disk, args.id, &args.listen, segment, args.wal_preallocation).await?;
     let status_server = Arc::clone(&server);
     let (http, _) = crate::http::serve_status(&args.http, move || {
         let s = Arc::clone(&status_server);

@@ -29,7 +29,7 @@ use serde::Serialize;
 use tokio::sync::watch;
 
 use crate::control::{ControlFile, ControlFileError, SafekeeperState};
-use crate::wal_storage::{WalStorage, WalStorageError};
+use crate::wal_storage::{Preallocation, WalStorage, WalStorageError};
 
 /// Most WAL gathered from a batch of appends before it is written out.
 const MAX_PENDING_WAL_BYTES: usize = 8 << 20;
@@ -42,6 +42,8 @@ pub struct AcceptorConfig {
     pub node_id: u64,
     pub timeline_id: u64,
     pub segment_size: SegmentSize,
+    /// When WAL segments are zero-filled ahead of time.
+    pub preallocation: Preallocation,
 }
 
 /// Why a message was not accepted.
@@ -171,6 +173,7 @@ impl Acceptor {
             disk,
             &format!("{dir}/wal"),
             config.segment_size,
+            config.preallocation,
             state.commit_lsn,
         )
         .await?;

@@ -63,6 +63,46 @@ struct OpenSegment {
 /// the journal commit that an fsync of a growing file adds.
 pub const PREALLOCATE_BELOW_BYTES_PER_FSYNC: u64 = 64 << 10;
 
+/// When new segments are zero-filled ahead of time (see the module invariants).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Preallocation {
+    /// While commits are small (fewer than
+    /// [`PREALLOCATE_BELOW_BYTES_PER_FSYNC`] per fsync).
+    #[default]
+    Auto,
+    /// Always: every fsync is a data-only flush, at the price of writing every
+    /// segment twice.
+    Always,
+    /// Never: segments grow with their writes (on copy-on-write file systems,
+    /// where zero-filling does not avoid metadata updates, this is the right one).
+    Never,
+}
+
+impl std::str::FromStr for Preallocation {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Preallocation::Auto),
+            "always" => Ok(Preallocation::Always),
+            "never" => Ok(Preallocation::Never),
+            other => Err(format!(
+                "WAL preallocation {other:?} is not one of auto, always, never"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for Preallocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Preallocation::Auto => "auto",
+            Preallocation::Always => "always",
+            Preallocation::Never => "never",
+        })
+    }
+}
+
 /// Name suffix of a segment being preallocated.
 const PREPARING_SUFFIX: &str = ".prep";
 /// Zeros are written in pieces of this size.
@@ -107,7 +147,8 @@ pub struct WalStorage {
     flush_lsn: Lsn,
     open: Option<OpenSegment>,
     spare: Option<Spare>,
-    /// New segments are preallocated (see the module invariants).
+    policy: Preallocation,
+    /// New segments are preallocated now (see the module invariants).
     preallocate: bool,
     /// Segments zero-filled since start (each one a segment of extra writes).
     segments_preallocated: u64,
@@ -138,6 +179,7 @@ impl WalStorage {
         disk: Arc<dyn Disk>,
         dir: &str,
         seg: SegmentSize,
+        policy: Preallocation,
         record_boundary: Lsn,
     ) -> Result<WalStorage, WalStorageError> {
         disk.create_dir_all(dir).await?;
@@ -150,7 +192,8 @@ impl WalStorage {
             flush_lsn: record_boundary,
             open: None,
             spare: None,
-            preallocate: true,
+            policy,
+            preallocate: policy != Preallocation::Never,
             segments_preallocated: 0,
             dir_dirty: false,
         };
@@ -448,7 +491,11 @@ impl WalStorage {
         open.next_decided = true;
         let written = offset.saturating_sub(open.first_write_offset);
         let segno = open.segno;
-        self.preallocate = open.fsyncs * PREALLOCATE_BELOW_BYTES_PER_FSYNC > written;
+        self.preallocate = match self.policy {
+            Preallocation::Auto => open.fsyncs * PREALLOCATE_BELOW_BYTES_PER_FSYNC > written,
+            Preallocation::Always => true,
+            Preallocation::Never => false,
+        };
         if self.preallocate {
             self.start_spare(segno + 1);
         }
@@ -595,10 +642,20 @@ mod tests {
     }
 
     async fn open(root: &std::path::Path, boundary: Lsn) -> WalStorage {
+        open_with(root, boundary, Preallocation::Auto).await
+    }
+
+    async fn open_with(root: &std::path::Path, boundary: Lsn, policy: Preallocation) -> WalStorage {
         let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(root).expect("disk"));
-        WalStorage::open(disk, "wal", SegmentSize::new(SEG).expect("seg"), boundary)
-            .await
-            .expect("open")
+        WalStorage::open(
+            disk,
+            "wal",
+            SegmentSize::new(SEG).expect("seg"),
+            policy,
+            boundary,
+        )
+        .await
+        .expect("open")
     }
 
     fn names(root: &std::path::Path) -> Vec<String> {
@@ -659,6 +716,40 @@ mod tests {
         drop(wal);
         let wal = open(dir.path(), Lsn(0)).await;
         assert_eq!(wal.flush_lsn(), end);
+    }
+
+    #[tokio::test]
+    async fn the_policy_can_force_preallocation_on_or_off() {
+        let bulk = records(3, SEG as usize);
+        for (policy, zeroed) in [(Preallocation::Always, true), (Preallocation::Never, false)] {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let mut wal = open_with(dir.path(), Lsn(0), policy).await;
+            wal.write(Lsn(0), Bytes::copy_from_slice(&bulk))
+                .await
+                .expect("write");
+            wal.flush().await.expect("flush");
+            assert_eq!(wal.preallocates(), zeroed, "{policy}");
+            let seg = SegmentSize::new(SEG).expect("seg");
+            let len = segment_len(dir.path(), seg.segno(wal.write_lsn()));
+            let expected = if zeroed {
+                SEG
+            } else {
+                seg.offset(wal.write_lsn())
+            };
+            assert_eq!(len, expected, "{policy}");
+            // A restart under the other policy reads the same WAL.
+            let end = wal.flush_lsn();
+            drop(wal);
+            let other = if zeroed {
+                Preallocation::Never
+            } else {
+                Preallocation::Always
+            };
+            let wal = open_with(dir.path(), Lsn(0), other).await;
+            assert_eq!(wal.flush_lsn(), end, "{policy} then {other}");
+        }
+        assert_eq!("never".parse::<Preallocation>(), Ok(Preallocation::Never));
+        assert!("sometimes".parse::<Preallocation>().is_err());
     }
 
     #[tokio::test]

@@ -18,6 +18,7 @@ fn config() -> AcceptorConfig {
         node_id: 7,
         timeline_id: 1,
         segment_size: SegmentSize::new(64 << 10).expect("seg"),
+        preallocation: Default::default(),
     }
 }
 

@@ -11,6 +11,7 @@ use bytes::Bytes;
 use ferry_env::Disk;
 use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig};
 use ferry_safekeeper::server::SafekeeperServer;
+use ferry_safekeeper::wal_storage::Preallocation;
 use ferry_wal::record::{self, Record};
 use ferry_wal::segment::SegmentSize;
 use ferry_wal::Lsn;
@@ -179,6 +180,10 @@ struct Sim {
     net: SimNet,
     disks: Vec<SimDisk>,
     servers: Vec<Option<Arc<SafekeeperServer>>>,
+    /// The WAL preallocation policy each safekeeper was last started with (drawn
+    /// at every start: preallocated and growing segments, and switches between
+    /// them across restarts, all meet crashes).
+    preallocation: Vec<Preallocation>,
     writer: Option<Arc<Writer>>,
     status: Option<watch::Receiver<WriterStatus>>,
     writers_started: u64,
@@ -233,6 +238,7 @@ impl Sim {
             node_id: i as u64,
             timeline_id: TIMELINE,
             segment_size: Self::segment(),
+            preallocation: self.preallocation[i],
         };
         Acceptor::open(disk, &format!("sk{i}"), config)
             .await
@@ -240,12 +246,20 @@ impl Sim {
     }
 
     async fn start_safekeeper(&mut self, i: usize) -> Result<(), Failure> {
+        self.preallocation[i] = match self.rng.random_range(0..4) {
+            0 => Preallocation::Always,
+            1 => Preallocation::Never,
+            _ => Preallocation::Auto,
+        };
         let acceptor = self.open_acceptor(i).await?;
         let server = SafekeeperServer::start(self.net.node(&node_name(i)), &node_name(i), acceptor)
             .await
             .map_err(|e| self.fail(format!("sk{i} cannot listen: {e}")))?;
         self.servers[i] = Some(Arc::new(server));
-        self.log(format!("sk{i} started"));
+        self.log(format!(
+            "sk{i} started (WAL preallocation {})",
+            self.preallocation[i]
+        ));
         Ok(())
     }
 
@@ -681,6 +695,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         net,
         disks: (0..SAFEKEEPERS).map(|_| SimDisk::new()).collect(),
         servers: vec![None, None, None],
+        preallocation: vec![Preallocation::Auto; SAFEKEEPERS],
         writer: None,
         status: None,
         writers_started: 0,

@@ -21,10 +21,14 @@ fn explain(f: &Failure) -> String {
 }
 
 /// Seeds that once found bugs or cover rare paths; they must stay green.
-/// 1: a killed safekeeper's address still taken at restart; 23: a silent
-/// partition never timed out on the writer, so a safekeeper never rejoined;
-/// 37 and 1000: acknowledgements and elections observed out of causal order.
-const REGRESSION_SEEDS: &[u64] = &[0, 1, 2, 3, 23, 37, 42, 1000];
+/// 1, 23, 37 and 1000 found bugs (a killed safekeeper's address still taken at
+/// restart; a silent partition that never timed out on the writer; acknowledgements
+/// and elections observed out of causal order) under an earlier version of the
+/// schedule generator and disk model; they now draw other schedules and stay as
+/// coverage. 534 and 603 fail when a cut leaves stale WAL past the end of a
+/// preallocated segment (checked by removing the zeroing in
+/// `WalStorage::cut_after`).
+const REGRESSION_SEEDS: &[u64] = &[0, 1, 2, 3, 23, 37, 42, 534, 603, 1000];
 
 #[test]
 fn regression_seeds() {

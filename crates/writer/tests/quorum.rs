@@ -29,6 +29,7 @@ fn config(node: u64) -> AcceptorConfig {
         node_id: node,
         timeline_id: TIMELINE,
         segment_size: SegmentSize::new(SEG).expect("segment size"),
+        preallocation: Default::default(),
     }
 }
 

@@ -36,6 +36,7 @@ impl Node {
                 node_id: self.id,
                 timeline_id: 1,
                 segment_size: SegmentSize::new(SEG).expect("seg"),
+                preallocation: Default::default(),
             },
         )
         .await
