@@ -266,26 +266,38 @@ struct DiskLimits {
     append_fsync: Duration,
     /// One 4 KiB write + fdatasync inside a file already written (data only).
     in_place_fsync: Duration,
-    /// The same, done at once on one file per safekeeper: the floor of a commit
-    /// round when every safekeeper shares this disk.
-    concurrent_fsync: Duration,
+    /// A 4 KiB and a 64 KiB write + fdatasync in place, done at once on one file
+    /// per safekeeper: the floor of a commit round of 1 and of 64 one-KiB
+    /// appends when every safekeeper shares this disk.
+    concurrent_fsync_4k: Duration,
+    concurrent_fsync_64k: Duration,
     /// Sequential write rate, MB/s (1 MiB writes, then fsync).
     sequential_mb_s: f64,
 }
 
-/// Latencies of 300 4 KiB write+fdatasync in a row.
-fn fsync_latencies(f: &std::fs::File, preallocated: bool) -> anyhow::Result<Vec<Duration>> {
+/// Latencies of 300 writes of `block` bytes, each followed by fdatasync; with
+/// `preallocated`, the file is written and synced first, and the measured loop
+/// starts once every thread sharing `start` is ready.
+fn fsync_latencies(
+    f: &std::fs::File,
+    preallocated: bool,
+    block: usize,
+    start: Option<&std::sync::Barrier>,
+) -> anyhow::Result<Vec<Duration>> {
     use std::os::unix::fs::FileExt;
     const N: usize = 300;
-    let block = vec![0x5au8; 4096];
+    let data = vec![0x5au8; block];
     if preallocated {
-        f.write_all_at(&vec![0u8; N * 4096], 0)?;
+        f.write_all_at(&vec![0u8; N * block], 0)?;
         f.sync_all()?;
+    }
+    if let Some(start) = start {
+        start.wait();
     }
     let mut lat = Vec::with_capacity(N);
     for i in 0..N {
         let t = Instant::now();
-        f.write_all_at(&block, (i * 4096) as u64)?;
+        f.write_all_at(&data, (i * block) as u64)?;
         f.sync_data()?;
         lat.push(t.elapsed());
     }
@@ -297,17 +309,29 @@ fn p50_of(mut lat: Vec<Duration>) -> Duration {
     percentile(&lat, 0.5)
 }
 
-fn disk_limits(dir: &std::path::Path, files: usize, probe_mib: u64) -> anyhow::Result<DiskLimits> {
-    use std::io::Write;
-    let path = dir.join("disk-probe");
-    let append_fsync = p50_of(fsync_latencies(&std::fs::File::create(&path)?, false)?);
-    let in_place_fsync = p50_of(fsync_latencies(&std::fs::File::create(&path)?, true)?);
-    let concurrent = std::thread::scope(|scope| {
+/// p50 of in-place write+fdatasync of `block` bytes run at once on `files` files.
+fn concurrent_fsyncs(
+    dir: &std::path::Path,
+    files: usize,
+    block: usize,
+) -> anyhow::Result<Duration> {
+    let start = std::sync::Barrier::new(files);
+    let all = std::thread::scope(|scope| {
         let probes: Vec<_> = (0..files)
             .map(|i| {
                 let path = dir.join(format!("disk-probe-{i}"));
+                let start = &start;
                 scope.spawn(move || -> anyhow::Result<Vec<Duration>> {
-                    let lat = fsync_latencies(&std::fs::File::create(&path)?, true)?;
+                    // A failure before the barrier would leave the others
+                    // waiting forever: create the file first, then always meet.
+                    let file = std::fs::File::create(&path);
+                    let lat = match file {
+                        Ok(f) => fsync_latencies(&f, true, block, Some(start)),
+                        Err(e) => {
+                            start.wait();
+                            Err(e.into())
+                        }
+                    }?;
                     std::fs::remove_file(&path)?;
                     Ok(lat)
                 })
@@ -323,7 +347,26 @@ fn disk_limits(dir: &std::path::Path, files: usize, probe_mib: u64) -> anyhow::R
         }
         Ok::<_, anyhow::Error>(all)
     })?;
-    let concurrent_fsync = p50_of(concurrent);
+    Ok(p50_of(all))
+}
+
+fn disk_limits(dir: &std::path::Path, files: usize, probe_mib: u64) -> anyhow::Result<DiskLimits> {
+    use std::io::Write;
+    let path = dir.join("disk-probe");
+    let append_fsync = p50_of(fsync_latencies(
+        &std::fs::File::create(&path)?,
+        false,
+        4096,
+        None,
+    )?);
+    let in_place_fsync = p50_of(fsync_latencies(
+        &std::fs::File::create(&path)?,
+        true,
+        4096,
+        None,
+    )?);
+    let concurrent_fsync_4k = concurrent_fsyncs(dir, files, 4096)?;
+    let concurrent_fsync_64k = concurrent_fsyncs(dir, files, 64 << 10)?;
     // The best of two runs: the rate of this disk varies from one second to the
     // next, and the best run is the closest to what it can do.
     let chunk = vec![0xa5u8; 1 << 20];
@@ -341,7 +384,8 @@ fn disk_limits(dir: &std::path::Path, files: usize, probe_mib: u64) -> anyhow::R
     Ok(DiskLimits {
         append_fsync,
         in_place_fsync,
-        concurrent_fsync,
+        concurrent_fsync_4k,
+        concurrent_fsync_64k,
         sequential_mb_s,
     })
 }
@@ -579,10 +623,11 @@ pub async fn wal(args: WalBenchArgs) -> anyhow::Result<()> {
     let n = args.safekeepers.max(1);
     let disk = disk_limits(tmp.path(), n, args.mib.clamp(64, 256))?;
     say!(
-        "disk: 4 KiB write+fdatasync p50 {:.3} ms appending to a file, {:.3} ms in place, {:.3} ms in place on {n} files at once; sequential write {:.0} MB/s",
+        "disk: 4 KiB write+fdatasync p50 {:.3} ms appending to a file, {:.3} ms in place; in place on {n} files at once: {:.3} ms for 4 KiB, {:.3} ms for 64 KiB; sequential write {:.0} MB/s",
         ms(disk.append_fsync),
         ms(disk.in_place_fsync),
-        ms(disk.concurrent_fsync),
+        ms(disk.concurrent_fsync_4k),
+        ms(disk.concurrent_fsync_64k),
         disk.sequential_mb_s
     );
     say!(
@@ -632,9 +677,10 @@ pub async fn wal(args: WalBenchArgs) -> anyhow::Result<()> {
         let zero_bytes = (zeroed * ferry_wal::segment::DEFAULT_SEGMENT_BYTES) as f64;
         let disk_rate = (n as f64 * wal_bytes + zero_bytes) / (1 << 20) as f64 / elapsed;
         say!(
-            "  throughput, {:>4} KiB appends: {rate:>6.1} MB/s of WAL = {:.0}% of the disk's sequential rate; the disk absorbs {disk_rate:.0} MB/s ({n} copies + {zeroed} zero-filled segments) = {:.0}%",
+            "  throughput, {:>4} KiB appends: {rate:>6.1} MB/s of WAL = {:.0}% of the disk's sequential rate (at most {:.0}% with {n} copies on one disk); the disk absorbs {disk_rate:.0} MB/s ({n} copies + {zeroed} zero-filled segments) = {:.0}%",
             size >> 10,
             100.0 * rate / disk.sequential_mb_s,
+            100.0 / n as f64,
             100.0 * disk_rate / disk.sequential_mb_s
         );
         stop_quorum(quorum).await?;
@@ -653,13 +699,22 @@ pub async fn wal(args: WalBenchArgs) -> anyhow::Result<()> {
         let before = quorum.safekeepers.counters().await?;
         let all = closed_loop(&quorum.writer, writers, (args.appends / writers).max(1)).await?;
         let p50 = percentile(&all, 0.5);
+        // The disk's floor for one commit of this run: every safekeeper syncing
+        // the batch of all writers (1 KiB each) at once.
+        let (floor, batch) = if writers >= 64 {
+            (disk.concurrent_fsync_64k, "64 KiB")
+        } else {
+            (disk.concurrent_fsync_4k, "4 KiB")
+        };
         say!(
-            "  commit latency, 1 KiB appends, {writers:>2} writers: p50 {:.3} ms, p99 {:.3} ms = {:.1}x an appending fdatasync, {:.1}x an in-place one, {:.1}x {n} at once",
+            "  commit latency, 1 KiB appends, {writers:>2} writers: p50 {:.3} ms, p99 {:.3} ms = {:.1}x an appending fdatasync, {:.1}x an in-place one; the disk's floor for this commit ({n} {batch} fdatasyncs at once) is {:.3} ms = {:.1}x an appending fdatasync, and the commit takes {:.1}x that floor",
             ms(p50),
             ms(percentile(&all, 0.99)),
             p50.as_secs_f64() / disk.append_fsync.as_secs_f64().max(1e-9),
             p50.as_secs_f64() / disk.in_place_fsync.as_secs_f64().max(1e-9),
-            p50.as_secs_f64() / disk.concurrent_fsync.as_secs_f64().max(1e-9)
+            ms(floor),
+            floor.as_secs_f64() / disk.append_fsync.as_secs_f64().max(1e-9),
+            p50.as_secs_f64() / floor.as_secs_f64().max(1e-9)
         );
         let after = quorum.safekeepers.counters().await?;
         let factors: Vec<String> = before
