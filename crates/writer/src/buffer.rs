@@ -254,4 +254,112 @@ mod tests {
         assert_eq!((buf.start(), buf.end()), (Lsn(10), Lsn(30)));
         assert_eq!(buf.next_piece(Lsn(10), 100).expect("piece").len(), 20);
     }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// Append `n` records of `size` bytes.
+        Push {
+            n: usize,
+            size: usize,
+        },
+        Freeze,
+        /// Trim to a position `permille`/1000 of the way through the buffer.
+        Trim {
+            permille: u64,
+        },
+        /// Read a piece from the `k`-th record boundary, at most `max` bytes.
+        Piece {
+            k: usize,
+            max: usize,
+        },
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            (1usize..5, prop_oneof![1usize..200, 30_000usize..300_000])
+                .prop_map(|(n, size)| Op::Push { n, size }),
+            Just(Op::Freeze),
+            (0u64..=1000).prop_map(|permille| Op::Trim { permille }),
+            (0usize..20, 1usize..100_000).prop_map(|(k, max)| Op::Piece { k, max }),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+        /// Against a model (one flat byte vector and its record ends): the
+        /// buffer holds exactly the model's bytes, trims whole records only,
+        /// and every piece is whole records, within the limit unless a single
+        /// record, equal to the model's bytes, and never crosses a chunk.
+        #[test]
+        fn behaves_like_a_flat_buffer(ops in proptest::collection::vec(op(), 1..60)) {
+            let mut buf = WalBuffer::new(Lsn(1000));
+            let mut model: Vec<u8> = Vec::new();
+            let mut model_start = 1000u64;
+            let mut ends: Vec<u64> = Vec::new();
+            let mut fill = 0u8;
+            for op in ops {
+                match op {
+                    Op::Push { n, size } => {
+                        fill = fill.wrapping_add(1);
+                        let data: Vec<u8> =
+                            (0..n * size).map(|i| fill.wrapping_add((i / size) as u8)).collect();
+                        let rel: Vec<usize> = (1..=n).map(|i| i * size).collect();
+                        let base = model_start + model.len() as u64;
+                        ends.extend(rel.iter().map(|&e| base + e as u64));
+                        model.extend_from_slice(&data);
+                        buf.push_back(&Bytes::from(data), &rel);
+                    }
+                    Op::Freeze => buf.freeze_tail(),
+                    Op::Trim { permille } => {
+                        let target = model_start + model.len() as u64 * permille / 1000;
+                        buf.trim_to(Lsn(target));
+                        let new_start = ends
+                            .iter()
+                            .copied()
+                            .filter(|&e| e <= target)
+                            .max()
+                            .unwrap_or(model_start)
+                            .max(model_start);
+                        model.drain(..(new_start - model_start) as usize);
+                        model_start = new_start;
+                        ends.retain(|&e| e > new_start);
+                    }
+                    Op::Piece { k, max } => {
+                        let from = if k == 0 {
+                            model_start
+                        } else {
+                            match ends.get(k - 1) {
+                                Some(&e) => e,
+                                None => continue,
+                            }
+                        };
+                        if let Some(piece) = buf.next_piece(Lsn(from), max) {
+                            let end = from + piece.len() as u64;
+                            proptest::prop_assert!(ends.contains(&end), "ends at a record end");
+                            let records = ends.iter().filter(|&&e| e > from && e <= end).count();
+                            proptest::prop_assert!(
+                                piece.len() <= max || records == 1,
+                                "over the limit only for one big record"
+                            );
+                            let at = (from - model_start) as usize;
+                            proptest::prop_assert_eq!(&piece[..], &model[at..at + piece.len()]);
+                        }
+                    }
+                }
+                proptest::prop_assert_eq!(buf.start(), Lsn(model_start));
+                proptest::prop_assert_eq!(buf.len(), model.len() as u64);
+            }
+            // Everything frozen can be read back, piece by piece, as the model.
+            buf.freeze_tail();
+            let mut at = model_start;
+            let mut got = Vec::new();
+            while let Some(piece) = buf.next_piece(Lsn(at), 1 << 20) {
+                at += piece.len() as u64;
+                got.extend_from_slice(&piece);
+            }
+            proptest::prop_assert!(got == model);
+        }
+    }
 }
