@@ -591,6 +591,57 @@ mod tests {
     }
 
     proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// Messages with payloads of any size, written back to back and read
+        /// through a pipe that delivers them in pieces, come out unchanged.
+        #[test]
+        fn payload_frames_round_trip_in_pieces(
+            sizes in proptest::collection::vec(0usize..150_000, 1..8),
+            pipe in 1usize..70_000,
+        ) {
+            let msgs: Vec<ToSafekeeper> = sizes
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| {
+                    let wal = Bytes::from(vec![i as u8; n]);
+                    ToSafekeeper::Append(AppendRequest {
+                        term: 7,
+                        begin_lsn: Lsn(i as u64 * 1_000_000),
+                        end_lsn: Lsn(i as u64 * 1_000_000 + n as u64),
+                        commit_lsn: Lsn(5),
+                        truncate_lsn: Lsn(1),
+                        wal,
+                    })
+                })
+                .collect();
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .build()
+                .expect("runtime");
+            let got = runtime.block_on(async {
+                let (mut a, b) = tokio::io::duplex(pipe);
+                let expected = msgs.len();
+                let reader = tokio::spawn(async move {
+                    let mut reader = FrameReader::new(b);
+                    let mut got = Vec::new();
+                    while let Some(msg) = reader.next::<ToSafekeeper>().await.expect("read") {
+                        got.push(msg);
+                    }
+                    got
+                });
+                for msg in &msgs {
+                    write_frame(&mut a, msg).await.expect("write");
+                }
+                drop(a);
+                let got = reader.await.expect("reader");
+                assert_eq!(got.len(), expected);
+                got
+            });
+            prop_assert_eq!(got, msgs);
+        }
+    }
+
+    proptest! {
         #[test]
         fn garbage_never_panics(body in proptest::collection::vec(any::<u8>(), 0..256)) {
             let mut frame = vec![PROTOCOL_VERSION];
