@@ -55,6 +55,13 @@ pub trait DiskFile: Send + Sync + fmt::Debug {
     async fn sync_data(&self) -> io::Result<()>;
     /// Current length in bytes.
     async fn size(&self) -> io::Result<u64>;
+    /// Tells the operating system that the file's synced contents will not be
+    /// read soon: their page-cache memory goes back to other uses (WAL that every
+    /// reader has passed must not push useful data out of the cache). Only a
+    /// hint: later reads still see the data, from the disk.
+    async fn drop_cache(&self) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 /// The production disk: a directory of the real file system.
@@ -250,6 +257,12 @@ impl DiskFile for RealFile {
         let file = Arc::clone(&self.file);
         blocking(move || Ok(file.metadata()?.len())).await
     }
+
+    async fn drop_cache(&self) -> io::Result<()> {
+        // Only clean pages are dropped; the caller syncs first.
+        rustix::fs::fadvise(&*self.file, 0, None, rustix::fs::Advice::DontNeed)
+            .map_err(io::Error::from)
+    }
 }
 
 #[cfg(test)]
@@ -279,6 +292,9 @@ mod tests {
         f.sync_data().await.expect("sync");
         assert_eq!(f.read_at(6, 5).await.expect("read"), b"world");
         assert!(f.read_at(6, 50).await.is_err());
+        // Dropping the cache is a hint: the data is still there.
+        f.drop_cache().await.expect("drop cache");
+        assert_eq!(f.read_at(0, 11).await.expect("read"), b"hello world");
         f.set_len(5).await.expect("truncate");
         assert_eq!(f.size().await.expect("size"), 5);
         disk.write_atomic("a/b/g", b"x".to_vec())

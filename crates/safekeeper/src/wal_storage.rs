@@ -509,6 +509,12 @@ impl WalStorage {
                 .rename(&self.path(open.segno, true), &self.path(open.segno, false))
                 .await?;
             self.dir_dirty = true;
+            // A full segment is read again only by a lagging reader: its pages
+            // go back to the page cache's free memory, where the next segment's
+            // writes find them (a hint; failing it changes nothing).
+            if let Err(e) = open.file.drop_cache().await {
+                tracing::debug!(error = %e, "could not drop a full segment from the page cache");
+            }
         }
         Ok(())
     }
