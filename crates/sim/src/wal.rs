@@ -87,6 +87,12 @@ pub fn generate_schedule(rng: &mut SmallRng) -> Schedule {
     for _ in 0..count {
         at += Duration::from_millis(rng.random_range(0..500));
         let event = match rng.random_range(0..7u32) {
+            // Mostly small records; sometimes one larger than a segment
+            // (64 KiB), which spans segments and makes a bulk fsync.
+            0 | 1 if rng.random_bool(0.1) => Event::Write {
+                records: 1,
+                bytes: rng.random_range(20_000..200_000),
+            },
             0 | 1 => Event::Write {
                 records: rng.random_range(1..10),
                 bytes: rng.random_range(16..4000),

@@ -27,8 +27,10 @@ fn explain(f: &Failure) -> String {
 /// schedule generator and disk model; they now draw other schedules and stay as
 /// coverage. 534 and 603 fail when a cut leaves stale WAL past the end of a
 /// preallocated segment (checked by removing the zeroing in
-/// `WalStorage::cut_after`).
-const REGRESSION_SEEDS: &[u64] = &[0, 1, 2, 3, 23, 37, 42, 534, 603, 1000];
+/// `WalStorage::cut_after`). 4883 found a writer that gave up for good after
+/// losing an election to the higher term of a writer long dead (nobody was left
+/// to write).
+const REGRESSION_SEEDS: &[u64] = &[0, 1, 2, 3, 23, 37, 42, 534, 603, 1000, 4883];
 
 #[test]
 fn regression_seeds() {

@@ -501,15 +501,16 @@ impl Driver {
     }
 
     fn on_tick(&mut self) -> Vec<Action> {
-        if !self.proposer.is_elected()
-            && self.attempt_started.elapsed() > self.config.election_timeout
-        {
-            // Split vote or lost quorum: start over above every term seen.
+        let timed_out = !self.proposer.is_elected()
+            && self.attempt_started.elapsed() > self.config.election_timeout;
+        if timed_out || self.proposer.lost_election() {
+            // Split vote, lost quorum, or a higher term left by another writer
+            // (perhaps long gone): start over above every term seen.
             let mut config = self.config.proposer.clone();
             config.min_term = self.proposer.term();
             tracing::info!(
                 term = config.min_term,
-                "election timed out; trying again with a higher term"
+                "starting a new election above this term"
             );
             self.proposer = Proposer::new(config);
             self.attempt_started = tokio::time::Instant::now();
@@ -588,6 +589,11 @@ impl Driver {
                 }
                 Action::Reconnect { peer } => {
                     self.conns[peer] = None;
+                }
+                Action::ElectionLost { term, reason } => {
+                    // Queued appends wait for the next attempt (started by the
+                    // next tick, above `term`).
+                    tracing::info!(term, %reason, "election lost to a higher term; trying again");
                 }
             }
         }

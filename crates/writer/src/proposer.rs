@@ -90,9 +90,16 @@ pub enum Action {
     Committed {
         commit_lsn: Lsn,
     },
-    /// A higher term exists: this writer must stop; nothing it has not seen
-    /// committed may be acknowledged.
+    /// A higher term exists after this writer was elected: it must stop;
+    /// nothing it has not seen committed may be acknowledged.
     Superseded {
+        term: Term,
+        reason: String,
+    },
+    /// A higher term exists before this writer was elected (left by a writer
+    /// that may be long gone): this election is lost and a new one must start
+    /// above `term`, after a pause. Nothing was acknowledged in this attempt.
+    ElectionLost {
         term: Term,
         reason: String,
     },
@@ -143,6 +150,8 @@ enum Phase {
     Greeting,
     Voting,
     Elected,
+    /// Saw a higher term while electing; waits to be replaced by a new attempt.
+    Lost,
     Stopped,
 }
 
@@ -254,7 +263,7 @@ impl Proposer {
 
     /// A connection to safekeeper `peer` is up.
     pub fn on_connected(&mut self, peer: usize) -> Vec<Action> {
-        if self.phase == Phase::Stopped || peer >= self.peers.len() {
+        if matches!(self.phase, Phase::Stopped | Phase::Lost) || peer >= self.peers.len() {
             return Vec::new();
         }
         self.peers[peer] = Peer::Greeting;
@@ -350,7 +359,7 @@ impl Proposer {
     /// Handles one message from safekeeper `peer`.
     pub fn on_message(&mut self, peer: usize, msg: FromSafekeeper) -> Vec<Action> {
         let mut actions = Vec::new();
-        if self.phase == Phase::Stopped || peer >= self.peers.len() {
+        if matches!(self.phase, Phase::Stopped | Phase::Lost) || peer >= self.peers.len() {
             return actions;
         }
         match msg {
@@ -394,12 +403,29 @@ impl Proposer {
         actions
     }
 
+    /// A higher term was seen: an elected writer is superseded and stops; one
+    /// still electing has lost this attempt only.
     fn stop(&mut self, term: Term, reason: &str, actions: &mut Vec<Action>) {
-        self.phase = Phase::Stopped;
-        actions.push(Action::Superseded {
-            term,
-            reason: reason.to_string(),
-        });
+        if self.phase == Phase::Elected {
+            self.phase = Phase::Stopped;
+            actions.push(Action::Superseded {
+                term,
+                reason: reason.to_string(),
+            });
+        } else {
+            self.phase = Phase::Lost;
+            self.term = self.term.max(term);
+            actions.push(Action::ElectionLost {
+                term,
+                reason: reason.to_string(),
+            });
+        }
+    }
+
+    /// This attempt lost its election to a higher term; [`Proposer::term`] is
+    /// that term, which the next attempt must exceed.
+    pub fn lost_election(&self) -> bool {
+        self.phase == Phase::Lost
     }
 
     fn on_greeting(&mut self, peer: usize, term: Term, actions: &mut Vec<Action>) {
@@ -444,7 +470,7 @@ impl Proposer {
                     msg: ToSafekeeper::VoteRequest { term: self.term },
                 });
             }
-            Phase::Stopped => {}
+            Phase::Lost | Phase::Stopped => {}
         }
     }
 

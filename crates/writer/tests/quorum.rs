@@ -99,6 +99,7 @@ struct Writer {
     elected: Option<(Term, Lsn)>,
     commit_lsn: Lsn,
     superseded: Option<Term>,
+    lost: Option<Term>,
 }
 
 impl Writer {
@@ -114,6 +115,7 @@ impl Writer {
             elected: None,
             commit_lsn: Lsn(0),
             superseded: None,
+            lost: None,
         }
     }
 
@@ -153,6 +155,7 @@ impl Writer {
                         self.commit_lsn = commit_lsn;
                     }
                     Action::Superseded { term, .. } => self.superseded = Some(term),
+                    Action::ElectionLost { term, .. } => self.lost = Some(term),
                     Action::Reconnect { peer } => {
                         self.connected[peer] = false;
                         let more = self.proposer.on_disconnected(peer);
@@ -561,4 +564,36 @@ async fn no_commit_from_a_previous_term() {
     assert_eq!(w4.elected, Some((4, Lsn(100))));
     assert!(cluster.wal(1).await == z, "safekeeper 1 now holds Z, not X");
     assert!(cluster.wal(2).await == z);
+}
+
+#[tokio::test]
+async fn a_stale_higher_term_loses_one_election_not_the_writer() {
+    let mut cluster = Cluster::new(3).await;
+    // A writer that died after asking only safekeeper 2 for a vote in term 7.
+    cluster.acceptors[2]
+        .as_mut()
+        .expect("running")
+        .handle_vote(7)
+        .await
+        .expect("vote");
+    // The next writer greets a quorum at term 0 and asks for votes in term 1;
+    // safekeeper 2's greeting then shows term 7: this attempt is lost, but the
+    // writer is not superseded (it never was elected, nothing was promised).
+    let mut w = Writer::new(3, 0);
+    w.connect_all(&mut cluster).await;
+    assert_eq!(w.lost, Some(7));
+    assert_eq!(w.superseded, None);
+    assert!(w.elected.is_none());
+    assert!(w.proposer.lost_election());
+    assert!(matches!(
+        w.proposer.append(&batch(0, 1, 10)),
+        Err(ProposerError::NotElected)
+    ));
+    // The next attempt (what the driver starts on its next tick) goes above it.
+    let mut retry = Writer::new(3, w.proposer.term());
+    retry.connect_all(&mut cluster).await;
+    assert_eq!(retry.elected.map(|(term, _)| term), Some(8));
+    let records = batch(0, 3, 100);
+    let end = retry.append(&mut cluster, &records).await.expect("append");
+    assert_eq!(retry.commit_lsn, end);
 }
