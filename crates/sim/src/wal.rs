@@ -2,7 +2,7 @@
 //! writes, crashes, restarts, partitions and disk stalls, checked against the
 //! invariants of the WAL quorum.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Duration;
@@ -47,6 +47,10 @@ pub enum Event {
     RestartSafekeeper(usize),
     /// Kill the writer and start a new one (which must win a new term).
     RestartWriter,
+    /// Start a new writer while the old one keeps running (a failover that did
+    /// not kill it): one of them ends up elected, a writer superseded after its
+    /// election stops, and nothing acknowledged by either is lost.
+    TakeOver,
     /// Cut the network between two nodes (safekeeper indexes; 3 = the writer).
     Partition(usize, usize),
     RepairPartitions,
@@ -99,6 +103,7 @@ pub fn generate_schedule(rng: &mut SmallRng) -> Schedule {
             },
             2 => Event::CrashSafekeeper(rng.random_range(0..SAFEKEEPERS)),
             3 => Event::RestartSafekeeper(rng.random_range(0..SAFEKEEPERS)),
+            4 if rng.random_bool(0.3) => Event::TakeOver,
             4 => Event::RestartWriter,
             5 => {
                 if rng.random_bool(0.5) {
@@ -192,10 +197,14 @@ struct Sim {
     preallocation: Vec<Preallocation>,
     writer: Option<Arc<Writer>>,
     status: Option<watch::Receiver<WriterStatus>>,
+    /// Writers replaced by a takeover and still running, by incarnation.
+    old_writers: BTreeMap<u64, (Arc<Writer>, watch::Receiver<WriterStatus>)>,
     writers_started: u64,
     pending_writes: Vec<tokio::task::JoinHandle<()>>,
     next_block: u64,
     acked: BTreeMap<u64, Lsn>,
+    /// Blocks whose append failed (not acknowledged: outcome unknown).
+    not_acked: BTreeSet<u64>,
     results: (
         mpsc::UnboundedSender<AppendResult>,
         mpsc::UnboundedReceiver<AppendResult>,
@@ -206,9 +215,10 @@ struct Sim {
     committed_by: BTreeMap<u64, Lsn>,
     /// The election of each writer incarnation: (term, epoch start).
     elected: BTreeMap<u64, (u64, Lsn)>,
+    /// Which incarnation was elected in each term (at most one).
+    term_owner: BTreeMap<u64, u64>,
     /// Highest end of WAL any writer produced.
     produced: Lsn,
-    last_term: u64,
     elections: usize,
     log: Vec<String>,
     verbose: bool,
@@ -310,27 +320,101 @@ impl Sim {
         self.status = None;
     }
 
-    /// Highest LSN committed by writer incarnations before `writer`.
-    fn committed_before(&self, writer: u64) -> Lsn {
+    /// The current writer stopped on its own (superseded, perhaps by the term
+    /// of a writer long dead): like a process supervisor, start a new one.
+    /// Writers replaced by a takeover have no supervisor.
+    fn restart_stopped_writer(&mut self) {
+        if self.writer.take().is_some() {
+            self.log(format!(
+                "writer {} stopped; its supervisor starts a new one",
+                self.writers_started
+            ));
+            self.start_writer();
+        }
+    }
+
+    /// A takeover: the current writer keeps running while a new one starts.
+    fn take_over(&mut self) {
+        if let (Some(writer), Some(status)) = (self.writer.take(), self.status.take()) {
+            self.old_writers
+                .insert(self.writers_started, (writer, status));
+        }
+        self.start_writer();
+    }
+
+    /// Kills every writer replaced by a takeover.
+    fn kill_old_writers(&mut self) -> Result<(), Failure> {
+        self.observe_old_writers()?;
+        for (incarnation, (writer, _)) in std::mem::take(&mut self.old_writers) {
+            writer.abort();
+            self.log(format!("writer {incarnation} killed"));
+        }
+        Ok(())
+    }
+
+    /// Checks what the writers replaced by a takeover report now; one that
+    /// stopped (superseded) is checked a last time and forgotten.
+    fn observe_old_writers(&mut self) -> Result<(), Failure> {
+        let mut changed = Vec::new();
+        let mut stopped = Vec::new();
+        for (i, (_, rx)) in self.old_writers.iter_mut() {
+            match rx.has_changed() {
+                Ok(true) => changed.push((*i, rx.borrow_and_update().clone())),
+                Ok(false) => {}
+                Err(_) => {
+                    changed.push((*i, rx.borrow().clone()));
+                    stopped.push(*i);
+                }
+            }
+        }
+        for (i, s) in changed {
+            self.observe(i, &s)?;
+        }
+        for i in stopped {
+            self.old_writers.remove(&i);
+            self.log(format!("writer {i} stopped"));
+        }
+        Ok(())
+    }
+
+    /// The status of incarnation `writer`, if it still runs.
+    fn status_of(&self, writer: u64) -> Option<WriterStatus> {
+        if writer == self.writers_started {
+            return self.status.as_ref().map(|rx| rx.borrow().clone());
+        }
+        self.old_writers
+            .get(&writer)
+            .map(|(_, rx)| rx.borrow().clone())
+    }
+
+    /// Highest LSN committed by writers elected in terms below `term`.
+    fn committed_below(&self, term: u64) -> Lsn {
         self.committed_by
-            .range(..writer)
+            .iter()
+            .filter(|(w, _)| self.elected.get(w).is_some_and(|(t, _)| *t < term))
             .map(|(_, l)| *l)
             .max()
             .unwrap_or(Lsn(0))
     }
 
-    /// Records that `writer` got `lsn` committed, checking it against the
-    /// elections of every later writer: they must all have started at or above it.
+    /// Records that `writer` got `lsn` committed, checking it against every
+    /// election of a higher term: they must all have started at or above it
+    /// (whenever they happened, as writers may run side by side).
     fn record_commit(&mut self, writer: u64, lsn: Lsn) -> Result<(), Failure> {
+        let Some(&(my_term, _)) = self.elected.get(&writer) else {
+            return Err(self.fail(format!(
+                "writer {writer} committed {lsn} without having been seen elected"
+            )));
+        };
         let entry = self.committed_by.entry(writer).or_insert(Lsn(0));
         *entry = (*entry).max(lsn);
         if let Some((later, (term, epoch))) = self
             .elected
-            .range(writer + 1..)
-            .find(|(_, (_, e))| *e < lsn)
+            .iter()
+            .find(|(_, (t, e))| *t > my_term && *e < lsn)
         {
             return Err(self.fail(format!(
-                "writer {later} was elected in term {term} at {epoch}, below {lsn} committed by writer {writer}: committed WAL lost"
+                "writer {later} was elected in term {term} at {epoch}, below {lsn} committed by writer {writer} in term {my_term}: committed WAL lost"
             )));
         }
         if lsn > self.committed {
@@ -350,25 +434,41 @@ impl Sim {
         let end = parse(&s.end_lsn)?;
         let commit = parse(&s.commit_lsn)?;
         let epoch = parse(&s.epoch_start_lsn)?;
-        if s.elected && !self.elected.contains_key(&writer) {
-            if s.term <= self.last_term {
+        // A superseded writer was elected in its term, even if the status that
+        // showed it elected was overwritten before it could be looked at.
+        let was_elected = s.elected || s.superseded_by.is_some();
+        if was_elected && !self.elected.contains_key(&writer) {
+            if let Some(other) = self.term_owner.insert(s.term, writer) {
                 return Err(self.fail(format!(
-                    "term {} elected after term {}",
-                    s.term, self.last_term
+                    "writers {other} and {writer} were both elected in term {}",
+                    s.term
                 )));
             }
-            self.last_term = s.term;
             self.elections += 1;
             self.log(format!(
                 "writer {writer} elected in term {} at epoch start {epoch}",
                 s.term
             ));
-            let before = self.committed_before(writer);
+            let before = self.committed_below(s.term);
             if epoch < before {
                 return Err(self.fail(format!(
                     "election of term {} starts at {epoch}, below the committed {before}: committed WAL lost",
                     s.term
                 )));
+            }
+            // Writers side by side: the other one may have produced WAL since
+            // its status was last looked at.
+            let ends: Vec<String> = self
+                .old_writers
+                .values()
+                .map(|(_, rx)| rx.borrow().end_lsn.clone())
+                .chain(self.status.iter().map(|rx| rx.borrow().end_lsn.clone()))
+                .collect();
+            for end in ends {
+                let end: Lsn = end
+                    .parse()
+                    .map_err(|e| self.fail(format!("bad status LSN: {e}")))?;
+                self.produced = self.produced.max(end);
             }
             if epoch > self.produced {
                 return Err(self.fail(format!(
@@ -380,7 +480,7 @@ impl Sim {
         }
         if s.synced && commit > Lsn(0) {
             let mine = self.committed_by.get(&writer).copied().unwrap_or(Lsn(0));
-            let before = self.committed_before(writer);
+            let before = self.committed_below(s.term);
             if commit < mine || commit < before {
                 return Err(self.fail(format!(
                     "commit_lsn went back: writer {writer} reports {commit} after {}",
@@ -402,6 +502,10 @@ impl Sim {
         block: u64,
         result: Result<Lsn, WriterError>,
     ) -> Result<(), Failure> {
+        // The acknowledgement may overtake the status that shows the election.
+        if let Some(s) = self.status_of(writer) {
+            self.observe(writer, &s)?;
+        }
         match result {
             Ok(end) => {
                 if self.acked.insert(block, end).is_some() {
@@ -409,7 +513,10 @@ impl Sim {
                 }
                 self.record_commit(writer, end)?;
             }
-            Err(e) => self.log(format!("block {block} not acknowledged: {e}")),
+            Err(e) => {
+                self.not_acked.insert(block);
+                self.log(format!("block {block} not acknowledged: {e}"));
+            }
         }
         Ok(())
     }
@@ -441,6 +548,7 @@ impl Sim {
     /// Runs until `deadline`, watching writer status and acknowledgements.
     async fn run_until(&mut self, deadline: Instant) -> Result<(), Failure> {
         loop {
+            self.observe_old_writers()?;
             let status_changed = async {
                 match self.status.as_mut() {
                     Some(rx) => rx.changed().await.is_ok(),
@@ -450,13 +558,14 @@ impl Sim {
             tokio::select! {
                 biased;
                 changed = status_changed => {
-                    if changed {
-                        let s = self.status.as_ref().map(|rx| rx.borrow().clone());
-                        if let Some(s) = s {
-                            self.observe(self.writers_started, &s)?;
-                        }
-                    } else {
+                    // Also when the writer stopped: its last status counts.
+                    let s = self.status.as_ref().map(|rx| rx.borrow().clone());
+                    if let Some(s) = s {
+                        self.observe(self.writers_started, &s)?;
+                    }
+                    if !changed {
                         self.status = None;
+                        self.restart_stopped_writer();
                     }
                 }
                 Some((writer, block, result)) = self.results.1.recv() => self.on_result(writer, block, result)?,
@@ -475,8 +584,10 @@ impl Sim {
             }
             Event::RestartWriter => {
                 self.kill_writer();
+                self.kill_old_writers()?;
                 self.start_writer();
             }
+            Event::TakeOver => self.take_over(),
             Event::Partition(a, b) => {
                 self.net.partition(&node_name(a), &node_name(b));
                 self.log(format!("partition {} | {}", node_name(a), node_name(b)));
@@ -507,30 +618,43 @@ impl Sim {
                 self.start_safekeeper(i).await?;
             }
         }
+        // After a takeover either writer may be the one left standing (the other
+        // stopped, superseded): one fresh writer carries on.
+        if !self.old_writers.is_empty() {
+            self.kill_old_writers()?;
+            self.kill_writer();
+        }
         if self.writer.is_none() {
             self.start_writer();
         }
-        let Some(writer) = self.writer.clone() else {
-            return Err(self.fail("no writer"));
-        };
-        let block = self.next_block;
-        self.next_block += 1;
-        let data = encode_records(&[insert_record(block, 100)]);
-        let tx = self.results.0.clone();
-        let incarnation = self.writers_started;
-        tokio::spawn(async move {
-            let _ = tx.send((incarnation, block, writer.append(data).await));
-        });
+        // A write must commit; one that fails (its writer superseded by a stale
+        // term and restarted by its supervisor) is tried again.
         let deadline = Instant::now() + LIVENESS_BOUND;
-        while !self.acked.contains_key(&block) {
-            if Instant::now() >= deadline {
-                return Err(self.fail(format!(
-                    "after the faults stopped, a write did not commit within {LIVENESS_BOUND:?}"
-                )));
+        let block = loop {
+            let Some(writer) = self.writer.clone() else {
+                return Err(self.fail("no writer"));
+            };
+            let block = self.next_block;
+            self.next_block += 1;
+            let data = encode_records(&[insert_record(block, 100)]);
+            let tx = self.results.0.clone();
+            let incarnation = self.writers_started;
+            tokio::spawn(async move {
+                let _ = tx.send((incarnation, block, writer.append(data).await));
+            });
+            while !self.acked.contains_key(&block) && !self.not_acked.contains(&block) {
+                if Instant::now() >= deadline {
+                    return Err(self.fail(format!(
+                        "after the faults stopped, a write did not commit within {LIVENESS_BOUND:?}"
+                    )));
+                }
+                self.run_until((Instant::now() + Duration::from_millis(100)).min(deadline))
+                    .await?;
             }
-            self.run_until((Instant::now() + Duration::from_millis(100)).min(deadline))
-                .await?;
-        }
+            if self.acked.contains_key(&block) {
+                break block;
+            }
+        };
         self.log(format!("final write committed at {}", self.acked[&block]));
         // Every write still running completes too.
         while self.pending_writes.iter().any(|t| !t.is_finished()) {
@@ -579,6 +703,7 @@ impl Sim {
     /// Stops every node and checks the WAL on every disk.
     async fn check_disks(&mut self, committed: Lsn) -> Result<(), Failure> {
         self.kill_writer();
+        self.kill_old_writers()?;
         for i in 0..SAFEKEEPERS {
             if let Some(server) = self.servers[i].take() {
                 server.kill().await;
@@ -704,16 +829,18 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         preallocation: vec![Preallocation::Auto; SAFEKEEPERS],
         writer: None,
         status: None,
+        old_writers: BTreeMap::new(),
         writers_started: 0,
         pending_writes: Vec::new(),
         next_block: 0,
         acked: BTreeMap::new(),
+        not_acked: BTreeSet::new(),
         results: mpsc::unbounded_channel(),
         committed: Lsn(0),
         committed_by: BTreeMap::new(),
         elected: BTreeMap::new(),
+        term_owner: BTreeMap::new(),
         produced: Lsn(0),
-        last_term: 0,
         elections: 0,
         log: Vec::new(),
         verbose,

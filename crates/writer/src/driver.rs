@@ -103,6 +103,9 @@ pub struct WriterStatus {
     pub synced: bool,
     pub commit_lsn: String,
     pub end_lsn: String,
+    /// Set when a higher term ended this writer's leadership (of `term`, which
+    /// started at `epoch_start_lsn`); the writer has stopped.
+    pub superseded_by: Option<Term>,
     pub peers: Vec<PeerStatus>,
     pub shards: Vec<ShardFeedback>,
 }
@@ -155,6 +158,7 @@ impl Writer {
             synced: false,
             commit_lsn: Lsn(0).to_string(),
             end_lsn: Lsn(0).to_string(),
+            superseded_by: None,
             peers: config
                 .safekeepers
                 .iter()
@@ -177,6 +181,7 @@ impl Writer {
             attempt_started: tokio::time::Instant::now(),
             batching: false,
             announcing: None,
+            superseded_by: None,
             config,
         };
         let task = tokio::spawn(driver.run(events_rx, commands_rx));
@@ -346,6 +351,8 @@ struct Driver {
     /// Shutting down: the checkpoint ending at this LSN is committed; waiting (until
     /// the deadline) for the safekeepers to confirm they know it.
     announcing: Option<(Lsn, tokio::time::Instant)>,
+    /// The term that ended this writer's leadership.
+    superseded_by: Option<Term>,
 }
 
 impl Driver {
@@ -575,6 +582,7 @@ impl Driver {
                 }
                 Action::Superseded { term, reason } => {
                     tracing::warn!(term, %reason, "writer superseded; stopping");
+                    self.superseded_by = Some(term);
                     for (_, reply) in self.waiters.drain(..) {
                         let _ = reply.send(Err(WriterError::Superseded { term }));
                     }
@@ -610,6 +618,7 @@ impl Driver {
                 && self.proposer.commit_lsn() >= self.proposer.epoch_start_lsn(),
             commit_lsn: self.proposer.commit_lsn().to_string(),
             end_lsn: self.proposer.end_lsn().to_string(),
+            superseded_by: self.superseded_by,
             peers: self
                 .config
                 .safekeepers
