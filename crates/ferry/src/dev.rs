@@ -34,12 +34,29 @@ pub struct DevArgs {
 pub const ROOT: &str = "/ferry";
 
 /// Waits for Ctrl-C (SIGINT) or SIGTERM.
-pub async fn shutdown_signal() -> anyhow::Result<&'static str> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
-    tokio::select! {
-        r = tokio::signal::ctrl_c() => { r.context("waiting for Ctrl-C")?; Ok("interrupt") }
-        _ = term.recv() => Ok("terminate"),
+/// SIGINT (Ctrl-C) and SIGTERM, caught from the moment this is made: made at
+/// start-up, before a process says it is ready, so that a signal sent right
+/// after that line always means a clean stop (not the default: death).
+pub struct ShutdownSignal {
+    interrupt: tokio::signal::unix::Signal,
+    terminate: tokio::signal::unix::Signal,
+}
+
+impl ShutdownSignal {
+    pub fn install() -> anyhow::Result<ShutdownSignal> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(ShutdownSignal {
+            interrupt: signal(SignalKind::interrupt()).context("installing a SIGINT handler")?,
+            terminate: signal(SignalKind::terminate()).context("installing a SIGTERM handler")?,
+        })
+    }
+
+    /// Waits for either signal; says which.
+    pub async fn recv(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.interrupt.recv() => "interrupt",
+            _ = self.terminate.recv() => "terminate",
+        }
     }
 }
 
@@ -50,6 +67,7 @@ fn absolute(dir: &Path) -> anyhow::Result<PathBuf> {
 }
 
 pub async fn run(args: DevArgs) -> anyhow::Result<()> {
+    let mut shutdown = ShutdownSignal::install()?;
     let data_dir = absolute(&args.data_dir)?;
     let _lock = crate::lockfile::lock_data_dir(&data_dir)?;
     let disk = Arc::new(RealDisk::open_root(&data_dir).context("opening the data dir")?);
@@ -111,7 +129,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     );
     say!("replicas, partition export and the insert API are not implemented yet; press Ctrl-C to stop");
 
-    let why = shutdown_signal().await?;
+    let why = shutdown.recv().await;
     tracing::info!(signal = why, "stopping");
     http_task.abort();
     let _ = http_task.await;

@@ -55,6 +55,7 @@ pub struct WriterArgs {
 }
 
 pub async fn safekeeper(args: SafekeeperArgs) -> anyhow::Result<()> {
+    let mut shutdown = crate::dev::ShutdownSignal::install()?;
     let segment = SegmentSize::new(args.segment_bytes)?;
     let _lock = crate::lockfile::lock_data_dir(&args.data_dir)?;
     let disk: Arc<dyn Disk> =
@@ -74,7 +75,7 @@ pub async fn safekeeper(args: SafekeeperArgs) -> anyhow::Result<()> {
     );
     let mut failure = server.failure();
     tokio::select! {
-        r = crate::dev::shutdown_signal() => { r?; }
+        _ = shutdown.recv() => {}
         reason = async { failure.wait_for(|f| f.is_some()).await.map(|f| f.clone().unwrap_or_default()) } => {
             anyhow::bail!("safekeeper stopped after a storage failure: {}", reason.unwrap_or_default());
         }
@@ -85,6 +86,7 @@ pub async fn safekeeper(args: SafekeeperArgs) -> anyhow::Result<()> {
 }
 
 pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
+    let mut shutdown = crate::dev::ShutdownSignal::install()?;
     let segment = SegmentSize::new(args.segment_bytes)?;
     let n = args.safekeepers.len();
     anyhow::ensure!(n >= 1, "at least one safekeeper is needed");
@@ -109,7 +111,7 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
     })
     .await?;
     say!("writer for {n} safekeepers started, status on http://{http}/status");
-    crate::dev::shutdown_signal().await?;
+    shutdown.recv().await;
     let end = writer.shutdown().await?;
     say!("writer stopped cleanly; shutdown checkpoint committed, WAL ends at {end}");
     Ok(())

@@ -8,12 +8,18 @@ use std::time::{Duration, Instant};
 
 const FERRY: &str = env!("CARGO_BIN_EXE_ferry");
 
+/// Where a `ferry dev` run on `data_dir` writes its log (beside the data dir).
+fn dev_log(data_dir: &std::path::Path) -> std::path::PathBuf {
+    data_dir.with_extension("log")
+}
+
 fn start_dev(data_dir: &std::path::Path) -> (std::process::Child, Vec<String>) {
+    let log = std::fs::File::create(dev_log(data_dir)).expect("log file");
     let mut child = Command::new(FERRY)
         .args(["dev", "--http", "127.0.0.1:0", "--data-dir"])
         .arg(data_dir)
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(log)
         .spawn()
         .expect("spawn ferry dev");
     let stdout = child.stdout.take().expect("stdout");
@@ -33,6 +39,17 @@ fn start_dev(data_dir: &std::path::Path) -> (std::process::Child, Vec<String>) {
     // Keep draining stdout so the child never blocks writing to it.
     std::thread::spawn(move || for _ in reader.lines().map_while(Result::ok) {});
     (child, lines)
+}
+
+/// Waits for `ferry dev` to exit and asserts it exited cleanly, showing its log
+/// if not.
+fn assert_clean_exit(child: &mut std::process::Child, data_dir: &std::path::Path) {
+    let status = child.wait().expect("wait");
+    assert!(
+        status.success(),
+        "clean exit on Ctrl-C: {status:?}; log:\n{}",
+        std::fs::read_to_string(dev_log(data_dir)).unwrap_or_default()
+    );
 }
 
 fn interrupt(child: &std::process::Child) {
@@ -115,15 +132,14 @@ fn dev_starts_reports_ready_and_stops_cleanly_on_ctrl_c() {
     assert!(status.contains("\"elected\":true"), "{status}");
     assert_eq!(status.matches("\"node_id\"").count(), 3, "{status}");
     interrupt(&child);
-    let status = child.wait().expect("wait");
-    assert!(status.success(), "clean exit on Ctrl-C: {status:?}");
+    assert_clean_exit(&mut child, &data);
 
     // A second start recovers what the first left behind: the safekeepers
     // remember term 1, so the new writer is elected in term 2.
     let (mut child, lines) = start_dev(&data);
     assert!(ready_line(&lines).contains("writer term 2,"), "{lines:?}");
     interrupt(&child);
-    assert!(child.wait().expect("wait").success());
+    assert_clean_exit(&mut child, &data);
 }
 
 #[test]
