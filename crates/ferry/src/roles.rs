@@ -111,7 +111,18 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
     })
     .await?;
     say!("writer for {n} safekeepers started, status on http://{http}/status");
-    shutdown.recv().await;
+    let mut superseded = writer.subscribe();
+    tokio::select! {
+        _ = shutdown.recv() => {}
+        s = superseded.wait_for(|s| s.superseded_by.is_some()) => {
+            // Another writer took over, or a term left by one long gone ended
+            // this leadership: exit, so that a supervisor starts a new election.
+            match s.ok().and_then(|s| s.superseded_by) {
+                Some(term) => anyhow::bail!("writer superseded by term {term}; exiting"),
+                None => anyhow::bail!("writer stopped unexpectedly"),
+            }
+        }
+    }
     let end = writer.shutdown().await?;
     say!("writer stopped cleanly; shutdown checkpoint committed, WAL ends at {end}");
     Ok(())

@@ -172,3 +172,108 @@ async fn kill_9_of_a_safekeeper_mid_stream_loses_nothing() {
         let _ = child.wait();
     }
 }
+
+/// Starts `ferry writer` on `addrs`; returns it once it reports that it started.
+fn start_writer_process(addrs: &[String]) -> std::process::Child {
+    let mut child = Command::new(FERRY)
+        .args(["writer", "--http", "127.0.0.1:0", "--segment-bytes"])
+        .arg(SEG.to_string())
+        .arg("--safekeepers")
+        .arg(addrs.join(","))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn writer");
+    let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    reader.read_line(&mut line).expect("read");
+    assert!(
+        line.contains("writer for 3 safekeepers started"),
+        "{line:?}"
+    );
+    std::thread::spawn(move || for _ in reader.lines().map_while(Result::ok) {});
+    child
+}
+
+/// The term of the safekeeper at `addr`, as its greeting tells.
+async fn safekeeper_term(addr: &str) -> u64 {
+    let mut conn = TcpNetwork.connect(addr).await.expect("connect");
+    proto::write_frame(
+        &mut conn,
+        &ToSafekeeper::Greeting(ferry_wal::proto::Greeting {
+            proposer_id: 1,
+            timeline_id: 1,
+            segment_bytes: SEG,
+        }),
+    )
+    .await
+    .expect("greet");
+    match proto::read_frame::<_, FromSafekeeper>(&mut conn).await {
+        Ok(Some(FromSafekeeper::Greeting(g))) => g.term,
+        other => panic!("unexpected answer {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_writer_process_takes_over_and_the_first_exits_with_an_error() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut children = Vec::new();
+    let mut addrs = Vec::new();
+    for id in 0..3 {
+        let (child, addr) =
+            start_safekeeper(id, &dir.path().join(format!("sk{id}")), "127.0.0.1:0");
+        children.push(child);
+        addrs.push(addr);
+    }
+    let wait_for_term = |term: u64| {
+        let addrs = addrs.clone();
+        async move {
+            let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            loop {
+                let mut at_term = 0;
+                for addr in &addrs {
+                    if safekeeper_term(addr).await >= term {
+                        at_term += 1;
+                    }
+                }
+                if at_term >= 2 {
+                    return;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "no quorum at term {term}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    let mut first = start_writer_process(&addrs);
+    wait_for_term(1).await;
+    let mut second = start_writer_process(&addrs);
+    wait_for_term(2).await;
+    // The first writer learns of term 2 from its heartbeats and exits.
+    let status = tokio::task::spawn_blocking(move || {
+        let status = first.wait().expect("wait");
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(&mut first.stderr.take().expect("stderr"), &mut stderr)
+            .expect("stderr");
+        (status, stderr)
+    });
+    let (status, stderr) = tokio::time::timeout(Duration::from_secs(20), status)
+        .await
+        .expect("the first writer exits")
+        .expect("task");
+    assert!(!status.success(), "superseded is an error exit");
+    assert!(stderr.contains("superseded by term 2"), "{stderr}");
+    // The second one goes on.
+    assert!(
+        second.try_wait().expect("poll").is_none(),
+        "second writer runs"
+    );
+    let _ = second.kill();
+    let _ = second.wait();
+    for mut child in children {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
