@@ -67,10 +67,13 @@ impl LocalQuorum {
         }
         let addrs = safekeepers.iter().map(|s| s.addr().to_string()).collect();
         let proposer_id = u128::from(std::process::id()) << 64 | u128::from(n as u64);
-        let config = WriterConfig::new(
+        let mut config = WriterConfig::new(
             addrs,
             ProposerConfig::new(n, TIMELINE_ID, segment.bytes(), proposer_id),
         );
+        // These safekeepers are this process's own: any higher term is one left
+        // by an earlier run, never a live rival.
+        config.reelect_when_superseded = true;
         let writer = Writer::start(Arc::new(TcpNetwork), config);
         Ok(LocalQuorum {
             safekeepers,

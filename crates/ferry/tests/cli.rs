@@ -143,6 +143,52 @@ fn dev_starts_reports_ready_and_stops_cleanly_on_ctrl_c() {
 }
 
 #[test]
+fn dev_elects_its_writer_again_above_a_term_left_behind() {
+    use std::io::Write as _;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let (mut child, lines) = start_dev(&data);
+    let ready = ready_line(&lines);
+    // A term left on one safekeeper by a writer long gone: a vote request.
+    let addr = ready
+        .split("safekeepers (")
+        .nth(1)
+        .and_then(|rest| rest.split([',', ')']).next())
+        .expect("a safekeeper address")
+        .to_string();
+    let frame =
+        ferry_wal::proto::encode_frame(&ferry_wal::proto::ToSafekeeper::VoteRequest { term: 99 })
+            .expect("encode");
+    let mut conn = std::net::TcpStream::connect(&addr).expect("connect");
+    conn.write_all(&frame).expect("vote request");
+    // The writer learns of term 99 from that safekeeper, is superseded, and is
+    // elected again above it; ferry dev goes on.
+    let url = ready
+        .rsplit("status on ")
+        .next()
+        .expect("status url")
+        .trim()
+        .to_string();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let status: serde_json::Value = serde_json::from_str(&http_get(&url)).expect("JSON");
+        let writer = &status["writer"];
+        if writer["term"] == 100 && writer["elected"] == true {
+            assert_eq!(writer["superseded_by"], 99, "{status}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "not elected again: {status}");
+        assert!(
+            child.try_wait().expect("poll").is_none(),
+            "ferry dev stopped"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    interrupt(&child);
+    assert_clean_exit(&mut child, &data);
+}
+
+#[test]
 fn dev_refuses_a_corrupt_store_with_a_clear_error() {
     let dir = tempfile::tempdir().expect("tempdir");
     let coord = dir.path().join("coord");

@@ -53,6 +53,12 @@ pub struct WriterConfig {
     pub election_timeout: Duration,
     /// Appends waiting for election or commit, at most; more are refused.
     pub max_pending_appends: usize,
+    /// When superseded, fail what was in flight and start a new election above
+    /// the higher term instead of stopping. For a process that is the only
+    /// writer of its safekeepers (`ferry dev`), where a higher term can only be
+    /// one left by an earlier run; where writers may really compete, stopping
+    /// lets the newest one win.
+    pub reelect_when_superseded: bool,
 }
 
 impl WriterConfig {
@@ -65,6 +71,7 @@ impl WriterConfig {
             peer_timeout: Duration::from_secs(2),
             election_timeout: Duration::from_secs(3),
             max_pending_appends: 100_000,
+            reelect_when_superseded: false,
         }
     }
 }
@@ -581,15 +588,30 @@ impl Driver {
                     }
                 }
                 Action::Superseded { term, reason } => {
-                    tracing::warn!(term, %reason, "writer superseded; stopping");
                     self.superseded_by = Some(term);
+                    // Sent but not known committed: the outcome is unknown.
                     for (_, reply) in self.waiters.drain(..) {
                         let _ = reply.send(Err(WriterError::Superseded { term }));
                     }
-                    for (_, reply) in self.queued.drain(..) {
+                    if let Some(reply) = self.shutdown.take() {
                         let _ = reply.send(Err(WriterError::Superseded { term }));
                     }
-                    if let Some(reply) = self.shutdown.take() {
+                    if self.config.reelect_when_superseded {
+                        // Appends not yet sent wait for the new election.
+                        tracing::warn!(term, %reason, "writer superseded; electing again above that term");
+                        let mut config = self.config.proposer.clone();
+                        config.min_term = term;
+                        self.proposer = Proposer::new(config);
+                        self.attempt_started = tokio::time::Instant::now();
+                        for conn in self.conns.iter_mut() {
+                            *conn = None;
+                        }
+                        // What the old proposer asked for no longer applies.
+                        queue.clear();
+                        continue;
+                    }
+                    tracing::warn!(term, %reason, "writer superseded; stopping");
+                    for (_, reply) in self.queued.drain(..) {
                         let _ = reply.send(Err(WriterError::Superseded { term }));
                     }
                     self.publish_status();
