@@ -50,6 +50,14 @@ fn start_safekeeper(id: u64, data: &std::path::Path, listen: &str) -> (Child, St
     (child, addr)
 }
 
+/// Safekeepers 0, 1 and 2 under `dir`, on free ports: the processes and their
+/// addresses.
+fn start_three_safekeepers(dir: &std::path::Path) -> (Vec<Child>, Vec<String>) {
+    (0..3)
+        .map(|id| start_safekeeper(id, &dir.join(format!("sk{id}")), "127.0.0.1:0"))
+        .unzip()
+}
+
 fn insert(block: u64) -> Bytes {
     encode_records(&[Record::Insert {
         table_id: 3,
@@ -98,14 +106,7 @@ async fn committed_blocks(addr: &str, end: Lsn) -> Vec<u64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_of_a_safekeeper_mid_stream_loses_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let mut children = Vec::new();
-    let mut addrs = Vec::new();
-    for id in 0..3 {
-        let (child, addr) =
-            start_safekeeper(id, &dir.path().join(format!("sk{id}")), "127.0.0.1:0");
-        children.push(child);
-        addrs.push(addr);
-    }
+    let (mut children, addrs) = start_three_safekeepers(dir.path());
     let mut config = WriterConfig::new(addrs.clone(), ProposerConfig::new(3, 1, SEG, 77));
     config.reconnect_delay = Duration::from_millis(50);
     let writer = Arc::new(Writer::start(Arc::new(TcpNetwork), config));
@@ -217,14 +218,7 @@ async fn safekeeper_term(addr: &str) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_writer_process_takes_over_and_the_first_exits_with_an_error() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let mut children = Vec::new();
-    let mut addrs = Vec::new();
-    for id in 0..3 {
-        let (child, addr) =
-            start_safekeeper(id, &dir.path().join(format!("sk{id}")), "127.0.0.1:0");
-        children.push(child);
-        addrs.push(addr);
-    }
+    let (children, addrs) = start_three_safekeepers(dir.path());
     let wait_for_term = |term: u64| {
         let addrs = addrs.clone();
         async move {
