@@ -28,7 +28,6 @@ use crate::net::{NetOptions, SimNet};
 const SAFEKEEPERS: usize = 3;
 const SEGMENT_BYTES: u64 = 64 << 10;
 const TIMELINE: u64 = 1;
-const WRITER_NODE: &str = "writer";
 /// After the faults stop, a write must commit within this (virtual) time.
 const LIVENESS_BOUND: Duration = Duration::from_secs(60);
 
@@ -51,7 +50,8 @@ pub enum Event {
     /// not kill it): one of them ends up elected, a writer superseded after its
     /// election stops, and nothing acknowledged by either is lost.
     TakeOver,
-    /// Cut the network between two nodes (safekeeper indexes; 3 = the writer).
+    /// Cut the network between two nodes (safekeeper indexes; 3 = the current
+    /// writer, whose node a writer started later does not share).
     Partition(usize, usize),
     RepairPartitions,
     /// A safekeeper's disk stops answering for this many milliseconds.
@@ -153,11 +153,13 @@ impl std::fmt::Display for Failure {
 }
 
 fn node_name(i: usize) -> String {
-    if i == SAFEKEEPERS {
-        WRITER_NODE.to_string()
-    } else {
-        format!("sk{i}")
-    }
+    format!("sk{i}")
+}
+
+/// Each writer incarnation runs on a node of its own (another machine), so a
+/// partition can cut an old writer off while a new one takes over.
+fn writer_node(incarnation: u64) -> String {
+    format!("writer{incarnation}")
 }
 
 /// The deterministic payload of insert `block`.
@@ -302,7 +304,7 @@ impl Sim {
         config.peer_timeout = Duration::from_secs(1);
         config.election_timeout = Duration::from_secs(2);
         config.proposer.max_append_bytes = 16 << 10;
-        let writer = Writer::start(self.net.node(WRITER_NODE), config);
+        let writer = Writer::start(self.net.node(&writer_node(self.writers_started)), config);
         self.status = Some(writer.subscribe());
         self.writer = Some(Arc::new(writer));
         self.log(format!("writer {} started", self.writers_started));
@@ -589,8 +591,17 @@ impl Sim {
             }
             Event::TakeOver => self.take_over(),
             Event::Partition(a, b) => {
-                self.net.partition(&node_name(a), &node_name(b));
-                self.log(format!("partition {} | {}", node_name(a), node_name(b)));
+                // Index SAFEKEEPERS is the current writer.
+                let name = |i: usize| {
+                    if i == SAFEKEEPERS {
+                        writer_node(self.writers_started)
+                    } else {
+                        node_name(i)
+                    }
+                };
+                let (a, b) = (name(a), name(b));
+                self.net.partition(&a, &b);
+                self.log(format!("partition {a} | {b}"));
             }
             Event::RepairPartitions => {
                 self.net.repair_all();
