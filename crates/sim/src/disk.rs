@@ -37,6 +37,8 @@ struct State {
     synced: BTreeMap<String, u64>,
     dirs: BTreeSet<String>,
     stall_until: Option<Instant>,
+    /// Every sync fails (a dying disk or controller).
+    failing: bool,
     fsyncs: u64,
 }
 
@@ -83,6 +85,20 @@ impl SimDisk {
             file.current = file.synced.clone();
         }
         s.stall_until = None;
+    }
+
+    /// From now on every `sync_data` and `sync_dir` fails, and a failed
+    /// `sync_data` loses the file's unsynced writes (as Linux may drop dirty
+    /// pages after a failed fsync): code that carries on after such an error,
+    /// or retries the fsync, loses data it may have promised. `false` stands
+    /// for a repaired disk.
+    pub fn set_failing(&self, failing: bool) {
+        lock(&self.state).failing = failing;
+    }
+
+    /// Whether syncs fail.
+    pub fn failing(&self) -> bool {
+        lock(&self.state).failing
     }
 
     /// Every operation waits until `until`.
@@ -261,6 +277,9 @@ impl Disk for SimDisk {
         Self::check_path(path)?;
         self.stall().await;
         let mut s = lock(&self.state);
+        if s.failing {
+            return Err(io::Error::other("injected failure of a directory sync"));
+        }
         s.synced.retain(|p, _| parent(p) != path);
         let entries: Vec<(String, u64)> = s
             .current
@@ -329,7 +348,14 @@ impl DiskFile for SimFile {
 
     async fn sync_data(&self) -> io::Result<()> {
         self.disk.stall().await;
+        let failing = lock(&self.disk.state).failing;
         let result = self.with(|f| {
+            if failing {
+                f.current.clone_from(&f.synced);
+                return Err(io::Error::other(
+                    "injected fsync failure: unsynced writes lost",
+                ));
+            }
             f.synced.clone_from(&f.current);
             Ok(())
         });
@@ -376,6 +402,28 @@ mod tests {
             .expect("atomic");
         disk.crash(&mut rng, false);
         assert_eq!(disk.read("d/x").await.expect("read"), b"atomic");
+    }
+
+    #[tokio::test]
+    async fn a_failed_sync_loses_the_unsynced_writes() {
+        let disk = SimDisk::new();
+        disk.create_dir_all("d").await.expect("mkdir");
+        let f = disk.create_new("d/a").await.expect("create");
+        f.write_at(0, bytes::Bytes::from_static(b"kept"))
+            .await
+            .expect("write");
+        f.sync_data().await.expect("sync");
+        disk.sync_dir("d").await.expect("sync dir");
+        f.write_at(4, bytes::Bytes::from_static(b" lost"))
+            .await
+            .expect("write");
+        disk.set_failing(true);
+        assert!(f.sync_data().await.is_err());
+        assert!(disk.sync_dir("d").await.is_err());
+        disk.set_failing(false);
+        // A retried fsync succeeds, but the data is gone.
+        f.sync_data().await.expect("sync");
+        assert_eq!(disk.read("d/a").await.expect("read"), b"kept");
     }
 
     #[tokio::test]

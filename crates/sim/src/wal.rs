@@ -54,6 +54,10 @@ pub enum Event {
     /// writer, whose node a writer started later does not share).
     Partition(usize, usize),
     RepairPartitions,
+    /// Every sync on a safekeeper's disk fails from now on, and a failed fsync
+    /// loses the unsynced writes: the safekeeper must stop without answering
+    /// from what it could not persist. The disk is repaired when it restarts.
+    DiskFailure(usize),
     /// A safekeeper's disk stops answering for this many milliseconds.
     DiskStall {
         safekeeper: usize,
@@ -114,6 +118,7 @@ pub fn generate_schedule(rng: &mut SmallRng) -> Schedule {
                     Event::RepairPartitions
                 }
             }
+            6 if rng.random_bool(0.2) => Event::DiskFailure(rng.random_range(0..SAFEKEEPERS)),
             _ => Event::DiskStall {
                 safekeeper: rng.random_range(0..SAFEKEEPERS),
                 millis: rng.random_range(1..2000),
@@ -264,6 +269,8 @@ impl Sim {
     }
 
     async fn start_safekeeper(&mut self, i: usize) -> Result<(), Failure> {
+        // A restart comes with a repaired disk.
+        self.disks[i].set_failing(false);
         self.preallocation[i] = match self.rng.random_range(0..4) {
             0 => Preallocation::Always,
             1 => Preallocation::Never,
@@ -607,6 +614,10 @@ impl Sim {
                 self.net.repair_all();
                 self.log("partitions repaired");
             }
+            Event::DiskFailure(i) => {
+                self.disks[i].set_failing(true);
+                self.log(format!("sk{i} disk fails every sync"));
+            }
             Event::DiskStall { safekeeper, millis } => {
                 self.disks[safekeeper].stall_until(Instant::now() + Duration::from_millis(millis));
                 self.log(format!("sk{safekeeper} disk stalls {millis} ms"));
@@ -625,6 +636,17 @@ impl Sim {
         });
         self.log("faults stop");
         for i in 0..SAFEKEEPERS {
+            let stopped = self.servers[i]
+                .as_ref()
+                .and_then(|server| server.failure().borrow().clone());
+            if let Some(reason) = stopped {
+                // It stopped on a disk error, as it must: restart it.
+                self.log(format!("sk{i} had stopped: {reason}"));
+                self.crash_safekeeper(i).await;
+            } else if self.disks[i].failing() {
+                // A failing disk not noticed yet: repaired by a restart too.
+                self.crash_safekeeper(i).await;
+            }
             if self.servers[i].is_none() {
                 self.start_safekeeper(i).await?;
             }
