@@ -402,7 +402,7 @@ fn insert_of(total_bytes: usize, block: u64) -> bytes::Bytes {
 
 /// The safekeepers of one measurement.
 enum Safekeepers {
-    InProcess(Vec<Arc<ferry_safekeeper::server::SafekeeperServer>>),
+    InProcess(Vec<crate::local::Member>),
     /// `ferry safekeeper` children and their status endpoints (`host:port`).
     Processes(Vec<(std::process::Child, String)>),
 }
@@ -448,8 +448,8 @@ impl Safekeepers {
     async fn counters(&self) -> anyhow::Result<Vec<Counters>> {
         let mut out = Vec::new();
         match self {
-            Safekeepers::InProcess(servers) => {
-                for s in servers {
+            Safekeepers::InProcess(members) => {
+                for s in members.iter().filter_map(crate::local::Member::server) {
                     let status = s.status().await;
                     out.push(Counters {
                         append_messages: status.appends_received,
@@ -484,7 +484,8 @@ fn spawn_safekeeper(
 ) -> anyhow::Result<(std::process::Child, String, String)> {
     use std::io::BufRead;
     let mut child = std::process::Command::new(std::env::current_exe()?)
-        .args(["safekeeper", "--id", &id.to_string()])
+        .args(["safekeeper", "--create", "--id", &id.to_string()])
+        .args(["--cluster-id", bench_cluster().as_str()])
         .args([
             "--listen",
             "127.0.0.1:0",
@@ -515,6 +516,11 @@ fn spawn_safekeeper(
     Ok((child, addr, status))
 }
 
+/// Every quorum of the benchmark is a cluster of its own, made for it.
+fn bench_cluster() -> ferry_wal::ClusterId {
+    ferry_wal::ClusterId::new("bench").unwrap_or_else(|_| unreachable!("a valid cluster id"))
+}
+
 /// A quorum of one measurement.
 struct BenchQuorum {
     writer: Arc<ferry_writer::driver::Writer>,
@@ -531,8 +537,20 @@ async fn fresh_quorum(
     let segment = ferry_wal::segment::SegmentSize::new(ferry_wal::segment::DEFAULT_SEGMENT_BYTES)?;
     let dir = root.join(name);
     let (writer, safekeepers) = if in_process {
-        let quorum = crate::local::LocalQuorum::start(&dir, n, segment, Default::default()).await?;
-        (quorum.writer, Safekeepers::InProcess(quorum.safekeepers))
+        let spec = crate::local::QuorumSpec {
+            dir: dir.clone(),
+            safekeepers: n,
+            safekeeper: crate::local::SafekeeperSpec {
+                cluster_id: bench_cluster(),
+                segment,
+                preallocation: Default::default(),
+                create: true,
+            },
+            min_term: 0,
+            known_commit_lsn: ferry_wal::Lsn(0),
+        };
+        let quorum = crate::local::LocalQuorum::start(&spec).await?;
+        (quorum.writer, Safekeepers::InProcess(quorum.members))
     } else {
         let mut children = Vec::new();
         let mut addrs = Vec::new();
@@ -545,6 +563,7 @@ async fn fresh_quorum(
         let config = ferry_writer::driver::WriterConfig::new(
             addrs,
             ferry_writer::proposer::ProposerConfig::new(
+                bench_cluster(),
                 n,
                 crate::local::TIMELINE_ID,
                 segment.bytes(),
@@ -597,8 +616,8 @@ async fn stop_quorum(quorum: BenchQuorum) -> anyhow::Result<()> {
     let writer = Arc::into_inner(quorum.writer).context("writer still shared")?;
     writer.shutdown().await?;
     match &quorum.safekeepers {
-        Safekeepers::InProcess(servers) => {
-            for s in servers {
+        Safekeepers::InProcess(members) => {
+            for s in members.iter().filter_map(crate::local::Member::server) {
                 s.shutdown().await;
             }
         }

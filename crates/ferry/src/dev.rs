@@ -9,6 +9,11 @@ use ferry_coord::embedded::{EmbeddedOptions, EmbeddedStore};
 use ferry_coord::Coordination;
 use ferry_env::RealDisk;
 use ferry_safekeeper::wal_storage::Preallocation;
+use ferry_wal::segment::SegmentSize;
+use ferry_wal::ClusterId;
+
+use crate::cluster::{self, ClusterRecord, ClusterState, WalState};
+use crate::local::{LocalQuorum, Member, QuorumSpec, SafekeeperSpec};
 
 #[derive(Debug, clap::Args)]
 pub struct DevArgs {
@@ -18,22 +23,30 @@ pub struct DevArgs {
     /// HTTP status endpoint (`GET /status`).
     #[arg(long, default_value = "127.0.0.1:7878")]
     http: String,
-    /// Number of safekeepers.
-    #[arg(long, default_value_t = 3)]
-    safekeepers: usize,
-    /// WAL segment size in bytes (a power of two, 64 KiB to 1 GiB).
-    #[arg(long, default_value_t = ferry_wal::segment::DEFAULT_SEGMENT_BYTES)]
-    segment_bytes: u64,
+    /// Number of safekeepers of a new data dir (default 3); an existing data dir
+    /// keeps the number it was made with, and a different one is refused.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=MAX_SAFEKEEPERS))]
+    safekeepers: Option<u64>,
+    /// WAL segment size in bytes of a new data dir (a power of two, 64 KiB to
+    /// 1 GiB; default 16 MiB); an existing data dir keeps its own.
+    #[arg(long, value_parser = parse_segment_size)]
+    segment_bytes: Option<SegmentSize>,
     /// When WAL segments are zero-filled ahead of time: auto (while commits are
     /// small), always or never.
     #[arg(long, default_value_t = Preallocation::Auto)]
     wal_preallocation: Preallocation,
 }
 
-/// Coordination path under which ferry keeps its state.
-pub const ROOT: &str = "/ferry";
+/// Most safekeepers of one local quorum.
+pub const MAX_SAFEKEEPERS: u64 = 15;
 
-/// Waits for Ctrl-C (SIGINT) or SIGTERM.
+pub fn parse_segment_size(s: &str) -> Result<SegmentSize, String> {
+    let bytes: u64 = s
+        .parse()
+        .map_err(|e| format!("{s:?} is not a number of bytes: {e}"))?;
+    SegmentSize::new(bytes).map_err(|e| e.to_string())
+}
+
 /// SIGINT (Ctrl-C) and SIGTERM, caught from the moment this is made: made at
 /// start-up, before a process says it is ready, so that a signal sent right
 /// after that line always means a clean stop (not the default: death).
@@ -60,83 +73,271 @@ impl ShutdownSignal {
     }
 }
 
-fn absolute(dir: &Path) -> anyhow::Result<PathBuf> {
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    dir.canonicalize()
-        .with_context(|| format!("resolving {}", dir.display()))
-}
+/// How often, at most, the last known commit state is written to coordination.
+const RECORD_WAL_STATE_EVERY: Duration = Duration::from_secs(1);
+/// How long the writer may take to get elected before `ferry dev` gives up.
+const ELECTION_BOUND: Duration = Duration::from_secs(30);
 
 pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let mut shutdown = ShutdownSignal::install()?;
-    let data_dir = absolute(&args.data_dir)?;
-    let _lock = crate::lockfile::lock_data_dir(&data_dir)?;
-    let disk = Arc::new(RealDisk::open_root(&data_dir).context("opening the data dir")?);
+    // Everything that can be checked without the data dir is, and every
+    // listener is bound, before the data dir is touched.
+    let data_dir = crate::paths::check_data_dir(&args.data_dir, "--data-dir", "FERRY_DATA_DIR")?;
+    let http_listener = crate::http::bind(&args.http).await?;
+
+    let data_dir = crate::paths::absolute(&data_dir)?;
+    let _lock = crate::lockfile::lock_dir(&data_dir)?;
+    let coord_dir = data_dir.join("coord");
+    let _coord_lock = crate::lockfile::lock_dir(&coord_dir)?;
+    let disk = Arc::new(
+        RealDisk::open_root(&data_dir)
+            .with_context(|| format!("opening the data dir {}", data_dir.display()))?,
+    );
     let store = EmbeddedStore::open(disk, "coord", EmbeddedOptions::default())
         .await
-        .context("opening the embedded coordination store")?;
-    let session = store
-        .session(Duration::from_secs(10))
-        .await
-        .context("opening a coordination session")?;
-    ferry_coord::create_all(&session, ROOT)
-        .await
-        .context("creating the coordination root")?;
+        .with_context(|| {
+            format!(
+                "opening the embedded coordination store in {}",
+                coord_dir.display()
+            )
+        })?;
+    let session: ferry_coord::Session = Arc::new(
+        store
+            .session(Duration::from_secs(10))
+            .await
+            .context("opening a coordination session")?,
+    );
 
+    let wal_dir = data_dir.join("wal");
+    let record = identify(&*session, &args, &coord_dir, &wal_dir).await?;
+    let creating = record.state == ClusterState::Creating;
+    let known = cluster::read_wal_state(&*session).await?;
     let lake_url = format!("file://{}", data_dir.join("lake").display());
     let lake = ferry_storage::open(&lake_url, &ferry_storage::S3Settings::default())
         .context("opening the object storage")?;
 
-    anyhow::ensure!(args.safekeepers >= 1, "at least one safekeeper is needed");
-    let segment = ferry_wal::segment::SegmentSize::new(args.segment_bytes)?;
-    let quorum = Arc::new(
-        crate::local::LocalQuorum::start(
-            &data_dir.join("wal"),
-            args.safekeepers,
+    let segment =
+        SegmentSize::new(record.segment_bytes).context("the segment size in the cluster record")?;
+    let spec = QuorumSpec {
+        dir: wal_dir,
+        safekeepers: record.safekeepers,
+        safekeeper: SafekeeperSpec {
+            cluster_id: record.cluster_id.clone(),
             segment,
-            args.wal_preallocation,
-        )
-        .await
-        .context("starting the WAL quorum")?,
+            preallocation: args.wal_preallocation,
+            create: creating,
+        },
+        min_term: known.term,
+        known_commit_lsn: known.commit_lsn,
+    };
+    let quorum = Arc::new(
+        LocalQuorum::start(&spec)
+            .await
+            .context("starting the WAL quorum")?,
     );
+    if creating {
+        cluster::write_record(
+            &*session,
+            &ClusterRecord {
+                state: ClusterState::Ready,
+                ..record.clone()
+            },
+        )
+        .await?;
+    }
     let mut writer_status = quorum.writer.subscribe();
-    tokio::time::timeout(
-        Duration::from_secs(30),
-        writer_status.wait_for(|s| s.elected),
+    let elected = tokio::time::timeout(
+        ELECTION_BOUND,
+        writer_status.wait_for(|s| s.elected || s.refused.is_some()),
     )
-    .await
-    .context("the writer was not elected in 30 s")?
-    .context("writer stopped")?;
+    .await;
+    let status = quorum.writer.status();
+    let refusal = match elected {
+        Ok(Ok(s)) => s.refused.clone(),
+        Ok(Err(_)) => Some("the writer stopped".into()),
+        Err(_) => Some(format!(
+            "the writer was not elected in {ELECTION_BOUND:?}{}",
+            status
+                .election_blocked
+                .as_deref()
+                .map(|b| format!(": {b}"))
+                .unwrap_or_default()
+        )),
+    };
+    if let Some(why) = refusal {
+        if let Some(quorum) = Arc::into_inner(quorum) {
+            quorum.stop().await;
+        }
+        session.close().await;
+        store.shutdown().await;
+        anyhow::bail!("{why}");
+    }
+    let recorder = tokio::spawn(record_commits(
+        Arc::clone(&session),
+        quorum.writer.subscribe(),
+    ));
+
     let status_quorum = Arc::clone(&quorum);
-    let (http, http_task) = crate::http::serve_status(&args.http, move || {
+    let cluster_id = record.cluster_id.clone();
+    let (http, http_task) = crate::http::serve_status(http_listener, move || {
         let q = Arc::clone(&status_quorum);
+        let cluster_id = cluster_id.clone();
         async move {
             serde_json::json!({
+                "cluster_id": cluster_id,
                 "writer": q.writer.status(),
-                "safekeepers": q.safekeeper_status().await,
+                "safekeepers": q.member_status().await,
             })
         }
-    })
-    .await?;
+    })?;
 
+    let down: Vec<String> = quorum
+        .members
+        .iter()
+        .filter_map(|m| match m {
+            Member::Down { id, .. } => Some(format!("sk{id}")),
+            Member::Up(_) => None,
+        })
+        .collect();
     say!(
-        "ferry dev ready: data dir {}, coordination store {}, object storage {}, {} safekeepers ({}), writer term {}, status on http://{http}/status",
+        "ferry dev ready: data dir {}, cluster {}, coordination store {}, object storage {}, {} safekeepers ({}), writer term {}, status on http://{http}/status",
         data_dir.display(),
-        data_dir.join("coord").display(),
+        record.cluster_id,
+        coord_dir.display(),
         lake.url,
-        args.safekeepers,
-        quorum.safekeepers.iter().map(|s| s.addr().to_string()).collect::<Vec<_>>().join(", "),
+        record.safekeepers,
+        quorum.servers().map(|s| s.addr().to_string()).collect::<Vec<_>>().join(", "),
         quorum.writer.status().term,
     );
+    if !down.is_empty() {
+        say!(
+            "running on the healthy majority: {} down (see /status for why; its data must be repaired or rebuilt explicitly)",
+            down.join(", ")
+        );
+    }
     say!("replicas, partition export and the insert API are not implemented yet; press Ctrl-C to stop");
 
     let why = shutdown.recv().await;
     tracing::info!(signal = why, "stopping");
     http_task.abort();
     let _ = http_task.await;
+    recorder.abort();
+    let _ = recorder.await;
+    let term = quorum.writer.status().term;
     let quorum = Arc::into_inner(quorum).context("status endpoint still holds the quorum")?;
     let end = quorum.shutdown().await?;
+    cluster::record_wal_state(
+        &*session,
+        WalState {
+            term,
+            commit_lsn: end,
+        },
+    )
+    .await?;
     session.close().await;
     store.shutdown().await;
     say!("ferry dev stopped cleanly; shutdown checkpoint committed at {end}");
     Ok(())
+}
+
+/// Checks the data dir's identity against the flags and what is on disk, or
+/// starts creating a new cluster; returns the cluster record.
+async fn identify(
+    session: &dyn Coordination,
+    args: &DevArgs,
+    coord_dir: &Path,
+    wal_dir: &Path,
+) -> anyhow::Result<ClusterRecord> {
+    let asked_safekeepers = args.safekeepers.map(|n| n as usize);
+    let asked_segment = args.segment_bytes.map(SegmentSize::bytes);
+    let Some(record) = cluster::read_record(session).await? else {
+        let found = cluster::safekeepers_on_disk(wal_dir);
+        if !found.is_empty() {
+            let list: Vec<String> = found
+                .iter()
+                .map(|(path, cluster)| format!("{path} (cluster {cluster})"))
+                .collect();
+            anyhow::bail!(
+                "the coordination store in {} has no cluster record, but safekeepers exist: {}. The coordination store was deleted or replaced; starting would forget the cluster's committed state. Restore it, or move the whole data dir away to start a new cluster",
+                coord_dir.display(),
+                list.join(", ")
+            );
+        }
+        let record = ClusterRecord {
+            cluster_id: ClusterId::from_random(random_u128()),
+            safekeepers: asked_safekeepers.unwrap_or(3),
+            segment_bytes: asked_segment.unwrap_or(ferry_wal::segment::DEFAULT_SEGMENT_BYTES),
+            state: ClusterState::Creating,
+        };
+        cluster::write_record(session, &record).await?;
+        tracing::info!(cluster = %record.cluster_id, "creating a new cluster");
+        return Ok(record);
+    };
+    if let Some(n) = asked_safekeepers.filter(|n| *n != record.safekeepers) {
+        anyhow::bail!(
+            "the data dir holds cluster {} with {} safekeepers; --safekeepers {n} asks for {n}. Changing the number of safekeepers is a membership change, which without consensus can lose committed WAL; ferry does not do it. Start without --safekeepers (or with --safekeepers {})",
+            record.cluster_id,
+            record.safekeepers,
+            record.safekeepers
+        );
+    }
+    if let Some(bytes) = asked_segment.filter(|b| *b != record.segment_bytes) {
+        anyhow::bail!(
+            "the data dir holds cluster {} with {}-byte WAL segments; --segment-bytes {bytes} asks for {bytes}-byte segments. The segment size of existing WAL cannot change; start without --segment-bytes (or with --segment-bytes {})",
+            record.cluster_id,
+            record.segment_bytes,
+            record.segment_bytes
+        );
+    }
+    Ok(record)
+}
+
+/// 128 bits from the operating system's randomness (hash keys are seeded by
+/// it): a new cluster's id. Only here, at the binary's edge.
+fn random_u128() -> u128 {
+    use std::hash::{BuildHasher, Hasher};
+    let half = || {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos()),
+        );
+        h.finish()
+    };
+    (u128::from(half()) << 64) | u128::from(half())
+}
+
+/// Keeps `/ferry/wal` near the writer's commit state: after the election and
+/// then at most every [`RECORD_WAL_STATE_EVERY`] while commit_lsn moves.
+async fn record_commits(
+    session: ferry_coord::Session,
+    mut status: tokio::sync::watch::Receiver<ferry_writer::driver::WriterStatus>,
+) {
+    let mut recorded: Option<WalState> = None;
+    loop {
+        let now = {
+            let s = status.borrow_and_update();
+            s.synced
+                .then(|| s.commit_lsn.parse::<ferry_wal::Lsn>().ok())
+                .flatten()
+                .map(|commit_lsn| WalState {
+                    term: s.term,
+                    commit_lsn,
+                })
+        };
+        if let Some(state) = now.filter(|n| Some(*n) != recorded) {
+            match cluster::record_wal_state(&*session, state).await {
+                Ok(()) => recorded = Some(state),
+                Err(e) => tracing::warn!(
+                    error = format!("{e:#}"),
+                    "could not record the commit state"
+                ),
+            }
+            tokio::time::sleep(RECORD_WAL_STATE_EVERY).await;
+        }
+        if status.changed().await.is_err() {
+            return;
+        }
+    }
 }

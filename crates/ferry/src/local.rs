@@ -1,99 +1,253 @@
 //! A WAL quorum inside one process: safekeepers on loopback TCP with their data
 //! under one directory, and a writer connected to them. Used by `ferry dev` and by
 //! `ferry bench wal`.
+//!
+//! A safekeeper whose data is missing or damaged is not started: it is reported
+//! down (with the reason) and the others go on, as long as they are a quorum.
+//! Nothing here ever recreates a safekeeper that existed.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Context;
-use ferry_env::{Disk, RealDisk, TcpNetwork};
-use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig, AcceptorStatus};
+use ferry_env::{Disk, Listener, Network, RealDisk, TcpNetwork};
+use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig};
 use ferry_safekeeper::server::SafekeeperServer;
 use ferry_safekeeper::wal_storage::Preallocation;
 use ferry_wal::segment::SegmentSize;
+use ferry_wal::{ClusterId, Lsn, Term};
 use ferry_writer::driver::{Writer, WriterConfig};
 use ferry_writer::proposer::ProposerConfig;
+use serde::Serialize;
+
+use crate::lockfile::DirLock;
 
 /// The timeline every local deployment writes.
 pub const TIMELINE_ID: u64 = 1;
 
-/// Opens safekeeper `id` from `dir/sk<id>` and serves it on `listen`.
+/// How to open (or create) safekeeper `id` in `<root>/sk<id>`.
+#[derive(Debug, Clone)]
+pub struct SafekeeperSpec {
+    pub cluster_id: ClusterId,
+    pub segment: SegmentSize,
+    pub preallocation: Preallocation,
+    /// Create it if it has no control file (a new cluster or member only).
+    pub create: bool,
+}
+
+/// A running safekeeper and the lock on its directory.
+pub struct LocalSafekeeper {
+    pub server: Arc<SafekeeperServer>,
+    _lock: DirLock,
+}
+
+/// Opens safekeeper `id` from `<root>/sk<id>` (taking the lock on that
+/// directory: one process per safekeeper) and serves it on `listener`.
 pub async fn start_safekeeper(
-    disk: Arc<dyn Disk>,
+    root: &Path,
     id: u64,
-    listen: &str,
-    segment: SegmentSize,
-    preallocation: Preallocation,
-) -> anyhow::Result<Arc<SafekeeperServer>> {
-    let acceptor = Acceptor::open(
-        disk,
-        &format!("sk{id}"),
-        AcceptorConfig {
-            node_id: id,
-            timeline_id: TIMELINE_ID,
-            segment_size: segment,
-            preallocation,
-        },
-    )
-    .await
-    .with_context(|| format!("opening safekeeper {id}"))?;
-    let server = SafekeeperServer::start(Arc::new(TcpNetwork), listen, acceptor)
-        .await
-        .with_context(|| format!("listening on {listen}"))?;
-    Ok(Arc::new(server))
+    listener: Box<dyn Listener>,
+    spec: &SafekeeperSpec,
+) -> anyhow::Result<LocalSafekeeper> {
+    let node_dir = root.join(format!("sk{id}"));
+    if !spec.create && !node_dir.is_dir() {
+        anyhow::bail!(
+            "{}: no such safekeeper directory; this safekeeper was never created here, or its data was lost (an empty safekeeper is created only explicitly)",
+            node_dir.display()
+        );
+    }
+    let lock = crate::lockfile::lock_dir(&node_dir)?;
+    let disk: Arc<dyn Disk> =
+        Arc::new(RealDisk::open_root(root).with_context(|| format!("opening {}", root.display()))?);
+    let config = AcceptorConfig {
+        cluster_id: spec.cluster_id.clone(),
+        node_id: id,
+        timeline_id: TIMELINE_ID,
+        segment_size: spec.segment,
+        preallocation: spec.preallocation,
+    };
+    let dir = format!("sk{id}");
+    let acceptor = if spec.create {
+        Acceptor::create(disk, &dir, config).await
+    } else {
+        Acceptor::open(disk, &dir, config).await
+    }
+    .with_context(|| format!("safekeeper {id} in {}", node_dir.display()))?;
+    let server = SafekeeperServer::serve(listener, acceptor)
+        .with_context(|| format!("serving safekeeper {id}"))?;
+    Ok(LocalSafekeeper {
+        server: Arc::new(server),
+        _lock: lock,
+    })
+}
+
+/// One member of a local quorum.
+pub enum Member {
+    Up(LocalSafekeeper),
+    /// Not started: its data is missing or damaged (the reason says how).
+    Down {
+        id: u64,
+        reason: String,
+    },
+}
+
+impl Member {
+    /// The running server, if the member is up.
+    pub fn server(&self) -> Option<&Arc<SafekeeperServer>> {
+        match self {
+            Member::Up(sk) => Some(&sk.server),
+            Member::Down { .. } => None,
+        }
+    }
+}
+
+/// What `/status` shows of a member.
+#[derive(Debug, Serialize)]
+pub struct MemberStatus {
+    pub node_id: u64,
+    pub state: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(flatten)]
+    pub status: Option<ferry_safekeeper::acceptor::AcceptorStatus>,
+}
+
+/// Everything that shapes a local quorum.
+#[derive(Debug, Clone)]
+pub struct QuorumSpec {
+    pub dir: PathBuf,
+    pub safekeepers: usize,
+    pub safekeeper: SafekeeperSpec,
+    /// Elect above this term (the last one the cluster is known to have used).
+    pub min_term: Term,
+    /// WAL known committed (see `ProposerConfig::known_commit_lsn`).
+    pub known_commit_lsn: Lsn,
 }
 
 pub struct LocalQuorum {
-    pub safekeepers: Vec<Arc<SafekeeperServer>>,
+    pub members: Vec<Member>,
     pub writer: Writer,
 }
 
 impl LocalQuorum {
-    /// Starts `n` safekeepers under `dir` on free loopback ports and a writer.
-    pub async fn start(
-        dir: &Path,
-        n: usize,
-        segment: SegmentSize,
-        preallocation: Preallocation,
-    ) -> anyhow::Result<LocalQuorum> {
-        let disk: Arc<dyn Disk> =
-            Arc::new(RealDisk::open_root(dir).context("opening the WAL directory")?);
-        let mut safekeepers = Vec::new();
+    /// Starts the safekeepers under `spec.dir` on free loopback ports and a
+    /// writer. A safekeeper that cannot open is left down; fewer than a quorum
+    /// up is an error (and then nothing keeps running).
+    pub async fn start(spec: &QuorumSpec) -> anyhow::Result<LocalQuorum> {
+        let n = spec.safekeepers;
+        let mut members = Vec::with_capacity(n);
         for id in 0..n as u64 {
-            safekeepers.push(
-                start_safekeeper(Arc::clone(&disk), id, "127.0.0.1:0", segment, preallocation)
-                    .await?,
+            let listener = TcpNetwork
+                .bind("127.0.0.1:0")
+                .await
+                .context("binding a loopback port for a safekeeper")?;
+            match start_safekeeper(&spec.dir, id, listener, &spec.safekeeper).await {
+                Ok(sk) => members.push(Member::Up(sk)),
+                Err(e) if !spec.safekeeper.create => {
+                    tracing::error!(
+                        safekeeper = id,
+                        error = format!("{e:#}"),
+                        "safekeeper is down"
+                    );
+                    members.push(Member::Down {
+                        id,
+                        reason: format!("{e:#}"),
+                    });
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let up = members
+            .iter()
+            .filter(|m| matches!(m, Member::Up(_)))
+            .count();
+        let quorum = n / 2 + 1;
+        if up < quorum {
+            let reasons: Vec<String> = members
+                .iter()
+                .filter_map(|m| match m {
+                    Member::Down { id, reason } => Some(format!("safekeeper {id}: {reason}")),
+                    Member::Up(_) => None,
+                })
+                .collect();
+            for m in &members {
+                if let Member::Up(sk) = m {
+                    sk.server.shutdown().await;
+                }
+            }
+            anyhow::bail!(
+                "only {up} of {n} safekeepers can start and a quorum needs {quorum}; refusing to run on less (committed WAL could be lost):\n  {}",
+                reasons.join("\n  ")
             );
         }
-        let addrs = safekeepers.iter().map(|s| s.addr().to_string()).collect();
+        let addrs = members
+            .iter()
+            .map(|m| match m {
+                Member::Up(sk) => sk.server.addr().to_string(),
+                Member::Down { .. } => String::new(),
+            })
+            .collect();
         let proposer_id = u128::from(std::process::id()) << 64 | u128::from(n as u64);
-        let mut config = WriterConfig::new(
-            addrs,
-            ProposerConfig::new(n, TIMELINE_ID, segment.bytes(), proposer_id),
+        let mut proposer = ProposerConfig::new(
+            spec.safekeeper.cluster_id.clone(),
+            n,
+            TIMELINE_ID,
+            spec.safekeeper.segment.bytes(),
+            proposer_id,
         );
+        proposer.min_term = spec.min_term;
+        proposer.known_commit_lsn = spec.known_commit_lsn;
+        let mut config = WriterConfig::new(addrs, proposer);
         // These safekeepers are this process's own: any higher term is one left
         // by an earlier run, never a live rival.
         config.reelect_when_superseded = true;
         let writer = Writer::start(Arc::new(TcpNetwork), config);
-        Ok(LocalQuorum {
-            safekeepers,
-            writer,
-        })
+        Ok(LocalQuorum { members, writer })
     }
 
-    pub async fn safekeeper_status(&self) -> Vec<AcceptorStatus> {
+    /// The running safekeepers.
+    pub fn servers(&self) -> impl Iterator<Item = &Arc<SafekeeperServer>> {
+        self.members.iter().filter_map(Member::server)
+    }
+
+    pub async fn member_status(&self) -> Vec<MemberStatus> {
         let mut out = Vec::new();
-        for s in &self.safekeepers {
-            out.push(s.status().await);
+        for m in &self.members {
+            out.push(match m {
+                Member::Up(sk) => {
+                    let status = sk.server.status().await;
+                    let stopped = sk.server.failure().borrow().clone();
+                    MemberStatus {
+                        node_id: status.node_id,
+                        state: if stopped.is_some() { "down" } else { "up" },
+                        reason: stopped,
+                        status: Some(status),
+                    }
+                }
+                Member::Down { id, reason } => MemberStatus {
+                    node_id: *id,
+                    state: "down",
+                    reason: Some(reason.clone()),
+                    status: None,
+                },
+            });
         }
         out
     }
 
+    /// Stops without a checkpoint (the writer was never elected).
+    pub async fn stop(self) {
+        self.writer.stop().await;
+        for s in self.members.iter().filter_map(Member::server) {
+            s.shutdown().await;
+        }
+    }
+
     /// Clean shutdown: the writer's checkpoint is committed, then the safekeepers
     /// persist their positions and stop.
-    pub async fn shutdown(self) -> anyhow::Result<ferry_wal::Lsn> {
+    pub async fn shutdown(self) -> anyhow::Result<Lsn> {
         let end = self.writer.shutdown().await;
-        for s in &self.safekeepers {
+        for s in self.members.iter().filter_map(Member::server) {
             s.shutdown().await;
         }
         end.context("writer shutdown checkpoint")

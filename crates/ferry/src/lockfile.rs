@@ -1,7 +1,9 @@
-//! One process per data dir: an exclusive lock on `<data dir>/ferry.lock`, held
-//! for the life of the process (the kernel releases it when the process dies, even
-//! by `kill -9`). Two processes writing one WAL or one coordination log would
-//! corrupt both.
+//! One process per node: an exclusive lock on `<dir>/ferry.lock`, held for the
+//! life of the process (the kernel releases it when the process dies, even by
+//! `kill -9`). Every node takes one on its own directory (`ferry dev` on its data
+//! dir, its coordination store and each safekeeper; `ferry safekeeper` on its
+//! data dir and its safekeeper): two processes writing one WAL or one
+//! coordination log would corrupt both.
 
 use std::fs::{File, OpenOptions};
 use std::path::Path;
@@ -10,12 +12,13 @@ use anyhow::Context;
 
 /// Holds the lock until dropped.
 #[derive(Debug)]
-pub struct DataDirLock {
+pub struct DirLock {
     _file: File,
 }
 
-pub fn lock_data_dir(dir: &Path) -> anyhow::Result<DataDirLock> {
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+/// Locks `dir` (created if missing) for this process.
+pub fn lock_dir(dir: &Path) -> anyhow::Result<DirLock> {
+    crate::paths::create_dir(dir)?;
     let path = dir.join("ferry.lock");
     let file = OpenOptions::new()
         .create(true)
@@ -24,9 +27,9 @@ pub fn lock_data_dir(dir: &Path) -> anyhow::Result<DataDirLock> {
         .open(&path)
         .with_context(|| format!("opening {}", path.display()))?;
     match file.try_lock() {
-        Ok(()) => Ok(DataDirLock { _file: file }),
+        Ok(()) => Ok(DirLock { _file: file }),
         Err(std::fs::TryLockError::WouldBlock) => anyhow::bail!(
-            "data dir {} is in use by another ferry process (lock {})",
+            "{} is in use by another ferry process (lock {})",
             dir.display(),
             path.display()
         ),

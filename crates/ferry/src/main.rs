@@ -10,13 +10,16 @@ macro_rules! say {
 }
 
 mod bench;
+mod cluster;
 mod dev;
 mod http;
 mod local;
 mod lockfile;
+mod paths;
 mod roles;
 mod sim;
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
@@ -86,6 +89,7 @@ fn main() -> anyhow::Result<()> {
             tracing_subscriber::fmt()
                 .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
                 .with_writer(std::io::stderr)
+                .with_ansi(std::io::stderr().is_terminal())
                 .init();
         }
         // The simulator builds its own single-threaded runtime per seed.
@@ -98,6 +102,8 @@ fn main() -> anyhow::Result<()> {
             }),
         )
         .with_writer(std::io::stderr)
+        // Colour codes only for a terminal, never in a log file or a pipe.
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     // One thread runs every task of the process, as in the simulator: a node's
     // many small steps (frames, acknowledgements, wake-ups) never cross threads.

@@ -4,23 +4,34 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context;
-use ferry_env::{Disk, RealDisk, TcpNetwork};
+use ferry_env::{Network, TcpNetwork};
 use ferry_safekeeper::wal_storage::Preallocation;
 use ferry_wal::segment::{SegmentSize, DEFAULT_SEGMENT_BYTES};
+use ferry_wal::ClusterId;
 use ferry_writer::driver::{Writer, WriterConfig};
 use ferry_writer::proposer::ProposerConfig;
 
-use crate::local::{start_safekeeper, TIMELINE_ID};
+use crate::local::{start_safekeeper, SafekeeperSpec, TIMELINE_ID};
 
 #[derive(Debug, clap::Args)]
 pub struct SafekeeperArgs {
     /// Id of this safekeeper (unique in the quorum).
     #[arg(long)]
     id: u64,
+    /// The cluster this safekeeper belongs to (1 to 64 of A-Z, a-z, 0-9, '-',
+    /// '_'); recorded when it is created and checked at every start.
+    #[arg(long, env = "FERRY_CLUSTER_ID")]
+    cluster_id: ClusterId,
+    /// Create the safekeeper if its data dir holds none. Only for a new cluster
+    /// or member: a safekeeper whose data was lost must not come back empty
+    /// (it could make the quorum forget committed WAL), so without this flag a
+    /// missing safekeeper is an error.
+    #[arg(long)]
+    create: bool,
     /// Address writers and replicas connect to.
     #[arg(long, default_value = "127.0.0.1:5454")]
     listen: String,
-    /// Data directory (control file and WAL segments).
+    /// Data directory (the safekeeper lives in `<data dir>/sk<id>`).
     #[arg(long, env = "FERRY_DATA_DIR")]
     data_dir: PathBuf,
     /// WAL segment size in bytes (a power of two, 64 KiB to 1 GiB); must be the
@@ -39,6 +50,9 @@ pub struct SafekeeperArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct WriterArgs {
+    /// The cluster whose safekeepers this writer writes to (they refuse others).
+    #[arg(long, env = "FERRY_CLUSTER_ID")]
+    cluster_id: ClusterId,
     /// Safekeeper addresses, comma-separated, in the same order for every writer.
     #[arg(long, value_delimiter = ',', required = true)]
     safekeepers: Vec<String>,
@@ -56,18 +70,29 @@ pub struct WriterArgs {
 
 pub async fn safekeeper(args: SafekeeperArgs) -> anyhow::Result<()> {
     let mut shutdown = crate::dev::ShutdownSignal::install()?;
+    // Flags and addresses first: nothing is touched if one of them is wrong.
     let segment = SegmentSize::new(args.segment_bytes)?;
-    let _lock = crate::lockfile::lock_data_dir(&args.data_dir)?;
-    let disk: Arc<dyn Disk> =
-        Arc::new(RealDisk::open_root(&args.data_dir).context("opening the data dir")?);
-    let server =
-        start_safekeeper(disk, args.id, &args.listen, segment, args.wal_preallocation).await?;
+    let data_dir = crate::paths::check_data_dir(&args.data_dir, "--data-dir", "FERRY_DATA_DIR")?;
+    let listener = TcpNetwork
+        .bind(&args.listen)
+        .await
+        .with_context(|| format!("binding the safekeeper address {}", args.listen))?;
+    let http_listener = crate::http::bind(&args.http).await?;
+    crate::paths::create_dir(&data_dir)?;
+    let _lock = crate::lockfile::lock_dir(&data_dir)?;
+    let spec = SafekeeperSpec {
+        cluster_id: args.cluster_id.clone(),
+        segment,
+        preallocation: args.wal_preallocation,
+        create: args.create,
+    };
+    let sk = start_safekeeper(&data_dir, args.id, listener, &spec).await?;
+    let server = Arc::clone(&sk.server);
     let status_server = Arc::clone(&server);
-    let (http, _) = crate::http::serve_status(&args.http, move || {
+    let (http, _) = crate::http::serve_status(http_listener, move || {
         let s = Arc::clone(&status_server);
         async move { serde_json::to_value(s.status().await).unwrap_or_default() }
-    })
-    .await?;
+    })?;
     say!(
         "safekeeper {} listening on {}, status on http://{http}/status",
         args.id,
@@ -90,26 +115,40 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
     let segment = SegmentSize::new(args.segment_bytes)?;
     let n = args.safekeepers.len();
     anyhow::ensure!(n >= 1, "at least one safekeeper is needed");
+    anyhow::ensure!(
+        args.safekeepers.iter().all(|a| !a.trim().is_empty()),
+        "--safekeepers has an empty address"
+    );
+    let http_listener = if args.sync {
+        None
+    } else {
+        Some(crate::http::bind(&args.http).await?)
+    };
     let proposer_id = u128::from(std::process::id());
     let writer = Writer::start(
         Arc::new(TcpNetwork),
         WriterConfig::new(
             args.safekeepers.clone(),
-            ProposerConfig::new(n, TIMELINE_ID, segment.bytes(), proposer_id),
+            ProposerConfig::new(
+                args.cluster_id.clone(),
+                n,
+                TIMELINE_ID,
+                segment.bytes(),
+                proposer_id,
+            ),
         ),
     );
-    if args.sync {
+    let Some(http_listener) = http_listener else {
         let (term, end) = writer.wait_synced().await?;
         say!("synced: safekeepers agree on committed end {end} (term {term})");
         writer.stop().await;
         return Ok(());
-    }
+    };
     let status = writer.subscribe();
-    let (http, _) = crate::http::serve_status(&args.http, move || {
+    let (http, _) = crate::http::serve_status(http_listener, move || {
         let s = status.borrow().clone();
         async move { serde_json::to_value(s).unwrap_or_default() }
-    })
-    .await?;
+    })?;
     say!("writer for {n} safekeepers started, status on http://{http}/status");
     let mut superseded = writer.subscribe();
     tokio::select! {

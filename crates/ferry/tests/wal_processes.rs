@@ -18,19 +18,33 @@ use ferry_writer::proposer::ProposerConfig;
 
 const FERRY: &str = env!("CARGO_BIN_EXE_ferry");
 const SEG: u64 = 1 << 20;
+const CLUSTER: &str = "processes-test";
 
-/// Starts `ferry safekeeper` and returns it with the address it listens on.
-fn start_safekeeper(id: u64, data: &std::path::Path, listen: &str) -> (Child, String) {
+fn cluster_id() -> ferry_wal::ClusterId {
+    ferry_wal::ClusterId::new(CLUSTER).expect("id")
+}
+
+/// Starts `ferry safekeeper` (`--create` for a new one) and returns it with the
+/// address it listens on.
+fn start_safekeeper(
+    id: u64,
+    data: &std::path::Path,
+    listen: &str,
+    create: bool,
+) -> (Child, String) {
     let mut child = Command::new(FERRY)
         .args([
             "safekeeper",
             "--id",
             &id.to_string(),
+            "--cluster-id",
+            CLUSTER,
             "--listen",
             listen,
             "--http",
             "127.0.0.1:0",
         ])
+        .args(create.then_some("--create"))
         .args(["--segment-bytes", &SEG.to_string(), "--data-dir"])
         .arg(data)
         .stdout(Stdio::piped())
@@ -54,7 +68,7 @@ fn start_safekeeper(id: u64, data: &std::path::Path, listen: &str) -> (Child, St
 /// addresses.
 fn start_three_safekeepers(dir: &std::path::Path) -> (Vec<Child>, Vec<String>) {
     (0..3)
-        .map(|id| start_safekeeper(id, &dir.join(format!("sk{id}")), "127.0.0.1:0"))
+        .map(|id| start_safekeeper(id, &dir.join(format!("sk{id}")), "127.0.0.1:0", true))
         .unzip()
 }
 
@@ -107,7 +121,10 @@ async fn committed_blocks(addr: &str, end: Lsn) -> Vec<u64> {
 async fn kill_9_of_a_safekeeper_mid_stream_loses_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (mut children, addrs) = start_three_safekeepers(dir.path());
-    let mut config = WriterConfig::new(addrs.clone(), ProposerConfig::new(3, 1, SEG, 77));
+    let mut config = WriterConfig::new(
+        addrs.clone(),
+        ProposerConfig::new(cluster_id(), 3, 1, SEG, 77),
+    );
     config.reconnect_delay = Duration::from_millis(50);
     let writer = Arc::new(Writer::start(Arc::new(TcpNetwork), config));
 
@@ -127,7 +144,7 @@ async fn kill_9_of_a_safekeeper_mid_stream_loses_nothing() {
     children[0].kill().expect("kill -9");
     children[0].wait().expect("reap");
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let (child, _) = start_safekeeper(0, &dir.path().join("sk0"), &addrs[0]);
+    let (child, _) = start_safekeeper(0, &dir.path().join("sk0"), &addrs[0], false);
     children[0] = child;
 
     let acked = tokio::time::timeout(Duration::from_secs(60), appends)
@@ -151,6 +168,8 @@ async fn kill_9_of_a_safekeeper_mid_stream_loses_nothing() {
     let out = Command::new(FERRY)
         .args([
             "writer",
+            "--cluster-id",
+            CLUSTER,
             "--sync",
             "--http",
             "127.0.0.1:0",
@@ -177,7 +196,14 @@ async fn kill_9_of_a_safekeeper_mid_stream_loses_nothing() {
 /// Starts `ferry writer` on `addrs`; returns it once it reports that it started.
 fn start_writer_process(addrs: &[String]) -> std::process::Child {
     let mut child = Command::new(FERRY)
-        .args(["writer", "--http", "127.0.0.1:0", "--segment-bytes"])
+        .args([
+            "writer",
+            "--cluster-id",
+            CLUSTER,
+            "--http",
+            "127.0.0.1:0",
+            "--segment-bytes",
+        ])
         .arg(SEG.to_string())
         .arg("--safekeepers")
         .arg(addrs.join(","))
@@ -202,6 +228,7 @@ async fn safekeeper_term(addr: &str) -> u64 {
     proto::write_frame(
         &mut conn,
         &ToSafekeeper::Greeting(ferry_wal::proto::Greeting {
+            cluster_id: cluster_id(),
             proposer_id: 1,
             timeline_id: 1,
             segment_bytes: SEG,

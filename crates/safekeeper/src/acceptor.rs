@@ -24,7 +24,7 @@ use ferry_wal::proto::{
     ShardFeedback, ToSafekeeper, VoteResponse, MAX_SEND_BYTES,
 };
 use ferry_wal::segment::SegmentSize;
-use ferry_wal::{Lsn, Term};
+use ferry_wal::{ClusterId, Lsn, Term};
 use serde::Serialize;
 use tokio::sync::watch;
 
@@ -39,6 +39,9 @@ const JOIN_BELOW_BYTES: usize = 32 << 10;
 /// Identity and geometry of a safekeeper.
 #[derive(Debug, Clone)]
 pub struct AcceptorConfig {
+    /// The cluster this safekeeper belongs to: recorded at creation, checked at
+    /// every open and in every writer's greeting.
+    pub cluster_id: ClusterId,
     pub node_id: u64,
     pub timeline_id: u64,
     pub segment_size: SegmentSize,
@@ -58,6 +61,10 @@ pub enum AcceptorError {
     /// The control file could not be written: the safekeeper must stop.
     #[error(transparent)]
     Control(#[from] ControlFileError),
+    /// The data dir holds another safekeeper than the one asked for (another
+    /// cluster, node, timeline or segment size): it is left untouched.
+    #[error("{0}")]
+    Identity(String),
 }
 
 impl AcceptorError {
@@ -140,40 +147,75 @@ fn refused(term: Term, reason: impl Into<String>) -> AcceptorError {
 }
 
 impl Acceptor {
-    /// Opens (or creates) the safekeeper in `dir`: control file first, then the
-    /// WAL, walked from the persisted commit_lsn to its real end.
+    /// Opens the existing safekeeper in `dir`: the control file first (it must
+    /// exist and describe the safekeeper `config` asks for), then the WAL, whose
+    /// every record below the persisted commit_lsn must be present and intact
+    /// (an error names the file otherwise), walked on to its real end.
     pub async fn open(
         disk: Arc<dyn Disk>,
         dir: &str,
         config: AcceptorConfig,
     ) -> Result<Acceptor, AcceptorError> {
+        let control = ControlFile::open(Arc::clone(&disk), dir).await?;
+        Acceptor::open_with(disk, dir, config, control).await
+    }
+
+    /// Creates a new, empty safekeeper in `dir` (or opens it if it was created
+    /// already, with the same identity). Only for a new cluster or a new member:
+    /// never to replace a safekeeper whose data was lost, which must not vote
+    /// as if it had never promised anything.
+    pub async fn create(
+        disk: Arc<dyn Disk>,
+        dir: &str,
+        config: AcceptorConfig,
+    ) -> Result<Acceptor, AcceptorError> {
         let fresh = SafekeeperState::new(
+            config.cluster_id.clone(),
             config.node_id,
             config.timeline_id,
             config.segment_size.bytes(),
         );
-        let control = ControlFile::open(Arc::clone(&disk), dir, fresh).await?;
+        let control = ControlFile::create(Arc::clone(&disk), dir, fresh).await?;
+        Acceptor::open_with(disk, dir, config, control).await
+    }
+
+    async fn open_with(
+        disk: Arc<dyn Disk>,
+        dir: &str,
+        config: AcceptorConfig,
+        control: ControlFile,
+    ) -> Result<Acceptor, AcceptorError> {
         let state = control.state().clone();
-        if state.node_id != config.node_id
+        if state.cluster_id != config.cluster_id
+            || state.node_id != config.node_id
             || state.timeline_id != config.timeline_id
             || state.segment_bytes != config.segment_size.bytes()
         {
-            return Err(ControlFileError::Corrupt(format!(
-                "control file belongs to node {} timeline {} with {}-byte segments, not node {} timeline {} with {}-byte segments",
+            return Err(AcceptorError::Identity(format!(
+                "{dir} holds safekeeper {} of cluster {} (timeline {}, {}-byte WAL segments), not safekeeper {} of cluster {} (timeline {}, {}-byte WAL segments) as asked",
                 state.node_id,
+                state.cluster_id,
                 state.timeline_id,
                 state.segment_bytes,
                 config.node_id,
+                config.cluster_id,
                 config.timeline_id,
                 config.segment_size.bytes()
-            ))
-            .into());
+            )));
         }
+        // Every record from the start of the timeline is checked while nothing
+        // was removed; once segments are removed, from the persisted commit_lsn.
+        let verify_from = if state.last_removed_segno == 0 {
+            state.timeline_start_lsn
+        } else {
+            state.commit_lsn
+        };
         let wal = WalStorage::open(
             disk,
             &format!("{dir}/wal"),
             config.segment_size,
             config.preallocation,
+            verify_from,
             state.commit_lsn,
         )
         .await?;
@@ -242,8 +284,18 @@ impl Acceptor {
         }
     }
 
-    /// Greeting: checks that the writer writes our timeline with our geometry.
+    /// Greeting: checks that the writer writes our cluster's timeline with our
+    /// geometry.
     pub fn handle_greeting(&self, greeting: &Greeting) -> Result<FromSafekeeper, AcceptorError> {
+        if greeting.cluster_id != self.config.cluster_id {
+            return Err(refused(
+                self.state.term,
+                format!(
+                    "cluster {} is not served here (this safekeeper belongs to cluster {})",
+                    greeting.cluster_id, self.config.cluster_id
+                ),
+            ));
+        }
         if greeting.timeline_id != self.config.timeline_id {
             return Err(refused(
                 self.state.term,
@@ -494,12 +546,21 @@ impl Acceptor {
         self.feedback.insert(feedback.shard_number, feedback);
     }
 
-    /// Committed WAL from `begin`, at most `max` bytes (walsenders).
-    pub async fn read_committed(&self, begin: Lsn, max: usize) -> Result<Bytes, AcceptorError> {
-        if begin >= self.commit_lsn {
+    /// Committed WAL in `[begin, end)`, at most `max` bytes (walsenders). `end`
+    /// is the commit_lsn the caller announces with these bytes: a walsender frame
+    /// must never carry WAL past the commit_lsn it states, even when commit_lsn
+    /// moved on since the caller read it.
+    pub async fn read_committed(
+        &self,
+        begin: Lsn,
+        end: Lsn,
+        max: usize,
+    ) -> Result<Bytes, AcceptorError> {
+        let end = end.min(self.commit_lsn);
+        if begin >= end {
             return Ok(Bytes::new());
         }
-        let max = max.min(self.commit_lsn.distance_from(begin) as usize);
+        let max = max.min(end.distance_from(begin) as usize);
         Ok(self.wal.read(begin, max).await?)
     }
 

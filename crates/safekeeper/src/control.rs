@@ -10,14 +10,14 @@
 use std::sync::Arc;
 
 use ferry_env::Disk;
-use ferry_wal::{Lsn, Term, TermHistory};
+use ferry_wal::{ClusterId, Lsn, Term, TermHistory};
 use serde::{Deserialize, Serialize};
 
 /// File name inside the safekeeper's data dir.
 pub const CONTROL_FILE: &str = "safekeeper.control";
 const MAGIC: u32 = 0xFE55_AFE0;
-/// Bumped on every incompatible change of [`SafekeeperState`].
-pub const FORMAT_VERSION: u32 = 1;
+/// Bumped on every incompatible change of [`SafekeeperState`] (2: the cluster id).
+pub const FORMAT_VERSION: u32 = 2;
 
 /// Status of an object uploaded by partial segment backup (room for that feature:
 /// the list is kept and persisted, nothing fills it yet).
@@ -41,6 +41,8 @@ pub struct PartialRemoteSegment {
 /// The persistent state of a safekeeper.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SafekeeperState {
+    /// The cluster this safekeeper was created for; it never changes.
+    pub cluster_id: ClusterId,
     pub node_id: u64,
     pub timeline_id: u64,
     pub segment_bytes: u64,
@@ -67,8 +69,14 @@ pub struct SafekeeperState {
 
 impl SafekeeperState {
     /// The state of a brand-new safekeeper.
-    pub fn new(node_id: u64, timeline_id: u64, segment_bytes: u64) -> SafekeeperState {
+    pub fn new(
+        cluster_id: ClusterId,
+        node_id: u64,
+        timeline_id: u64,
+        segment_bytes: u64,
+    ) -> SafekeeperState {
         SafekeeperState {
+            cluster_id,
             node_id,
             timeline_id,
             segment_bytes,
@@ -95,6 +103,23 @@ pub enum ControlFileError {
     Corrupt(String),
     #[error("control file format version {0} is not supported (expected {FORMAT_VERSION})")]
     UnsupportedVersion(u32),
+    /// There is no control file where one must be: the safekeeper was never
+    /// created here, or its data dir was lost. Never recreated implicitly: an
+    /// empty safekeeper that votes could make the quorum forget committed WAL.
+    #[error("{0}: no control file; this safekeeper was never created here, or its data was lost (an empty safekeeper is created only explicitly)")]
+    Missing(String),
+}
+
+impl ControlFileError {
+    /// The same error with the control file's path in its message.
+    fn at(self, path: &str) -> ControlFileError {
+        match self {
+            ControlFileError::Corrupt(detail) => {
+                ControlFileError::Corrupt(format!("{path}: {detail}"))
+            }
+            other => other,
+        }
+    }
 }
 
 /// Encodes a state into control-file bytes.
@@ -150,20 +175,13 @@ pub struct ControlFile {
 }
 
 impl ControlFile {
-    /// Loads the control file in `dir`, or creates one with `fresh` if there is
-    /// none. A present but damaged file is an error.
-    pub async fn open(
-        disk: Arc<dyn Disk>,
-        dir: &str,
-        fresh: SafekeeperState,
-    ) -> Result<ControlFile, ControlFileError> {
-        disk.create_dir_all(dir).await?;
+    /// Loads the control file in `dir`; a missing or damaged one is an error.
+    pub async fn open(disk: Arc<dyn Disk>, dir: &str) -> Result<ControlFile, ControlFileError> {
         let path = format!("{dir}/{CONTROL_FILE}");
         let persisted = match disk.read(&path).await {
-            Ok(bytes) => decode(&bytes)?,
+            Ok(bytes) => decode(&bytes).map_err(|e| e.at(&path))?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                disk.write_atomic(&path, encode(&fresh)?).await?;
-                fresh
+                return Err(ControlFileError::Missing(path))
             }
             Err(e) => return Err(e.into()),
         };
@@ -172,6 +190,29 @@ impl ControlFile {
             path,
             persisted,
         })
+    }
+
+    /// Creates the control file of a new safekeeper in `dir` with `fresh`, or
+    /// loads the one already there (creation is idempotent: a crash in the
+    /// middle of creating a cluster is finished by running it again; the caller
+    /// checks that an existing file is the safekeeper it meant to create).
+    pub async fn create(
+        disk: Arc<dyn Disk>,
+        dir: &str,
+        fresh: SafekeeperState,
+    ) -> Result<ControlFile, ControlFileError> {
+        disk.create_dir_all(dir).await?;
+        match ControlFile::open(Arc::clone(&disk), dir).await {
+            Err(ControlFileError::Missing(path)) => {
+                disk.write_atomic(&path, encode(&fresh)?).await?;
+                Ok(ControlFile {
+                    disk,
+                    path,
+                    persisted: fresh,
+                })
+            }
+            other => other,
+        }
     }
 
     /// The state as last persisted.
@@ -196,8 +237,12 @@ mod tests {
     use ferry_env::RealDisk;
     use ferry_wal::TermLsn;
 
+    fn cluster() -> ClusterId {
+        ClusterId::new("c1").expect("id")
+    }
+
     fn sample() -> SafekeeperState {
-        let mut s = SafekeeperState::new(2, 1, 16 << 20);
+        let mut s = SafekeeperState::new(cluster(), 2, 1, 16 << 20);
         s.term = 5;
         s.term_history = TermHistory(vec![
             TermLsn {
@@ -242,25 +287,40 @@ mod tests {
     async fn persisted_state_survives_reopen_and_damage_is_refused() {
         let dir = tempfile::tempdir().expect("tempdir");
         let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
-        let fresh = SafekeeperState::new(2, 1, 16 << 20);
-        let mut cf = ControlFile::open(Arc::clone(&disk), "sk", fresh.clone())
+        let fresh = SafekeeperState::new(cluster(), 2, 1, 16 << 20);
+        let err = ControlFile::open(Arc::clone(&disk), "sk")
             .await
-            .expect("open");
+            .expect_err("nothing to open");
+        assert!(
+            matches!(&err, ControlFileError::Missing(p) if p == "sk/safekeeper.control"),
+            "{err}"
+        );
+        let mut cf = ControlFile::create(Arc::clone(&disk), "sk", fresh.clone())
+            .await
+            .expect("create");
         assert_eq!(cf.state(), &fresh);
         cf.persist(&sample()).await.expect("persist");
-        let cf = ControlFile::open(Arc::clone(&disk), "sk", fresh.clone())
+        let cf = ControlFile::open(Arc::clone(&disk), "sk")
             .await
             .expect("reopen");
+        assert_eq!(cf.state(), &sample());
+        // Creating again loads what is there; it never resets a safekeeper.
+        let cf = ControlFile::create(Arc::clone(&disk), "sk", fresh.clone())
+            .await
+            .expect("create again");
         assert_eq!(cf.state(), &sample());
         std::fs::write(
             dir.path().join("sk").join(CONTROL_FILE),
             b"garbage!garbage!",
         )
         .expect("damage");
-        let err = ControlFile::open(disk, "sk", fresh)
+        let err = ControlFile::create(disk, "sk", fresh)
             .await
             .expect_err("refused");
-        assert!(matches!(err, ControlFileError::Corrupt(_)), "{err}");
+        assert!(
+            matches!(&err, ControlFileError::Corrupt(m) if m.starts_with("sk/safekeeper.control: ")),
+            "{err}"
+        );
         assert_eq!(
             std::fs::read(dir.path().join("sk").join(CONTROL_FILE)).expect("read"),
             b"garbage!garbage!"

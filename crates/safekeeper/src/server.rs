@@ -45,6 +45,16 @@ impl SafekeeperServer {
         acceptor: Acceptor,
     ) -> std::io::Result<SafekeeperServer> {
         let listener = network.bind(listen).await?;
+        SafekeeperServer::serve(listener, acceptor)
+    }
+
+    /// Serves `acceptor` on a listener bound earlier (a process binds its
+    /// addresses before it touches its data dir, so that a busy address fails
+    /// before anything else happened).
+    pub fn serve(
+        listener: Box<dyn Listener>,
+        acceptor: Acceptor,
+    ) -> std::io::Result<SafekeeperServer> {
         let addr = listener.local_addr()?;
         let (fatal, _) = watch::channel(None);
         let shared = Arc::new(Shared {
@@ -214,7 +224,7 @@ where
         while pos < commit {
             let wal = {
                 let acceptor = shared.acceptor.lock().await;
-                match acceptor.read_committed(pos, MAX_SEND_BYTES).await {
+                match acceptor.read_committed(pos, commit, MAX_SEND_BYTES).await {
                     Ok(wal) => wal,
                     Err(e) => {
                         let msg = e.to_message(acceptor.term());

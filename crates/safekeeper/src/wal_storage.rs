@@ -18,9 +18,15 @@
 //!   [`PREALLOCATE_BELOW_BYTES_PER_FSYNC`] per fsync (bulk loads), the next
 //!   segment is not zeroed but grows with its writes instead;
 //! * after a crash, [`WalStorage::open`] walks records from a known record boundary
-//!   (the persisted commit_lsn) and cuts everything after the last valid record,
-//!   so a torn tail never becomes WAL; committed WAL is never cut because it lies
-//!   below every safekeeper's durable flush point.
+//!   (the start of the timeline while no segment was removed) and cuts everything
+//!   after the last valid record, so a torn tail never becomes WAL; committed WAL
+//!   is never cut because it lies below every safekeeper's durable flush point;
+//! * WAL below the persisted commit_lsn was synced before it was recorded, so it
+//!   cannot be torn: a segment missing or too short below it, or a record there
+//!   failing its checksum, is damage. [`WalStorage::open`] refuses it with
+//!   [`WalStorageError::Damaged`] naming the file, never cuts it as a torn tail.
+//!   (WAL past the persisted commit_lsn, at most a segment after an unclean stop,
+//!   cannot be told from a torn tail and is cut like one.)
 
 use std::collections::BTreeMap;
 use std::io;
@@ -45,6 +51,11 @@ pub enum WalStorageError {
     Removed { lsn: Lsn },
     #[error("WAL is damaged: {0}")]
     Corrupt(String),
+    /// WAL below the recorded commit point is missing or fails its checksums:
+    /// this safekeeper must not serve (it may be rebuilt from its peers by an
+    /// explicit operator action, never implicitly).
+    #[error("{path}: {detail}")]
+    Damaged { path: String, detail: String },
 }
 
 struct OpenSegment {
@@ -132,6 +143,12 @@ async fn prepare_segment_file(disk: Arc<dyn Disk>, path: String, len: u64) -> io
     file.sync_data().await
 }
 
+/// Where a walk of records stopped, and why.
+struct WalEnd {
+    lsn: Lsn,
+    why: &'static str,
+}
+
 /// The next segment, being preallocated in the background.
 struct Spare {
     segno: u64,
@@ -174,14 +191,21 @@ impl std::fmt::Debug for WalStorage {
 impl WalStorage {
     /// Opens the WAL in `dir`, finds its real end by walking records from
     /// `record_boundary` (a position known to start a record and to be durable:
-    /// the persisted commit_lsn), and cuts any torn tail.
+    /// the start of the timeline, or the persisted commit_lsn), checks that
+    /// every record up to `durable` (the persisted commit_lsn) is there and
+    /// intact, and cuts any torn tail after it.
     pub async fn open(
         disk: Arc<dyn Disk>,
         dir: &str,
         seg: SegmentSize,
         policy: Preallocation,
         record_boundary: Lsn,
+        durable: Lsn,
     ) -> Result<WalStorage, WalStorageError> {
+        assert!(
+            record_boundary <= durable,
+            "the walk starts below the durable point"
+        );
         disk.create_dir_all(dir).await?;
         let segments = list_segments(disk.as_ref(), dir, seg).await?;
         let mut wal = WalStorage {
@@ -197,7 +221,7 @@ impl WalStorage {
             segments_preallocated: 0,
             dir_dirty: false,
         };
-        let end = wal.find_end(&segments, record_boundary).await?;
+        let end = wal.find_end(&segments, record_boundary, durable).await?;
         wal.cut_after(end).await?;
         wal.write_lsn = end;
         wal.flush_lsn = end;
@@ -295,11 +319,57 @@ impl WalStorage {
         Ok(())
     }
 
+    /// The WAL at `lsn` is damaged: it lies below `durable`.
+    fn damaged(
+        &self,
+        segments: &BTreeMap<u64, bool>,
+        lsn: Lsn,
+        durable: Lsn,
+        what: &str,
+    ) -> WalStorageError {
+        let segno = self.seg.segno(lsn);
+        let partial = segments.get(&segno).copied().unwrap_or(false);
+        WalStorageError::Damaged {
+            path: self.path(segno, partial),
+            detail: format!(
+                "{what} at {lsn}, below the recorded commit_lsn {durable}: WAL this safekeeper promised is missing or damaged"
+            ),
+        }
+    }
+
     async fn find_end(
         &self,
         segments: &BTreeMap<u64, bool>,
         start: Lsn,
+        durable: Lsn,
     ) -> Result<Lsn, WalStorageError> {
+        let first = self.seg.segno(start);
+        if durable > start {
+            let last_needed = self.seg.segno(Lsn(durable.0 - 1));
+            if let Some(missing) = (first..=last_needed).find(|s| !segments.contains_key(s)) {
+                let at = Lsn(self.seg.bytes() * missing).max(start);
+                return Err(self.damaged(
+                    segments,
+                    at,
+                    durable,
+                    "segment file missing (with or without .partial)",
+                ));
+            }
+        }
+        let end = self.walk_records(segments, start).await?;
+        if end.lsn < durable {
+            return Err(self.damaged(segments, end.lsn, durable, end.why));
+        }
+        Ok(end.lsn)
+    }
+
+    /// Walks records from `start` to the first position that does not begin a
+    /// whole, valid record.
+    async fn walk_records(
+        &self,
+        segments: &BTreeMap<u64, bool>,
+        start: Lsn,
+    ) -> Result<WalEnd, WalStorageError> {
         let first = self.seg.segno(start);
         if !segments.contains_key(&first) {
             if segments.range(first..).next().is_some() {
@@ -309,17 +379,24 @@ impl WalStorage {
                 )));
             }
             // Nothing written at or after the boundary.
-            return Ok(start);
+            return Ok(WalEnd {
+                lsn: start,
+                why: "segment file missing",
+            });
         }
         let mut carry: Vec<u8> = Vec::new();
         let mut carry_start = start;
         let mut segno = first;
+        let mut why = "the WAL ends";
         while let Some(&partial) = segments.get(&segno) {
             let mut data = self.disk.read(&self.path(segno, partial)).await?;
             if segno == first {
                 let skip = self.seg.offset(start) as usize;
                 if data.len() < skip {
-                    return Ok(start);
+                    return Ok(WalEnd {
+                        lsn: start,
+                        why: "segment file too short",
+                    });
                 }
                 data.drain(..skip);
             }
@@ -338,6 +415,7 @@ impl WalStorage {
                     Ok(len) => at += len,
                     Err(RecordError::Incomplete { .. }) => break,
                     Err(_) => {
+                        why = "record fails its checksum (or is not a record)";
                         stop = true;
                         break;
                     }
@@ -345,12 +423,26 @@ impl WalStorage {
             }
             carry.drain(..at);
             carry_start = Lsn(carry_start.0 + at as u64);
-            if stop || !full {
+            if stop {
+                break;
+            }
+            if !full {
+                why = "segment file too short (the record there is incomplete)";
                 break;
             }
             segno += 1;
+            if !segments.contains_key(&segno) {
+                why = if carry.is_empty() {
+                    "segment file missing"
+                } else {
+                    "segment file missing (a record continues into it)"
+                };
+            }
         }
-        Ok(carry_start)
+        Ok(WalEnd {
+            lsn: carry_start,
+            why,
+        })
     }
 
     /// Removes every byte at or after `end`, durably: later segments are deleted
@@ -652,6 +744,17 @@ mod tests {
     }
 
     async fn open_with(root: &std::path::Path, boundary: Lsn, policy: Preallocation) -> WalStorage {
+        try_open(root, boundary, boundary, policy)
+            .await
+            .expect("open")
+    }
+
+    async fn try_open(
+        root: &std::path::Path,
+        boundary: Lsn,
+        durable: Lsn,
+        policy: Preallocation,
+    ) -> Result<WalStorage, WalStorageError> {
         let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(root).expect("disk"));
         WalStorage::open(
             disk,
@@ -659,9 +762,144 @@ mod tests {
             SegmentSize::new(SEG).expect("seg"),
             policy,
             boundary,
+            durable,
         )
         .await
-        .expect("open")
+    }
+
+    /// Writes ~300 KiB of records (five segments) with one fsync per 7000
+    /// bytes; returns the end of WAL.
+    async fn write_five_segments(root: &std::path::Path, policy: Preallocation) -> Lsn {
+        let mut wal = open_with(root, Lsn(0), policy).await;
+        let data = records(100, 3000);
+        for chunk in data.chunks(7000) {
+            let at = wal.write_lsn();
+            wal.write(at, Bytes::copy_from_slice(chunk))
+                .await
+                .expect("write");
+            wal.flush().await.expect("flush");
+        }
+        Lsn(data.len() as u64)
+    }
+
+    fn segment_path(root: &std::path::Path, segno: u64, partial: bool) -> std::path::PathBuf {
+        let name = SegmentSize::new(SEG).expect("seg").file_name(segno);
+        let suffix = if partial { ".partial" } else { "" };
+        root.join("wal").join(format!("{name}{suffix}"))
+    }
+
+    /// Damage below the durable point is refused, naming the file, and
+    /// changes nothing on disk.
+    async fn damage_is_refused(
+        policy: Preallocation,
+        damage: impl FnOnce(&std::path::Path, Lsn),
+        file: &str,
+    ) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let end = write_five_segments(dir.path(), policy).await;
+        damage(dir.path(), end);
+        // A preallocation cut short by the drop may still land; it is not WAL.
+        let wal_files = |root: &std::path::Path| {
+            names(root)
+                .into_iter()
+                .filter(|n| !n.ends_with(PREPARING_SUFFIX))
+                .collect::<Vec<_>>()
+        };
+        let before = wal_files(dir.path());
+        let err = try_open(dir.path(), Lsn(0), end, policy)
+            .await
+            .expect_err("damage below the durable point is refused");
+        match &err {
+            WalStorageError::Damaged { path, .. } => {
+                assert!(path.ends_with(file), "{err} names {file}")
+            }
+            other => panic!("not a damage error: {other}"),
+        }
+        assert!(err.to_string().contains(&end.to_string()), "{err}");
+        assert_eq!(
+            wal_files(dir.path()),
+            before,
+            "nothing was cut or recreated"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_missing_segment_below_the_durable_point_is_refused() {
+        let name = SegmentSize::new(SEG).expect("seg").file_name(1);
+        damage_is_refused(
+            Preallocation::Auto,
+            |root, _| std::fs::remove_file(segment_path(root, 1, false)).expect("rm"),
+            &name,
+        )
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_deleted_current_segment_is_refused() {
+        // A missing file is named without a suffix: either name would do.
+        let name = SegmentSize::new(SEG).expect("seg").file_name(4);
+        damage_is_refused(
+            Preallocation::Never,
+            |root, end| {
+                assert_eq!(end.0 / SEG, 4);
+                std::fs::remove_file(segment_path(root, 4, true)).expect("rm")
+            },
+            &name,
+        )
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_truncated_segment_is_refused() {
+        for policy in [Preallocation::Always, Preallocation::Never] {
+            let name = format!(
+                "{}.partial",
+                SegmentSize::new(SEG).expect("seg").file_name(4)
+            );
+            damage_is_refused(
+                policy,
+                |root, end| {
+                    let path = segment_path(root, 4, true);
+                    let f = std::fs::OpenOptions::new()
+                        .write(true)
+                        .open(&path)
+                        .expect("open");
+                    f.set_len(end.0 % SEG / 2).expect("truncate");
+                },
+                &name,
+            )
+            .await;
+            // A whole segment cut short too.
+            let name = SegmentSize::new(SEG).expect("seg").file_name(2);
+            damage_is_refused(
+                policy,
+                |root, _| {
+                    let f = std::fs::OpenOptions::new()
+                        .write(true)
+                        .open(segment_path(root, 2, false))
+                        .expect("open");
+                    f.set_len(SEG - 1000).expect("truncate");
+                },
+                &name,
+            )
+            .await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_flipped_byte_below_the_durable_point_is_refused() {
+        let name = SegmentSize::new(SEG).expect("seg").file_name(1);
+        damage_is_refused(
+            Preallocation::Auto,
+            |root, _| {
+                let path = segment_path(root, 1, false);
+                let mut bytes = std::fs::read(&path).expect("read");
+                bytes[SEG as usize / 2] ^= 0x01;
+                std::fs::write(&path, bytes).expect("write");
+            },
+            &name,
+        )
+        .await;
     }
 
     fn names(root: &std::path::Path) -> Vec<String> {

@@ -11,10 +11,15 @@ use ferry_wal::proto::{
 };
 use ferry_wal::record::Record;
 use ferry_wal::segment::SegmentSize;
-use ferry_wal::{Lsn, TermHistory, TermLsn};
+use ferry_wal::{ClusterId, Lsn, TermHistory, TermLsn};
+
+fn cluster() -> ClusterId {
+    ClusterId::new("test-cluster").expect("id")
+}
 
 fn config() -> AcceptorConfig {
     AcceptorConfig {
+        cluster_id: cluster(),
         node_id: 7,
         timeline_id: 1,
         segment_size: SegmentSize::new(64 << 10).expect("seg"),
@@ -22,8 +27,9 @@ fn config() -> AcceptorConfig {
     }
 }
 
+/// Opens the safekeeper, creating it on first use.
 async fn open(disk: &Arc<dyn Disk>) -> Acceptor {
-    Acceptor::open(Arc::clone(disk), "sk", config())
+    Acceptor::create(Arc::clone(disk), "sk", config())
         .await
         .expect("open")
 }
@@ -82,6 +88,7 @@ async fn greeting_checks_timeline_and_geometry() {
     let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
     let a = open(&disk).await;
     let ok = Greeting {
+        cluster_id: cluster(),
         proposer_id: 1,
         timeline_id: 1,
         segment_bytes: 64 << 10,
@@ -96,9 +103,62 @@ async fn greeting_checks_timeline_and_geometry() {
     assert!(refusal(a.handle_greeting(&wrong_timeline).expect_err("refused")).contains("timeline"));
     let wrong_segments = Greeting {
         segment_bytes: 16 << 20,
-        ..ok
+        ..ok.clone()
     };
     assert!(refusal(a.handle_greeting(&wrong_segments).expect_err("refused")).contains("segment"));
+    let wrong_cluster = Greeting {
+        cluster_id: ClusterId::new("other").expect("id"),
+        ..ok
+    };
+    assert!(refusal(a.handle_greeting(&wrong_cluster).expect_err("refused")).contains("cluster"));
+}
+
+#[tokio::test]
+async fn a_safekeeper_is_created_only_explicitly_and_keeps_its_identity() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let err = Acceptor::open(Arc::clone(&disk), "sk", config())
+        .await
+        .expect_err("nothing to open");
+    assert!(err.to_string().contains("no control file"), "{err}");
+    assert!(
+        !dir.path().join("sk").exists(),
+        "a refused open creates nothing"
+    );
+    drop(open(&disk).await);
+    let others = [
+        AcceptorConfig {
+            cluster_id: ClusterId::new("other").expect("id"),
+            ..config()
+        },
+        AcceptorConfig {
+            node_id: 8,
+            ..config()
+        },
+        AcceptorConfig {
+            segment_size: SegmentSize::new(1 << 20).expect("seg"),
+            ..config()
+        },
+    ];
+    for other in others {
+        for create in [false, true] {
+            let result = if create {
+                Acceptor::create(Arc::clone(&disk), "sk", other.clone()).await
+            } else {
+                Acceptor::open(Arc::clone(&disk), "sk", other.clone()).await
+            };
+            let err = result.expect_err("another identity is refused");
+            let msg = err.to_string();
+            assert!(matches!(err, AcceptorError::Identity(_)), "{msg}");
+            assert!(
+                msg.contains("holds safekeeper 7 of cluster test-cluster (timeline 1, 65536-byte WAL segments)"),
+                "says what the data dir holds: {msg}"
+            );
+        }
+    }
+    Acceptor::open(Arc::clone(&disk), "sk", config())
+        .await
+        .expect("still opens as itself");
 }
 
 #[tokio::test]
@@ -282,8 +342,26 @@ async fn batch_shares_one_answer_and_relays_feedback() {
     assert!(matches!(&out[1], FromSafekeeper::Wal { begin_lsn: Lsn(0), wal: w, .. } if *w == wal));
     assert!(matches!(&out[2], FromSafekeeper::Refused { .. }));
     assert_eq!(
-        a.read_committed(Lsn(0), 1 << 20).await.expect("read").len() as u64,
+        a.read_committed(Lsn(0), Lsn(u64::MAX), 1 << 20)
+            .await
+            .expect("read")
+            .len() as u64,
         2 * len,
         "only committed WAL for walsenders"
     );
+    // A walsender that announces an older commit_lsn gets no byte past it,
+    // although the acceptor's commit_lsn moved on.
+    assert_eq!(
+        a.read_committed(Lsn(0), Lsn(len), 1 << 20)
+            .await
+            .expect("read")
+            .len() as u64,
+        len,
+        "never past the commit_lsn the frame announces"
+    );
+    assert!(a
+        .read_committed(Lsn(len), Lsn(len), 1 << 20)
+        .await
+        .expect("read")
+        .is_empty());
 }

@@ -12,10 +12,13 @@
 //!   before or after apply, partitions that expire sessions, abandoned sessions);
 //! * [`objstore`]: object storage with errors, latency and failures after a
 //!   successful write;
-//! * [`wal`]: the WAL random test (safekeepers, writers, faults, invariants).
+//! * [`wal`]: the WAL random test (safekeepers, writers, faults, invariants);
+//! * [`walreceiver`]: a replica's side of START_REPLICATION that checks every
+//!   walsender frame.
 
 pub mod coord;
 pub mod disk;
 pub mod net;
 pub mod objstore;
 pub mod wal;
+pub mod walreceiver;

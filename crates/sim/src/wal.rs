@@ -14,7 +14,7 @@ use ferry_safekeeper::server::SafekeeperServer;
 use ferry_safekeeper::wal_storage::Preallocation;
 use ferry_wal::record::{self, Record};
 use ferry_wal::segment::SegmentSize;
-use ferry_wal::Lsn;
+use ferry_wal::{ClusterId, Lsn};
 use ferry_writer::driver::{encode_records, Writer, WriterConfig, WriterError, WriterStatus};
 use ferry_writer::proposer::ProposerConfig;
 use rand::rngs::SmallRng;
@@ -24,10 +24,15 @@ use tokio::time::Instant;
 
 use crate::disk::SimDisk;
 use crate::net::{NetOptions, SimNet};
+use crate::walreceiver::{self, SharedReceived};
 
 const SAFEKEEPERS: usize = 3;
 const SEGMENT_BYTES: u64 = 64 << 10;
 const TIMELINE: u64 = 1;
+
+fn cluster_id() -> ClusterId {
+    ClusterId::new("sim").unwrap_or_else(|_| unreachable!("a valid cluster id"))
+}
 /// After the faults stop, a write must commit within this (virtual) time.
 const LIVENESS_BOUND: Duration = Duration::from_secs(60);
 
@@ -227,6 +232,8 @@ struct Sim {
     /// Highest end of WAL any writer produced.
     produced: Lsn,
     elections: usize,
+    /// What the simulated replica received through walsenders.
+    received: SharedReceived,
     log: Vec<String>,
     verbose: bool,
 }
@@ -239,6 +246,15 @@ impl Sim {
             println!("{line}");
         }
         self.log.push(line);
+    }
+
+    /// A walsender broke an invariant (seen by the simulated replica).
+    fn check_walsenders(&self) -> Result<(), Failure> {
+        let received = walreceiver::lock(&self.received);
+        match received.violations.first() {
+            Some(v) => Err(self.fail(v.clone())),
+            None => Ok(()),
+        }
     }
 
     fn fail(&self, reason: impl Into<String>) -> Failure {
@@ -254,16 +270,30 @@ impl Sim {
             .unwrap_or_else(|_| unreachable!("64 KiB is a valid segment size"))
     }
 
-    /// Opens safekeeper `i`'s acceptor from its disk, as a restart does.
-    async fn open_acceptor(&self, i: usize) -> Result<Acceptor, Failure> {
-        let disk: Arc<dyn Disk> = Arc::new(self.disks[i].clone());
-        let config = AcceptorConfig {
+    fn acceptor_config(&self, i: usize) -> AcceptorConfig {
+        AcceptorConfig {
+            cluster_id: cluster_id(),
             node_id: i as u64,
             timeline_id: TIMELINE,
             segment_size: Self::segment(),
             preallocation: self.preallocation[i],
-        };
-        Acceptor::open(disk, &format!("sk{i}"), config)
+        }
+    }
+
+    /// Creates safekeeper `i` on its empty disk (once, when the cluster is made).
+    async fn create_acceptor(&self, i: usize) -> Result<(), Failure> {
+        let disk: Arc<dyn Disk> = Arc::new(self.disks[i].clone());
+        Acceptor::create(disk, &format!("sk{i}"), self.acceptor_config(i))
+            .await
+            .map(drop)
+            .map_err(|e| self.fail(format!("sk{i} cannot be created: {e}")))
+    }
+
+    /// Opens safekeeper `i`'s acceptor from its disk, as a restart does: it
+    /// must find its control file and every WAL record below its commit point.
+    async fn open_acceptor(&self, i: usize) -> Result<Acceptor, Failure> {
+        let disk: Arc<dyn Disk> = Arc::new(self.disks[i].clone());
+        Acceptor::open(disk, &format!("sk{i}"), self.acceptor_config(i))
             .await
             .map_err(|e| self.fail(format!("sk{i} cannot recover from its disk: {e}")))
     }
@@ -301,6 +331,7 @@ impl Sim {
         let mut config = WriterConfig::new(
             (0..SAFEKEEPERS).map(node_name).collect(),
             ProposerConfig::new(
+                cluster_id(),
                 SAFEKEEPERS,
                 TIMELINE,
                 SEGMENT_BYTES,
@@ -558,6 +589,7 @@ impl Sim {
     async fn run_until(&mut self, deadline: Instant) -> Result<(), Failure> {
         loop {
             self.observe_old_writers()?;
+            self.check_walsenders()?;
             let status_changed = async {
                 match self.status.as_mut() {
                     Some(rx) => rx.changed().await.is_ok(),
@@ -730,6 +762,19 @@ impl Sim {
                 .await?;
         }
         self.log("every safekeeper caught up");
+        // The replica receives all of it through a walsender.
+        while (walreceiver::lock(&self.received).wal.len() as u64) < end.0 {
+            if Instant::now() >= deadline {
+                let got = walreceiver::lock(&self.received).wal.len();
+                return Err(self.fail(format!(
+                    "after the faults stopped, the replica received WAL only up to {got}, not {end}, within {LIVENESS_BOUND:?}"
+                )));
+            }
+            self.run_until((Instant::now() + Duration::from_millis(100)).min(deadline))
+                .await?;
+        }
+        self.check_walsenders()?;
+        self.log("the replica received every committed byte");
         Ok(end)
     }
 
@@ -786,6 +831,19 @@ impl Sim {
             return Err(self.fail("no safekeeper holds the committed WAL"));
         };
         let full = Bytes::from(full.clone());
+        {
+            let received = walreceiver::lock(&self.received);
+            let n = received.wal.len();
+            if n > full.len() || received.wal[..] != full[..n] {
+                let at = (0..n.min(full.len()))
+                    .find(|&k| received.wal[k] != full[k])
+                    .unwrap_or(n.min(full.len()));
+                return Err(self.fail(format!(
+                    "the replica received {n} bytes that differ from the committed WAL ({} bytes) at byte {at}",
+                    full.len()
+                )));
+            }
+        }
         let mut seen: BTreeMap<u64, Lsn> = BTreeMap::new();
         let mut at = 0usize;
         while at < full.len() {
@@ -823,8 +881,12 @@ impl Sim {
         // in the execution, not only to the events above.
         let fsyncs: Vec<u64> = self.disks.iter().map(SimDisk::fsyncs).collect();
         self.log(format!("fsyncs per safekeeper disk: {fsyncs:?}"));
+        let (frames, connections) = {
+            let r = walreceiver::lock(&self.received);
+            (r.frames, r.connections)
+        };
         self.log(format!(
-            "checked: {} acknowledged blocks in {} bytes of committed WAL; safekeepers hold {:?} bytes of it",
+            "checked: {} acknowledged blocks in {} bytes of committed WAL; safekeepers hold {:?} bytes of it; the replica got it in {frames} walsender frames over {connections} connections",
             self.acked.len(),
             full.len(),
             wals.iter().map(Vec::len).collect::<Vec<_>>()
@@ -875,6 +937,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         term_owner: BTreeMap::new(),
         produced: Lsn(0),
         elections: 0,
+        received: SharedReceived::default(),
         log: Vec::new(),
         verbose,
     };
@@ -887,15 +950,25 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
     );
     sim.log(header);
     for i in 0..SAFEKEEPERS {
+        sim.create_acceptor(i).await?;
+    }
+    for i in 0..SAFEKEEPERS {
         sim.start_safekeeper(i).await?;
     }
     sim.start_writer();
+    let receiver = tokio::spawn(walreceiver::run(
+        sim.net.node("replica"),
+        (0..SAFEKEEPERS).map(node_name).collect(),
+        0,
+        Arc::clone(&sim.received),
+    ));
     for (at, event) in &schedule.events {
         sim.run_until(sim.start + *at).await?;
         sim.log(format!("{event:?}"));
         sim.apply(event).await?;
     }
     let committed = sim.settle(schedule.net).await?;
+    receiver.abort();
     sim.check_disks(committed).await?;
     let log_hash = sim
         .log

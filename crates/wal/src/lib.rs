@@ -2,6 +2,7 @@
 //!
 //! * [`Lsn`], [`Term`], [`TermHistory`]: positions in the WAL and the leadership
 //!   epochs that wrote them;
+//! * [`ClusterId`]: which cluster a safekeeper and a writer belong to;
 //! * [`record`]: the self-checking record format, so a safekeeper can find the
 //!   real end of its WAL after a crash;
 //! * [`segment`]: how WAL is cut into segment files and how they are named;
@@ -12,9 +13,11 @@
 //! `AsyncRead`/`AsyncWrite` (a TCP stream in production, an in-memory pipe in the
 //! simulator).
 
+mod cluster;
 mod lsn;
 pub mod proto;
 pub mod record;
 pub mod segment;
 
+pub use cluster::{ClusterId, InvalidClusterId};
 pub use lsn::{Lsn, Term, TermHistory, TermLsn};

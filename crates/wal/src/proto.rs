@@ -19,10 +19,10 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::record::MAX_RECORD_BYTES;
-use crate::{Lsn, Term, TermHistory};
+use crate::{ClusterId, Lsn, Term, TermHistory};
 
 /// Version byte of every frame; bumped on any incompatible message change.
-pub const PROTOCOL_VERSION: u8 = 2;
+pub const PROTOCOL_VERSION: u8 = 3;
 /// Largest frame accepted: one maximal record plus headroom for the header fields.
 pub const MAX_FRAME_BYTES: usize = MAX_RECORD_BYTES + (64 << 10);
 /// Most WAL bytes a walsender puts in one message (Neon's MAX_SEND_SIZE).
@@ -31,6 +31,9 @@ pub const MAX_SEND_BYTES: usize = 128 << 10;
 /// The first message of a writer: who it is and what WAL it writes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Greeting {
+    /// The cluster the writer writes for; a safekeeper of another cluster (a
+    /// wrong address, or a data dir of another deployment) refuses it.
+    pub cluster_id: ClusterId,
     /// Random id of this writer incarnation, for logs.
     pub proposer_id: u128,
     /// The WAL timeline; a safekeeper serves exactly one and refuses others.
@@ -405,6 +408,7 @@ mod tests {
         };
         let to = vec![
             ToSafekeeper::Greeting(Greeting {
+                cluster_id: ClusterId::new("c1").expect("id"),
                 proposer_id: u128::MAX - 5,
                 timeline_id: 1,
                 segment_bytes: 16 << 20,

@@ -38,7 +38,8 @@ const WRITE_BUFFER_BYTES: usize = 64 << 10;
 #[derive(Debug, Clone)]
 pub struct WriterConfig {
     /// Addresses of the safekeepers, in a fixed order (their index is their id
-    /// for the proposer).
+    /// for the proposer). An empty address is a member known to be down: it
+    /// counts in the quorum size, but nothing connects to it.
     pub safekeepers: Vec<String>,
     pub proposer: ProposerConfig,
     /// Pause between connection attempts to one safekeeper.
@@ -113,6 +114,11 @@ pub struct WriterStatus {
     /// Set when a higher term ended this writer's leadership (of `term`, which
     /// started at `epoch_start_lsn`); the writer has stopped.
     pub superseded_by: Option<Term>,
+    /// Why the election cannot complete: no voter holds the WAL known to be
+    /// committed. Once every safekeeper voted, the writer stops with this.
+    pub election_blocked: Option<String>,
+    /// Set when the writer stopped because electing would lose committed WAL.
+    pub refused: Option<String>,
     pub peers: Vec<PeerStatus>,
     pub shards: Vec<ShardFeedback>,
 }
@@ -149,6 +155,11 @@ impl Writer {
         let (commands, commands_rx) = mpsc::channel(1024);
         let mut connections = Vec::new();
         for (i, addr) in config.safekeepers.iter().enumerate() {
+            if addr.is_empty() {
+                // A member known to be down (its data is damaged): counted in
+                // the quorum size, never connected to.
+                continue;
+            }
             connections.push(tokio::spawn(connection_task(
                 Arc::clone(&network),
                 i,
@@ -166,6 +177,8 @@ impl Writer {
             commit_lsn: Lsn(0).to_string(),
             end_lsn: Lsn(0).to_string(),
             superseded_by: None,
+            election_blocked: None,
+            refused: None,
             peers: config
                 .safekeepers
                 .iter()
@@ -189,6 +202,8 @@ impl Writer {
             batching: false,
             announcing: None,
             superseded_by: None,
+            election_blocked: None,
+            refused: None,
             config,
         };
         let task = tokio::spawn(driver.run(events_rx, commands_rx));
@@ -360,6 +375,8 @@ struct Driver {
     announcing: Option<(Lsn, tokio::time::Instant)>,
     /// The term that ended this writer's leadership.
     superseded_by: Option<Term>,
+    election_blocked: Option<String>,
+    refused: Option<String>,
 }
 
 impl Driver {
@@ -559,6 +576,7 @@ impl Driver {
                     epoch_start_lsn,
                 } => {
                     tracing::info!(term, %epoch_start_lsn, "writer elected");
+                    self.election_blocked = None;
                     for (records, reply) in std::mem::take(&mut self.queued) {
                         queue.extend(self.append_now(records, reply));
                     }
@@ -620,6 +638,30 @@ impl Driver {
                 Action::Reconnect { peer } => {
                     self.conns[peer] = None;
                 }
+                Action::BehindKnownCommit {
+                    best_flush_lsn,
+                    known_commit_lsn,
+                    all_voted,
+                } => {
+                    let reason = format!(
+                        "the WAL quorum is younger than the cluster: WAL up to {known_commit_lsn} is known committed, but the safekeepers that voted hold WAL only up to {best_flush_lsn}"
+                    );
+                    if all_voted {
+                        tracing::error!(%reason, "every safekeeper voted; the writer stops");
+                        // Nothing was sent in this attempt: it all simply fails.
+                        for (_, reply) in self.queued.drain(..) {
+                            let _ = reply.send(Err(WriterError::Stopped));
+                        }
+                        if let Some(reply) = self.shutdown.take() {
+                            let _ = reply.send(Err(WriterError::Stopped));
+                        }
+                        self.refused = Some(format!("{reason} (every safekeeper answered)"));
+                        self.publish_status();
+                        return false;
+                    }
+                    self.election_blocked =
+                        Some(format!("{reason}; waiting for the other safekeepers"));
+                }
                 Action::ElectionLost { term, reason } => {
                     // Queued appends wait for the next attempt (started by the
                     // next tick, above `term`).
@@ -641,6 +683,8 @@ impl Driver {
             commit_lsn: self.proposer.commit_lsn().to_string(),
             end_lsn: self.proposer.end_lsn().to_string(),
             superseded_by: self.superseded_by,
+            election_blocked: self.election_blocked.clone(),
+            refused: self.refused.clone(),
             peers: self
                 .config
                 .safekeepers

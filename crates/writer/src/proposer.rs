@@ -26,13 +26,15 @@ use ferry_wal::proto::{
     VoteResponse,
 };
 use ferry_wal::record;
-use ferry_wal::{Lsn, Term, TermHistory};
+use ferry_wal::{ClusterId, Lsn, Term, TermHistory};
 
 use crate::buffer::WalBuffer;
 
 /// Limits and identity of a proposer.
 #[derive(Debug, Clone)]
 pub struct ProposerConfig {
+    /// The cluster whose safekeepers this writer writes to (they refuse others).
+    pub cluster_id: ClusterId,
     /// Number of safekeepers; a quorum is a majority of them.
     pub safekeepers: usize,
     pub timeline_id: u64,
@@ -42,6 +44,12 @@ pub struct ProposerConfig {
     /// Elect a term strictly above this one (a restarted writer passes the term it
     /// last held, so it never reuses it).
     pub min_term: Term,
+    /// WAL known to be committed from a record outside the safekeepers (the
+    /// coordination store's last known commit state). An election whose voters
+    /// all hold less is not completed: the quorum is younger than what was
+    /// committed (a safekeeper's data was lost or restored from an old copy),
+    /// and electing it would silently drop acknowledged WAL.
+    pub known_commit_lsn: Lsn,
     /// Most WAL bytes in one append message (whole records; a bigger record goes
     /// alone).
     pub max_append_bytes: usize,
@@ -56,12 +64,15 @@ pub struct ProposerConfig {
 impl ProposerConfig {
     /// Defaults for `safekeepers` safekeepers.
     pub fn new(
+        cluster_id: ClusterId,
         safekeepers: usize,
         timeline_id: u64,
         segment_bytes: u64,
         proposer_id: u128,
     ) -> ProposerConfig {
         ProposerConfig {
+            cluster_id,
+            known_commit_lsn: Lsn(0),
             safekeepers,
             timeline_id,
             segment_bytes,
@@ -107,6 +118,16 @@ pub enum Action {
     /// again (the safekeeper then starts over with a greeting).
     Reconnect {
         peer: usize,
+    },
+    /// A quorum voted, but no voter holds the WAL known to be committed
+    /// ([`ProposerConfig::known_commit_lsn`]): the election waits for the other
+    /// safekeepers. With `all_voted`, every safekeeper answered and none has
+    /// it: the WAL quorum is younger than the record, and this writer must stop
+    /// (electing would lose committed WAL).
+    BehindKnownCommit {
+        best_flush_lsn: Lsn,
+        known_commit_lsn: Lsn,
+        all_voted: bool,
     },
 }
 
@@ -270,6 +291,7 @@ impl Proposer {
         vec![Action::Send {
             to: peer,
             msg: ToSafekeeper::Greeting(Greeting {
+                cluster_id: self.config.cluster_id.clone(),
                 proposer_id: self.config.proposer_id,
                 timeline_id: self.config.timeline_id,
                 segment_bytes: self.config.segment_bytes,
@@ -535,6 +557,28 @@ impl Proposer {
         else {
             return;
         };
+        // The donor holds every committed record a quorum could have: if even it
+        // lacks what is known committed, this quorum lost data. Waiting for the
+        // others may find a voter that has it.
+        let best_flush_lsn = donor_vote.flush_lsn;
+        if best_flush_lsn < self.config.known_commit_lsn {
+            let all_voted = voters.len() == self.peers.len();
+            tracing::warn!(
+                best = %best_flush_lsn,
+                known = %self.config.known_commit_lsn,
+                voters = voters.len(),
+                "no voter holds the WAL known to be committed; not electing"
+            );
+            if all_voted {
+                self.phase = Phase::Stopped;
+            }
+            actions.push(Action::BehindKnownCommit {
+                best_flush_lsn,
+                known_commit_lsn: self.config.known_commit_lsn,
+                all_voted,
+            });
+            return;
+        }
         self.phase = Phase::Elected;
         self.epoch_start_lsn = donor_vote.flush_lsn;
         self.truncate_lsn = voters

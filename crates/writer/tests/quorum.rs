@@ -12,7 +12,7 @@ use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig};
 use ferry_wal::proto::ToSafekeeper;
 use ferry_wal::record::Record;
 use ferry_wal::segment::SegmentSize;
-use ferry_wal::{Lsn, Term};
+use ferry_wal::{ClusterId, Lsn, Term};
 use ferry_writer::proposer::{Action, Proposer, ProposerConfig, ProposerError};
 
 const SEG: u64 = 64 << 10;
@@ -24,8 +24,13 @@ struct Cluster {
     acceptors: Vec<Option<Acceptor>>,
 }
 
+fn cluster_id() -> ClusterId {
+    ClusterId::new("quorum-test").expect("id")
+}
+
 fn config(node: u64) -> AcceptorConfig {
     AcceptorConfig {
+        cluster_id: cluster_id(),
         node_id: node,
         timeline_id: TIMELINE,
         segment_size: SegmentSize::new(SEG).expect("segment size"),
@@ -40,9 +45,9 @@ impl Cluster {
         let mut acceptors = Vec::new();
         for i in 0..n {
             acceptors.push(Some(
-                Acceptor::open(Arc::clone(&disk), &format!("sk{i}"), config(i as u64))
+                Acceptor::create(Arc::clone(&disk), &format!("sk{i}"), config(i as u64))
                     .await
-                    .expect("open"),
+                    .expect("create"),
             ));
         }
         Cluster {
@@ -68,6 +73,18 @@ impl Cluster {
             Acceptor::open(Arc::clone(&self.disk), &format!("sk{i}"), config(i as u64))
                 .await
                 .expect("reopen"),
+        );
+    }
+
+    /// Replaces safekeeper `i` by an empty one, as if its data dir had been
+    /// lost and the safekeeper created again (what ferry never does by itself).
+    async fn wipe(&mut self, i: usize, writers: &mut [&mut Writer]) {
+        self.kill(i, writers);
+        std::fs::remove_dir_all(self._dir.path().join(format!("sk{i}"))).expect("wipe");
+        self.acceptors[i] = Some(
+            Acceptor::create(Arc::clone(&self.disk), &format!("sk{i}"), config(i as u64))
+                .await
+                .expect("create again"),
         );
     }
 
@@ -100,11 +117,13 @@ struct Writer {
     commit_lsn: Lsn,
     superseded: Option<Term>,
     lost: Option<Term>,
+    /// The last `BehindKnownCommit`: (best flush, known commit, all voted).
+    behind: Option<(Lsn, Lsn, bool)>,
 }
 
 impl Writer {
     fn new(n: usize, min_term: Term) -> Writer {
-        let mut config = ProposerConfig::new(n, TIMELINE, SEG, 42);
+        let mut config = ProposerConfig::new(cluster_id(), n, TIMELINE, SEG, 42);
         config.min_term = min_term;
         config.max_append_bytes = 8 << 10;
         Writer {
@@ -116,6 +135,7 @@ impl Writer {
             commit_lsn: Lsn(0),
             superseded: None,
             lost: None,
+            behind: None,
         }
     }
 
@@ -156,6 +176,11 @@ impl Writer {
                     }
                     Action::Superseded { term, .. } => self.superseded = Some(term),
                     Action::ElectionLost { term, .. } => self.lost = Some(term),
+                    Action::BehindKnownCommit {
+                        best_flush_lsn,
+                        known_commit_lsn,
+                        all_voted,
+                    } => self.behind = Some((best_flush_lsn, known_commit_lsn, all_voted)),
                     Action::Reconnect { peer } => {
                         self.connected[peer] = false;
                         let more = self.proposer.on_disconnected(peer);
@@ -478,7 +503,7 @@ async fn settle(
 }
 
 fn config_with_small_appends(min_term: Term) -> ProposerConfig {
-    let mut config = ProposerConfig::new(3, TIMELINE, SEG, 7 + min_term as u128);
+    let mut config = ProposerConfig::new(cluster_id(), 3, TIMELINE, SEG, 7 + min_term as u128);
     config.min_term = min_term;
     // One 50-byte record per append, so a safekeeper can be left half-way.
     config.max_append_bytes = 50;
@@ -596,4 +621,56 @@ async fn a_stale_higher_term_loses_one_election_not_the_writer() {
     let records = batch(0, 3, 100);
     let end = retry.append(&mut cluster, &records).await.expect("append");
     assert_eq!(retry.commit_lsn, end);
+}
+
+/// A writer that knows (from the coordination store) what was committed never
+/// gets elected by voters that all lack it: it waits for the others, and
+/// stops once every safekeeper answered without it.
+#[tokio::test]
+async fn an_election_never_starts_below_the_known_commit() {
+    let mut cluster = Cluster::new(3).await;
+    let mut w1 = Writer::new(3, 0);
+    w1.connect_all(&mut cluster).await;
+    // Committed on sk0 and sk1 only.
+    cluster.kill(2, &mut [&mut w1]);
+    let records = batch(0, 10, 500);
+    let end = w1.append(&mut cluster, &records).await.expect("append");
+    assert_eq!(w1.commit_lsn, end);
+    cluster.kill(0, &mut [&mut w1]);
+    cluster.kill(1, &mut [&mut w1]);
+    cluster.start(2).await;
+    // sk0's data is lost and it comes back empty: sk0 and sk2 are a quorum
+    // of voters, neither holds the committed WAL.
+    cluster.wipe(0, &mut []).await;
+
+    let mut config = ProposerConfig::new(cluster_id(), 3, TIMELINE, SEG, 43);
+    config.min_term = 1;
+    config.known_commit_lsn = end;
+    let mut w2 = Writer {
+        proposer: Proposer::new(config.clone()),
+        ..Writer::new(3, 1)
+    };
+    w2.connect_all(&mut cluster).await;
+    assert_eq!(w2.elected, None, "not elected below the known commit");
+    assert_eq!(w2.behind, Some((Lsn(0), end, false)), "waiting for sk1");
+    // sk1 holds it: with its vote the election completes, keeping the WAL.
+    cluster.start(1).await;
+    w2.connect_all(&mut cluster).await;
+    let (_, epoch_start) = w2.elected.expect("elected once sk1 voted");
+    assert_eq!(epoch_start, end);
+
+    // Every safekeeper answers and none holds the known commit (the quorum
+    // was restored from an older copy): the writer stops.
+    let mut cluster = Cluster::new(3).await;
+    let mut w3 = Writer {
+        proposer: Proposer::new(config),
+        ..Writer::new(3, 1)
+    };
+    w3.connect_all(&mut cluster).await;
+    assert_eq!(w3.elected, None);
+    assert_eq!(w3.behind, Some((Lsn(0), end, true)));
+    assert!(matches!(
+        w3.proposer.append(&batch(0, 1, 10)),
+        Err(ProposerError::Superseded(_))
+    ));
 }

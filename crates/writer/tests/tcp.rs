@@ -18,6 +18,10 @@ use ferry_writer::driver::{encode_records, Writer, WriterConfig, WriterError};
 use ferry_writer::proposer::ProposerConfig;
 
 const SEG: u64 = 1 << 20;
+
+fn cluster_id() -> ferry_wal::ClusterId {
+    ferry_wal::ClusterId::new("tcp-test").expect("id")
+}
 const SOON: Duration = Duration::from_secs(20);
 
 struct Node {
@@ -29,10 +33,11 @@ struct Node {
 
 impl Node {
     async fn start(&mut self) {
-        let acceptor = Acceptor::open(
+        let acceptor = Acceptor::create(
             Arc::clone(&self.disk),
             &format!("sk{}", self.id),
             AcceptorConfig {
+                cluster_id: cluster_id(),
                 node_id: self.id,
                 timeline_id: 1,
                 segment_size: SegmentSize::new(SEG).expect("seg"),
@@ -74,7 +79,7 @@ async fn cluster(dir: &std::path::Path) -> Vec<Node> {
 fn writer(nodes: &[Node], id: u128) -> Writer {
     let mut config = WriterConfig::new(
         nodes.iter().map(|n| n.addr.clone()).collect(),
-        ProposerConfig::new(3, 1, SEG, id),
+        ProposerConfig::new(cluster_id(), 3, 1, SEG, id),
     );
     config.reconnect_delay = Duration::from_millis(50);
     Writer::start(Arc::new(TcpNetwork), config)

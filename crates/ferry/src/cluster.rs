@@ -1,0 +1,132 @@
+//! A data dir's identity, as the coordination store records it.
+//!
+//! `/ferry/cluster` holds what the cluster *is* (its id, its safekeepers, its
+//! WAL geometry), `/ferry/wal` the last commit state known (term and
+//! commit_lsn, recorded after every election, about once a second while
+//! commit_lsn moves, and at a clean stop). Every safekeeper's control file
+//! records the same cluster id. At start, the three are checked against each
+//! other, so that a lost or replaced part is refused instead of silently
+//! starting over:
+//!
+//! * no cluster record, but safekeepers exist: the coordination store was lost;
+//! * a safekeeper without a control file, of another cluster, or with WAL
+//!   missing or damaged below its recorded commit point: that safekeeper is
+//!   down (the others run if they are a quorum);
+//! * every safekeeper holds less WAL than `/ferry/wal` says was committed: the
+//!   WAL quorum is younger than the cluster (the writer refuses to be elected);
+//! * different flags than the data dir was made with (`--safekeepers`,
+//!   `--segment-bytes`): a membership or geometry change, refused.
+//!
+//! Creation is resumable: the record is written first in state `creating`, the
+//! safekeepers are created, then the record becomes `ready`. Only a data dir
+//! whose record says `creating` (or that has nothing at all) creates safekeepers.
+
+use std::path::Path;
+
+use anyhow::Context;
+use ferry_coord::{CoordError, Coordination, CreateMode};
+use ferry_wal::{ClusterId, Lsn, Term};
+use serde::{Deserialize, Serialize};
+
+/// Coordination path under which ferry keeps its state.
+pub const ROOT: &str = "/ferry";
+const CLUSTER: &str = "/ferry/cluster";
+const WAL_STATE: &str = "/ferry/wal";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ClusterState {
+    /// Safekeepers are being created (a crash here is finished on restart).
+    Creating,
+    Ready,
+}
+
+/// What a cluster is; written once (state aside), never changed by flags.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterRecord {
+    pub cluster_id: ClusterId,
+    pub safekeepers: usize,
+    pub segment_bytes: u64,
+    pub state: ClusterState,
+}
+
+/// The last commit state the cluster is known to have reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct WalState {
+    pub term: Term,
+    pub commit_lsn: Lsn,
+}
+
+/// Reads the cluster record, if there is one.
+pub async fn read_record(session: &dyn Coordination) -> anyhow::Result<Option<ClusterRecord>> {
+    match session.get(CLUSTER).await {
+        Ok((data, _)) => Ok(Some(serde_json::from_slice(&data).with_context(|| {
+            format!("the cluster record {CLUSTER} in the coordination store is not valid")
+        })?)),
+        Err(CoordError::NoNode { .. }) => Ok(None),
+        Err(e) => Err(e).context("reading the cluster record"),
+    }
+}
+
+/// Writes the cluster record (created if missing).
+pub async fn write_record(
+    session: &dyn Coordination,
+    record: &ClusterRecord,
+) -> anyhow::Result<()> {
+    put(session, CLUSTER, &serde_json::to_vec(record)?).await
+}
+
+/// The last known commit state (zero for a new cluster).
+pub async fn read_wal_state(session: &dyn Coordination) -> anyhow::Result<WalState> {
+    match session.get(WAL_STATE).await {
+        Ok((data, _)) => serde_json::from_slice(&data).with_context(|| {
+            format!("the WAL state {WAL_STATE} in the coordination store is not valid")
+        }),
+        Err(CoordError::NoNode { .. }) => Ok(WalState::default()),
+        Err(e) => Err(e).context("reading the last known WAL state"),
+    }
+}
+
+/// Records a commit state; never moves the recorded one back.
+pub async fn record_wal_state(session: &dyn Coordination, state: WalState) -> anyhow::Result<()> {
+    let known = read_wal_state(session).await?;
+    if (state.term, state.commit_lsn) <= (known.term, known.commit_lsn)
+        || state.commit_lsn < known.commit_lsn
+    {
+        return Ok(());
+    }
+    put(session, WAL_STATE, &serde_json::to_vec(&state)?).await
+}
+
+async fn put(session: &dyn Coordination, path: &str, data: &[u8]) -> anyhow::Result<()> {
+    ferry_coord::create_all(session, ROOT).await?;
+    let written: Result<(), CoordError> =
+        match session.create(path, data, CreateMode::Persistent).await {
+            Ok(_) => Ok(()),
+            Err(CoordError::NodeExists { .. }) => session.set(path, data, None).await.map(drop),
+            Err(e) => Err(e),
+        };
+    written.with_context(|| format!("writing {path} in the coordination store"))
+}
+
+/// Cluster ids found in the safekeeper control files under `wal_dir`
+/// (`sk<N>/safekeeper.control`), for the message that refuses a data dir
+/// whose coordination store was lost. A damaged control file counts too.
+pub fn safekeepers_on_disk(wal_dir: &Path) -> Vec<(String, String)> {
+    let Ok(entries) = std::fs::read_dir(wal_dir) else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
+    for entry in entries.flatten() {
+        let control = entry.path().join(ferry_safekeeper::control::CONTROL_FILE);
+        if let Ok(bytes) = std::fs::read(&control) {
+            let cluster = match ferry_safekeeper::control::decode(&bytes) {
+                Ok(state) => state.cluster_id.to_string(),
+                Err(e) => format!("unreadable: {e}"),
+            };
+            found.push((control.display().to_string(), cluster));
+        }
+    }
+    found.sort();
+    found
+}
