@@ -17,9 +17,10 @@ use crate::local::{LocalQuorum, Member, QuorumSpec, SafekeeperSpec};
 
 #[derive(Debug, clap::Args)]
 pub struct DevArgs {
-    /// Data directory (coordination store, WAL, object storage); created if missing.
-    #[arg(long, env = "FERRY_DATA_DIR", default_value_os_t = crate::default_data_dir())]
-    data_dir: PathBuf,
+    /// Data directory (coordination store, WAL, object storage); created if
+    /// missing. Default: $FERRY_DATA_DIR, else ./ferry-data.
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
     /// HTTP status endpoint (`GET /status`).
     #[arg(long, default_value = "127.0.0.1:7878")]
     http: String,
@@ -82,7 +83,11 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let mut shutdown = ShutdownSignal::install()?;
     // Everything that can be checked without the data dir is, and every
     // listener is bound, before the data dir is touched.
-    let data_dir = crate::paths::check_data_dir(&args.data_dir, "--data-dir", "FERRY_DATA_DIR")?;
+    let data_dir = crate::paths::data_dir(
+        args.data_dir.as_deref(),
+        "FERRY_DATA_DIR",
+        Some(crate::default_data_dir()),
+    )?;
     let http_listener = crate::http::bind(&args.http).await?;
 
     let data_dir = crate::paths::absolute(&data_dir)?;
@@ -199,6 +204,12 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
             Member::Up(_) => None,
         })
         .collect();
+    if !down.is_empty() {
+        say!(
+            "running on the healthy majority: {} down (see /status for why; its data must be repaired or rebuilt explicitly)",
+            down.join(", ")
+        );
+    }
     say!(
         "ferry dev ready: data dir {}, cluster {}, coordination store {}, object storage {}, {} safekeepers ({}), writer term {}, status on http://{http}/status",
         data_dir.display(),
@@ -209,12 +220,6 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         quorum.servers().map(|s| s.addr().to_string()).collect::<Vec<_>>().join(", "),
         quorum.writer.status().term,
     );
-    if !down.is_empty() {
-        say!(
-            "running on the healthy majority: {} down (see /status for why; its data must be repaired or rebuilt explicitly)",
-            down.join(", ")
-        );
-    }
     say!("replicas, partition export and the insert API are not implemented yet; press Ctrl-C to stop");
 
     let why = shutdown.recv().await;

@@ -18,14 +18,32 @@ pub fn create_dir(dir: &Path) -> anyhow::Result<()> {
     }
 }
 
-/// Checks a data dir argument without touching the file system beyond looking:
-/// not empty, and not an existing non-directory.
-pub fn check_data_dir(dir: &Path, flag: &str, env: &str) -> anyhow::Result<PathBuf> {
-    if dir.as_os_str().is_empty() {
-        anyhow::bail!(
-            "the data dir is empty: set {flag} or the environment variable {env} to a directory"
-        );
-    }
+/// The data dir from `--data-dir`, else from the environment variable `env`,
+/// else `default`, checked without touching the file system beyond looking: not
+/// empty (the message names where the empty value came from), and not an
+/// existing non-directory.
+pub fn data_dir(
+    flag: Option<&Path>,
+    env: &str,
+    default: Option<PathBuf>,
+) -> anyhow::Result<PathBuf> {
+    let dir = match (flag, std::env::var_os(env)) {
+        (Some(dir), _) if dir.as_os_str().is_empty() => {
+            anyhow::bail!("--data-dir is empty: give it a directory")
+        }
+        (Some(dir), _) => dir.to_path_buf(),
+        (None, Some(value)) if value.is_empty() => anyhow::bail!(
+            "the environment variable {env} is set but empty: set it to a directory, or unset it"
+        ),
+        (None, Some(value)) => PathBuf::from(value),
+        (None, None) => default.ok_or_else(|| {
+            anyhow::anyhow!("no data dir: pass --data-dir or set the environment variable {env}")
+        })?,
+    };
+    check_data_dir(&dir)
+}
+
+fn check_data_dir(dir: &Path) -> anyhow::Result<PathBuf> {
     if let Ok(meta) = std::fs::metadata(dir) {
         if !meta.is_dir() {
             anyhow::bail!(

@@ -31,9 +31,10 @@ pub struct SafekeeperArgs {
     /// Address writers and replicas connect to.
     #[arg(long, default_value = "127.0.0.1:5454")]
     listen: String,
-    /// Data directory (the safekeeper lives in `<data dir>/sk<id>`).
-    #[arg(long, env = "FERRY_DATA_DIR")]
-    data_dir: PathBuf,
+    /// Data directory (the safekeeper lives in `<data dir>/sk<id>`). Default:
+    /// $FERRY_DATA_DIR.
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
     /// WAL segment size in bytes (a power of two, 64 KiB to 1 GiB); must be the
     /// same on every safekeeper and the writer.
     #[arg(long, default_value_t = DEFAULT_SEGMENT_BYTES)]
@@ -72,7 +73,7 @@ pub async fn safekeeper(args: SafekeeperArgs) -> anyhow::Result<()> {
     let mut shutdown = crate::dev::ShutdownSignal::install()?;
     // Flags and addresses first: nothing is touched if one of them is wrong.
     let segment = SegmentSize::new(args.segment_bytes)?;
-    let data_dir = crate::paths::check_data_dir(&args.data_dir, "--data-dir", "FERRY_DATA_DIR")?;
+    let data_dir = crate::paths::data_dir(args.data_dir.as_deref(), "FERRY_DATA_DIR", None)?;
     let listener = TcpNetwork
         .bind(&args.listen)
         .await

@@ -13,7 +13,17 @@ fn s3_endpoint() -> Option<String> {
                 std::env::var("FERRY_TEST_REQUIRE_SERVICES").as_deref() != Ok("1"),
                 "FERRY_TEST_S3_ENDPOINT is not set but services are required"
             );
-            eprintln!("FERRY_TEST_S3_ENDPOINT not set: S3 test not run (use scripts/test.sh)");
+            // Straight to stderr, past libtest's capture of `eprintln!`, so a
+            // plain `cargo test` shows which test did not run.
+            use std::io::Write as _;
+            let test = std::thread::current()
+                .name()
+                .unwrap_or("a test")
+                .to_string();
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED {test}: FERRY_TEST_S3_ENDPOINT is not set: this S3 test did not run (scripts/test.sh runs it)"
+            );
             None
         }
     }

@@ -81,10 +81,22 @@ pub fn zk_address() -> Option<String> {
                 std::env::var("FERRY_TEST_REQUIRE_SERVICES").as_deref() != Ok("1"),
                 "FERRY_TEST_ZK is not set but services are required"
             );
-            eprintln!("FERRY_TEST_ZK not set: ZooKeeper test not run (use scripts/test.sh)");
+            skipped("FERRY_TEST_ZK is not set: this ZooKeeper test did not run (scripts/test.sh runs it)");
             None
         }
     }
+}
+
+/// Says on the test binary's stderr, past libtest's output capture (which
+/// only catches `eprintln!`), that the current test did not run, so that a plain
+/// `cargo test` shows it in its normal output.
+pub fn skipped(why: &str) {
+    use std::io::Write as _;
+    let test = std::thread::current()
+        .name()
+        .unwrap_or("a test")
+        .to_string();
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
 }
 
 static CHROOT_COUNTER: AtomicU64 = AtomicU64::new(0);

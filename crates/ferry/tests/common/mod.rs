@@ -1,0 +1,155 @@
+//! Running `ferry dev` as an operator does, shared by the process tests.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub const FERRY: &str = env!("CARGO_BIN_EXE_ferry");
+
+/// Where a `ferry dev` run on `data_dir` writes its log (beside the data dir).
+pub fn dev_log(data_dir: &std::path::Path) -> std::path::PathBuf {
+    data_dir.with_extension("log")
+}
+
+/// Starts `ferry dev` on `data_dir` and returns it once it reported ready,
+/// with the lines it printed.
+pub fn start_dev(data_dir: &std::path::Path) -> (std::process::Child, Vec<String>) {
+    start_dev_with(data_dir, &[])
+}
+
+/// Waits for `ferry dev` to exit and asserts it exited cleanly, showing its log
+/// if not.
+pub fn assert_clean_exit(child: &mut std::process::Child, data_dir: &std::path::Path) {
+    let status = child.wait().expect("wait");
+    assert!(
+        status.success(),
+        "clean exit on Ctrl-C: {status:?}; log:\n{}",
+        std::fs::read_to_string(dev_log(data_dir)).unwrap_or_default()
+    );
+}
+
+pub fn interrupt(child: &std::process::Child) {
+    let status = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .expect("kill -INT");
+    assert!(status.success());
+}
+
+/// GET on a `http://host:port/path` URL, returning the body.
+pub fn http_get(url: &str) -> String {
+    use std::io::{Read, Write};
+    let rest = url.strip_prefix("http://").expect("http URL");
+    let (host, path) = rest.split_once('/').expect("path");
+    let mut conn = std::net::TcpStream::connect(host).expect("connect");
+    write!(
+        conn,
+        "GET /{path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )
+    .expect("send");
+    let mut response = String::new();
+    conn.read_to_string(&mut response).expect("read");
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default()
+}
+
+pub fn ready_line(lines: &[String]) -> &str {
+    lines
+        .iter()
+        .find(|l| l.contains("ferry dev ready"))
+        .expect("ready line")
+}
+
+/// Starts `ferry dev` with extra arguments; see [`start_dev`].
+pub fn start_dev_with(
+    data_dir: &std::path::Path,
+    extra: &[&str],
+) -> (std::process::Child, Vec<String>) {
+    let log = std::fs::File::create(dev_log(data_dir)).expect("log file");
+    let mut child = Command::new(FERRY)
+        .args(["dev", "--http", "127.0.0.1:0", "--data-dir"])
+        .arg(data_dir)
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(log)
+        .spawn()
+        .expect("spawn ferry dev");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut lines = Vec::new();
+    let mut reader = BufReader::new(stdout);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut line = String::new();
+        let n = reader.read_line(&mut line).expect("read stdout");
+        assert!(
+            n > 0,
+            "ferry dev exited before it was ready: {lines:?}; log:\n{}",
+            std::fs::read_to_string(dev_log(data_dir)).unwrap_or_default()
+        );
+        lines.push(line.trim_end().to_string());
+        if line.contains("ferry dev ready") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not ready in time: {lines:?}");
+    }
+    std::thread::spawn(move || for _ in reader.lines().map_while(Result::ok) {});
+    (child, lines)
+}
+
+/// Runs `ferry` with `args`, which must fail within 60 s; returns its stderr.
+pub fn expect_failure(args: &[&std::ffi::OsStr], env: &[(&str, &str)]) -> String {
+    let mut cmd = Command::new(FERRY);
+    cmd.args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .stdin(Stdio::null());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().expect("spawn ferry");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(status) = child.try_wait().expect("poll") {
+            let mut stderr = String::new();
+            use std::io::Read as _;
+            child
+                .stderr
+                .take()
+                .expect("stderr")
+                .read_to_string(&mut stderr)
+                .expect("read stderr");
+            assert!(!status.success(), "ferry {args:?} succeeded: {stderr}");
+            return stderr;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("ferry {args:?} did not fail within 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The status URL of a ready `ferry dev`.
+pub fn status_url(lines: &[String]) -> String {
+    ready_line(lines)
+        .rsplit("status on ")
+        .next()
+        .expect("status url")
+        .trim()
+        .to_string()
+}
+
+/// Says on stderr, past libtest's capture, that part of a test did not run.
+pub fn skipped(why: &str) {
+    use std::io::Write as _;
+    let test = std::thread::current()
+        .name()
+        .unwrap_or("a test")
+        .to_string();
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
+}
