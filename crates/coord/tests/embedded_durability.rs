@@ -1,5 +1,6 @@
 //! Durability and failure behaviour of the embedded back-end: restart recovery,
-//! torn tails, corruption, group commit, idle expiry, fail-stop and `kill -9`.
+//! torn tails, damage in the middle of the log, unsupported formats, corruption,
+//! group commit, idle expiry, fail-stop and `kill -9`.
 
 use std::io;
 use std::path::Path;
@@ -247,6 +248,234 @@ async fn damaged_snapshot_or_inner_log_is_refused() {
         .await
         .expect_err("must refuse");
     assert!(matches!(err, EmbeddedError::Corrupt(_)), "{err}");
+}
+
+/// Everything in the store's directory, to set it back between cases.
+fn save_dir(root: &Path) -> Vec<(std::path::PathBuf, Vec<u8>)> {
+    std::fs::read_dir(root.join(DIR))
+        .expect("ls")
+        .map(|e| {
+            let p = e.expect("entry").path();
+            let bytes = std::fs::read(&p).expect("read");
+            (p, bytes)
+        })
+        .collect()
+}
+
+fn restore_dir(root: &Path, saved: &[(std::path::PathBuf, Vec<u8>)]) {
+    std::fs::remove_dir_all(root.join(DIR)).expect("rm");
+    std::fs::create_dir_all(root.join(DIR)).expect("mkdir");
+    for (p, bytes) in saved {
+        std::fs::write(p, bytes).expect("write");
+    }
+}
+
+fn log_len(root: &Path) -> u64 {
+    std::fs::metadata(last_log(root)).expect("stat").len()
+}
+
+/// Creates `/n000`.. one by one and returns the end of the log after each
+/// acknowledgement: the create of `/n{i}` is the batch ending at `ends[i]`.
+async fn sequential_writes(root: &Path, count: usize) -> Vec<u64> {
+    let store = open(root, EmbeddedOptions::default()).await.expect("open");
+    let s = store
+        .session(Duration::from_secs(5))
+        .await
+        .expect("session");
+    let mut ends = vec![log_len(root)];
+    for i in 0..count {
+        s.create(
+            &format!("/n{i:03}"),
+            format!("v{i}").as_bytes(),
+            CreateMode::Persistent,
+        )
+        .await
+        .expect("create");
+        ends.push(log_len(root));
+    }
+    store.shutdown().await;
+    drop(s);
+    ends.remove(0);
+    ends
+}
+
+async fn assert_refused_at(root: &Path, log: &Path, offset: u64) {
+    let before = std::fs::read(log).expect("read");
+    let err = open(root, EmbeddedOptions::default())
+        .await
+        .expect_err("mid-log damage must be refused");
+    assert!(matches!(err, EmbeddedError::Corrupt(_)), "{err}");
+    let msg = err.to_string();
+    let name = log.file_name().expect("name").to_string_lossy();
+    assert!(
+        msg.contains(&format!("{DIR}/{name}")),
+        "names the file: {msg}"
+    );
+    assert!(
+        msg.contains(&format!("at byte {offset}:")),
+        "names the offset {offset}: {msg}"
+    );
+    assert_eq!(std::fs::read(log).expect("read"), before, "nothing was cut");
+}
+
+#[tokio::test]
+async fn damage_in_the_middle_of_the_log_is_refused_not_cut() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ends = sequential_writes(dir.path(), 100).await;
+    let log = last_log(dir.path());
+    let saved = save_dir(dir.path());
+
+    // One flipped byte in the middle of the 50th write, 50 acknowledged
+    // writes after it.
+    let (start, end) = (ends[49], ends[50]);
+    let mut bytes = std::fs::read(&log).expect("read");
+    bytes[((start + end) / 2) as usize] ^= 0x10;
+    std::fs::write(&log, &bytes).expect("write");
+    assert_refused_at(dir.path(), &log, start).await;
+
+    // A damaged length field (bytes 4..8 of a batch header), whether it runs
+    // past the end of the file or not.
+    for len in [u32::MAX, 3] {
+        restore_dir(dir.path(), &saved);
+        let mut bytes = std::fs::read(&log).expect("read");
+        bytes[start as usize + 4..start as usize + 8].copy_from_slice(&len.to_le_bytes());
+        std::fs::write(&log, &bytes).expect("write");
+        assert_refused_at(dir.path(), &log, start).await;
+    }
+
+    // A write zeroed out, later writes intact.
+    restore_dir(dir.path(), &saved);
+    let mut bytes = std::fs::read(&log).expect("read");
+    bytes[start as usize..end as usize].fill(0);
+    std::fs::write(&log, &bytes).expect("write");
+    assert_refused_at(dir.path(), &log, start).await;
+
+    // Undamaged, everything is there.
+    restore_dir(dir.path(), &saved);
+    let store = open(dir.path(), EmbeddedOptions::default())
+        .await
+        .expect("reopen");
+    let s = store
+        .session(Duration::from_secs(5))
+        .await
+        .expect("session");
+    assert_eq!(s.children("/").await.expect("children").0.len(), 100);
+    store.shutdown().await;
+}
+
+#[tokio::test]
+async fn torn_last_write_is_cut_whatever_survives_of_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ends = sequential_writes(dir.path(), 30).await;
+    // The last write spans several 512-byte sectors.
+    let store = open(dir.path(), EmbeddedOptions::default())
+        .await
+        .expect("open");
+    let s = store
+        .session(Duration::from_secs(5))
+        .await
+        .expect("session");
+    let start = log_len(dir.path());
+    s.create("/torn", &[7u8; 4000], CreateMode::Persistent)
+        .await
+        .expect("create");
+    let end = log_len(dir.path());
+    store.shutdown().await;
+    drop(s);
+    assert!(end - start > 4000 && start > *ends.last().expect("writes"));
+    let log = last_log(dir.path());
+    let saved = save_dir(dir.path());
+    let sector = |at: u64| (at / 512 * 512) as usize;
+
+    type Tear = Box<dyn Fn(&mut Vec<u8>)>;
+    let cases: Vec<(&str, Tear, bool)> = vec![
+        (
+            "cut short",
+            Box::new(move |b| b.truncate(((start + end) / 2) as usize)),
+            false,
+        ),
+        (
+            "zeros after it",
+            Box::new(|b| b.resize(b.len() + 8192, 0)),
+            true,
+        ),
+        (
+            "first sectors lost, later ones kept",
+            Box::new(move |b| b[start as usize..sector(start) + 1024].fill(0)),
+            false,
+        ),
+        (
+            "a middle sector lost",
+            Box::new(move |b| {
+                let at = sector(start) + 2048;
+                b[at..at + 512].fill(0);
+            }),
+            false,
+        ),
+        (
+            "only the last sector kept",
+            Box::new(move |b| b[start as usize..sector(end - 1)].fill(0)),
+            false,
+        ),
+    ];
+    for (case, tear, kept) in cases {
+        restore_dir(dir.path(), &saved);
+        let mut bytes = std::fs::read(&log).expect("read");
+        tear(&mut bytes);
+        std::fs::write(&log, &bytes).expect("write");
+        let store = open(dir.path(), EmbeddedOptions::default())
+            .await
+            .unwrap_or_else(|e| panic!("{case}: {e}"));
+        let s = store
+            .session(Duration::from_secs(5))
+            .await
+            .expect("session");
+        for i in 0..30 {
+            let (data, _) = s.get(&format!("/n{i:03}")).await.expect(case);
+            assert_eq!(data, format!("v{i}").as_bytes(), "{case}");
+        }
+        assert_eq!(
+            s.exists("/torn").await.expect("exists").is_some(),
+            kept,
+            "{case}"
+        );
+        s.create("/after", b"", CreateMode::Persistent)
+            .await
+            .expect("writes go on");
+        store.shutdown().await;
+        drop(s);
+        let store = open(dir.path(), EmbeddedOptions::default())
+            .await
+            .unwrap_or_else(|e| panic!("{case}, second restart: {e}"));
+        let s = store
+            .session(Duration::from_secs(5))
+            .await
+            .expect("session");
+        assert!(
+            s.exists("/after").await.expect("exists").is_some(),
+            "{case}"
+        );
+        store.shutdown().await;
+    }
+}
+
+#[tokio::test]
+async fn log_of_an_unsupported_format_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::create_dir_all(dir.path().join(DIR)).expect("mkdir");
+    // A log as the first format wrote it: `len | crc32c | payload` records, no
+    // file header.
+    let log = dir.path().join(DIR).join("log.00000000000000000001");
+    std::fs::write(&log, [3, 0, 0, 0, 0xde, 0xad, 0xbe, 0xef, 1, 2, 3]).expect("write");
+    let err = open(dir.path(), EmbeddedOptions::default())
+        .await
+        .expect_err("must refuse");
+    assert!(matches!(err, EmbeddedError::Corrupt(_)), "{err}");
+    assert!(err.to_string().contains("unsupported log format"), "{err}");
+    assert!(
+        err.to_string().contains("coord/log.00000000000000000001"),
+        "{err}"
+    );
 }
 
 /// A disk that counts syncs and can be made to fail them.

@@ -67,7 +67,9 @@ pub trait DiskFile: Send + Sync + fmt::Debug {
 /// The production disk: a directory of the real file system.
 ///
 /// Blocking system calls run on tokio's blocking pool so that a slow `fsync` never
-/// stalls the tasks of other nodes sharing the runtime.
+/// stalls the tasks of other nodes sharing the runtime. Every error names the full
+/// path it concerns (the root joined with the relative path) and keeps the
+/// [`io::ErrorKind`] of the system call, which callers match on.
 #[derive(Debug, Clone)]
 pub struct RealDisk {
     root: Arc<PathBuf>,
@@ -77,7 +79,7 @@ impl RealDisk {
     /// A disk rooted at `root`, which is created if missing.
     pub fn open_root(root: impl Into<PathBuf>) -> io::Result<Self> {
         let root = root.into();
-        std::fs::create_dir_all(&root)?;
+        std::fs::create_dir_all(&root).map_err(|e| dir_error(&root, e))?;
         Ok(RealDisk {
             root: Arc::new(root),
         })
@@ -104,6 +106,51 @@ impl RealDisk {
     }
 }
 
+/// `e` with `path` in front of its message, keeping its kind.
+fn path_error(path: &Path, e: io::Error) -> io::Error {
+    if e.kind() == io::ErrorKind::NotADirectory {
+        if let Some(bad) = non_directory_ancestor(path) {
+            return not_a_directory(path, &bad, e.kind());
+        }
+    }
+    io::Error::new(e.kind(), format!("{}: {e}", path.display()))
+}
+
+/// Like [`path_error`], for a path that must be a directory: one that exists as
+/// something else is said to be so.
+fn dir_error(dir: &Path, e: io::Error) -> io::Error {
+    if matches!(
+        e.kind(),
+        io::ErrorKind::AlreadyExists | io::ErrorKind::NotADirectory
+    ) {
+        if let Some(bad) = non_directory_ancestor(dir) {
+            return not_a_directory(dir, &bad, e.kind());
+        }
+    }
+    path_error(dir, e)
+}
+
+fn not_a_directory(path: &Path, bad: &Path, kind: io::ErrorKind) -> io::Error {
+    let message = if bad == path {
+        format!("{}: exists and is not a directory", path.display())
+    } else {
+        format!(
+            "{}: {} exists and is not a directory",
+            path.display(),
+            bad.display()
+        )
+    };
+    io::Error::new(kind, message)
+}
+
+/// The deepest existing one of `path` and its ancestors, if it is not a
+/// directory. Only called on error paths.
+fn non_directory_ancestor(path: &Path) -> Option<PathBuf> {
+    path.ancestors()
+        .find_map(|p| std::fs::metadata(p).ok().map(|m| (p, m)))
+        .and_then(|(p, m)| (!m.is_dir()).then(|| p.to_path_buf()))
+}
+
 async fn blocking<T, F>(f: F) -> io::Result<T>
 where
     T: Send + 'static,
@@ -116,48 +163,56 @@ where
 }
 
 fn sync_dir_path(dir: &Path) -> io::Result<()> {
-    std::fs::File::open(dir)?.sync_all()
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| dir_error(dir, e))
 }
 
 #[async_trait]
 impl Disk for RealDisk {
     async fn create_dir_all(&self, path: &str) -> io::Result<()> {
         let full = self.resolve(path)?;
-        blocking(move || std::fs::create_dir_all(full)).await
+        blocking(move || std::fs::create_dir_all(&full).map_err(|e| dir_error(&full, e))).await
     }
 
     async fn open(&self, path: &str) -> io::Result<Box<dyn DiskFile>> {
         let full = self.resolve(path)?;
-        let file = blocking(move || {
-            std::fs::OpenOptions::new()
+        let (file, full) = blocking(move || {
+            let file = std::fs::OpenOptions::new()
                 .read(true)
                 .write(true)
-                .open(full)
+                .open(&full)
+                .map_err(|e| path_error(&full, e))?;
+            Ok((file, full))
         })
         .await?;
         Ok(Box::new(RealFile {
             file: Arc::new(file),
+            path: Arc::new(full),
         }))
     }
 
     async fn create_new(&self, path: &str) -> io::Result<Box<dyn DiskFile>> {
         let full = self.resolve(path)?;
-        let file = blocking(move || {
-            std::fs::OpenOptions::new()
+        let (file, full) = blocking(move || {
+            let file = std::fs::OpenOptions::new()
                 .read(true)
                 .write(true)
                 .create_new(true)
-                .open(full)
+                .open(&full)
+                .map_err(|e| path_error(&full, e))?;
+            Ok((file, full))
         })
         .await?;
         Ok(Box::new(RealFile {
             file: Arc::new(file),
+            path: Arc::new(full),
         }))
     }
 
     async fn read(&self, path: &str) -> io::Result<Vec<u8>> {
         let full = self.resolve(path)?;
-        blocking(move || std::fs::read(full)).await
+        blocking(move || std::fs::read(&full).map_err(|e| path_error(&full, e))).await
     }
 
     async fn write_atomic(&self, path: &str, data: Vec<u8>) -> io::Result<()> {
@@ -168,11 +223,11 @@ impl Disk for RealDisk {
             let tmp = full.with_file_name(tmp_name);
             {
                 use std::io::Write;
-                let mut f = std::fs::File::create(&tmp)?;
-                f.write_all(&data)?;
-                f.sync_all()?;
+                let mut f = std::fs::File::create(&tmp).map_err(|e| path_error(&tmp, e))?;
+                f.write_all(&data).map_err(|e| path_error(&tmp, e))?;
+                f.sync_all().map_err(|e| path_error(&tmp, e))?;
             }
-            std::fs::rename(&tmp, &full)?;
+            std::fs::rename(&tmp, &full).map_err(|e| rename_error(&tmp, &full, e))?;
             match full.parent() {
                 Some(dir) => sync_dir_path(dir),
                 None => Ok(()),
@@ -184,20 +239,21 @@ impl Disk for RealDisk {
     async fn rename(&self, from: &str, to: &str) -> io::Result<()> {
         let from = self.resolve(from)?;
         let to = self.resolve(to)?;
-        blocking(move || std::fs::rename(from, to)).await
+        blocking(move || std::fs::rename(&from, &to).map_err(|e| rename_error(&from, &to, e))).await
     }
 
     async fn remove_file(&self, path: &str) -> io::Result<()> {
         let full = self.resolve(path)?;
-        blocking(move || std::fs::remove_file(full)).await
+        blocking(move || std::fs::remove_file(&full).map_err(|e| path_error(&full, e))).await
     }
 
     async fn list_dir(&self, path: &str) -> io::Result<Vec<String>> {
         let full = self.resolve(path)?;
         blocking(move || {
             let mut names = Vec::new();
-            for entry in std::fs::read_dir(full)? {
-                names.push(entry?.file_name().to_string_lossy().into_owned());
+            for entry in std::fs::read_dir(&full).map_err(|e| dir_error(&full, e))? {
+                let entry = entry.map_err(|e| dir_error(&full, e))?;
+                names.push(entry.file_name().to_string_lossy().into_owned());
             }
             names.sort();
             Ok(names)
@@ -211,12 +267,36 @@ impl Disk for RealDisk {
     }
 }
 
+/// A failed rename names both paths; a path that is not a directory where one is
+/// needed is named plainly.
+fn rename_error(from: &Path, to: &Path, e: io::Error) -> io::Error {
+    if e.kind() == io::ErrorKind::NotADirectory {
+        for path in [from, to] {
+            if let Some(bad) = path.parent().and_then(non_directory_ancestor) {
+                return not_a_directory(path, &bad, e.kind());
+            }
+        }
+    }
+    io::Error::new(
+        e.kind(),
+        format!("renaming {} to {}: {e}", from.display(), to.display()),
+    )
+}
+
 /// Writes up to this size run on the calling thread (see `RealFile::write_at`).
 const INLINE_WRITE_BYTES: usize = 256 << 10;
 
 #[derive(Debug)]
 struct RealFile {
     file: Arc<std::fs::File>,
+    /// Full path, for error messages.
+    path: Arc<PathBuf>,
+}
+
+impl RealFile {
+    fn error(path: &Path, what: impl fmt::Display, e: io::Error) -> io::Error {
+        io::Error::new(e.kind(), format!("{}: {what}: {e}", path.display()))
+    }
 }
 
 #[async_trait]
@@ -224,9 +304,12 @@ impl DiskFile for RealFile {
     async fn read_at(&self, offset: u64, len: usize) -> io::Result<Vec<u8>> {
         use std::os::unix::fs::FileExt;
         let file = Arc::clone(&self.file);
+        let path = Arc::clone(&self.path);
         blocking(move || {
             let mut buf = vec![0; len];
-            file.read_exact_at(&mut buf, offset)?;
+            file.read_exact_at(&mut buf, offset).map_err(|e| {
+                RealFile::error(&path, format_args!("reading {len} bytes at {offset}"), e)
+            })?;
             Ok(buf)
         })
         .await
@@ -234,34 +317,62 @@ impl DiskFile for RealFile {
 
     async fn write_at(&self, offset: u64, data: Bytes) -> io::Result<()> {
         use std::os::unix::fs::FileExt;
-        if data.len() <= INLINE_WRITE_BYTES {
+        let len = data.len();
+        let error = move |path: &Path, e| {
+            RealFile::error(path, format_args!("writing {len} bytes at {offset}"), e)
+        };
+        if len <= INLINE_WRITE_BYTES {
             // A small write only copies into the page cache: cheaper than a hop
             // to the blocking pool and back, which costs two thread wake-ups.
-            return self.file.write_all_at(&data, offset);
+            return self
+                .file
+                .write_all_at(&data, offset)
+                .map_err(|e| error(&self.path, e));
         }
         let file = Arc::clone(&self.file);
-        blocking(move || file.write_all_at(&data, offset)).await
+        let path = Arc::clone(&self.path);
+        blocking(move || {
+            file.write_all_at(&data, offset)
+                .map_err(|e| error(&path, e))
+        })
+        .await
     }
 
     async fn set_len(&self, len: u64) -> io::Result<()> {
         let file = Arc::clone(&self.file);
-        blocking(move || file.set_len(len)).await
+        let path = Arc::clone(&self.path);
+        blocking(move || {
+            file.set_len(len)
+                .map_err(|e| RealFile::error(&path, format_args!("setting length {len}"), e))
+        })
+        .await
     }
 
     async fn sync_data(&self) -> io::Result<()> {
         let file = Arc::clone(&self.file);
-        blocking(move || file.sync_data()).await
+        let path = Arc::clone(&self.path);
+        blocking(move || {
+            file.sync_data()
+                .map_err(|e| RealFile::error(&path, "fsync", e))
+        })
+        .await
     }
 
     async fn size(&self) -> io::Result<u64> {
         let file = Arc::clone(&self.file);
-        blocking(move || Ok(file.metadata()?.len())).await
+        let path = Arc::clone(&self.path);
+        blocking(move || {
+            file.metadata()
+                .map(|m| m.len())
+                .map_err(|e| RealFile::error(&path, "stat", e))
+        })
+        .await
     }
 
     async fn drop_cache(&self) -> io::Result<()> {
         // Only clean pages are dropped; the caller syncs first.
         rustix::fs::fadvise(&*self.file, 0, None, rustix::fs::Advice::DontNeed)
-            .map_err(io::Error::from)
+            .map_err(|e| RealFile::error(&self.path, "dropping the page cache", e.into()))
     }
 }
 
@@ -276,6 +387,125 @@ mod tests {
         for bad in ["/etc/passwd", "../x", "a/../../x", ""] {
             let err = disk.read(bad).await.expect_err(bad);
             assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{bad}");
+        }
+    }
+
+    /// Asserts `err` has the kind std gives for the same call and names `path`.
+    fn assert_names(err: &io::Error, kind: io::ErrorKind, path: &Path, what: &str) {
+        assert_eq!(err.kind(), kind, "{what}: {err}");
+        let path = path.display().to_string();
+        assert!(
+            err.to_string().contains(&path),
+            "{what}: {err} must name {path}"
+        );
+    }
+
+    #[tokio::test]
+    async fn errors_name_the_full_path_and_keep_their_kind() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let disk = RealDisk::open_root(dir.path()).expect("root");
+        let missing = dir.path().join("a/missing");
+        let not_found = io::ErrorKind::NotFound;
+        let err = disk.read("a/missing").await.expect_err("read");
+        assert_names(&err, not_found, &missing, "read");
+        let err = disk.open("a/missing").await.expect_err("open");
+        assert_names(&err, not_found, &missing, "open");
+        let err = disk.remove_file("a/missing").await.expect_err("remove");
+        assert_names(&err, not_found, &missing, "remove");
+        let err = disk.list_dir("a/missing").await.expect_err("ls");
+        assert_names(&err, not_found, &missing, "ls");
+        let err = disk.sync_dir("a/missing").await.expect_err("sync dir");
+        assert_names(&err, not_found, &missing, "sync dir");
+        let err = disk.create_new("a/missing/f").await.expect_err("create");
+        assert_names(
+            &err,
+            not_found,
+            &missing.join("f"),
+            "create in a missing dir",
+        );
+        let err = disk
+            .write_atomic("a/missing/f", b"x".to_vec())
+            .await
+            .expect_err("atomic");
+        assert_names(&err, not_found, &missing, "atomic write in a missing dir");
+
+        disk.create_dir_all("a").await.expect("mkdir");
+        let err = disk.rename("a/missing", "a/new").await.expect_err("rename");
+        assert_names(&err, not_found, &missing, "rename");
+        assert_names(&err, not_found, &dir.path().join("a/new"), "rename");
+
+        let f = disk.create_new("a/f").await.expect("create");
+        let err = disk.create_new("a/f").await.expect_err("exists");
+        assert_names(
+            &err,
+            io::ErrorKind::AlreadyExists,
+            &dir.path().join("a/f"),
+            "create existing",
+        );
+        let err = f.read_at(0, 10).await.expect_err("read past the end");
+        assert_names(
+            &err,
+            io::ErrorKind::UnexpectedEof,
+            &dir.path().join("a/f"),
+            "read past the end",
+        );
+    }
+
+    #[tokio::test]
+    async fn a_file_where_a_directory_is_expected_is_named_plainly() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("f");
+        std::fs::write(&file, b"x").expect("write");
+        let plain = "exists and is not a directory";
+        // The kinds std reports for the same calls.
+        let mkdir_kind = std::fs::create_dir_all(&file).expect_err("mkdir").kind();
+        let enotdir = std::fs::read(file.join("x")).expect_err("read").kind();
+
+        // The root itself.
+        let err = RealDisk::open_root(&file).expect_err("a file as root");
+        assert_names(&err, mkdir_kind, &file, "root");
+        assert!(err.to_string().contains(plain), "{err}");
+        let err = RealDisk::open_root(file.join("sub")).expect_err("a file in the root's path");
+        assert_names(&err, enotdir, &file.join("sub"), "root below a file");
+        assert!(
+            err.to_string()
+                .contains(&format!("{} {plain}", file.display())),
+            "{err}"
+        );
+
+        // Paths inside the root.
+        let disk = RealDisk::open_root(dir.path()).expect("root");
+        let err = disk.create_dir_all("f").await.expect_err("mkdir");
+        assert_names(&err, mkdir_kind, &file, "mkdir");
+        assert!(err.to_string().contains(plain), "{err}");
+        let err = disk.create_dir_all("f/sub").await.expect_err("mkdir below");
+        assert_names(&err, enotdir, &file.join("sub"), "mkdir below");
+        assert!(
+            err.to_string()
+                .contains(&format!("{} {plain}", file.display())),
+            "{err}"
+        );
+        let err = disk.list_dir("f").await.expect_err("ls");
+        assert_names(&err, enotdir, &file, "ls");
+        assert!(err.to_string().contains(plain), "{err}");
+        for (what, err) in [
+            ("read", disk.read("f/x").await.expect_err("read")),
+            ("open", disk.open("f/x").await.expect_err("open")),
+            ("create", disk.create_new("f/x").await.expect_err("create")),
+            (
+                "atomic",
+                disk.write_atomic("f/x", b"y".to_vec())
+                    .await
+                    .expect_err("atomic"),
+            ),
+            ("rename", disk.rename("f/x", "y").await.expect_err("rename")),
+        ] {
+            assert_eq!(err.kind(), enotdir, "{what}: {err}");
+            assert!(
+                err.to_string()
+                    .contains(&format!("{} {plain}", file.display())),
+                "{what}: {err}"
+            );
         }
     }
 
