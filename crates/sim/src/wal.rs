@@ -342,6 +342,10 @@ impl Sim {
         config.peer_timeout = Duration::from_secs(1);
         config.election_timeout = Duration::from_secs(2);
         config.proposer.max_append_bytes = 16 << 10;
+        // As `ferry dev` does from its coordination store: the writer knows a
+        // commit point (here everything the checker saw committed). Committed
+        // WAL is on every quorum, so this must never block an election.
+        config.proposer.known_commit_lsn = self.committed;
         let writer = Writer::start(self.net.node(&writer_node(self.writers_started)), config);
         self.status = Some(writer.subscribe());
         self.writer = Some(Arc::new(writer));
