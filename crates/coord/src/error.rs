@@ -25,6 +25,12 @@ pub enum CoordError {
     /// The path is not a valid absolute coordination path.
     #[error("invalid path {path:?}: {reason}")]
     InvalidPath { path: String, reason: &'static str },
+    /// A negative version was given. ZooKeeper reads version -1 as "any
+    /// version", which would silently turn a conditional write into an
+    /// unconditional one (a garbage stat's -1 passed on, say); the API says
+    /// "any" with `None` only, so negative versions are refused everywhere.
+    #[error("invalid version {version} for {path}: versions are never negative (use no version for \"any\")")]
+    InvalidVersion { path: String, version: i32 },
     /// The node data (or the whole request) is larger than the limit.
     #[error("{what} of {len} bytes exceeds the limit of {max} bytes")]
     TooLarge {
@@ -55,6 +61,21 @@ pub enum CoordError {
 }
 
 impl CoordError {
+    /// The same error about `path` instead (for the errors that name a node).
+    pub(crate) fn with_path(self, path: &str) -> CoordError {
+        let path = path.to_string();
+        match self {
+            CoordError::NoNode { .. } => CoordError::NoNode { path },
+            CoordError::NodeExists { .. } => CoordError::NodeExists { path },
+            CoordError::BadVersion { .. } => CoordError::BadVersion { path },
+            CoordError::NotEmpty { .. } => CoordError::NotEmpty { path },
+            CoordError::NoChildrenForEphemerals { .. } => {
+                CoordError::NoChildrenForEphemerals { path }
+            }
+            other => other,
+        }
+    }
+
     /// The error of the failed operation, looking through [`CoordError::MultiFailed`].
     pub fn root(&self) -> &CoordError {
         match self {

@@ -30,7 +30,8 @@ use tokio::sync::watch;
 pub use error::{CoordError, Result};
 pub use metrics::{CoordMetrics, MetricsSnapshot, RequestKind};
 pub use types::{
-    validate_multi, CreateMode, Op, OpResult, SessionState, Stat, Watch, WatchEvent, WatchEventKind,
+    multi_request_bytes, validate_multi, CreateMode, Op, OpResult, SessionState, Stat, Watch,
+    WatchEvent, WatchEventKind,
 };
 
 /// A session with a coordination service.
@@ -47,6 +48,15 @@ pub trait Coordination: Send + Sync + 'static {
 
     /// Traffic counters of this session.
     fn metrics(&self) -> Arc<CoordMetrics>;
+
+    /// Bytes the back-end puts in front of every path on the wire (a ZooKeeper
+    /// chroot; 0 for the embedded store). A multi is accepted when
+    /// [`multi_request_bytes`]`(ops, path_prefix_bytes())` is at most
+    /// [`path::MAX_REQUEST_BYTES`]: callers that split a large transaction into
+    /// chunks size them with the same two functions.
+    fn path_prefix_bytes(&self) -> usize {
+        0
+    }
 
     /// Creates a node; returns its actual path (with the sequence suffix) and stat.
     async fn create(&self, path: &str, data: &[u8], mode: CreateMode) -> Result<(String, Stat)>;

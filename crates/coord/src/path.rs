@@ -3,17 +3,20 @@
 
 use crate::error::CoordError;
 
-/// The largest request accepted, in bytes, counting the paths, the data and
-/// [`OP_OVERHEAD_BYTES`] per operation.
+/// The largest request accepted, in bytes, as ZooKeeper encodes it on the wire
+/// (see [`crate::multi_request_bytes`]).
 ///
-/// ZooKeeper refuses any packet above `jute.maxbuffer` (1 MiB by default); one KiB
-/// is left for the packet headers, so every request accepted here is accepted by a
-/// default ZooKeeper too.
+/// ZooKeeper refuses any packet above `jute.maxbuffer` (1 MiB - 1 by default) by
+/// dropping the connection, so the outcome of a too-large request would be
+/// unknown; one KiB is kept in reserve, so every request accepted here is
+/// accepted by a default ZooKeeper too.
 pub const MAX_REQUEST_BYTES: usize = 1024 * 1024 - 1024;
 
-/// What one operation of a multi costs in a request besides its path and data
-/// (ZooKeeper's per-op header, version and flags, rounded up).
-pub const OP_OVERHEAD_BYTES: usize = 32;
+/// What a request of one operation costs besides its path and data, at most: a
+/// create sent as a one-operation multi (request header, multi headers, the
+/// length prefixes of path and data, the open ACL and the flags; see
+/// [`crate::multi_request_bytes`]).
+pub const OP_OVERHEAD_BYTES: usize = 65;
 
 /// The longest path accepted, in bytes.
 pub const MAX_PATH_BYTES: usize = 4096;
@@ -32,9 +35,23 @@ fn invalid(path: &str, reason: &'static str) -> CoordError {
     }
 }
 
+/// ZooKeeper's forbidden characters: controls, private use, specials, and every
+/// character above U+FFFF (Java strings hold those as surrogate pairs, which
+/// ZooKeeper refuses).
 fn forbidden_char(c: char) -> bool {
     matches!(c,
-        '\u{0}'..='\u{1f}' | '\u{7f}'..='\u{9f}' | '\u{e000}'..='\u{f8ff}' | '\u{fff0}'..='\u{ffff}')
+        '\u{0}'..='\u{1f}' | '\u{7f}'..='\u{9f}' | '\u{e000}'..='\u{f8ff}' | '\u{fff0}'..)
+}
+
+/// Checks a version given to a conditional operation: never negative.
+pub fn validate_version(path: &str, version: Option<i32>) -> Result<(), CoordError> {
+    match version {
+        Some(v) if v < 0 => Err(CoordError::InvalidVersion {
+            path: path.to_string(),
+            version: v,
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// Checks that `path` is an absolute node path: starts with `/`, has no empty, `.`
@@ -147,8 +164,22 @@ mod tests {
     #[test]
     fn refuses_bad_paths() {
         for p in [
-            "", "a", "a/b", "//", "/a/", "/a//b", "/.", "/..", "/a/./b", "/a/../b", "/a\0b",
-            "/a\u{1}", "/a\u{7f}",
+            "",
+            "a",
+            "a/b",
+            "//",
+            "/a/",
+            "/a//b",
+            "/.",
+            "/..",
+            "/a/./b",
+            "/a/../b",
+            "/a\0b",
+            "/a\u{1}",
+            "/a\u{7f}",
+            "/a\u{10000}",
+            "/\u{1F600}",
+            "/a/b\u{10FFFF}",
         ] {
             assert!(
                 matches!(validate_path(p), Err(CoordError::InvalidPath { .. })),

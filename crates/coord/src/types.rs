@@ -127,40 +127,82 @@ impl Op {
         }
     }
 
-    /// Validates the path and data the same way for every back-end.
+    /// Validates the path, data and version the same way for every back-end.
     pub fn validate(&self) -> Result<()> {
         match self {
-            Op::Check { path, .. } => path::validate_path(path),
+            Op::Check { path, version } => {
+                path::validate_path(path)?;
+                path::validate_version(path, Some(*version))
+            }
             Op::Create { path, data, mode } => {
                 path::validate_create_path(path, mode.is_sequential())?;
                 path::validate_data(data)
             }
-            Op::Set { path, data, .. } => {
+            Op::Set {
+                path,
+                data,
+                version,
+            } => {
                 path::validate_path(path)?;
-                path::validate_data(data)
+                path::validate_data(data)?;
+                path::validate_version(path, *version)
             }
-            Op::Delete { path, .. } => path::validate_delete_path(path),
+            Op::Delete { path, version } => {
+                path::validate_delete_path(path)?;
+                path::validate_version(path, *version)
+            }
         }
     }
 
-    fn request_bytes(&self) -> usize {
-        (match self {
-            Op::Create { path, data, .. } | Op::Set { path, data, .. } => path.len() + data.len(),
-            Op::Check { path, .. } | Op::Delete { path, .. } => path.len(),
-        }) + path::OP_OVERHEAD_BYTES
+    /// Bytes this operation takes in a ZooKeeper multi request (jute encoding:
+    /// a 9-byte multi header, then the request record), with every path
+    /// prefixed by `chroot_bytes` of chroot.
+    fn multi_bytes(&self, chroot_bytes: usize) -> usize {
+        const MULTI_HEADER: usize = 4 + 1 + 4;
+        const STRING_PREFIX: usize = 4;
+        // One ACL: perms, then scheme "world" and id "anyone" as strings.
+        const OPEN_ACL: usize = 4 + 4 + (4 + 5) + (4 + 6);
+        let path = |p: &str| STRING_PREFIX + chroot_bytes + p.len();
+        MULTI_HEADER
+            + match self {
+                // path, data, ACL vector, flags
+                Op::Create { path: p, data, .. } => path(p) + 4 + data.len() + OPEN_ACL + 4,
+                // path, data, version
+                Op::Set { path: p, data, .. } => path(p) + 4 + data.len() + 4,
+                // path, version
+                Op::Check { path: p, .. } | Op::Delete { path: p, .. } => path(p) + 4,
+            }
     }
 }
 
-/// Validates every operation of a multi and its total size; on failure the error
-/// names the index of the offending operation.
-pub fn validate_multi(ops: &[Op]) -> Result<()> {
+/// The size of a multi request as ZooKeeper receives it (the request header,
+/// every operation and the closing multi header; without the 4-byte length
+/// prefix, as ZooKeeper counts against `jute.maxbuffer`), when the session's
+/// chroot is `chroot_bytes` long. Callers that must split a large transaction
+/// (an export snapshot) size their chunks with it.
+pub fn multi_request_bytes(ops: &[Op], chroot_bytes: usize) -> usize {
+    const REQUEST_HEADER: usize = 4 + 4;
+    const END_HEADER: usize = 4 + 1 + 4;
+    REQUEST_HEADER
+        + ops
+            .iter()
+            .map(|op| op.multi_bytes(chroot_bytes))
+            .sum::<usize>()
+        + END_HEADER
+}
+
+/// Validates every operation of a multi and its total size as ZooKeeper would
+/// receive it under a chroot of `chroot_bytes` (0 for the embedded store); on
+/// failure the error names the index of the offending operation. Runs before
+/// any I/O, so a too-large multi is a typed error, never a dropped connection.
+pub fn validate_multi(ops: &[Op], chroot_bytes: usize) -> Result<()> {
     for (index, op) in ops.iter().enumerate() {
         op.validate().map_err(|e| CoordError::MultiFailed {
             index,
             source: Box::new(e),
         })?;
     }
-    let total: usize = ops.iter().map(Op::request_bytes).sum();
+    let total = multi_request_bytes(ops, chroot_bytes);
     if total > path::MAX_REQUEST_BYTES {
         return Err(CoordError::TooLarge {
             what: "multi request",
@@ -175,10 +217,13 @@ pub fn validate_multi(ops: &[Op]) -> Result<()> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum OpResult {
     Check,
-    /// The created path (with the sequence suffix, if any) and its stat.
+    /// The created path (with the sequence suffix, if any). No stat: ZooKeeper
+    /// 3.8 answers a create inside a multi with a meaningless one (version and
+    /// zxids -1, ZOOKEEPER-4026), and a -1 version passed on to a conditional
+    /// write would make it unconditional. A node created by a multi has version
+    /// 0 and cversion 0; read it for its zxids.
     Create {
         path: String,
-        stat: Stat,
     },
     Set {
         stat: Stat,

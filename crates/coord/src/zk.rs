@@ -47,6 +47,8 @@ impl ZkOptions {
 /// A ZooKeeper session.
 pub struct ZkSession {
     client: RwLock<Option<zkc::Client>>,
+    /// Length of the chroot the client prefixes to every path on the wire.
+    chroot_bytes: usize,
     id: i64,
     info: zkc::SessionInfo,
     state: watch::Receiver<SessionState>,
@@ -94,6 +96,14 @@ fn map_error(e: zkc::Error, path: &str) -> CoordError {
         },
         zkc::Error::BadArguments(reason) => CoordError::InvalidPath { path, reason },
         other => CoordError::Backend(other.to_string()),
+    }
+}
+
+/// The length of the chroot in a connection string (`hosts[/chroot]`).
+fn chroot_bytes(connect: &str) -> usize {
+    match connect.find('/') {
+        Some(i) if connect[i..] != *"/" => connect.len() - i,
+        _ => 0,
     }
 }
 
@@ -194,6 +204,7 @@ impl ZkSession {
             }
         });
         Ok(ZkSession {
+            chroot_bytes: chroot_bytes(&options.connect),
             id: client.session_id().0,
             info: client.session().clone(),
             client: RwLock::new(Some(client)),
@@ -236,6 +247,10 @@ impl Coordination for ZkSession {
 
     fn metrics(&self) -> Arc<CoordMetrics> {
         Arc::clone(&self.metrics)
+    }
+
+    fn path_prefix_bytes(&self) -> usize {
+        self.chroot_bytes
     }
 
     async fn create(&self, path: &str, data: &[u8], mode: CreateMode) -> Result<(String, Stat)> {
@@ -309,6 +324,7 @@ impl Coordination for ZkSession {
         self.with_client(RequestKind::Set, 1, |client| async move {
             path::validate_path(path)?;
             path::validate_data(data)?;
+            path::validate_version(path, version)?;
             let stat = client
                 .set_data(path, data, version)
                 .await
@@ -321,6 +337,7 @@ impl Coordination for ZkSession {
     async fn delete(&self, path: &str, version: Option<i32>) -> Result<()> {
         self.with_client(RequestKind::Delete, 1, |client| async move {
             path::validate_delete_path(path)?;
+            path::validate_version(path, version)?;
             client
                 .delete(path, version)
                 .await
@@ -357,8 +374,9 @@ impl Coordination for ZkSession {
 
     async fn multi(&self, ops: Vec<Op>) -> Result<Vec<OpResult>> {
         let n = ops.len();
+        let chroot_bytes = self.chroot_bytes;
         self.with_client(RequestKind::Multi, n, |client| async move {
-            validate_multi(&ops)?;
+            validate_multi(&ops, chroot_bytes)?;
             let mut writer = client.new_multi_writer();
             for op in &ops {
                 let added = match op {
@@ -390,10 +408,8 @@ impl Coordination for ZkSession {
                 .into_iter()
                 .map(|r| match r {
                     zkc::MultiWriteResult::Check => Ok(OpResult::Check),
-                    zkc::MultiWriteResult::Create { path, stat } => Ok(OpResult::Create {
-                        path,
-                        stat: map_stat(&stat),
-                    }),
+                    // The stat is dropped: see `OpResult::Create`.
+                    zkc::MultiWriteResult::Create { path, .. } => Ok(OpResult::Create { path }),
                     zkc::MultiWriteResult::SetData { stat } => Ok(OpResult::Set {
                         stat: map_stat(&stat),
                     }),

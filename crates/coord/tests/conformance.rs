@@ -135,6 +135,8 @@ async fn bad_input_is_refused_alike(b: &dyn Backend) {
         "/a/../ok",
         "/nul\0",
         "/ctl\u{1}",
+        "/astral\u{1F600}",
+        "/a/b\u{10000}",
     ];
     for p in bad_paths {
         let invalid = |r: Result<(), CoordError>| {
@@ -525,6 +527,237 @@ async fn create_all_builds_paths(b: &dyn Backend) {
     ));
 }
 
+/// Version -1 means "any version" to ZooKeeper: passed on by mistake (from a
+/// garbage stat, say) it would make a conditional write unconditional. Both
+/// back-ends refuse every negative version before anything is sent.
+async fn negative_versions_are_refused_alike(b: &dyn Backend) {
+    let s = b.session().await;
+    s.create("/v", b"0", CreateMode::Persistent)
+        .await
+        .expect("create");
+    s.create("/v/child", b"", CreateMode::Persistent)
+        .await
+        .expect("child");
+    let invalid = |r: Result<(), CoordError>| {
+        assert!(
+            matches!(r, Err(CoordError::InvalidVersion { version: -1, .. })),
+            "{r:?}"
+        );
+    };
+    invalid(s.set("/v", b"x", Some(-1)).await.map(|_| ()));
+    // Not NotEmpty and not BadVersion: refused before the node is looked at.
+    invalid(s.delete("/v", Some(-1)).await);
+    invalid(s.delete("/v/child", Some(-7)).await.map_err(|e| match e {
+        CoordError::InvalidVersion { path, .. } => CoordError::InvalidVersion { path, version: -1 },
+        other => other,
+    }));
+    for op in [
+        Op::check("/v", -1),
+        Op::set("/v", b"x".to_vec(), Some(-1)),
+        Op::delete("/v/child", Some(-1)),
+    ] {
+        let err = s
+            .multi(vec![Op::check("/v", 0), op])
+            .await
+            .expect_err("refused");
+        assert!(
+            matches!(&err, CoordError::MultiFailed { index: 1, source } if matches!(**source, CoordError::InvalidVersion { .. })),
+            "{err:?}"
+        );
+    }
+    let (data, stat) = s.get("/v").await.expect("get");
+    assert_eq!((data.as_slice(), stat.version), (&b"0"[..], 0), "unchanged");
+    assert!(s.exists("/v/child").await.expect("exists").is_some());
+}
+
+/// ZooKeeper 3.8 answers a create inside a multi with a garbage stat (version
+/// -1): no back-end hands out a stat there. A caller that takes the version a
+/// fresh node has (0) keeps its conditional write conditional.
+async fn versioned_set_after_a_multi_create_stays_conditional(b: &dyn Backend) {
+    let s = b.session().await;
+    let other = b.session().await;
+    let results = s
+        .multi(vec![
+            Op::create("/mc", b"a".to_vec(), CreateMode::Persistent),
+            Op::create("/mc/seq-", b"".to_vec(), CreateMode::PersistentSequential),
+        ])
+        .await
+        .expect("multi");
+    assert_eq!(
+        results,
+        vec![
+            OpResult::Create { path: "/mc".into() },
+            OpResult::Create {
+                path: "/mc/seq-0000000000".into()
+            }
+        ]
+    );
+    let fresh = s.exists("/mc").await.expect("exists").expect("created");
+    assert_eq!((fresh.version, fresh.cversion), (0, 1));
+    other.set("/mc", b"b", None).await.expect("other session");
+    assert!(matches!(
+        s.set("/mc", b"c", Some(0)).await,
+        Err(CoordError::BadVersion { .. })
+    ));
+    let (data, _) = s.get("/mc").await.expect("get");
+    assert_eq!(data, b"b", "the conditional write did not happen");
+}
+
+/// A multi is sized exactly as ZooKeeper receives it (with the chroot): one
+/// at the limit goes through, one byte more is a typed error before any I/O
+/// (ZooKeeper would drop the connection, outcome unknown).
+async fn multi_size_is_checked_exactly(b: &dyn Backend) {
+    use ferry_coord::multi_request_bytes;
+    let s = b.session().await;
+    s.create("/big", b"", CreateMode::Persistent)
+        .await
+        .expect("parent");
+    let prefix = s.path_prefix_bytes();
+    let build = |extra: usize| {
+        let mut ops: Vec<Op> = (0..100)
+            .map(|i| {
+                Op::create(
+                    format!("/big/n{i:03}"),
+                    vec![3u8; 10_000],
+                    CreateMode::Persistent,
+                )
+            })
+            .collect();
+        let used = multi_request_bytes(&ops, prefix);
+        let last = MAX_REQUEST_BYTES
+            - used
+            - multi_request_bytes(
+                &[Op::create("/big/last", Vec::new(), CreateMode::Persistent)],
+                prefix,
+            )
+            + multi_request_bytes(&[], prefix)
+            + extra;
+        ops.push(Op::create(
+            "/big/last",
+            vec![4u8; last],
+            CreateMode::Persistent,
+        ));
+        ops
+    };
+    let over = build(1);
+    assert_eq!(multi_request_bytes(&over, prefix), MAX_REQUEST_BYTES + 1);
+    let err = s.multi(over).await.expect_err("one byte too many");
+    assert!(matches!(err, CoordError::TooLarge { .. }), "{err:?}");
+    assert_eq!(s.children("/big").await.expect("children").0.len(), 0);
+    // Many small operations, which a rough per-operation estimate undercounts.
+    let many: Vec<Op> = (0..20_000)
+        .map(|i| {
+            Op::create(
+                format!("/big/s{i:05}"),
+                vec![1u8; 4],
+                CreateMode::Persistent,
+            )
+        })
+        .collect();
+    let err = s.multi(many).await.expect_err("too many operations");
+    assert!(matches!(err, CoordError::TooLarge { .. }), "{err:?}");
+    let exact = build(0);
+    assert_eq!(multi_request_bytes(&exact, prefix), MAX_REQUEST_BYTES);
+    s.multi(exact).await.expect("exactly at the limit");
+    assert_eq!(s.children("/big").await.expect("children").0.len(), 101);
+    assert_eq!(*s.session_state().borrow(), SessionState::Connected);
+}
+
+/// A client sees a watch event before it can read the data that fired it.
+async fn watch_events_come_before_the_data(b: &dyn Backend) {
+    let watcher = b.session().await;
+    let writer = b.session().await;
+    watcher
+        .create("/w", b"0", CreateMode::Persistent)
+        .await
+        .expect("create");
+    for i in 1..=50u32 {
+        let (_, _, watch) = watcher.get_watch("/w").await.expect("watch");
+        let value = i.to_string();
+        writer.set("/w", value.as_bytes(), None).await.expect("set");
+        // Read until the change shows: from then on the event is there.
+        loop {
+            let (data, _) = watcher.get("/w").await.expect("get");
+            if data == value.as_bytes() {
+                break;
+            }
+        }
+        let event = tokio::time::timeout(std::time::Duration::ZERO, watch.changed())
+            .await
+            .expect("the event is delivered before the new data is readable");
+        assert_eq!(event.kind, WatchEventKind::NodeDataChanged);
+    }
+}
+
+/// Closing a session deletes its ephemerals, and its own watches on them see
+/// that (as on ZooKeeper); the rest of its watches see the session closed.
+async fn a_closing_session_sees_its_own_ephemerals_go(b: &dyn Backend) {
+    let s = b.session().await;
+    s.create("/own", b"", CreateMode::Persistent)
+        .await
+        .expect("parent");
+    s.create("/own/e", b"", CreateMode::Ephemeral)
+        .await
+        .expect("ephemeral");
+    let (_, _, on_node) = s.get_watch("/own/e").await.expect("watch");
+    let (_, _, on_parent) = s.children_watch("/own").await.expect("watch");
+    s.close().await;
+    let node = fired(on_node).await;
+    assert_eq!(
+        (node.kind, node.path.as_str()),
+        (WatchEventKind::NodeDeleted, "/own/e")
+    );
+    let parent = fired(on_parent).await;
+    assert_eq!(
+        (parent.kind, parent.path.as_str()),
+        (WatchEventKind::NodeChildrenChanged, "/own")
+    );
+}
+
+/// Errors of a sequential create name the prefix the caller gave, as
+/// ZooKeeper's do.
+async fn sequential_create_errors_name_the_prefix(b: &dyn Backend) {
+    let s = b.session().await;
+    let err = s
+        .create("/nowhere/q-", b"", CreateMode::PersistentSequential)
+        .await
+        .expect_err("no parent");
+    assert_eq!(
+        err,
+        CoordError::NoNode {
+            path: "/nowhere/q-".into()
+        }
+    );
+    s.create("/eph", b"", CreateMode::Ephemeral)
+        .await
+        .expect("ephemeral");
+    let err = s
+        .create("/eph/q-", b"", CreateMode::EphemeralSequential)
+        .await
+        .expect_err("no children for ephemerals");
+    assert_eq!(
+        err,
+        CoordError::NoChildrenForEphemerals {
+            path: "/eph/q-".into()
+        }
+    );
+}
+
+/// A request on a handle after `close` returned is always `SessionClosed`.
+async fn requests_after_close_are_session_closed(b: &dyn Backend) {
+    for _ in 0..30 {
+        let s = b.session().await;
+        s.close().await;
+        let err = s.get("/").await.expect_err("closed");
+        assert_eq!(err, CoordError::SessionClosed);
+        let err = s
+            .create("/after-close", b"", CreateMode::Persistent)
+            .await
+            .expect_err("closed");
+        assert_eq!(err, CoordError::SessionClosed);
+    }
+}
+
 conformance!(
     nodes_crud_and_stats,
     typed_errors,
@@ -538,4 +771,11 @@ conformance!(
     watches_never_miss_the_last_change,
     traffic_is_counted,
     create_all_builds_paths,
+    negative_versions_are_refused_alike,
+    versioned_set_after_a_multi_create_stays_conditional,
+    multi_size_is_checked_exactly,
+    watch_events_come_before_the_data,
+    a_closing_session_sees_its_own_ephemerals_go,
+    sequential_create_errors_name_the_prefix,
+    requests_after_close_are_session_closed,
 );

@@ -116,6 +116,79 @@ async fn restart_recovers_every_write_and_no_ephemeral() {
     store.shutdown().await;
 }
 
+/// Every node's data and stat, the root's included, as (path, data, stat).
+async fn dump_stats(s: &dyn Coordination) -> Vec<(String, Vec<u8>, ferry_coord::Stat)> {
+    let mut out = Vec::new();
+    let mut stack = vec!["/".to_string()];
+    while let Some(path) = stack.pop() {
+        let (data, stat) = s.get(&path).await.expect("get");
+        out.push((path.clone(), data, stat));
+        let (children, _) = s.children(&path).await.expect("children");
+        for c in children {
+            stack.push(ferry_coord::path::join(&path, &c));
+        }
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// Data and stats of every node, the root's included, survive a restart from
+/// the log alone, from a snapshot alone, and from a snapshot plus a log.
+#[tokio::test]
+async fn every_node_survives_every_snapshot_and_log_combination() {
+    // (snapshot every n transactions, transactions after the writes below)
+    for (every, tail) in [(1_000_000, 0), (4, 0), (4, 3), (1, 0)] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let options = EmbeddedOptions {
+            snapshot_every_txns: every,
+            ..EmbeddedOptions::default()
+        };
+        let store = open(dir.path(), options.clone()).await.expect("open");
+        let s = store
+            .session(Duration::from_secs(5))
+            .await
+            .expect("session");
+        s.set("/", b"root data", None).await.expect("set root");
+        s.create("/a", b"a", CreateMode::Persistent)
+            .await
+            .expect("create");
+        s.set("/", b"root data, again", Some(1))
+            .await
+            .expect("set root");
+        s.create("/a/b", b"bb", CreateMode::Persistent)
+            .await
+            .expect("create");
+        s.set("/a", b"a2", None).await.expect("set");
+        for i in 0..tail {
+            s.create(&format!("/t{i}"), b"", CreateMode::Persistent)
+                .await
+                .expect("create");
+        }
+        let before = dump_stats(&s).await;
+        assert_eq!(before[0].1, b"root data, again");
+        s.close().await;
+        store.shutdown().await;
+        let names: Vec<String> = std::fs::read_dir(dir.path().join(DIR))
+            .expect("ls")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        if every < 1_000_000 {
+            assert!(
+                names.iter().any(|n| n.starts_with("snapshot.")),
+                "a snapshot was written: {names:?}"
+            );
+        }
+        let store = open(dir.path(), options).await.expect("reopen");
+        let s = store
+            .session(Duration::from_secs(5))
+            .await
+            .expect("session");
+        let after = dump_stats(&s).await;
+        assert_eq!(after, before, "snapshot every {every}, {tail} after");
+        store.shutdown().await;
+    }
+}
+
 fn last_log(root: &Path) -> std::path::PathBuf {
     let mut logs: Vec<_> = std::fs::read_dir(root.join(DIR))
         .expect("ls")

@@ -86,13 +86,25 @@ type WatchSender = oneshot::Sender<WatchEvent>;
 
 enum Request {
     Multi(Vec<Op>),
-    Get { path: String, watch: bool },
-    Exists { path: String, watch: bool },
-    Children { path: String, watch: bool },
+    /// A single create, answered with the stat of the node as created.
+    Create(Op),
+    Get {
+        path: String,
+        watch: bool,
+    },
+    Exists {
+        path: String,
+        watch: bool,
+    },
+    Children {
+        path: String,
+        watch: bool,
+    },
 }
 
 enum Response {
     Multi(Vec<OpResult>),
+    Created(String, Stat),
     Get(Vec<u8>, Stat, Option<oneshot::Receiver<WatchEvent>>),
     Exists(Option<Stat>, Option<oneshot::Receiver<WatchEvent>>),
     Children(Vec<String>, Stat, Option<oneshot::Receiver<WatchEvent>>),
@@ -156,6 +168,10 @@ struct Store {
     txns: Vec<Txn>,
     changes: Vec<Change>,
     pending: Vec<Pending>,
+    /// Watches fired by the batch, delivered once it is durable. A change takes
+    /// its watches out of the registry the moment it is applied, so a watch set
+    /// later in the same batch (by a read that already saw the change) waits
+    /// for the next change, as on ZooKeeper.
     watch_fires: Vec<(WatchSender, WatchEvent)>,
     state_changes: Vec<(watch::Sender<SessionState>, SessionState)>,
 }
@@ -264,6 +280,7 @@ impl EmbeddedStore {
         Ok(EmbeddedSession {
             paused,
             close_on_drop: std::sync::atomic::AtomicBool::new(true),
+            closed: std::sync::atomic::AtomicBool::new(false),
             id,
             tx: self.tx.clone(),
             state,
@@ -416,6 +433,7 @@ impl Store {
                 reply,
             } => {
                 let result = self.request(session, request);
+                self.collect_fires();
                 self.pending.push(Pending::Request(reply, result));
             }
             Command::Ping { session } => {
@@ -477,11 +495,22 @@ impl Store {
         };
         self.txns
             .extend(self.tree.end_session(session, &mut self.changes));
-        let kind = if state == SessionState::Expired {
-            WatchEventKind::SessionExpired
+        self.state_changes.push((entry.state, state));
+        if state == SessionState::Closed {
+            // As on ZooKeeper, the closing session's own watches see the
+            // deletion of its ephemerals, then the session closed.
+            self.collect_fires();
+            self.end_watches(session, WatchEventKind::SessionClosed);
         } else {
-            WatchEventKind::SessionClosed
-        };
+            // An expired session's owner is gone: its watches only learn that.
+            self.end_watches(session, WatchEventKind::SessionExpired);
+            self.collect_fires();
+        }
+        true
+    }
+
+    /// Fires every remaining watch of `session` with a session event.
+    fn end_watches(&mut self, session: i64, kind: WatchEventKind) {
         for registry in [&mut self.data_watches, &mut self.child_watches] {
             registry.retain(|_, watchers| {
                 let mut i = 0;
@@ -502,8 +531,6 @@ impl Store {
                 !watchers.is_empty()
             });
         }
-        self.state_changes.push((entry.state, state));
-        true
     }
 
     fn request(&mut self, session: i64, request: Request) -> Result<Response> {
@@ -513,10 +540,26 @@ impl Store {
         entry.last_heard = Instant::now();
         match request {
             Request::Multi(ops) => {
-                validate_multi(&ops)?;
+                // No chroot: paths are stored as given.
+                validate_multi(&ops, 0)?;
                 let (results, txn) = self.tree.apply(&ops, session, &mut self.changes)?;
                 self.txns.extend(txn);
                 Ok(Response::Multi(results))
+            }
+            Request::Create(op) => {
+                validate_multi(std::slice::from_ref(&op), 0).map_err(|e| e.root().clone())?;
+                let (mut results, txn) = self
+                    .tree
+                    .apply(std::slice::from_ref(&op), session, &mut self.changes)
+                    .map_err(|e| e.root().clone())?;
+                self.txns.extend(txn);
+                match results.pop() {
+                    Some(OpResult::Create { path }) => {
+                        let stat = self.tree.node(&path).map(|n| n.stat).unwrap_or_default();
+                        Ok(Response::Created(path, stat))
+                    }
+                    _ => Err(unexpected()),
+                }
             }
             Request::Get { path, watch } => {
                 path::validate_path(&path)?;
@@ -566,27 +609,9 @@ impl Store {
         }
     }
 
-    /// Makes the batch durable, then answers and notifies.
-    async fn commit_batch(&mut self) {
-        if !self.txns.is_empty() {
-            if let Some(persister) = self.persister.as_mut() {
-                if let Err(e) = persister.append(&self.txns).await {
-                    tracing::error!(error = %e, "coordination log write failed; the store stops serving");
-                    self.fail(e.to_string());
-                }
-            }
-            self.txns.clear();
-        }
-        if self.failed.is_none() {
-            if let Some(persister) = self.persister.as_mut() {
-                if persister.wants_snapshot() {
-                    if let Err(e) = persister.snapshot(&self.tree).await {
-                        // Nothing is lost: the log still holds every transaction.
-                        tracing::warn!(error = %e, "coordination snapshot failed; will retry");
-                    }
-                }
-            }
-        }
+    /// Takes the watches the changes applied so far fire out of the registry
+    /// (delivered when the batch is durable).
+    fn collect_fires(&mut self) {
         for change in std::mem::take(&mut self.changes) {
             match change {
                 Change::Created(p) => {
@@ -633,6 +658,38 @@ impl Store {
                 }
             }
         }
+    }
+
+    /// Makes the batch durable, then answers and notifies.
+    async fn commit_batch(&mut self) {
+        if !self.txns.is_empty() {
+            if let Some(persister) = self.persister.as_mut() {
+                if let Err(e) = persister.append(&self.txns).await {
+                    tracing::error!(error = %e, "coordination log write failed; the store stops serving");
+                    self.fail(e.to_string());
+                }
+            }
+            self.txns.clear();
+        }
+        if self.failed.is_none() {
+            if let Some(persister) = self.persister.as_mut() {
+                if persister.wants_snapshot() {
+                    if let Err(e) = persister.snapshot(&self.tree).await {
+                        // Nothing is lost: the log still holds every transaction.
+                        tracing::warn!(error = %e, "coordination snapshot failed; will retry");
+                    }
+                }
+            }
+        }
+        // As on ZooKeeper, a client sees a watch event (and a session's end)
+        // before the answer to any request that could show it the change: the
+        // events are delivered before the answers of the batch that caused them.
+        for (tx, event) in self.watch_fires.drain(..) {
+            let _ = tx.send(event);
+        }
+        for (tx, state) in self.state_changes.drain(..) {
+            tx.send_replace(state);
+        }
         for pending in self.pending.drain(..) {
             match pending {
                 Pending::Open(reply, result) => {
@@ -649,12 +706,6 @@ impl Store {
                 }
             }
         }
-        for (tx, event) in self.watch_fires.drain(..) {
-            let _ = tx.send(event);
-        }
-        for (tx, state) in self.state_changes.drain(..) {
-            tx.send_replace(state);
-        }
     }
 
     fn fail(&mut self, reason: String) {
@@ -669,6 +720,9 @@ impl Store {
             }
         }
         self.changes.clear();
+        // The batch's changes are not durable: their watches are dropped, and
+        // their owners see a disconnection (changes may have been missed).
+        self.watch_fires.clear();
         self.failed = Some(reason);
     }
 }
@@ -692,6 +746,9 @@ pub struct EmbeddedSession {
     heartbeat: JoinHandle<()>,
     paused: watch::Sender<bool>,
     close_on_drop: std::sync::atomic::AtomicBool,
+    /// Set by `close` before anything is sent: every later request of this
+    /// handle fails with `SessionClosed`, whatever the store has done yet.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl Drop for EmbeddedSession {
@@ -742,6 +799,9 @@ impl EmbeddedSession {
     }
 
     fn local_state_error(&self) -> Option<CoordError> {
+        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+            return Some(CoordError::SessionClosed);
+        }
         match *self.state.borrow() {
             SessionState::Expired => Some(CoordError::SessionExpired),
             SessionState::Closed => Some(CoordError::SessionClosed),
@@ -798,11 +858,9 @@ impl Coordination for EmbeddedSession {
     }
 
     async fn create(&self, path: &str, data: &[u8], mode: CreateMode) -> Result<(String, Stat)> {
-        match self
-            .single(RequestKind::Create, Op::create(path, data, mode))
-            .await?
-        {
-            OpResult::Create { path, stat } => Ok((path, stat)),
+        let request = Request::Create(Op::create(path, data, mode));
+        match self.call(RequestKind::Create, 1, request).await? {
+            Response::Created(path, stat) => Ok((path, stat)),
             _ => Err(unexpected()),
         }
     }
@@ -906,6 +964,8 @@ impl Coordination for EmbeddedSession {
 
     async fn close(&self) {
         self.heartbeat.abort();
+        self.closed
+            .store(true, std::sync::atomic::Ordering::Release);
         if self.state.borrow().is_terminal() {
             return;
         }

@@ -44,7 +44,8 @@ use super::tree::{Tree, TreeImage, Txn};
 use super::EmbeddedError;
 
 const SNAPSHOT_MAGIC: &[u8; 8] = b"FERRYCS\x01";
-const SNAPSHOT_FORMAT_VERSION: u32 = 1;
+/// 2: the root's data is in the snapshot (version 1 lost it).
+const SNAPSHOT_FORMAT_VERSION: u32 = 2;
 const SNAPSHOT_HEADER_BYTES: usize = 8 + 4 + 4 + 8;
 const LOG_MAGIC: &[u8; 8] = b"FERRYCL\x01";
 /// Version 1 was a headerless sequence of individually checksummed records.

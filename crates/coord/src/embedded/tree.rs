@@ -89,6 +89,8 @@ pub(crate) struct TreeImage {
     /// Every node but the root, parents before children.
     pub nodes: Vec<(String, Vec<u8>, Stat)>,
     pub root_stat: Stat,
+    /// The root's data: the root is a node like any other.
+    pub root_data: Vec<u8>,
 }
 
 #[derive(Debug)]
@@ -263,7 +265,12 @@ impl Tree {
                 }
                 Ok(OpResult::Check)
             }
-            Op::Create { path, data, mode } => {
+            Op::Create {
+                path: given,
+                data,
+                mode,
+            } => {
+                let path = given;
                 let path = if mode.is_sequential() {
                     let parent_path =
                         path::parent(&format!("{path}{}", "0".repeat(SEQUENCE_DIGITS))).to_string();
@@ -278,10 +285,12 @@ impl Tree {
                     path.clone()
                 };
                 let owner = if mode.is_ephemeral() { session } else { 0 };
-                self.create(&path, data, owner, zxid, undo, logged)?;
+                // Errors name the path as the caller gave it (for a sequential
+                // node, its prefix), as ZooKeeper's do.
+                self.create(&path, data, owner, zxid, undo, logged)
+                    .map_err(|e| e.with_path(given))?;
                 changes.push(Change::Created(path.clone()));
-                let stat = self.nodes.get(&path).map(|n| n.stat).unwrap_or_default();
-                Ok(OpResult::Create { path, stat })
+                Ok(OpResult::Create { path })
             }
             Op::Set {
                 path,
@@ -495,6 +504,11 @@ impl Tree {
         TreeImage {
             zxid: self.zxid,
             root_stat: self.nodes.get("/").map(|n| n.stat).unwrap_or_default(),
+            root_data: self
+                .nodes
+                .get("/")
+                .map(|n| n.data.clone())
+                .unwrap_or_default(),
             nodes: self
                 .nodes
                 .iter()
@@ -510,6 +524,7 @@ impl Tree {
         tree.zxid = image.zxid;
         if let Some(root) = tree.nodes.get_mut("/") {
             root.stat = image.root_stat;
+            root.data = image.root_data;
         }
         for (path, data, stat) in image.nodes {
             path::validate_path(&path).map_err(|e| format!("snapshot: {e}"))?;

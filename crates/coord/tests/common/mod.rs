@@ -185,7 +185,9 @@ macro_rules! conformance {
     ($($case:ident),* $(,)?) => {
         mod embedded {
             $(
-                #[tokio::test]
+                // Several threads, as a node's tasks may run on: ordering
+                // guarantees (watch events before data) must hold there too.
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $case() {
                     let backend = $crate::common::Embedded::new().await;
                     super::$case(&backend).await;
@@ -194,7 +196,7 @@ macro_rules! conformance {
         }
         mod zookeeper {
             $(
-                #[tokio::test]
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $case() {
                     if let Some(backend) = $crate::common::ZooKeeper::new().await {
                         super::$case(&backend).await;
