@@ -245,6 +245,99 @@ pub struct WalBenchArgs {
     /// topology) instead of inside this process.
     #[arg(long)]
     processes: bool,
+    /// Walsenders streaming from each safekeeper during the second 64-writer
+    /// latency run (replicas reading WAL must not slow commits down).
+    #[arg(long, default_value_t = 8)]
+    walsenders: usize,
+}
+
+/// Replicas streaming from every safekeeper, on a thread of their own.
+struct ReplicaLoad {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ReplicaLoad {
+    fn start(
+        addrs: Vec<String>,
+        per_safekeeper: usize,
+        streamed: Arc<std::sync::atomic::AtomicU64>,
+    ) -> anyhow::Result<ReplicaLoad> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("replica-load".into())
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let mut tasks = tokio::task::JoinSet::new();
+                    for addr in &addrs {
+                        for shard in 0..per_safekeeper as u32 {
+                            tasks.spawn(walsender_load(addr.clone(), shard, Arc::clone(&streamed)));
+                        }
+                    }
+                    let _ = stopped.await;
+                    tasks.shutdown().await;
+                });
+            })?;
+        Ok(ReplicaLoad {
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+
+    fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// A replica's side of START_REPLICATION, for load: reads every frame and
+/// sends feedback now and then, until aborted; counts the WAL bytes received.
+async fn walsender_load(addr: String, shard: u32, received: Arc<std::sync::atomic::AtomicU64>) {
+    use ferry_env::Network as _;
+    use ferry_wal::proto::{self, FromSafekeeper, ShardFeedback, ToSafekeeper};
+    use tokio::io::AsyncWriteExt as _;
+    let Ok(conn) = ferry_env::TcpNetwork.connect(&addr).await else {
+        return;
+    };
+    let (read, mut write) = tokio::io::split(conn);
+    let mut reader = proto::FrameReader::new(read);
+    let start = ToSafekeeper::StartReplication {
+        shard_number: shard,
+        start_lsn: ferry_wal::Lsn(0),
+    };
+    if proto::write_frame(&mut write, &start).await.is_err() || write.flush().await.is_err() {
+        return;
+    }
+    let mut frames = 0u64;
+    while let Ok(Some(msg)) = reader.next::<FromSafekeeper>().await {
+        if let FromSafekeeper::Wal { begin_lsn, wal, .. } = msg {
+            received.fetch_add(wal.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            frames += 1;
+            if frames.is_multiple_of(16) {
+                let end = ferry_wal::Lsn(begin_lsn.0 + wal.len() as u64);
+                let fb = ToSafekeeper::Feedback(ShardFeedback {
+                    shard_number: shard,
+                    replica_number: 0,
+                    last_received_lsn: end,
+                    disk_consistent_lsn: end,
+                    remote_consistent_lsn: end,
+                    reply_time_micros: frames,
+                });
+                if proto::write_frame(&mut write, &fb).await.is_err()
+                    || write.flush().await.is_err()
+                {
+                    return;
+                }
+            }
+        }
+    }
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -273,6 +366,42 @@ struct DiskLimits {
     concurrent_fsync_64k: Duration,
     /// Sequential write rate, MB/s (1 MiB writes, then fsync).
     sequential_mb_s: f64,
+}
+
+/// The machine's loopback TCP rate in MB/s: one thread writes `mib` MiB in
+/// 64 KiB pieces, another reads them (what a walsender's bytes cost to move,
+/// with no protocol at all).
+fn loopback_mb_s(mib: usize) -> anyhow::Result<f64> {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let total = mib << 20;
+    let reader = std::thread::spawn(move || -> std::io::Result<usize> {
+        let (mut conn, _) = listener.accept()?;
+        let mut buf = vec![0u8; 64 << 10];
+        let mut got = 0;
+        while got < total {
+            let n = conn.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            got += n;
+        }
+        Ok(got)
+    });
+    let mut conn = std::net::TcpStream::connect(addr)?;
+    conn.set_nodelay(true)?;
+    let chunk = vec![1u8; 64 << 10];
+    let started = Instant::now();
+    for _ in 0..total / chunk.len() {
+        conn.write_all(&chunk)?;
+    }
+    conn.flush()?;
+    let got = reader
+        .join()
+        .map_err(|_| anyhow::anyhow!("loopback reader panicked"))??;
+    let secs = started.elapsed().as_secs_f64();
+    Ok(got as f64 / (1 << 20) as f64 / secs.max(1e-9))
 }
 
 /// Latencies of 300 writes of `block` bytes, each followed by fdatasync; with
@@ -525,6 +654,8 @@ fn bench_cluster() -> ferry_wal::ClusterId {
 struct BenchQuorum {
     writer: Arc<ferry_writer::driver::Writer>,
     safekeepers: Safekeepers,
+    /// The safekeepers' WAL addresses (walsenders connect to them).
+    addrs: Vec<String>,
 }
 
 /// A fresh quorum in its own directory, elected and ready.
@@ -536,7 +667,7 @@ async fn fresh_quorum(
 ) -> anyhow::Result<BenchQuorum> {
     let segment = ferry_wal::segment::SegmentSize::new(ferry_wal::segment::DEFAULT_SEGMENT_BYTES)?;
     let dir = root.join(name);
-    let (writer, safekeepers) = if in_process {
+    let (writer, safekeepers, addrs) = if in_process {
         let spec = crate::local::QuorumSpec {
             dir: dir.clone(),
             safekeepers: n,
@@ -550,7 +681,8 @@ async fn fresh_quorum(
             known_commit_lsn: ferry_wal::Lsn(0),
         };
         let quorum = crate::local::LocalQuorum::start(&spec).await?;
-        (quorum.writer, Safekeepers::InProcess(quorum.members))
+        let addrs = quorum.servers().map(|s| s.addr().to_string()).collect();
+        (quorum.writer, Safekeepers::InProcess(quorum.members), addrs)
     } else {
         let mut children = Vec::new();
         let mut addrs = Vec::new();
@@ -561,7 +693,7 @@ async fn fresh_quorum(
         }
         let proposer_id = u128::from(std::process::id()) << 64 | u128::from(n as u64);
         let config = ferry_writer::driver::WriterConfig::new(
-            addrs,
+            addrs.clone(),
             ferry_writer::proposer::ProposerConfig::new(
                 bench_cluster(),
                 n,
@@ -571,7 +703,7 @@ async fn fresh_quorum(
             ),
         );
         let writer = ferry_writer::driver::Writer::start(Arc::new(ferry_env::TcpNetwork), config);
-        (writer, Safekeepers::Processes(children))
+        (writer, Safekeepers::Processes(children), addrs)
     };
     let mut status = writer.subscribe();
     tokio::time::timeout(Duration::from_secs(30), status.wait_for(|s| s.elected))
@@ -580,6 +712,7 @@ async fn fresh_quorum(
     Ok(BenchQuorum {
         writer: Arc::new(writer),
         safekeepers,
+        addrs,
     })
 }
 
@@ -705,14 +838,29 @@ pub async fn wal(args: WalBenchArgs) -> anyhow::Result<()> {
         stop_quorum(quorum).await?;
     }
 
-    for writers in [1usize, 64] {
+    let mut without_walsenders = None;
+    for (writers, walsenders) in [(1usize, 0usize), (64, 0), (64, args.walsenders)] {
+        if writers == 64 && walsenders == 0 && args.walsenders == 0 {
+            // Measured once below.
+            continue;
+        }
         let quorum = fresh_quorum(
             tmp.path(),
-            &format!("latency-{writers}"),
+            &format!("latency-{writers}-{walsenders}"),
             n,
             !args.processes,
         )
         .await?;
+        let streamed = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        // The replicas are other processes in a deployment: their side runs on
+        // a thread and runtime of its own, not on the one measured.
+        let load = (walsenders > 0)
+            .then(|| {
+                let addrs = quorum.addrs.clone();
+                let streamed = Arc::clone(&streamed);
+                ReplicaLoad::start(addrs, walsenders, streamed)
+            })
+            .transpose()?;
         // Warm-up, not measured: connections, buffers and the first segment.
         closed_loop(&quorum.writer, writers, (200 / writers).max(2)).await?;
         let before = quorum.safekeepers.counters().await?;
@@ -752,6 +900,41 @@ pub async fn wal(args: WalBenchArgs) -> anyhow::Result<()> {
             "    appends per WAL fsync on each safekeeper (group commit): {}",
             factors.join(", ")
         );
+        if let Some(load) = load {
+            load.stop();
+        }
+        if walsenders > 0 {
+            let streamed_bytes = streamed.load(std::sync::atomic::Ordering::Relaxed) as f64;
+            // Every commit round (one fsync per safekeeper) hands its WAL to
+            // every walsender: moving those bytes through loopback is the
+            // floor of what walsenders add to a commit on this machine.
+            let rounds = after
+                .iter()
+                .zip(&before)
+                .map(|(a, b)| a.wal_fsyncs - b.wal_fsyncs)
+                .max()
+                .unwrap_or(1)
+                .max(1) as f64;
+            let per_round_kib = streamed_bytes / rounds / 1024.0;
+            let loopback = loopback_mb_s(256)?;
+            let floor_ms = per_round_kib / 1024.0 / loopback * 1e3;
+            match without_walsenders {
+                Some(base) => {
+                    let added = ms(p50) - ms(base);
+                    say!(
+                        "    with {walsenders} walsenders streaming from each safekeeper ({:.1} MiB sent to them): p50 {:.3} ms = {:.2}x the p50 without walsenders ({:.3} ms); they add {added:.3} ms to a commit, while moving the {per_round_kib:.0} KiB they receive per commit through loopback (this machine: {loopback:.0} MB/s) takes {floor_ms:.3} ms: {:.2}x that floor",
+                        streamed_bytes / (1 << 20) as f64,
+                        ms(p50),
+                        p50.as_secs_f64() / Duration::as_secs_f64(&base).max(1e-9),
+                        ms(base),
+                        added / floor_ms.max(1e-9)
+                    )
+                }
+                None => say!("    with {walsenders} walsenders streaming from each safekeeper"),
+            }
+        } else if writers == 64 {
+            without_walsenders = Some(p50);
+        }
         stop_quorum(quorum).await?;
     }
     Ok(())

@@ -200,6 +200,8 @@ fn wal_benchmark_prints_figures() {
             " 1 writers: p50",
             "64 writers: p50",
             "appends per WAL fsync",
+            "walsenders streaming from each safekeeper",
+            "through loopback",
         ] {
             assert!(stdout.contains(needle), "no {needle:?} in:\n{stdout}");
         }

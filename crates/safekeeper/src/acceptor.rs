@@ -29,12 +29,88 @@ use serde::Serialize;
 use tokio::sync::watch;
 
 use crate::control::{ControlFile, ControlFileError, SafekeeperState};
-use crate::wal_storage::{Preallocation, WalStorage, WalStorageError};
+use crate::wal_storage::{Preallocation, WalReader, WalStorage, WalStorageError};
 
 /// Most WAL gathered from a batch of appends before it is written out.
 const MAX_PENDING_WAL_BYTES: usize = 8 << 20;
 /// Appends smaller than this are copied together into one write.
 const JOIN_BELOW_BYTES: usize = 32 << 10;
+
+/// Most replicas whose feedback a safekeeper keeps; feedback of more is
+/// dropped (with a warning) rather than growing without bound.
+pub const MAX_FEEDBACK_REPLICAS: usize = 4096;
+
+/// The latest feedback of every replica streaming from this safekeeper, by
+/// (shard, replica): replicas of one shard never overwrite each other. Shared
+/// by the acceptor (which relays it to the writer) and its walsenders (which
+/// record it) without the acceptor's lock.
+#[derive(Debug, Clone, Default)]
+pub struct FeedbackBoard(Arc<std::sync::Mutex<BTreeMap<(u32, u32), ShardFeedback>>>);
+
+impl FeedbackBoard {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<(u32, u32), ShardFeedback>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Keeps `feedback` if it is the replica's newest (by its reply time).
+    pub fn record(&self, feedback: ShardFeedback) {
+        let key = (feedback.shard_number, feedback.replica_number);
+        let mut board = self.lock();
+        if !board.contains_key(&key) && board.len() >= MAX_FEEDBACK_REPLICAS {
+            tracing::warn!(
+                shard = key.0,
+                replica = key.1,
+                "feedback of too many replicas; this one is dropped"
+            );
+            return;
+        }
+        let newer = board
+            .get(&key)
+            .is_none_or(|old| old.reply_time_micros <= feedback.reply_time_micros);
+        if newer {
+            board.insert(key, feedback);
+        }
+    }
+
+    /// Every replica's latest feedback, in (shard, replica) order.
+    pub fn all(&self) -> Vec<ShardFeedback> {
+        self.lock().values().copied().collect()
+    }
+
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Committed WAL, readable without the acceptor (walsenders), and where their
+/// replicas' feedback goes.
+#[derive(Debug, Clone)]
+pub struct CommittedWal {
+    /// commit_lsn as it moves; it never goes back.
+    pub commit: watch::Receiver<Lsn>,
+    pub feedback: FeedbackBoard,
+    reader: WalReader,
+}
+
+impl CommittedWal {
+    /// Committed WAL in `[begin, end)`, at most `max` bytes. `end` is the
+    /// commit_lsn the caller announces with these bytes (taken from
+    /// [`CommittedWal::commit`]): a walsender frame never carries WAL past the
+    /// commit_lsn it states.
+    pub async fn read(&self, begin: Lsn, end: Lsn, max: usize) -> Result<Bytes, AcceptorError> {
+        let end = end.min(*self.commit.borrow());
+        if begin >= end {
+            return Ok(Bytes::new());
+        }
+        Ok(self.reader.read(begin, end, max).await?)
+    }
+}
 
 /// Identity and geometry of a safekeeper.
 #[derive(Debug, Clone)]
@@ -98,7 +174,8 @@ pub struct AcceptorStatus {
     pub commit_lsn: String,
     pub peer_horizon_lsn: String,
     pub backup_lsn: String,
-    pub shards: usize,
+    /// Replicas whose feedback this safekeeper relays.
+    pub replicas: usize,
     /// Appends carrying WAL received since start.
     pub appends_received: u64,
     /// WAL fsyncs since start: appends / fsyncs is the group-commit factor.
@@ -125,7 +202,7 @@ pub struct Acceptor {
     pending_wal: Vec<Bytes>,
     pending_wal_bytes: usize,
     peer_horizon_lsn: Lsn,
-    feedback: BTreeMap<u32, ShardFeedback>,
+    feedback: FeedbackBoard,
     commit_watch: watch::Sender<Lsn>,
     appends_received: u64,
     wal_fsyncs: u64,
@@ -231,7 +308,7 @@ impl Acceptor {
             pending_commit_lsn: commit_lsn,
             pending_wal: Vec::new(),
             pending_wal_bytes: 0,
-            feedback: BTreeMap::new(),
+            feedback: FeedbackBoard::default(),
             commit_watch,
             appends_received: 0,
             wal_fsyncs: 0,
@@ -267,6 +344,16 @@ impl Acceptor {
         self.commit_watch.subscribe()
     }
 
+    /// What a walsender needs to stream without this acceptor: commit_lsn to
+    /// follow and a reader of the WAL below it (which is never truncated).
+    pub fn committed_wal(&self) -> CommittedWal {
+        CommittedWal {
+            commit: self.commit_watch.subscribe(),
+            feedback: self.feedback.clone(),
+            reader: self.wal.reader(),
+        }
+    }
+
     pub fn status(&self) -> AcceptorStatus {
         AcceptorStatus {
             node_id: self.config.node_id,
@@ -276,7 +363,7 @@ impl Acceptor {
             commit_lsn: self.commit_lsn.to_string(),
             peer_horizon_lsn: self.peer_horizon_lsn.to_string(),
             backup_lsn: self.state.backup_lsn.to_string(),
-            shards: self.feedback.len(),
+            replicas: self.feedback.len(),
             appends_received: self.appends_received,
             wal_fsyncs: self.wal_fsyncs,
             wal_preallocates: self.wal.preallocates(),
@@ -531,7 +618,7 @@ impl Acceptor {
             term: self.state.term,
             flush_lsn: self.flush_lsn(),
             commit_lsn: self.commit_lsn,
-            shard_feedback: self.feedback.values().copied().collect(),
+            shard_feedback: self.feedback.all(),
         })
     }
 
@@ -543,7 +630,7 @@ impl Acceptor {
 
     /// Records a replica's feedback (relayed to the writer in append responses).
     pub fn record_feedback(&mut self, feedback: ShardFeedback) {
-        self.feedback.insert(feedback.shard_number, feedback);
+        self.feedback.record(feedback);
     }
 
     /// Committed WAL in `[begin, end)`, at most `max` bytes (walsenders). `end`

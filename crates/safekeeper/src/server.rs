@@ -215,24 +215,22 @@ where
     R: tokio::io::AsyncRead + Unpin,
     W: tokio::io::AsyncWrite + Unpin,
 {
-    let mut commit_rx = shared.acceptor.lock().await.subscribe_commit();
+    // Committed WAL is never truncated, so it is read without the acceptor:
+    // walsenders never hold up appends and their fsyncs.
+    let mut committed = shared.acceptor.lock().await.committed_wal();
     let mut pos = start;
     let mut announced = Lsn(0);
     tracing::info!(shard_number, %start, "walsender started");
     loop {
-        let commit = *commit_rx.borrow_and_update();
+        let commit = *committed.commit.borrow_and_update();
         while pos < commit {
-            let wal = {
-                let acceptor = shared.acceptor.lock().await;
-                match acceptor.read_committed(pos, commit, MAX_SEND_BYTES).await {
-                    Ok(wal) => wal,
-                    Err(e) => {
-                        let msg = e.to_message(acceptor.term());
-                        drop(acceptor);
-                        proto::write_frame(&mut writer, &msg).await?;
-                        writer.flush().await?;
-                        return Ok(());
-                    }
+            let wal = match committed.read(pos, commit, MAX_SEND_BYTES).await {
+                Ok(wal) => wal,
+                Err(e) => {
+                    let term = shared.acceptor.lock().await.term();
+                    proto::write_frame(&mut writer, &e.to_message(term)).await?;
+                    writer.flush().await?;
+                    return Ok(());
                 }
             };
             if wal.is_empty() {
@@ -263,13 +261,13 @@ where
         // `biased`: the simulator needs the same choice for the same inputs.
         tokio::select! {
             biased;
-            changed = commit_rx.changed() => {
+            changed = committed.commit.changed() => {
                 if changed.is_err() {
                     return Ok(());
                 }
             }
             frame = reader.next::<ToSafekeeper>() => match frame? {
-                Some(ToSafekeeper::Feedback(fb)) => shared.acceptor.lock().await.record_feedback(fb),
+                Some(ToSafekeeper::Feedback(fb)) => committed.feedback.record(fb),
                 Some(_) => {
                     let term = shared.acceptor.lock().await.term();
                     proto::write_frame(&mut writer, &FromSafekeeper::Refused { term, reason: "only feedback is expected on a walsender".into() }).await?;

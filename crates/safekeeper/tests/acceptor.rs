@@ -305,6 +305,7 @@ async fn batch_shares_one_answer_and_relays_feedback() {
     let len = wal.len() as u64;
     let feedback = ShardFeedback {
         shard_number: 3,
+        replica_number: 0,
         last_received_lsn: Lsn(1),
         disk_consistent_lsn: Lsn(1),
         remote_consistent_lsn: Lsn(0),

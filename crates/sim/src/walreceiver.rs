@@ -134,6 +134,7 @@ async fn stream_from(
                 &mut write,
                 &ToSafekeeper::Feedback(ShardFeedback {
                     shard_number: shard,
+                    replica_number: 0,
                     last_received_lsn: end,
                     disk_consistent_lsn: end,
                     remote_consistent_lsn: end,

@@ -22,7 +22,7 @@ use crate::record::MAX_RECORD_BYTES;
 use crate::{ClusterId, Lsn, Term, TermHistory};
 
 /// Version byte of every frame; bumped on any incompatible message change.
-pub const PROTOCOL_VERSION: u8 = 3;
+pub const PROTOCOL_VERSION: u8 = 4;
 /// Largest frame accepted: one maximal record plus headroom for the header fields.
 pub const MAX_FRAME_BYTES: usize = MAX_RECORD_BYTES + (64 << 10);
 /// Most WAL bytes a walsender puts in one message (Neon's MAX_SEND_SIZE).
@@ -98,6 +98,8 @@ impl AppendRequest {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShardFeedback {
     pub shard_number: u32,
+    /// Which replica of the shard: replicas of one shard report separately.
+    pub replica_number: u32,
     pub last_received_lsn: Lsn,
     pub disk_consistent_lsn: Lsn,
     pub remote_consistent_lsn: Lsn,
@@ -401,6 +403,7 @@ mod tests {
     fn every_message() -> (Vec<ToSafekeeper>, Vec<FromSafekeeper>) {
         let feedback = ShardFeedback {
             shard_number: 2,
+            replica_number: 1,
             last_received_lsn: Lsn(10),
             disk_consistent_lsn: Lsn(9),
             remote_consistent_lsn: Lsn(8),

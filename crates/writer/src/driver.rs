@@ -21,7 +21,7 @@ use tokio::io::{AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
-use crate::proposer::{Action, Proposer, ProposerConfig, ProposerError};
+use crate::proposer::{Action, Proposer, ProposerConfig, ProposerError, ReplicaPositions};
 
 /// How long a clean shutdown waits for the safekeepers to learn the final
 /// commit_lsn once the checkpoint is committed.
@@ -120,7 +120,19 @@ pub struct WriterStatus {
     /// Set when the writer stopped because electing would lose committed WAL.
     pub refused: Option<String>,
     pub peers: Vec<PeerStatus>,
-    pub shards: Vec<ShardFeedback>,
+    /// The latest feedback of every replica.
+    pub replicas: Vec<ShardFeedback>,
+    /// Per shard, the lowest positions over its replicas.
+    pub shard_minimums: Vec<ShardMinimum>,
+    /// The lowest positions over all replicas of all shards.
+    pub overall_minimum: Option<ReplicaPositions>,
+}
+
+/// The slowest replica positions of one shard.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ShardMinimum {
+    pub shard_number: u32,
+    pub positions: ReplicaPositions,
 }
 
 enum Command {
@@ -188,7 +200,9 @@ impl Writer {
                     flush_lsn: None,
                 })
                 .collect(),
-            shards: Vec::new(),
+            replicas: Vec::new(),
+            shard_minimums: Vec::new(),
+            overall_minimum: None,
         };
         let (status_tx, status) = watch::channel(status0);
         let driver = Driver {
@@ -696,7 +710,17 @@ impl Driver {
                     flush_lsn: flushes[i].map(|l| l.to_string()),
                 })
                 .collect(),
-            shards: self.proposer.shard_feedback().copied().collect(),
+            replicas: self.proposer.replica_feedback().copied().collect(),
+            shard_minimums: self
+                .proposer
+                .shard_minimums()
+                .into_iter()
+                .map(|(shard_number, positions)| ShardMinimum {
+                    shard_number,
+                    positions,
+                })
+                .collect(),
+            overall_minimum: self.proposer.overall_minimum(),
         };
         self.status.send_if_modified(|old| {
             if *old == status {

@@ -85,6 +85,36 @@ impl ProposerConfig {
     }
 }
 
+/// Most replicas whose feedback the writer keeps.
+pub const MAX_FEEDBACK_REPLICAS: usize = 4096;
+
+/// Positions a replica reports, or the lowest of several replicas'.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct ReplicaPositions {
+    pub last_received_lsn: Lsn,
+    pub disk_consistent_lsn: Lsn,
+    pub remote_consistent_lsn: Lsn,
+}
+
+impl ReplicaPositions {
+    pub fn of(fb: &ShardFeedback) -> ReplicaPositions {
+        ReplicaPositions {
+            last_received_lsn: fb.last_received_lsn,
+            disk_consistent_lsn: fb.disk_consistent_lsn,
+            remote_consistent_lsn: fb.remote_consistent_lsn,
+        }
+    }
+
+    /// Each position the lower of the two.
+    pub fn min(self, other: ReplicaPositions) -> ReplicaPositions {
+        ReplicaPositions {
+            last_received_lsn: self.last_received_lsn.min(other.last_received_lsn),
+            disk_consistent_lsn: self.disk_consistent_lsn.min(other.disk_consistent_lsn),
+            remote_consistent_lsn: self.remote_consistent_lsn.min(other.remote_consistent_lsn),
+        }
+    }
+}
+
 /// What the driver must do.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
@@ -202,7 +232,8 @@ pub struct Proposer {
     donor: Option<usize>,
     commit_lsn: Lsn,
     truncate_lsn: Lsn,
-    feedback: BTreeMap<u32, ShardFeedback>,
+    /// The newest feedback of each (shard, replica), relayed by safekeepers.
+    feedback: BTreeMap<(u32, u32), ShardFeedback>,
     /// The commit_lsn each safekeeper last reported (it learns it from appends).
     peer_commit: Vec<Lsn>,
 }
@@ -250,9 +281,30 @@ impl Proposer {
         self.buffer.end()
     }
 
-    /// The latest feedback of each shard, for back-pressure.
-    pub fn shard_feedback(&self) -> impl Iterator<Item = &ShardFeedback> {
+    /// The latest feedback of every replica, in (shard, replica) order.
+    pub fn replica_feedback(&self) -> impl Iterator<Item = &ShardFeedback> {
         self.feedback.values()
+    }
+
+    /// For each shard, the lowest positions over its replicas: how far the
+    /// slowest replica of the shard is (back-pressure acts on it).
+    pub fn shard_minimums(&self) -> BTreeMap<u32, ReplicaPositions> {
+        let mut out: BTreeMap<u32, ReplicaPositions> = BTreeMap::new();
+        for fb in self.feedback.values() {
+            let p = ReplicaPositions::of(fb);
+            out.entry(fb.shard_number)
+                .and_modify(|m| *m = m.min(p))
+                .or_insert(p);
+        }
+        out
+    }
+
+    /// The lowest positions over every replica of every shard.
+    pub fn overall_minimum(&self) -> Option<ReplicaPositions> {
+        self.feedback
+            .values()
+            .map(ReplicaPositions::of)
+            .reduce(ReplicaPositions::min)
     }
 
     /// Flush positions of the safekeepers that stream in this term.
@@ -393,12 +445,16 @@ impl Proposer {
                     return actions;
                 }
                 for fb in &a.shard_feedback {
+                    let key = (fb.shard_number, fb.replica_number);
                     let newer = self
                         .feedback
-                        .get(&fb.shard_number)
+                        .get(&key)
                         .is_none_or(|old| old.reply_time_micros <= fb.reply_time_micros);
-                    if newer {
-                        self.feedback.insert(fb.shard_number, *fb);
+                    if newer
+                        && (self.feedback.len() < MAX_FEEDBACK_REPLICAS
+                            || self.feedback.contains_key(&key))
+                    {
+                        self.feedback.insert(key, *fb);
                     }
                 }
                 self.peer_commit[peer] = self.peer_commit[peer].max(a.commit_lsn);

@@ -205,6 +205,7 @@ async fn writes_commit_survive_failures_and_stream_to_replicas() {
     );
     let feedback = ShardFeedback {
         shard_number: 4,
+        replica_number: 0,
         last_received_lsn: end,
         disk_consistent_lsn: end,
         remote_consistent_lsn: Lsn(0),
@@ -213,11 +214,44 @@ async fn writes_commit_survive_failures_and_stream_to_replicas() {
     proto::write_frame(&mut conn, &ToSafekeeper::Feedback(feedback))
         .await
         .expect("feedback");
-    let mut status = w.subscribe();
-    tokio::time::timeout(SOON, status.wait_for(|s| s.shards.contains(&feedback)))
+    // A second replica of the same shard, behind the first, reports too (on
+    // its own walsender): it does not overwrite the first one's feedback.
+    let slower = ShardFeedback {
+        replica_number: 1,
+        disk_consistent_lsn: Lsn(100),
+        ..feedback
+    };
+    let mut conn2 = TcpNetwork.connect(&nodes[2].addr).await.expect("connect");
+    proto::write_frame(
+        &mut conn2,
+        &ToSafekeeper::StartReplication {
+            shard_number: 4,
+            start_lsn: end,
+        },
+    )
+    .await
+    .expect("start replication");
+    proto::write_frame(&mut conn2, &ToSafekeeper::Feedback(slower))
         .await
-        .expect("feedback relayed to the writer in time")
-        .expect("status");
+        .expect("feedback");
+    let mut status = w.subscribe();
+    let relayed = tokio::time::timeout(
+        SOON,
+        status.wait_for(|s| s.replicas.contains(&feedback) && s.replicas.contains(&slower)),
+    )
+    .await
+    .expect("feedback of both replicas relayed to the writer in time")
+    .expect("status")
+    .clone();
+    assert_eq!(relayed.shard_minimums.len(), 1);
+    assert_eq!(relayed.shard_minimums[0].shard_number, 4);
+    let min = relayed.shard_minimums[0].positions;
+    assert_eq!(
+        (min.last_received_lsn, min.disk_consistent_lsn),
+        (end, Lsn(100)),
+        "the shard is as far as its slowest replica"
+    );
+    assert_eq!(relayed.overall_minimum, Some(min));
 
     // Clean shutdown: the checkpoint is committed before the writer exits.
     let w = Arc::into_inner(w).expect("sole owner");
