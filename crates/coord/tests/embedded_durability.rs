@@ -2,6 +2,9 @@
 //! torn tails, damage in the middle of the log, unsupported formats, corruption,
 //! group commit, idle expiry, fail-stop and `kill -9`.
 
+// Tests set up and damage real files and sockets directly; node code may not.
+#![allow(clippy::disallowed_methods, clippy::disallowed_types)]
+
 use std::io;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

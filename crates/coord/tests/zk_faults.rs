@@ -2,6 +2,9 @@
 //! test can cut: connection loss is reported as such, a short outage keeps the
 //! session, and an outage longer than the session timeout expires it.
 
+// Tests set up and damage real files and sockets directly; node code may not.
+#![allow(clippy::disallowed_methods, clippy::disallowed_types)]
+
 mod common;
 
 use std::time::Duration;

@@ -232,6 +232,8 @@ impl ControlFile {
 }
 
 #[cfg(test)]
+// Tests set up and damage real files directly; node code may not.
+#[allow(clippy::disallowed_methods, clippy::disallowed_types)]
 mod tests {
     use super::*;
     use ferry_env::RealDisk;

@@ -156,6 +156,10 @@ pub fn open(url: &str, s3: &S3Settings) -> Result<Location, StorageError> {
             {
                 check_segment(segment).map_err(|reason| invalid(url, reason))?;
             }
+            // Opening a location is configuration, done once before node code
+            // runs (the simulator uses in-memory stores instead); the directory
+            // must exist for `LocalFileSystem`.
+            #[allow(clippy::disallowed_methods)]
             std::fs::create_dir_all(&dir).map_err(|source| StorageError::Io {
                 dir: dir.display().to_string(),
                 source,

@@ -3,6 +3,9 @@
 //! the WAL quorum can be staged exactly: elections, commit, failures of one or two
 //! safekeepers, restarts, writer takeover and truncation of divergent WAL.
 
+// Tests set up and damage real files and sockets directly; node code may not.
+#![allow(clippy::disallowed_methods, clippy::disallowed_types)]
+
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 

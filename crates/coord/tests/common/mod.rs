@@ -1,6 +1,8 @@
 //! Test back-ends for the conformance suite: a fresh embedded store per test, or a
 //! fresh chroot on the real ZooKeeper named by `FERRY_TEST_ZK`.
 
+// Test helpers reach real ZooKeeper and the clock directly; node code may not.
+#![allow(clippy::disallowed_methods, clippy::disallowed_types)]
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
