@@ -6,12 +6,17 @@
 //! (a disk that forgets un-synced writes on a crash, for example) and runs the very
 //! same node code on one current-thread tokio runtime with a paused clock.
 //!
-//! Time is the one seam that is not a trait: node code uses `tokio::time`, which the
-//! simulator pauses and advances. Wall-clock timestamps and randomness get their
-//! own traits here when the first code that needs them arrives.
+//! Durations and timeouts are not a trait: node code uses `tokio::time`, which the
+//! simulator pauses and advances. Absolute (Unix) time that other nodes see comes
+//! from [`Clock`]; CPU-heavy work runs through [`Cpu`]; randomness is a seeded
+//! generator passed in.
 
+mod clock;
+mod cpu;
 mod disk;
 mod net;
 
+pub use clock::{Clock, SharedClock, SystemClock};
+pub use cpu::Cpu;
 pub use disk::{Disk, DiskFile, RealDisk};
 pub use net::{BoxConnection, Connection, Listener, Network, TcpNetwork};

@@ -8,6 +8,7 @@
 //! [`net::SimNet`] (delays, broken connections, partitions). All choices come from
 //! one seed, so a seed replays the same run and the same event log.
 //!
+//! * [`clock`]: virtual Unix time from a seeded start;
 //! * [`coord`]: coordination with ZooKeeper's failure behaviour (latency, loss
 //!   before or after apply, partitions that expire sessions, abandoned sessions);
 //! * [`objstore`]: object storage with errors, latency and failures after a
@@ -16,6 +17,7 @@
 //! * [`walreceiver`]: a replica's side of START_REPLICATION that checks every
 //!   walsender frame.
 
+pub mod clock;
 pub mod coord;
 pub mod disk;
 pub mod net;

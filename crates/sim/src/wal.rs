@@ -960,8 +960,10 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         sim.start_safekeeper(i).await?;
     }
     sim.start_writer();
+    let clock: ferry_env::SharedClock = Arc::new(crate::clock::SimClock::seeded(&mut rng));
     let receiver = tokio::spawn(walreceiver::run(
         sim.net.node("replica"),
+        clock,
         (0..SAFEKEEPERS).map(node_name).collect(),
         0,
         Arc::clone(&sim.received),

@@ -13,7 +13,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use ferry_env::Network;
+use ferry_env::{Clock, Network, SharedClock};
 use ferry_wal::proto::{self, FrameReader, FromSafekeeper, ShardFeedback, ToSafekeeper};
 use ferry_wal::Lsn;
 use tokio::io::AsyncWriteExt;
@@ -51,6 +51,7 @@ pub fn lock(shared: &SharedReceived) -> MutexGuard<'_, Received> {
 /// Streams WAL of `shard` from `safekeepers`, in turn, forever.
 pub async fn run(
     network: Arc<dyn Network>,
+    clock: SharedClock,
     safekeepers: Vec<String>,
     shard: u32,
     received: SharedReceived,
@@ -59,7 +60,8 @@ pub async fn run(
     loop {
         let addr = &safekeepers[next % safekeepers.len()];
         next += 1;
-        if let Err(e) = stream_from(network.as_ref(), addr, shard, &received).await {
+        if let Err(e) = stream_from(network.as_ref(), clock.as_ref(), addr, shard, &received).await
+        {
             tracing::debug!(%addr, error = %e, "walreceiver connection ended");
         }
         tokio::time::sleep(RECONNECT_DELAY).await;
@@ -68,6 +70,7 @@ pub async fn run(
 
 async fn stream_from(
     network: &dyn Network,
+    clock: &dyn Clock,
     addr: &str,
     shard: u32,
     received: &SharedReceived,
@@ -138,7 +141,7 @@ async fn stream_from(
                     last_received_lsn: end,
                     disk_consistent_lsn: end,
                     remote_consistent_lsn: end,
-                    reply_time_micros: 0,
+                    reply_time_micros: clock.unix_micros(),
                 }),
             )
             .await?;
