@@ -96,6 +96,51 @@ pub trait Coordination: Send + Sync + 'static {
 /// A shared session handle, as node code holds it.
 pub type Session = Arc<dyn Coordination>;
 
+/// Opens sessions of one back-end. A node holds one, so that after its
+/// session expired (its ephemerals gone, its watches dead) it opens a new one
+/// and re-registers, without knowing whether it talks to the embedded store,
+/// ZooKeeper or the simulator.
+#[async_trait]
+pub trait SessionFactory: Send + Sync + 'static {
+    /// A new session.
+    async fn open(&self) -> Result<Session>;
+}
+
+/// Sessions of an embedded store, all with one timeout.
+#[derive(Debug, Clone)]
+pub struct EmbeddedSessions {
+    pub store: embedded::EmbeddedStore,
+    pub timeout: std::time::Duration,
+    pub metrics: Arc<CoordMetrics>,
+}
+
+#[async_trait]
+impl SessionFactory for EmbeddedSessions {
+    async fn open(&self) -> Result<Session> {
+        let session = self
+            .store
+            .session_with_metrics(self.timeout, Arc::clone(&self.metrics))
+            .await?;
+        Ok(Arc::new(session))
+    }
+}
+
+/// Sessions of a ZooKeeper ensemble.
+#[derive(Debug, Clone)]
+pub struct ZkSessions {
+    pub options: zk::ZkOptions,
+    pub metrics: Arc<CoordMetrics>,
+}
+
+#[async_trait]
+impl SessionFactory for ZkSessions {
+    async fn open(&self) -> Result<Session> {
+        let session =
+            zk::ZkSession::connect_with_metrics(&self.options, Arc::clone(&self.metrics)).await?;
+        Ok(Arc::new(session))
+    }
+}
+
 /// Creates every missing node on the way to `path` (persistent, empty data);
 /// nodes that already exist are left alone.
 pub async fn create_all(session: &dyn Coordination, path: &str) -> Result<()> {

@@ -758,6 +758,31 @@ async fn requests_after_close_are_session_closed(b: &dyn Backend) {
     }
 }
 
+/// After its session expired, a node opens a new one through its factory
+/// without knowing the back-end: the old ephemerals are gone, the new session
+/// works and can take them again.
+async fn a_factory_replaces_an_expired_session(b: &dyn Backend) {
+    let factory = b.factory();
+    let old = b.session().await;
+    old.create("/leader", b"old", CreateMode::Ephemeral)
+        .await
+        .expect("ephemeral");
+    b.expire(&old).await;
+    assert!(matches!(
+        old.get("/").await,
+        Err(CoordError::SessionExpired)
+    ));
+    let new = factory.open().await.expect("a new session");
+    assert_ne!(new.session_id(), old.session_id());
+    assert_eq!(*new.session_state().borrow(), SessionState::Connected);
+    assert_eq!(new.exists("/leader").await.expect("exists"), None);
+    let (_, stat) = new
+        .create("/leader", b"new", CreateMode::Ephemeral)
+        .await
+        .expect("taken again");
+    assert_eq!(stat.ephemeral_owner, new.session_id());
+}
+
 conformance!(
     nodes_crud_and_stats,
     typed_errors,
@@ -778,4 +803,5 @@ conformance!(
     a_closing_session_sees_its_own_ephemerals_go,
     sequential_create_errors_name_the_prefix,
     requests_after_close_are_session_closed,
+    a_factory_replaces_an_expired_session,
 );

@@ -53,6 +53,22 @@ struct State {
     sessions: Vec<(String, Weak<FaultySession>)>,
 }
 
+/// Opens the sessions of one simulated node.
+#[derive(Clone)]
+pub struct SimSessions {
+    sim: SimCoordination,
+    node: String,
+    timeout: Duration,
+}
+
+#[async_trait::async_trait]
+impl ferry_coord::SessionFactory for SimSessions {
+    async fn open(&self) -> Result<ferry_coord::Session> {
+        let session: ferry_coord::Session = self.sim.session(&self.node, self.timeout).await?;
+        Ok(session)
+    }
+}
+
 /// Coordination for a simulated world.
 #[derive(Clone)]
 pub struct SimCoordination {
@@ -105,6 +121,16 @@ impl SimCoordination {
         st.sessions
             .push((node.to_string(), Arc::downgrade(&session)));
         Ok(session)
+    }
+
+    /// A [`SessionFactory`] that opens `node`'s sessions, as node code holds
+    /// one to recover from session expiry.
+    pub fn factory(&self, node: &str, timeout: Duration) -> SimSessions {
+        SimSessions {
+            sim: self.clone(),
+            node: node.to_string(),
+            timeout,
+        }
     }
 
     fn sessions_of(&self, node: &str) -> Vec<Arc<FaultySession>> {

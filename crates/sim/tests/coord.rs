@@ -307,3 +307,27 @@ async fn embedded_store_recovers_from_torn_group_commits() {
         store.shutdown().await;
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_node_recovers_from_expiry_through_its_session_factory() {
+    use ferry_coord::SessionFactory;
+    let sim = SimCoordination::new(3, CoordFaults::default())
+        .await
+        .expect("sim");
+    let factory = sim.factory("n1", Duration::from_secs(2));
+    let old = factory.open().await.expect("session");
+    old.create("/owner", b"", CreateMode::Ephemeral)
+        .await
+        .expect("ephemeral");
+    // A partition longer than the session timeout expires it.
+    sim.partition("n1");
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    sim.repair_all();
+    assert!(old.get("/").await.is_err(), "the old session is gone");
+    let new = factory.open().await.expect("a new session");
+    assert_ne!(new.session_id(), old.session_id());
+    assert_eq!(new.exists("/owner").await.expect("exists"), None);
+    new.create("/owner", b"", CreateMode::Ephemeral)
+        .await
+        .expect("taken again");
+}

@@ -25,6 +25,8 @@ pub trait Backend: Send + Sync {
     async fn session(&self) -> Session;
     /// Expires a session from the server side, as a long partition would.
     async fn expire(&self, session: &Session);
+    /// Opens sessions of this back-end, as node code holds it.
+    fn factory(&self) -> Arc<dyn ferry_coord::SessionFactory>;
 }
 
 pub struct Embedded {
@@ -56,6 +58,14 @@ impl Backend for Embedded {
                 .await
                 .expect("session"),
         )
+    }
+
+    fn factory(&self) -> Arc<dyn ferry_coord::SessionFactory> {
+        Arc::new(ferry_coord::EmbeddedSessions {
+            store: self.store.clone(),
+            timeout: Duration::from_secs(5),
+            metrics: Arc::default(),
+        })
     }
 
     async fn expire(&self, session: &Session) {
@@ -149,6 +159,13 @@ impl Backend for ZooKeeper {
             .expect("lock")
             .insert(session.session_id(), session.session_info());
         Arc::new(session)
+    }
+
+    fn factory(&self) -> Arc<dyn ferry_coord::SessionFactory> {
+        Arc::new(ferry_coord::ZkSessions {
+            options: self.options.clone(),
+            metrics: Arc::default(),
+        })
     }
 
     async fn expire(&self, session: &Session) {
