@@ -215,7 +215,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         data_dir.display(),
         record.cluster_id,
         coord_dir.display(),
-        lake.url,
+        lake.url(),
         record.safekeepers,
         quorum.servers().map(|s| s.addr().to_string()).collect::<Vec<_>>().join(", "),
         quorum.writer.status().term,

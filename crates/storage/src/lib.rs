@@ -2,15 +2,21 @@
 //! an `object_store` store plus a key prefix.
 //!
 //! This is the only way ferry reaches object storage (export destinations, WAL
-//! backup). Keys under a location are built with [`Location::key`], which refuses
-//! anything that could escape the prefix.
+//! backup). A [`Location`] hands out no store and no prefix: every operation
+//! takes a key relative to the location, checked so that it can never escape
+//! it. Writes are create-only when asked ([`Location::put_create`]: first
+//! write wins, a second one is [`StorageError::AlreadyExists`]), and large
+//! objects are streamed ([`Location::upload`]) within a fixed memory budget.
 
+use std::ops::Range;
 use std::sync::Arc;
 
+use bytes::Bytes;
+use futures::TryStreamExt;
 use object_store::aws::AmazonS3Builder;
 use object_store::local::LocalFileSystem;
 use object_store::path::Path as ObjectPath;
-use object_store::ObjectStore;
+use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, WriteMultipart};
 use url::Url;
 
 /// Why a location could not be opened or a key built.
@@ -28,8 +34,28 @@ pub enum StorageError {
         #[source]
         source: std::io::Error,
     },
+    /// A create-only write found the key taken: another writer got there
+    /// first (its object stays as it was).
+    #[error("object {key} already exists")]
+    AlreadyExists { key: String },
+    #[error("object {key} not found")]
+    NotFound { key: String },
     #[error(transparent)]
     ObjectStore(#[from] object_store::Error),
+}
+
+impl StorageError {
+    fn about(e: object_store::Error, key: &ObjectPath) -> StorageError {
+        match e {
+            object_store::Error::AlreadyExists { .. } => StorageError::AlreadyExists {
+                key: key.to_string(),
+            },
+            object_store::Error::NotFound { .. } => StorageError::NotFound {
+                key: key.to_string(),
+            },
+            other => StorageError::ObjectStore(other),
+        }
+    }
 }
 
 /// S3 connection settings. Anything left `None` comes from the usual AWS
@@ -47,15 +73,92 @@ pub struct S3Settings {
     pub session_token: Option<String>,
 }
 
-/// An opened location: where keys go and through which store.
+/// An opened location. Its store and prefix are private: a key outside the
+/// location cannot even be named.
 #[derive(Debug, Clone)]
 pub struct Location {
-    /// The URL the location was opened from.
-    pub url: String,
-    /// The store; keys passed to it must come from [`Location::key`].
-    pub store: Arc<dyn ObjectStore>,
+    url: String,
+    store: Arc<dyn ObjectStore>,
     /// The key prefix inside the store ("" for the whole store).
-    pub prefix: ObjectPath,
+    prefix: ObjectPath,
+}
+
+/// How a streamed upload uses memory: at most `part_bytes × (max_in_flight +
+/// 1)` bytes are held at once, whatever the size of the object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UploadBudget {
+    /// Size of each part (S3 needs at least 5 MiB but for the last one).
+    pub part_bytes: usize,
+    /// Parts being uploaded at once.
+    pub max_in_flight: usize,
+}
+
+impl Default for UploadBudget {
+    fn default() -> Self {
+        UploadBudget {
+            part_bytes: 8 << 20,
+            max_in_flight: 2,
+        }
+    }
+}
+
+impl UploadBudget {
+    /// The most memory an upload with this budget holds.
+    pub fn max_bytes(&self) -> usize {
+        self.part_bytes * (self.max_in_flight + 1)
+    }
+}
+
+/// A streamed multipart upload to one key: nothing is visible at the key
+/// until [`Upload::finish`]; dropped or [`Upload::abort`]ed, it leaves no
+/// object. (Multipart uploads have no create-only mode on S3: a key written by
+/// an upload must be one whose contents are determined by its name.)
+pub struct Upload {
+    key: ObjectPath,
+    writer: WriteMultipart,
+    budget: UploadBudget,
+    written: u64,
+}
+
+impl Upload {
+    /// Adds `bytes` to the object, a part at a time, waiting while the budget
+    /// is spent (the caller's buffer itself is the caller's to bound).
+    pub async fn write(&mut self, mut bytes: Bytes) -> Result<(), StorageError> {
+        while !bytes.is_empty() {
+            self.writer
+                .wait_for_capacity(self.budget.max_in_flight)
+                .await
+                .map_err(|e| StorageError::about(e, &self.key))?;
+            let piece = bytes.split_to(bytes.len().min(self.budget.part_bytes.max(1)));
+            self.written += piece.len() as u64;
+            self.writer.put(piece);
+        }
+        Ok(())
+    }
+
+    /// Bytes written so far.
+    pub fn written(&self) -> u64 {
+        self.written
+    }
+
+    /// Completes the upload: the object appears whole, or not at all.
+    pub async fn finish(self) -> Result<(), StorageError> {
+        let key = self.key;
+        self.writer
+            .finish()
+            .await
+            .map(drop)
+            .map_err(|e| StorageError::about(e, &key))
+    }
+
+    /// Gives up: the parts already sent are discarded.
+    pub async fn abort(self) -> Result<(), StorageError> {
+        let key = self.key;
+        self.writer
+            .abort()
+            .await
+            .map_err(|e| StorageError::about(e, &key))
+    }
 }
 
 fn invalid(url: &str, reason: impl Into<String>) -> StorageError {
@@ -209,6 +312,137 @@ pub fn open(url: &str, s3: &S3Settings) -> Result<Location, StorageError> {
 }
 
 impl Location {
+    /// A location over a store made elsewhere (the simulator's faulty
+    /// in-memory store), under `prefix` (checked like a URL's path).
+    pub fn from_store(
+        url: &str,
+        store: Arc<dyn ObjectStore>,
+        prefix: &str,
+    ) -> Result<Location, StorageError> {
+        Ok(Location {
+            url: url.to_string(),
+            prefix: parse_prefix(url, prefix)?,
+            store,
+        })
+    }
+
+    /// The URL the location was opened from.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Writes `data` at `key` unless something is there already: the first
+    /// write wins, later ones get [`StorageError::AlreadyExists`] and change
+    /// nothing (S3 `If-None-Match: *`; an atomic link on a local directory).
+    pub async fn put_create(&self, key: &str, data: Bytes) -> Result<(), StorageError> {
+        let key = self.key(key)?;
+        self.store
+            .put_opts(
+                &key,
+                PutPayload::from(data),
+                PutOptions::from(PutMode::Create),
+            )
+            .await
+            .map(drop)
+            .map_err(|e| StorageError::about(e, &key))
+    }
+
+    /// Writes `data` at `key`, replacing what is there.
+    pub async fn put(&self, key: &str, data: Bytes) -> Result<(), StorageError> {
+        let key = self.key(key)?;
+        self.store
+            .put(&key, PutPayload::from(data))
+            .await
+            .map(drop)
+            .map_err(|e| StorageError::about(e, &key))
+    }
+
+    /// Starts a streamed upload to `key` within `budget`.
+    pub async fn upload(&self, key: &str, budget: UploadBudget) -> Result<Upload, StorageError> {
+        let key = self.key(key)?;
+        let upload = self
+            .store
+            .put_multipart(&key)
+            .await
+            .map_err(|e| StorageError::about(e, &key))?;
+        Ok(Upload {
+            writer: WriteMultipart::new_with_chunk_size(upload, budget.part_bytes.max(1)),
+            key,
+            budget,
+            written: 0,
+        })
+    }
+
+    /// The whole object at `key`.
+    pub async fn get(&self, key: &str) -> Result<Bytes, StorageError> {
+        let key = self.key(key)?;
+        let result = self
+            .store
+            .get(&key)
+            .await
+            .map_err(|e| StorageError::about(e, &key))?;
+        result
+            .bytes()
+            .await
+            .map_err(|e| StorageError::about(e, &key))
+    }
+
+    /// Bytes `range` of the object at `key`.
+    pub async fn get_range(&self, key: &str, range: Range<u64>) -> Result<Bytes, StorageError> {
+        let key = self.key(key)?;
+        self.store
+            .get_range(&key, range)
+            .await
+            .map_err(|e| StorageError::about(e, &key))
+    }
+
+    /// The size of the object at `key`, or `None` if there is none.
+    pub async fn size(&self, key: &str) -> Result<Option<u64>, StorageError> {
+        let key = self.key(key)?;
+        match self.store.head(&key).await {
+            Ok(meta) => Ok(Some(meta.size)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(StorageError::about(e, &key)),
+        }
+    }
+
+    /// Deletes the object at `key` (no error if there is none).
+    pub async fn delete(&self, key: &str) -> Result<(), StorageError> {
+        let key = self.key(key)?;
+        match self.store.delete(&key).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(StorageError::about(e, &key)),
+        }
+    }
+
+    /// Keys under `dir` (relative to the location, "" for all of it) with their
+    /// sizes, sorted.
+    pub async fn list(&self, dir: &str) -> Result<Vec<(String, u64)>, StorageError> {
+        let base = if dir.is_empty() {
+            self.prefix.clone()
+        } else {
+            self.key(dir)?
+        };
+        let prefix_len = self.prefix.parts().count();
+        let mut out: Vec<(String, u64)> = self
+            .store
+            .list(Some(&base))
+            .map_ok(|meta| {
+                let rel: Vec<String> = meta
+                    .location
+                    .parts()
+                    .skip(prefix_len)
+                    .map(|p| p.as_ref().to_string())
+                    .collect();
+                (rel.join("/"), meta.size)
+            })
+            .try_collect()
+            .await
+            .map_err(|e| StorageError::about(e, &base))?;
+        out.sort();
+        Ok(out)
+    }
+
     /// The full key of `relative` (segments separated by `/`) under the prefix.
     /// Empty, `.` and `..` segments, backslashes and control characters are refused,
     /// so a key can never leave the location.
@@ -269,6 +503,7 @@ mod tests {
         };
         let loc = open("s3://lake-bucket/exports/2026/", &s3).expect("open");
         assert_eq!(loc.prefix.as_ref(), "exports/2026");
+        assert_eq!(loc.url(), "s3://lake-bucket/exports/2026/");
         let key = loc.key("date=2026-01-01/p_1_1_0.parquet").expect("key");
         assert_eq!(key.as_ref(), "exports/2026/date=2026-01-01/p_1_1_0.parquet");
         for bad in ["", "../x", "a//b", "a/./b", "a\\b", "/abs"] {

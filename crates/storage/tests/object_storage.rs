@@ -5,8 +5,7 @@
 #![allow(clippy::disallowed_methods, clippy::disallowed_types)]
 
 use bytes::Bytes;
-use ferry_storage::{open, Location, S3Settings};
-use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, WriteMultipart};
+use ferry_storage::{open, Location, S3Settings, StorageError, UploadBudget};
 
 fn s3_endpoint() -> Option<String> {
     match std::env::var("FERRY_TEST_S3_ENDPOINT") {
@@ -71,57 +70,102 @@ async fn s3_location() -> Option<Location> {
 }
 
 async fn create_only_refuses_existing_key(loc: &Location) {
-    let key = loc.key("part=1/data_abc.parquet").expect("key");
-    let create = PutOptions::from(PutMode::Create);
-    loc.store
-        .put_opts(&key, PutPayload::from_static(b"first"), create.clone())
+    let key = "part=1/data_abc.parquet";
+    loc.put_create(key, Bytes::from_static(b"first"))
         .await
         .expect("first create");
     let err = loc
-        .store
-        .put_opts(&key, PutPayload::from_static(b"second"), create)
+        .put_create(key, Bytes::from_static(b"second"))
         .await
         .expect_err("second create must be refused");
     assert!(
-        matches!(err, object_store::Error::AlreadyExists { .. }),
+        matches!(&err, StorageError::AlreadyExists { key: k } if k.ends_with(key)),
         "{err:?}"
     );
-    let got = loc
-        .store
-        .get(&key)
-        .await
-        .expect("get")
-        .bytes()
-        .await
-        .expect("bytes");
+    let got = loc.get(key).await.expect("get");
     assert_eq!(got, Bytes::from_static(b"first"), "the first write wins");
+    assert_eq!(loc.size(key).await.expect("size"), Some(5));
+    assert_eq!(loc.size("part=1/none").await.expect("size"), None);
+    assert!(matches!(
+        loc.get("part=1/none").await,
+        Err(StorageError::NotFound { .. })
+    ));
+    assert_eq!(
+        loc.get_range(key, 1..4).await.expect("range"),
+        Bytes::from_static(b"irs")
+    );
+    // Racing create-only writers: exactly one wins.
+    let racers: Vec<_> = (0..8)
+        .map(|i| {
+            let loc = loc.clone();
+            tokio::spawn(async move {
+                loc.put_create("race/one", Bytes::from(format!("writer {i}")))
+                    .await
+            })
+        })
+        .collect();
+    let mut won = 0;
+    for r in racers {
+        match r.await.expect("task") {
+            Ok(()) => won += 1,
+            Err(StorageError::AlreadyExists { .. }) => {}
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(won, 1, "first write wins, once");
+    loc.delete("race/one").await.expect("delete");
+    loc.delete("race/one")
+        .await
+        .expect("deleting nothing is fine");
 }
 
-async fn multipart_upload_over_10_mib(loc: &Location) {
-    let key = loc.key("big/object.bin").expect("key");
+async fn streamed_upload_over_10_mib(loc: &Location) {
+    let key = "big/object.bin";
     let size = 12 * 1024 * 1024 + 12345;
     let data: Vec<u8> = (0..size).map(|i| (i * 31 % 251) as u8).collect();
-    let upload = loc
-        .store
-        .put_multipart(&key)
-        .await
-        .expect("start multipart");
-    let mut writer = WriteMultipart::new_with_chunk_size(upload, 5 * 1024 * 1024);
+    let budget = UploadBudget {
+        part_bytes: 5 * 1024 * 1024,
+        max_in_flight: 1,
+    };
+    assert_eq!(budget.max_bytes(), 10 * 1024 * 1024);
+    let mut upload = loc.upload(key, budget).await.expect("start upload");
     for chunk in data.chunks(1024 * 1024) {
-        writer.write(chunk);
+        upload
+            .write(Bytes::copy_from_slice(chunk))
+            .await
+            .expect("write");
     }
-    writer.finish().await.expect("complete multipart");
-    let meta = loc.store.head(&key).await.expect("head");
-    assert_eq!(meta.size as usize, size);
-    let got = loc
-        .store
-        .get(&key)
+    assert_eq!(upload.written(), size as u64);
+    assert_eq!(
+        loc.size(key).await.expect("size"),
+        None,
+        "nothing visible before the upload is finished"
+    );
+    upload.finish().await.expect("complete upload");
+    assert_eq!(loc.size(key).await.expect("size"), Some(size as u64));
+    let got = loc.get(key).await.expect("get");
+    assert!(got == data, "uploaded object differs");
+    // An aborted upload leaves nothing.
+    let mut upload = loc.upload("big/aborted.bin", budget).await.expect("start");
+    upload
+        .write(Bytes::from(vec![1u8; 6 << 20]))
         .await
-        .expect("get")
-        .bytes()
-        .await
-        .expect("bytes");
-    assert!(got == data, "multipart object differs");
+        .expect("write");
+    upload.abort().await.expect("abort");
+    assert_eq!(loc.size("big/aborted.bin").await.expect("size"), None);
+}
+
+#[test]
+fn keys_cannot_leave_the_location() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let url = format!("file://{}/lake", dir.path().display());
+    let loc = open(&url, &S3Settings::default()).expect("open file location");
+    for bad in ["", "../x", "a/../../x", "a//b", "/abs", "a\\b"] {
+        assert!(
+            matches!(loc.key(bad), Err(StorageError::InvalidKey { .. })),
+            "{bad:?}"
+        );
+    }
 }
 
 #[tokio::test]
@@ -130,8 +174,11 @@ async fn local_directory_location() {
     let url = format!("file://{}/lake", dir.path().display());
     let loc = open(&url, &S3Settings::default()).expect("open file location");
     create_only_refuses_existing_key(&loc).await;
-    multipart_upload_over_10_mib(&loc).await;
+    streamed_upload_over_10_mib(&loc).await;
     assert!(dir.path().join("lake/part=1/data_abc.parquet").is_file());
+    let listed = loc.list("").await.expect("list");
+    let keys: Vec<&str> = listed.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(keys, ["big/object.bin", "part=1/data_abc.parquet"]);
 }
 
 #[tokio::test]
@@ -140,22 +187,13 @@ async fn s3_location_on_the_test_server() {
         return;
     };
     create_only_refuses_existing_key(&loc).await;
-    multipart_upload_over_10_mib(&loc).await;
-    use futures::TryStreamExt;
-    let listed: Vec<_> = loc
-        .store
-        .list(Some(&loc.prefix))
-        .map_ok(|m| m.location.to_string())
-        .try_collect()
-        .await
-        .expect("list");
+    streamed_upload_over_10_mib(&loc).await;
+    let listed = loc.list("").await.expect("list");
+    let keys: Vec<&str> = listed.iter().map(|(k, _)| k.as_str()).collect();
     assert_eq!(
-        listed.len(),
-        2,
-        "exactly the two objects, under the prefix: {listed:?}"
+        keys,
+        ["big/object.bin", "part=1/data_abc.parquet"],
+        "exactly the two objects, relative to the location"
     );
-    assert!(
-        listed.iter().all(|k| k.starts_with("lake/prefix/")),
-        "{listed:?}"
-    );
+    assert_eq!(loc.list("part=1").await.expect("list").len(), 1);
 }
