@@ -617,6 +617,15 @@ impl Disk for InstrumentedDisk {
     async fn write_atomic(&self, path: &str, data: Vec<u8>) -> io::Result<()> {
         self.inner.write_atomic(path, data).await
     }
+    async fn remove_dir(&self, path: &str) -> io::Result<()> {
+        self.inner.remove_dir(path).await
+    }
+    async fn metadata(&self, path: &str) -> io::Result<ferry_env::Metadata> {
+        self.inner.metadata(path).await
+    }
+    async fn hard_link(&self, from: &str, to: &str) -> io::Result<()> {
+        self.inner.hard_link(from, to).await
+    }
     async fn rename(&self, from: &str, to: &str) -> io::Result<()> {
         self.inner.rename(from, to).await
     }

@@ -18,19 +18,47 @@ use bytes::Bytes;
 /// durability is promised.
 #[async_trait]
 pub trait Disk: Send + Sync + fmt::Debug + 'static {
-    /// Creates a directory and its missing parents (not durable until `sync_dir` of
-    /// the parent).
+    /// Creates a directory and its missing parents, durably: on return every
+    /// directory created survives a crash (their parents were synced).
     async fn create_dir_all(&self, path: &str) -> io::Result<()>;
+    /// Removes an empty directory, durably (its parent is synced).
+    async fn remove_dir(&self, path: &str) -> io::Result<()>;
+    /// Size and kind of the entry at `path` (`NotFound` if there is none).
+    async fn metadata(&self, path: &str) -> io::Result<Metadata>;
+    /// A second name for the file at `from` (a hard link): both names reach
+    /// the same contents, and the file lives on until both are removed. Keeps
+    /// a part alive after the name it had is removed. Durable after `sync_dir`
+    /// of `to`'s directory.
+    async fn hard_link(&self, from: &str, to: &str) -> io::Result<()>;
     /// Opens an existing file for reading and writing.
     async fn open(&self, path: &str) -> io::Result<Box<dyn DiskFile>>;
     /// Creates a new empty file, failing with `AlreadyExists` if there is one.
     async fn create_new(&self, path: &str) -> io::Result<Box<dyn DiskFile>>;
     /// Reads a whole file.
     async fn read(&self, path: &str) -> io::Result<Vec<u8>>;
-    /// Replaces `path` atomically and durably: writes a temporary file, syncs it,
+    /// Replaces `path` atomically and durably: writes `<path>.tmp`, syncs it,
     /// renames it over `path` and syncs the directory. After a crash the file holds
-    /// either the old or the new contents, never a mix.
-    async fn write_atomic(&self, path: &str, data: Vec<u8>) -> io::Result<()>;
+    /// either the old or the new contents, never a mix. Built from the other
+    /// operations for every disk, so the simulator crash-tests this very sequence.
+    async fn write_atomic(&self, path: &str, data: Vec<u8>) -> io::Result<()> {
+        let tmp = format!("{path}.tmp");
+        match self.remove_file(&tmp).await {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        let file = self.create_new(&tmp).await?;
+        file.write_at(0, Bytes::from(data)).await?;
+        file.sync_data().await?;
+        drop(file);
+        self.rename(&tmp, path).await?;
+        self.sync_dir(parent_dir(path)).await
+    }
+    /// Reads `len` bytes at `offset` of the file at `path`, without reading the
+    /// rest of it.
+    async fn read_range(&self, path: &str, offset: u64, len: usize) -> io::Result<Vec<u8>> {
+        self.open(path).await?.read_at(offset, len).await
+    }
     /// Renames a file (durable after `sync_dir`).
     async fn rename(&self, from: &str, to: &str) -> io::Result<()>;
     /// Removes a file (durable after `sync_dir`).
@@ -39,6 +67,22 @@ pub trait Disk: Send + Sync + fmt::Debug + 'static {
     async fn list_dir(&self, path: &str) -> io::Result<Vec<String>>;
     /// Makes creations, renames and removals in a directory durable.
     async fn sync_dir(&self, path: &str) -> io::Result<()>;
+}
+
+/// What [`Disk::metadata`] tells of an entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Metadata {
+    /// Length in bytes (0 for a directory).
+    pub len: u64,
+    pub is_dir: bool,
+}
+
+/// The directory holding `path` (`.` for a top-level entry).
+pub fn parent_dir(path: &str) -> &str {
+    match path.rfind('/') {
+        Some(i) => &path[..i],
+        None => ".",
+    }
 }
 
 /// An open file of a [`Disk`].
@@ -172,7 +216,63 @@ fn sync_dir_path(dir: &Path) -> io::Result<()> {
 impl Disk for RealDisk {
     async fn create_dir_all(&self, path: &str) -> io::Result<()> {
         let full = self.resolve(path)?;
-        blocking(move || std::fs::create_dir_all(&full).map_err(|e| dir_error(&full, e))).await
+        let root = Arc::clone(&self.root);
+        blocking(move || {
+            // The missing directories, outermost first, each synced into its
+            // parent once made.
+            let mut missing = Vec::new();
+            let mut at = full.as_path();
+            while !at.exists() {
+                missing.push(at.to_path_buf());
+                match at.parent() {
+                    Some(parent)
+                        if parent.starts_with(root.as_path()) || parent == root.as_path() =>
+                    {
+                        at = parent
+                    }
+                    _ => break,
+                }
+            }
+            std::fs::create_dir_all(&full).map_err(|e| dir_error(&full, e))?;
+            for dir in missing.iter().rev() {
+                if let Some(parent) = dir.parent() {
+                    sync_dir_path(parent)?;
+                }
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    async fn remove_dir(&self, path: &str) -> io::Result<()> {
+        let full = self.resolve(path)?;
+        blocking(move || {
+            std::fs::remove_dir(&full).map_err(|e| dir_error(&full, e))?;
+            match full.parent() {
+                Some(parent) => sync_dir_path(parent),
+                None => Ok(()),
+            }
+        })
+        .await
+    }
+
+    async fn metadata(&self, path: &str) -> io::Result<Metadata> {
+        let full = self.resolve(path)?;
+        blocking(move || {
+            let meta = std::fs::metadata(&full).map_err(|e| path_error(&full, e))?;
+            Ok(Metadata {
+                len: if meta.is_dir() { 0 } else { meta.len() },
+                is_dir: meta.is_dir(),
+            })
+        })
+        .await
+    }
+
+    async fn hard_link(&self, from: &str, to: &str) -> io::Result<()> {
+        let from = self.resolve(from)?;
+        let to = self.resolve(to)?;
+        blocking(move || std::fs::hard_link(&from, &to).map_err(|e| rename_error(&from, &to, e)))
+            .await
     }
 
     async fn open(&self, path: &str) -> io::Result<Box<dyn DiskFile>> {
@@ -213,27 +313,6 @@ impl Disk for RealDisk {
     async fn read(&self, path: &str) -> io::Result<Vec<u8>> {
         let full = self.resolve(path)?;
         blocking(move || std::fs::read(&full).map_err(|e| path_error(&full, e))).await
-    }
-
-    async fn write_atomic(&self, path: &str, data: Vec<u8>) -> io::Result<()> {
-        let full = self.resolve(path)?;
-        blocking(move || {
-            let mut tmp_name = full.file_name().unwrap_or_default().to_os_string();
-            tmp_name.push(".tmp");
-            let tmp = full.with_file_name(tmp_name);
-            {
-                use std::io::Write;
-                let mut f = std::fs::File::create(&tmp).map_err(|e| path_error(&tmp, e))?;
-                f.write_all(&data).map_err(|e| path_error(&tmp, e))?;
-                f.sync_all().map_err(|e| path_error(&tmp, e))?;
-            }
-            std::fs::rename(&tmp, &full).map_err(|e| rename_error(&tmp, &full, e))?;
-            match full.parent() {
-                Some(dir) => sync_dir_path(dir),
-                None => Ok(()),
-            }
-        })
-        .await
     }
 
     async fn rename(&self, from: &str, to: &str) -> io::Result<()> {
@@ -507,6 +586,40 @@ mod tests {
                 "{what}: {err}"
             );
         }
+    }
+
+    #[tokio::test]
+    async fn directories_links_and_metadata() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let disk = RealDisk::open_root(dir.path()).expect("disk");
+        disk.create_dir_all("a/b/c").await.expect("mkdir");
+        assert!(disk.metadata("a/b").await.expect("meta").is_dir);
+        disk.write_atomic("a/b/f", b"12345".to_vec())
+            .await
+            .expect("write");
+        assert_eq!(
+            disk.metadata("a/b/f").await.expect("meta"),
+            Metadata {
+                len: 5,
+                is_dir: false
+            }
+        );
+        assert!(!dir.path().join("a/b/f.tmp").exists(), "no temporary left");
+        disk.hard_link("a/b/f", "a/g").await.expect("link");
+        disk.remove_file("a/b/f").await.expect("rm");
+        assert_eq!(disk.read("a/g").await.expect("read"), b"12345");
+        assert_eq!(disk.read_range("a/g", 1, 3).await.expect("range"), b"234");
+        let err = disk.remove_dir("a/b").await.expect_err("not empty");
+        assert!(err.to_string().contains("a/b"), "{err}");
+        disk.remove_dir("a/b/c").await.expect("rmdir");
+        disk.remove_dir("a/b").await.expect("rmdir");
+        assert_eq!(
+            disk.metadata("a/b").await.expect_err("gone").kind(),
+            io::ErrorKind::NotFound
+        );
+        // A top-level file: its directory is the root itself.
+        disk.write_atomic("top", b"x".to_vec()).await.expect("top");
+        assert_eq!(disk.read("top").await.expect("read"), b"x");
     }
 
     #[tokio::test]

@@ -15,8 +15,10 @@ mod clock;
 mod cpu;
 mod disk;
 mod net;
+mod ops;
 
 pub use clock::{Clock, SharedClock, SystemClock};
 pub use cpu::Cpu;
-pub use disk::{Disk, DiskFile, RealDisk};
+pub use disk::{parent_dir, Disk, DiskFile, Metadata, RealDisk};
 pub use net::{BoxConnection, Connection, Listener, Network, TcpNetwork};
+pub use ops::{is_being_removed, remove_tree, SequentialWriter, REMOVING_MARKER};

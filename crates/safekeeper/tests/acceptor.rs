@@ -365,4 +365,17 @@ async fn batch_shares_one_answer_and_relays_feedback() {
         .await
         .expect("read")
         .is_empty());
+    // The same for a walsender reading without the acceptor.
+    let committed = a.committed_wal();
+    assert_eq!(*committed.commit.borrow(), Lsn(2 * len));
+    let got = committed
+        .read(Lsn(0), Lsn(len), 1 << 20)
+        .await
+        .expect("read");
+    assert_eq!(got.len() as u64, len, "never past the announced commit_lsn");
+    let got = committed
+        .read(Lsn(0), Lsn(u64::MAX), 1 << 20)
+        .await
+        .expect("read");
+    assert_eq!(got.len() as u64, 2 * len, "never past commit_lsn");
 }

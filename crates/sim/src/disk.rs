@@ -18,7 +18,7 @@ use std::io;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use ferry_env::{Disk, DiskFile};
+use ferry_env::{Disk, DiskFile, Metadata};
 use rand::rngs::SmallRng;
 use rand::Rng;
 use tokio::time::Instant;
@@ -172,6 +172,61 @@ impl Disk for SimDisk {
         Ok(())
     }
 
+    async fn remove_dir(&self, path: &str) -> io::Result<()> {
+        Self::check_path(path)?;
+        self.stall().await;
+        let mut s = lock(&self.state);
+        if !s.dirs.contains(path) {
+            return Err(not_found(path));
+        }
+        let occupied = s
+            .current
+            .keys()
+            .chain(s.dirs.iter())
+            .any(|p| parent(p) == path);
+        if occupied {
+            return Err(io::Error::new(
+                io::ErrorKind::DirectoryNotEmpty,
+                format!("{path}: directory not empty"),
+            ));
+        }
+        s.dirs.remove(path);
+        Ok(())
+    }
+
+    async fn metadata(&self, path: &str) -> io::Result<Metadata> {
+        Self::check_path(path)?;
+        self.stall().await;
+        let s = lock(&self.state);
+        if s.dirs.contains(path) {
+            return Ok(Metadata {
+                len: 0,
+                is_dir: true,
+            });
+        }
+        let id = s.current.get(path).ok_or_else(|| not_found(path))?;
+        Ok(Metadata {
+            len: s.files.get(id).map_or(0, |f| f.current.len() as u64),
+            is_dir: false,
+        })
+    }
+
+    async fn hard_link(&self, from: &str, to: &str) -> io::Result<()> {
+        Self::check_path(from)?;
+        Self::check_path(to)?;
+        self.stall().await;
+        let mut s = lock(&self.state);
+        let id = *s.current.get(from).ok_or_else(|| not_found(from))?;
+        if s.current.contains_key(to) {
+            return Err(io::Error::new(io::ErrorKind::AlreadyExists, to.to_string()));
+        }
+        if !parent(to).is_empty() && !s.dirs.contains(parent(to)) {
+            return Err(not_found(parent(to)));
+        }
+        s.current.insert(to.to_string(), id);
+        Ok(())
+    }
+
     async fn open(&self, path: &str) -> io::Result<Box<dyn DiskFile>> {
         Self::check_path(path)?;
         self.stall().await;
@@ -217,28 +272,6 @@ impl Disk for SimDisk {
             .unwrap_or_default())
     }
 
-    async fn write_atomic(&self, path: &str, data: Vec<u8>) -> io::Result<()> {
-        Self::check_path(path)?;
-        self.stall().await;
-        let mut s = lock(&self.state);
-        if !parent(path).is_empty() && !s.dirs.contains(parent(path)) {
-            return Err(not_found(parent(path)));
-        }
-        let id = s.next_id;
-        s.next_id += 1;
-        s.files.insert(
-            id,
-            FileData {
-                synced: data.clone(),
-                current: data,
-            },
-        );
-        s.current.insert(path.to_string(), id);
-        s.synced.insert(path.to_string(), id);
-        s.fsyncs += 2;
-        Ok(())
-    }
-
     async fn rename(&self, from: &str, to: &str) -> io::Result<()> {
         Self::check_path(from)?;
         Self::check_path(to)?;
@@ -275,6 +308,8 @@ impl Disk for SimDisk {
 
     async fn sync_dir(&self, path: &str) -> io::Result<()> {
         Self::check_path(path)?;
+        // "." is the disk's root, whose entries have no parent component.
+        let path = if path == "." { "" } else { path };
         self.stall().await;
         let mut s = lock(&self.state);
         if s.failing {
