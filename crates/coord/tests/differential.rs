@@ -27,7 +27,8 @@
 //! -1, `multi-create` creates inside multis, `astral` names above U+FFFF,
 //! `big-multi` multis near the request size limit, `root-set` sets on "/",
 //! `restart`, `close`, `expire`, `seq-under-ephemeral` sequential creates under
-//! ephemeral nodes, `invalid-path` malformed paths).
+//! ephemeral nodes, `invalid-path` malformed paths, `race` a set racing a read
+//! with a watch from another session, `watch` every watch).
 
 mod common;
 
@@ -159,6 +160,17 @@ enum Step {
     Reopen {
         s: usize,
     },
+    /// An unconditional set by session `w` sent together with a `get_watch` of the
+    /// same node by session `r`: on the embedded store both land in one batch,
+    /// on ZooKeeper either may come first. Only the set's result is compared;
+    /// on each back-end the watch must fire exactly when the read did not see
+    /// the set (a watch never fires for a change its read already saw).
+    Race {
+        w: usize,
+        r: usize,
+        path: String,
+        data: Vec<u8>,
+    },
     /// Restarts the embedded store from its directory (every session was closed
     /// first); nothing happens to ZooKeeper.
     Restart,
@@ -249,6 +261,11 @@ impl fmt::Display for Step {
             Step::Close { s } => write!(f, "s{s} close"),
             Step::Expire { s } => write!(f, "s{s} expire"),
             Step::Reopen { s } => write!(f, "s{s} reopen"),
+            Step::Race { w, r, path, data } => write!(
+                f,
+                "s{w} set {path} {} None racing s{r} get_watch {path}",
+                Bytes(data)
+            ),
             Step::Restart => write!(f, "restart the embedded store"),
         }
     }
@@ -574,6 +591,11 @@ struct World {
     next_watch: u64,
     /// Watches not fired yet: id → slot.
     unfired: BTreeMap<u64, usize>,
+    /// Watches set by racing reads, whose firing depends on the order the
+    /// back-end chose: checked by `check_race`, never compared.
+    racy: BTreeSet<u64>,
+    /// The watch of the last race's read and the mzxid that read returned.
+    race: Option<(u64, i64)>,
     notes_tx: mpsc::UnboundedSender<Note>,
     notes: mpsc::UnboundedReceiver<Note>,
     followers: Vec<JoinHandle<()>>,
@@ -619,6 +641,8 @@ impl World {
             owners: BTreeMap::new(),
             next_watch: 0,
             unfired: BTreeMap::new(),
+            racy: BTreeSet::new(),
+            race: None,
             notes_tx,
             notes,
             followers: Vec::new(),
@@ -644,7 +668,7 @@ impl World {
 
     /// Follows a watch like a caller does: waits for it, then reads again what it
     /// announced (nothing for session events).
-    fn follow(&mut self, s: usize, kind: ReadKind, path: &str, watch: Watch) {
+    fn follow(&mut self, s: usize, kind: ReadKind, path: &str, watch: Watch) -> u64 {
         let id = self.next_watch;
         self.next_watch += 1;
         self.unfired.insert(id, s);
@@ -662,6 +686,7 @@ impl World {
             };
             let _ = tx.send(Note::Read(id, after));
         }));
+        id
     }
 
     async fn apply(&mut self, step: &Step, numbers: &[usize]) -> Reply {
@@ -711,6 +736,17 @@ impl World {
             Step::Reopen { s } => {
                 self.open(*s, numbers[*s]).await;
                 Reply::Done
+            }
+            Step::Race { w, r, path, data } => {
+                let (ws, rs) = (Arc::clone(&self.slots[*w]), Arc::clone(&self.slots[*r]));
+                let (set, read) = tokio::join!(ws.set(path, data, None), rs.get_watch(path));
+                self.race = None;
+                if let Ok((_, stat, watch)) = read {
+                    let id = self.follow(*r, ReadKind::Get, path, watch);
+                    self.racy.insert(id);
+                    self.race = Some((id, stat.mzxid));
+                }
+                reply(set, Reply::Set)
             }
             Step::Restart => {
                 if let Store::Embedded(e) = &mut self.store {
@@ -1064,15 +1100,20 @@ impl Model {
             return step;
         }
         let s = rng.random_range(0..self.lives.len());
-        if self.lives[s] != Life::Live && rng.random_bool(0.6) {
-            return Step::Reopen { s };
+        if self.lives[s] != Life::Live {
+            match rng.random_range(0..10) {
+                0..=4 => return Step::Reopen { s },
+                5..=6 if !self.avoids("close") => return Step::Close { s },
+                _ => {}
+            }
         }
         let live = self.lives[s] == Life::Live;
+        let watches = !self.avoids("watch");
         let read = |kind, path, rng: &mut SmallRng| Step::Read {
             s,
             kind,
             path,
-            watch: rng.random_bool(0.5),
+            watch: watches && rng.random_bool(0.5),
         };
         match rng.random_range(0..1000) {
             0..=179 => {
@@ -1110,7 +1151,8 @@ impl Model {
                 s,
                 ops: self.big_multi(rng),
             },
-            935..=959 if live && !self.avoids("close") => Step::Close { s },
+            // Closing a dead handle too (a caller cleaning up after expiry).
+            935..=959 if !self.avoids("close") => Step::Close { s },
             960..=966 if live && !self.avoids("expire") => Step::Expire { s },
             967..=981 if !self.avoids("restart") => {
                 // Every session ends, the store restarts, new sessions start.
@@ -1124,6 +1166,20 @@ impl Model {
                     self.queued.push_back(Step::Reopen { s });
                 }
                 self.queued.pop_front().unwrap_or(Step::Restart)
+            }
+            982..=996 if live && !self.avoids("race") => {
+                let others: Vec<usize> = (0..self.lives.len())
+                    .filter(|o| *o != s && self.lives[*o] == Life::Live)
+                    .collect();
+                if others.is_empty() {
+                    return read(ReadKind::Get, "/".to_string(), rng);
+                }
+                Step::Race {
+                    w: s,
+                    r: others[rng.random_range(0..others.len())],
+                    path: self.pick_path(rng),
+                    data: Self::data(rng),
+                }
             }
             _ => read(ReadKind::Get, "/".to_string(), rng),
         }
@@ -1155,12 +1211,12 @@ impl Model {
     /// Learns from the (agreed) reply what a caller would learn.
     fn after(&mut self, step: &Step, reply: &Reply) {
         match (step, reply) {
-            (Step::Close { s }, _) => self.lives[*s] = Life::Closed,
+            (Step::Close { s }, _) if self.lives[*s] == Life::Live => self.lives[*s] = Life::Closed,
             (Step::Expire { s }, _) => self.lives[*s] = Life::Expired,
             (Step::Reopen { s }, _) => self.lives[*s] = Life::Live,
             (_, Reply::Created(path, stat)) => self.saw(path, stat),
             (
-                Step::Read { path, .. } | Step::Set { path, .. },
+                Step::Read { path, .. } | Step::Set { path, .. } | Step::Race { path, .. },
                 Reply::Data(_, stat)
                 | Reply::Exists(Some(stat))
                 | Reply::Set(stat)
@@ -1260,6 +1316,24 @@ fn show_events(fired: &Fired, owners: &BTreeMap<i64, usize>) -> String {
     }
 }
 
+/// After a race: the racing read's watch fired if and only if the read did not
+/// see the set.
+fn check_race(world: &World, reply: &Reply, fired: &Fired) -> Result<(), String> {
+    let (Some((id, read_mzxid)), Reply::Set(stat)) = (world.race, reply) else {
+        return Ok(());
+    };
+    match (read_mzxid >= stat.mzxid, fired.get(&id)) {
+        (true, Some((event, _))) => Err(format!(
+            "the racing read saw the set, yet its watch {id} fired {:?} for it",
+            event.kind
+        )),
+        (false, None) => Err(format!(
+            "the racing read did not see the set, yet its watch {id} did not fire"
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Compares the watches fired on both back-ends and what was read after them.
 fn compare_events(
     order: &mut ZxidOrder,
@@ -1341,7 +1415,17 @@ async fn run_seed(seed: u64, verbose: bool, avoid: &BTreeSet<String>) -> Result<
             .iter()
             .map(|l| *l == Life::Live)
             .collect();
-        let (e_fired, z_fired) = collect_events(&mut emb, &mut zk, &live).await;
+        let (mut e_fired, mut z_fired) = collect_events(&mut emb, &mut zk, &live).await;
+        let race = if matches!(step, Step::Race { .. }) {
+            check_race(&emb, &e, &e_fired)
+                .map_err(|what| format!("embedded store: {what}"))
+                .and_then(|()| {
+                    check_race(&zk, &z, &z_fired).map_err(|what| format!("zookeeper: {what}"))
+                })
+        } else {
+            Ok(())
+        };
+        let racy: BTreeSet<u64> = emb.racy.union(&zk.racy).copied().collect();
         let (en, zn) = (norm(&e, &emb.owners), norm(&z, &zk.owners));
         let line = format!(
             "#{op} {step} => {en:?}; {}",
@@ -1350,10 +1434,12 @@ async fn run_seed(seed: u64, verbose: bool, avoid: &BTreeSet<String>) -> Result<
         if verbose {
             eprintln!("{line}");
         }
-        let verdict = order
-            .compare(&en, &zn)
+        let verdict = race
+            .and_then(|()| order.compare(&en, &zn))
             .map_err(|what| (what, format!("{en:?}"), format!("{zn:?}")))
             .and_then(|()| {
+                e_fired.retain(|id, _| !racy.contains(id));
+                z_fired.retain(|id, _| !racy.contains(id));
                 compare_events(&mut order, &e_fired, &z_fired, &emb.owners, &zk.owners).map_err(
                     |what| {
                         (
