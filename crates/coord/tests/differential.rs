@@ -1253,6 +1253,8 @@ fn join(parent: &str, name: &str) -> String {
 
 struct Failure {
     seed: u64,
+    /// `FERRY_DIFF_AVOID` of the run, needed to replay it.
+    avoid: String,
     op: usize,
     step: String,
     what: String,
@@ -1286,9 +1288,14 @@ impl fmt::Display for Failure {
         writeln!(f, "  op:        {}", self.step)?;
         writeln!(f, "  embedded:  {}", self.embedded)?;
         writeln!(f, "  zookeeper: {}", self.zookeeper)?;
+        let avoid = if self.avoid.is_empty() {
+            String::new()
+        } else {
+            format!("FERRY_DIFF_AVOID={} ", self.avoid)
+        };
         writeln!(
             f,
-            "  replay:    FERRY_DIFF_SEED={} cargo test -p ferry-coord --test differential -- --nocapture",
+            "  replay:    {avoid}FERRY_DIFF_SEED={} cargo test -p ferry-coord --test differential -- --nocapture",
             self.seed
         )?;
         writeln!(f, "  the operations before it (embedded results):")?;
@@ -1453,6 +1460,7 @@ async fn run_seed(seed: u64, verbose: bool, avoid: &BTreeSet<String>) -> Result<
         if let Err((what, embedded, zookeeper)) = verdict {
             result = Err(Failure {
                 seed,
+                avoid: avoid.iter().cloned().collect::<Vec<_>>().join(","),
                 op,
                 step: step.to_string(),
                 what,
