@@ -9,62 +9,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::SOON;
+use common::{Proxy, SOON};
 use ferry_coord::zk::{ZkOptions, ZkSession};
 use ferry_coord::{CoordError, Coordination, CreateMode, SessionState};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
-
-/// Forwards connections to ZooKeeper until cut. A cut behaves like a network
-/// partition: bytes stop flowing but no connection is closed (nothing answers), so
-/// the client must notice by its own timeouts. Connections held during a cut are
-/// dropped when it heals.
-struct Proxy {
-    addr: String,
-    cut: watch::Sender<bool>,
-}
-
-impl Proxy {
-    async fn start(upstream: String) -> Proxy {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr").to_string();
-        let (cut, cut_rx) = watch::channel(false);
-        tokio::spawn(async move {
-            loop {
-                let Ok((client, _)) = listener.accept().await else {
-                    return;
-                };
-                let upstream = upstream.clone();
-                let mut cut_rx = cut_rx.clone();
-                tokio::spawn(async move {
-                    if *cut_rx.borrow() {
-                        let _ = cut_rx.wait_for(|c| !*c).await;
-                        drop(client);
-                        return;
-                    }
-                    let Ok(server) = TcpStream::connect(&upstream).await else {
-                        return;
-                    };
-                    let (mut cr, mut cw) = client.into_split();
-                    let (mut sr, mut sw) = server.into_split();
-                    tokio::select! {
-                        _ = tokio::io::copy(&mut cr, &mut sw) => return,
-                        _ = tokio::io::copy(&mut sr, &mut cw) => return,
-                        _ = cut_rx.wait_for(|c| *c) => {}
-                    }
-                    // Partitioned: hold the sockets silently until healed.
-                    let _ = cut_rx.wait_for(|c| !*c).await;
-                    drop((cr, cw, sr, sw));
-                });
-            }
-        });
-        Proxy { addr, cut }
-    }
-
-    fn set_cut(&self, cut: bool) {
-        self.cut.send_replace(cut);
-    }
-}
 
 async fn setup() -> Option<(Proxy, ZkOptions, ZkSession)> {
     let addr = common::zk_address()?;

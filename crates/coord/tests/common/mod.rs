@@ -15,6 +15,8 @@ use ferry_coord::embedded::{EmbeddedOptions, EmbeddedStore};
 use ferry_coord::zk::{ZkOptions, ZkSession};
 use ferry_coord::{Coordination, Session};
 use ferry_env::RealDisk;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
 
 /// Generous bound for anything that should happen "soon" in a test.
 pub const SOON: Duration = Duration::from_secs(10);
@@ -31,17 +33,38 @@ pub trait Backend: Send + Sync {
 
 pub struct Embedded {
     pub store: EmbeddedStore,
-    _dir: tempfile::TempDir,
+    options: EmbeddedOptions,
+    dir: tempfile::TempDir,
 }
 
 impl Embedded {
     pub async fn new() -> Embedded {
+        Embedded::with_options(EmbeddedOptions::default()).await
+    }
+
+    /// A store in a new temporary directory, tuned by `options`.
+    pub async fn with_options(options: EmbeddedOptions) -> Embedded {
         let dir = tempfile::tempdir().expect("tempdir");
+        let store = Embedded::open(&dir, &options).await;
+        Embedded {
+            store,
+            options,
+            dir,
+        }
+    }
+
+    async fn open(dir: &tempfile::TempDir, options: &EmbeddedOptions) -> EmbeddedStore {
         let disk = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
-        let store = EmbeddedStore::open(disk, "coord", EmbeddedOptions::default())
+        EmbeddedStore::open(disk, "coord", options.clone())
             .await
-            .expect("open store");
-        Embedded { store, _dir: dir }
+            .expect("open store")
+    }
+
+    /// Shuts the store down and opens it again from the same directory, as a
+    /// process restart does: its sessions end, its data must be recovered.
+    pub async fn restart(&mut self) {
+        self.store.shutdown().await;
+        self.store = Embedded::open(&self.dir, &self.options).await;
     }
 }
 
@@ -77,9 +100,71 @@ impl Backend for Embedded {
     }
 }
 
+/// Forwards connections to ZooKeeper until cut. A cut behaves like a network
+/// partition: bytes stop flowing but no connection is closed (nothing answers), so
+/// the client must notice by its own timeouts. Connections held during a cut are
+/// dropped when it heals. Dropping the proxy stops accepting connections.
+pub struct Proxy {
+    pub addr: String,
+    cut: watch::Sender<bool>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
+impl Proxy {
+    pub async fn start(upstream: String) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let (cut, cut_rx) = watch::channel(false);
+        let accept = tokio::spawn(async move {
+            loop {
+                let Ok((client, _)) = listener.accept().await else {
+                    return;
+                };
+                let upstream = upstream.clone();
+                let mut cut_rx = cut_rx.clone();
+                tokio::spawn(async move {
+                    if *cut_rx.borrow() {
+                        let _ = cut_rx.wait_for(|c| !*c).await;
+                        drop(client);
+                        return;
+                    }
+                    let Ok(server) = TcpStream::connect(&upstream).await else {
+                        return;
+                    };
+                    let (mut cr, mut cw) = client.into_split();
+                    let (mut sr, mut sw) = server.into_split();
+                    tokio::select! {
+                        _ = tokio::io::copy(&mut cr, &mut sw) => return,
+                        _ = tokio::io::copy(&mut sr, &mut cw) => return,
+                        _ = cut_rx.wait_for(|c| *c) => {}
+                    }
+                    // Partitioned: hold the sockets silently until healed.
+                    let _ = cut_rx.wait_for(|c| !*c).await;
+                    drop((cr, cw, sr, sw));
+                });
+            }
+        });
+        Proxy { addr, cut, accept }
+    }
+
+    pub fn set_cut(&self, cut: bool) {
+        self.cut.send_replace(cut);
+    }
+}
+
 pub struct ZooKeeper {
     options: ZkOptions,
     infos: Mutex<BTreeMap<i64, zookeeper_client::SessionInfo>>,
+    /// With `ZooKeeper::with_proxies`: the server's address and the chroot, and
+    /// the proxy of every session made.
+    proxied: Option<(String, String)>,
+    proxies: Mutex<BTreeMap<i64, Arc<Proxy>>>,
 }
 
 /// The address of the test ZooKeeper, or `None` (with a note) when the suite runs
@@ -138,7 +223,23 @@ impl ZooKeeper {
         Some(ZooKeeper {
             options,
             infos: Mutex::new(BTreeMap::new()),
+            proxied: None,
+            proxies: Mutex::new(BTreeMap::new()),
         })
+    }
+
+    /// Like [`ZooKeeper::new`], but every session connects through its own
+    /// [`Proxy`], so that [`Backend::expire`] can expire it at once and surely:
+    /// it partitions the owner, closes the session from a second client attached
+    /// to it, and heals, so the owner learns of the expiry when it reconnects
+    /// (without the partition, the owner may reconnect first and the expiry has
+    /// to be tried again).
+    pub async fn with_proxies() -> Option<ZooKeeper> {
+        let mut zk = ZooKeeper::new().await?;
+        let connect = zk.options.connect.clone();
+        let split = connect.find('/').unwrap_or(connect.len());
+        zk.proxied = Some((connect[..split].to_string(), connect[split..].to_string()));
+        Some(zk)
     }
 
     pub fn options(&self) -> &ZkOptions {
@@ -153,11 +254,29 @@ impl Backend for ZooKeeper {
     }
 
     async fn session(&self) -> Session {
-        let session = ZkSession::connect(&self.options).await.expect("connect");
+        let (session, proxy) = match &self.proxied {
+            None => (
+                ZkSession::connect(&self.options).await.expect("connect"),
+                None,
+            ),
+            Some((addr, chroot)) => {
+                let proxy = Proxy::start(addr.clone()).await;
+                let mut options = self.options.clone();
+                options.connect = format!("{}{chroot}", proxy.addr);
+                let session = ZkSession::connect(&options).await.expect("connect");
+                (session, Some(proxy))
+            }
+        };
         self.infos
             .lock()
             .expect("lock")
             .insert(session.session_id(), session.session_info());
+        if let Some(proxy) = proxy {
+            self.proxies
+                .lock()
+                .expect("lock")
+                .insert(session.session_id(), Arc::new(proxy));
+        }
         Arc::new(session)
     }
 
@@ -181,6 +300,26 @@ impl Backend for ZooKeeper {
             .cloned()
             .expect("session made by this back-end");
         let mut state = session.session_state();
+        let proxy = self
+            .proxies
+            .lock()
+            .expect("lock")
+            .get(&session.session_id())
+            .cloned();
+        if let Some(proxy) = proxy {
+            proxy.set_cut(true);
+            let thief = ZkSession::attach(&self.options, info)
+                .await
+                .expect("attach to the session");
+            thief.close().await;
+            proxy.set_cut(false);
+            let expired = state.wait_for(|s| *s == ferry_coord::SessionState::Expired);
+            tokio::time::timeout(SOON, expired)
+                .await
+                .expect("the owner learns of the expiry in time")
+                .expect("state");
+            return;
+        }
         for attempt in 1..=10 {
             match ZkSession::attach(&self.options, info.clone()).await {
                 Ok(thief) => thief.close().await,
