@@ -783,6 +783,25 @@ async fn a_factory_replaces_an_expired_session(b: &dyn Backend) {
     assert_eq!(stat.ephemeral_owner, new.session_id());
 }
 
+/// Bad input is refused as such even on an expired session (ZooKeeper's
+/// client checks a request before it asks the server); a closed handle
+/// answers `SessionClosed` first.
+async fn bad_input_on_an_ended_session_is_still_bad_input(b: &dyn Backend) {
+    let s = b.session().await;
+    b.expire(&s).await;
+    assert!(matches!(
+        s.delete("/", Some(1)).await,
+        Err(CoordError::InvalidPath { .. })
+    ));
+    assert!(matches!(
+        s.set("/x", b"", Some(-1)).await,
+        Err(CoordError::InvalidVersion { .. })
+    ));
+    assert_eq!(s.get("/x").await, Err(CoordError::SessionExpired));
+    s.close().await;
+    assert_eq!(s.delete("/", Some(1)).await, Err(CoordError::SessionClosed));
+}
+
 conformance!(
     nodes_crud_and_stats,
     typed_errors,
@@ -804,4 +823,5 @@ conformance!(
     sequential_create_errors_name_the_prefix,
     requests_after_close_are_session_closed,
     a_factory_replaces_an_expired_session,
+    bad_input_on_an_ended_session_is_still_bad_input,
 );

@@ -39,7 +39,8 @@ use std::time::Duration;
 
 use common::{Backend, Embedded, ZooKeeper, SOON};
 use ferry_coord::embedded::EmbeddedOptions;
-use ferry_coord::path::{MAX_DATA_BYTES, MAX_REQUEST_BYTES, OP_OVERHEAD_BYTES};
+use ferry_coord::multi_request_bytes;
+use ferry_coord::path::{MAX_DATA_BYTES, MAX_REQUEST_BYTES};
 use ferry_coord::{
     CoordError, Coordination, CreateMode, Op, OpResult, Session, Stat, Watch, WatchEvent,
 };
@@ -238,18 +239,10 @@ impl fmt::Display for Step {
             } => write!(f, "s{s} set {path} {} {version:?}", Bytes(data)),
             Step::Delete { s, path, version } => write!(f, "s{s} delete {path} {version:?}"),
             Step::Multi { s, ops } if ops.len() > 6 => {
-                let bytes: usize = ops
-                    .iter()
-                    .map(|op| match op {
-                        Op::Create { path, data, .. } | Op::Set { path, data, .. } => {
-                            path.len() + data.len() + OP_OVERHEAD_BYTES
-                        }
-                        other => other.path().len() + OP_OVERHEAD_BYTES,
-                    })
-                    .sum();
+                let bytes = multi_request_bytes(ops, 0);
                 write!(
                     f,
-                    "s{s} multi of {} ops ({bytes} request bytes as counted by the API), each like [{}]",
+                    "s{s} multi of {} ops ({bytes} request bytes without a chroot), each like [{}]",
                     ops.len(),
                     show_op(&ops[0])
                 )
@@ -351,7 +344,7 @@ impl fmt::Debug for NErr {
 #[derive(Clone, PartialEq, Eq, Debug)]
 enum NOp {
     Check,
-    Create(String, NStat),
+    Create(String),
     Set(NStat),
     Delete,
 }
@@ -405,8 +398,8 @@ impl Norm {
             Norm::Multi(results) => results
                 .iter_mut()
                 .filter_map(|r| match r {
-                    NOp::Create(_, st) | NOp::Set(st) => Some(st),
-                    NOp::Check | NOp::Delete => None,
+                    NOp::Set(st) => Some(st),
+                    NOp::Create(_) | NOp::Check | NOp::Delete => None,
                 })
                 .collect(),
             Norm::Exists(None) | Norm::Deleted | Norm::Done | Norm::Failed(_) => Vec::new(),
@@ -433,6 +426,7 @@ fn norm_err(e: &CoordError) -> NErr {
         CoordError::NotEmpty { path } => ("NotEmpty", Some(path)),
         CoordError::NoChildrenForEphemerals { path } => ("NoChildrenForEphemerals", Some(path)),
         CoordError::InvalidPath { path, .. } => ("InvalidPath", Some(path)),
+        CoordError::InvalidVersion { path, .. } => ("InvalidVersion", Some(path)),
         CoordError::TooLarge { .. } => ("TooLarge", None),
         CoordError::SessionExpired => ("SessionExpired", None),
         CoordError::SessionClosed => ("SessionClosed", None),
@@ -481,7 +475,7 @@ fn norm(reply: &Reply, owners: &BTreeMap<i64, usize>) -> Norm {
                 .iter()
                 .map(|r| match r {
                     OpResult::Check => NOp::Check,
-                    OpResult::Create { path, stat } => NOp::Create(path.clone(), st(stat)),
+                    OpResult::Create { path } => NOp::Create(path.clone()),
                     OpResult::Set { stat } => NOp::Set(st(stat)),
                     OpResult::Delete => NOp::Delete,
                 })
@@ -868,6 +862,10 @@ struct Model {
     versions: BTreeMap<String, i32>,
     avoid: BTreeSet<String>,
     queued: VecDeque<Step>,
+    /// Bytes ZooKeeper's chroot adds to every path of a request (the embedded
+    /// store adds none): multis near the size limit are sized with it, so that
+    /// both back-ends accept them or both refuse them.
+    zk_prefix: usize,
 }
 
 impl Model {
@@ -1069,30 +1067,41 @@ impl Model {
         ops
     }
 
-    /// A multi whose size, as the API counts it, is just under
-    /// `MAX_REQUEST_BYTES`: many sequential creates (or sets) sharing the bytes.
+    /// A multi whose size, as ZooKeeper receives it, is just under
+    /// `MAX_REQUEST_BYTES` (both back-ends accept it), or just over it without
+    /// the chroot (both refuse it): many sequential creates (or sets) sharing
+    /// the bytes.
     fn big_multi(&self, rng: &mut SmallRng) -> Vec<Op> {
         let n = rng.random_range(1..=120);
-        let total = MAX_REQUEST_BYTES - rng.random_range(0..512);
+        let over = rng.random_bool(0.3);
+        let (prefix, target) = if over {
+            (0, MAX_REQUEST_BYTES + 1 + rng.random_range(0..512))
+        } else {
+            (self.zk_prefix, MAX_REQUEST_BYTES - rng.random_range(0..512))
+        };
         let creates = !self.avoids("multi-create") && rng.random_bool(0.7);
         let path = if creates {
             self.sequential_prefix(rng)
         } else {
             self.known_path(rng).unwrap_or_else(|| "/a".to_string())
         };
-        let len = (total / n)
-            .saturating_sub(path.len() + OP_OVERHEAD_BYTES)
-            .min(MAX_DATA_BYTES);
-        let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
-        (0..n)
-            .map(|_| {
-                if creates {
-                    Op::create(path.clone(), data.clone(), CreateMode::PersistentSequential)
-                } else {
-                    Op::set(path.clone(), data.clone(), None)
-                }
-            })
-            .collect()
+        let build = |len: usize| -> Vec<Op> {
+            let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+            (0..n)
+                .map(|_| {
+                    if creates {
+                        Op::create(path.clone(), data.clone(), CreateMode::PersistentSequential)
+                    } else {
+                        Op::set(path.clone(), data.clone(), None)
+                    }
+                })
+                .collect()
+        };
+        let base = multi_request_bytes(&build(0), prefix);
+        let room = target.saturating_sub(base);
+        // Over: round up, so the total passes the target; under: round down.
+        let len = if over { room.div_ceil(n) } else { room / n };
+        build(len.min(MAX_DATA_BYTES))
     }
 
     fn next_step(&mut self, rng: &mut SmallRng) -> Step {
@@ -1203,6 +1212,16 @@ impl Model {
         }
     }
 
+    fn saw_created(&mut self, path: &str, ephemeral: bool) {
+        self.known.insert(path.to_string());
+        self.versions.insert(path.to_string(), 0);
+        if ephemeral {
+            self.ephemeral.insert(path.to_string());
+        } else {
+            self.ephemeral.remove(path);
+        }
+    }
+
     fn gone(&mut self, path: &str) {
         self.versions.remove(path);
         self.ephemeral.remove(path);
@@ -1228,7 +1247,12 @@ impl Model {
             (Step::Multi { ops, .. }, Reply::Multi(results)) => {
                 for (op, result) in ops.iter().zip(results) {
                     match result {
-                        OpResult::Create { path, stat } => self.saw(path, stat),
+                        // A created node has version 0: all a caller may assume.
+                        OpResult::Create { path } => {
+                            let ephemeral =
+                                matches!(op, Op::Create { mode, .. } if mode.is_ephemeral());
+                            self.saw_created(path, ephemeral)
+                        }
                         OpResult::Set { stat } => self.saw(op.path(), stat),
                         OpResult::Delete => self.gone(op.path()),
                         OpResult::Check => {}
@@ -1389,6 +1413,8 @@ async fn run_seed(seed: u64, verbose: bool, avoid: &BTreeSet<String>) -> Result<
     let Some(zk) = ZooKeeper::with_proxies().await else {
         return Ok(());
     };
+    let connect = &zk.options().connect;
+    let zk_prefix = connect.find('/').map_or(0, |i| connect.len() - i);
     let mut zk = World::new(Store::ZooKeeper(zk));
     let mut model = Model {
         lives: vec![Life::Live; sessions],
@@ -1399,6 +1425,7 @@ async fn run_seed(seed: u64, verbose: bool, avoid: &BTreeSet<String>) -> Result<
         versions: BTreeMap::new(),
         avoid: avoid.clone(),
         queued: VecDeque::new(),
+        zk_prefix,
     };
     for s in 0..sessions {
         emb.open(s, s).await;

@@ -777,6 +777,19 @@ fn watch_from(rx: oneshot::Receiver<WatchEvent>) -> Watch {
     })
 }
 
+/// The checks the store makes of a request, made by the session first.
+fn validate_request(request: &Request) -> Result<()> {
+    match request {
+        Request::Multi(ops) => validate_multi(ops, 0),
+        Request::Create(op) => {
+            validate_multi(std::slice::from_ref(op), 0).map_err(|e| e.root().clone())
+        }
+        Request::Get { path, .. }
+        | Request::Exists { path, .. }
+        | Request::Children { path, .. } => path::validate_path(path),
+    }
+}
+
 fn unexpected() -> CoordError {
     CoordError::Backend("embedded store answered with the wrong response kind".to_string())
 }
@@ -811,6 +824,13 @@ impl EmbeddedSession {
 
     async fn call(&self, kind: RequestKind, ops: usize, request: Request) -> Result<Response> {
         let result = async {
+            // The order of ZooKeeper's client: a closed handle answers at once;
+            // otherwise bad input is refused before the session is asked about,
+            // so an expired session still reports an invalid path as such.
+            if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+                return Err(CoordError::SessionClosed);
+            }
+            validate_request(&request)?;
             if let Some(e) = self.local_state_error() {
                 return Err(e);
             }
