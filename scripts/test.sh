@@ -114,6 +114,11 @@ export FERRY_TEST_ZK="127.0.0.1:$zk_port"
 export FERRY_TEST_S3_ENDPOINT="http://127.0.0.1:$s3_port"
 export FERRY_TEST_REQUIRE_SERVICES=1
 
+log "the product binary carries no test-only tokio features"
+if cargo tree -p ferry -e normal -i tokio --format '{p} {f}' --locked | head -n 1 | grep -q test-util; then
+    log "tokio's test-util reaches the ferry binary (cargo tree -p ferry -e normal -i tokio)"
+    exit 1
+fi
 log "cargo fmt --check"
 cargo fmt --all -- --check
 log "cargo clippy"

@@ -17,7 +17,6 @@ mod local;
 mod lockfile;
 mod paths;
 mod roles;
-mod sim;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -45,22 +44,17 @@ enum Command {
     /// Runs the writer (the proposer of the WAL quorum) of a distributed deployment.
     Writer(roles::WriterArgs),
     /// Deterministic simulation: random schedules of faults, checked invariants.
+    /// Runs the separate `ferry-sim` binary installed beside this one (the
+    /// product carries no simulator), e.g. `ferry sim wal --seeds 2000`.
     Sim {
-        #[command(subcommand)]
-        which: SimCommand,
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
     },
     /// Prints performance figures.
     Bench {
         #[command(subcommand)]
         which: BenchCommand,
     },
-}
-
-#[derive(Debug, Subcommand)]
-enum SimCommand {
-    /// The WAL random test: 3 safekeepers and a writer under crashes, restarts,
-    /// partitions, broken connections and disk stalls.
-    Wal(sim::WalSimArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -73,6 +67,27 @@ enum BenchCommand {
     Wal(bench::WalBenchArgs),
 }
 
+/// Runs `ferry-sim` from beside this binary with `args`, in place of this
+/// process.
+fn run_simulator(args: Vec<std::ffi::OsString>) -> anyhow::Result<()> {
+    use std::os::unix::process::CommandExt;
+    let exe = std::env::current_exe()?;
+    let sim = exe.with_file_name("ferry-sim");
+    if !sim.is_file() {
+        let shown: Vec<String> = args
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        anyhow::bail!(
+            "the simulator is the separate binary ferry-sim, and there is none beside {}: build it with `cargo build --release -p ferry-sim`, or run `cargo run --release -p ferry-sim -- {}`",
+            exe.display(),
+            shown.join(" ")
+        );
+    }
+    let err = std::process::Command::new(&sim).args(args).exec();
+    Err(anyhow::Error::new(err).context(format!("running {}", sim.display())))
+}
+
 /// Where `ferry dev` keeps its data unless told otherwise: under the working folder.
 pub fn default_data_dir() -> PathBuf {
     PathBuf::from("ferry-data")
@@ -80,20 +95,8 @@ pub fn default_data_dir() -> PathBuf {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    if let Command::Sim {
-        which: SimCommand::Wal(args),
-    } = cli.command
-    {
-        // Node logs would drown the event log; RUST_LOG turns them on.
-        if std::env::var_os("RUST_LOG").is_some() {
-            tracing_subscriber::fmt()
-                .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-                .with_writer(std::io::stderr)
-                .with_ansi(std::io::stderr().is_terminal())
-                .init();
-        }
-        // The simulator builds its own single-threaded runtime per seed.
-        return sim::wal(args);
+    if let Command::Sim { args } = cli.command {
+        return run_simulator(args);
     }
     tracing_subscriber::fmt()
         .with_env_filter(

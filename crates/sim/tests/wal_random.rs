@@ -14,7 +14,7 @@ fn explain(f: &Failure) -> String {
         .rev()
         .collect();
     format!(
-        "{f}\nreplay with: cargo run --release -p ferry -- sim wal --seed {} --log\nlast events:\n{}",
+        "{f}\nreplay with: cargo run --release -p ferry-sim -- wal --seed {} --log\nlast events:\n{}",
         f.seed,
         tail.iter().map(|l| l.as_str()).collect::<Vec<_>>().join("\n")
     )

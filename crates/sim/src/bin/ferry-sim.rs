@@ -1,9 +1,42 @@
-//! `ferry sim ...`: runs simulation seeds and reports speed and failures.
+//! `ferry-sim`: the deterministic simulator's command line (random seeds,
+//! speed, failures, and the replay of one seed with its event log).
+//!
+//! A binary of its own so that the product binary `ferry` never carries the
+//! paused clock the simulator needs (tokio's `test-util`); `ferry sim ...`
+//! runs this one when it is installed beside `ferry`.
 
 use std::time::{Duration, Instant};
 
+use clap::{Parser, Subcommand};
+
+/// Prints a line to stdout, ignoring a closed stdout.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "ferry-sim",
+    version,
+    about = "Deterministic simulation of ferry: random schedules of faults, checked invariants"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: SimCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum SimCommand {
+    /// The WAL random test: 3 safekeepers, writers and a replica under crashes,
+    /// restarts, partitions, broken connections and disk faults.
+    Wal(WalSimArgs),
+}
+
 #[derive(Debug, clap::Args)]
-pub struct WalSimArgs {
+struct WalSimArgs {
     /// Run exactly this seed (with `--log`, print its event log).
     #[arg(long, conflicts_with_all = ["seeds", "start_seed"])]
     seed: Option<u64>,
@@ -18,7 +51,7 @@ pub struct WalSimArgs {
     start_seed: u64,
 }
 
-pub fn wal(args: WalSimArgs) -> anyhow::Result<()> {
+fn wal(args: WalSimArgs) -> anyhow::Result<()> {
     if let Some(seed) = args.seed {
         return match ferry_sim::wal::run_seed(seed, args.log) {
             Ok(o) => {
@@ -51,7 +84,7 @@ pub fn wal(args: WalSimArgs) -> anyhow::Result<()> {
             Ok(o) => simulated += o.simulated,
             Err(f) => {
                 say!("FAILED {f}");
-                say!("  replay: ferry sim wal --seed {} --log", f.seed);
+                say!("  replay: ferry-sim wal --seed {} --log", f.seed);
                 failures.push(f.seed);
             }
         }
@@ -66,4 +99,21 @@ pub fn wal(args: WalSimArgs) -> anyhow::Result<()> {
     );
     anyhow::ensure!(failures.is_empty(), "failing seeds: {failures:?}");
     Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    // Node logs would drown the event log; RUST_LOG turns them on.
+    if std::env::var_os("RUST_LOG").is_some() {
+        use std::io::IsTerminal;
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .with_ansi(std::io::stderr().is_terminal())
+            .init();
+    }
+    // The simulator builds its own single-threaded runtime per seed.
+    match cli.command {
+        SimCommand::Wal(args) => wal(args),
+    }
 }
