@@ -21,12 +21,57 @@ use async_trait::async_trait;
 use ferry_env::{Disk, DiskFile, Metadata};
 use rand::rngs::SmallRng;
 use rand::Rng;
+use std::time::Duration;
+
+use rand::SeedableRng;
 use tokio::time::Instant;
 
 #[derive(Debug, Default, Clone)]
 struct FileData {
     synced: Vec<u8>,
     current: Vec<u8>,
+}
+
+/// How long simulated disk operations take: each draws a duration from its
+/// range (virtual time), so that a crash can land inside an operation, between
+/// a write and its fsync. Off (zero) unless set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DiskLatency {
+    pub write: (Duration, Duration),
+    pub sync: (Duration, Duration),
+    /// Metadata operations: create, rename, remove, list, directory sync.
+    pub meta: (Duration, Duration),
+}
+
+impl DiskLatency {
+    /// A fast SSD: writes of tens of microseconds, fsyncs of a fraction of a
+    /// millisecond to a few milliseconds.
+    pub fn ssd() -> DiskLatency {
+        DiskLatency {
+            write: (Duration::from_micros(5), Duration::from_micros(80)),
+            sync: (Duration::from_micros(150), Duration::from_millis(3)),
+            meta: (Duration::from_micros(20), Duration::from_micros(500)),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum OpKind {
+    Write,
+    Sync,
+    Meta,
+}
+
+/// What crashes found on this disk.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CrashStats {
+    pub crashes: u64,
+    /// Crashes that found unsynced file data or directory entries.
+    pub found_unsynced: u64,
+    /// Unsynced bytes the crashes dropped (file data past what was synced).
+    pub bytes_lost: u64,
+    /// Crashes that tore a file (kept some unsynced sectors, not others).
+    pub torn: u64,
 }
 
 #[derive(Debug, Default)]
@@ -40,12 +85,16 @@ struct State {
     /// Every sync fails (a dying disk or controller).
     failing: bool,
     fsyncs: u64,
+    latency: Option<(DiskLatency, SmallRng)>,
+    crash_stats: CrashStats,
 }
 
 /// One node's simulated disk; clones share it (it outlives node crashes).
 #[derive(Debug, Clone, Default)]
 pub struct SimDisk {
     state: Arc<Mutex<State>>,
+    /// Woken whenever a write leaves data unsynced.
+    wrote: Arc<tokio::sync::Notify>,
 }
 
 fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
@@ -71,6 +120,28 @@ impl SimDisk {
     /// with unsynced writes keeps a random subset of their sectors.
     pub fn crash(&self, rng: &mut SmallRng, tear: bool) {
         let mut s = lock(&self.state);
+        let unsynced_entries = s.current != s.synced;
+        let mut unsynced_bytes = 0u64;
+        let mut unsynced_files = false;
+        for (path, id) in &s.current {
+            if let Some(f) = s.files.get(id) {
+                if f.current != f.synced && s.synced.get(path) == Some(id) {
+                    unsynced_files = true;
+                    unsynced_bytes += f.current.len().abs_diff(f.synced.len()) as u64
+                        + f.current
+                            .iter()
+                            .zip(&f.synced)
+                            .filter(|(a, b)| a != b)
+                            .count() as u64;
+                }
+            }
+        }
+        s.crash_stats.crashes += 1;
+        if unsynced_entries || unsynced_files {
+            s.crash_stats.found_unsynced += 1;
+        }
+        s.crash_stats.bytes_lost += unsynced_bytes;
+        let mut torn_any = false;
         s.current = s.synced.clone();
         let live: BTreeSet<u64> = s.current.values().copied().collect();
         s.files.retain(|id, _| live.contains(id));
@@ -81,10 +152,32 @@ impl SimDisk {
                 && rng.random_bool(0.5);
             if torn {
                 file.synced = tear_sectors(&file.synced, &file.current, rng);
+                torn_any = true;
             }
             file.current = file.synced.clone();
         }
+        if torn_any {
+            s.crash_stats.torn += 1;
+        }
         s.stall_until = None;
+    }
+
+    /// Disk operations take time from now on (`None`: none), drawn with `seed`.
+    pub fn set_latency(&self, latency: Option<DiskLatency>, seed: u64) {
+        lock(&self.state).latency = latency.map(|l| (l, SmallRng::seed_from_u64(seed)));
+    }
+
+    /// Waits (at most `limit`) until a write leaves data unsynced, so that a
+    /// crash right after lands between a write and its fsync. True if one did.
+    pub async fn wait_for_unsynced_write(&self, limit: Duration) -> bool {
+        tokio::time::timeout(limit, self.wrote.notified())
+            .await
+            .is_ok()
+    }
+
+    /// What the crashes of this disk found so far.
+    pub fn crash_stats(&self) -> CrashStats {
+        lock(&self.state).crash_stats
     }
 
     /// From now on every `sync_data` and `sync_dir` fails, and a failed
@@ -112,9 +205,32 @@ impl SimDisk {
     }
 
     async fn stall(&self) {
-        let until = lock(&self.state).stall_until;
+        self.take_time(OpKind::Meta).await;
+    }
+
+    /// Waits out a stall, then the operation's own duration.
+    async fn take_time(&self, kind: OpKind) {
+        let (until, took) = {
+            let mut s = lock(&self.state);
+            let took = s.latency.as_mut().map(|(l, rng)| {
+                let (lo, hi) = match kind {
+                    OpKind::Write => l.write,
+                    OpKind::Sync => l.sync,
+                    OpKind::Meta => l.meta,
+                };
+                if hi > lo {
+                    rng.random_range(lo..hi)
+                } else {
+                    lo
+                }
+            });
+            (s.stall_until, took)
+        };
         if let Some(until) = until {
             tokio::time::sleep_until(until).await;
+        }
+        if let Some(took) = took.filter(|t| !t.is_zero()) {
+            tokio::time::sleep(took).await;
         }
     }
 
@@ -310,7 +426,7 @@ impl Disk for SimDisk {
         Self::check_path(path)?;
         // "." is the disk's root, whose entries have no parent component.
         let path = if path == "." { "" } else { path };
-        self.stall().await;
+        self.take_time(OpKind::Sync).await;
         let mut s = lock(&self.state);
         if s.failing {
             return Err(io::Error::other("injected failure of a directory sync"));
@@ -362,7 +478,7 @@ impl DiskFile for SimFile {
     }
 
     async fn write_at(&self, offset: u64, data: bytes::Bytes) -> io::Result<()> {
-        self.disk.stall().await;
+        self.disk.take_time(OpKind::Write).await;
         self.with(|f| {
             let start = offset as usize;
             if f.current.len() < start + data.len() {
@@ -370,7 +486,9 @@ impl DiskFile for SimFile {
             }
             f.current[start..start + data.len()].copy_from_slice(&data);
             Ok(())
-        })
+        })?;
+        self.disk.wrote.notify_waiters();
+        Ok(())
     }
 
     async fn set_len(&self, len: u64) -> io::Result<()> {
@@ -382,7 +500,7 @@ impl DiskFile for SimFile {
     }
 
     async fn sync_data(&self) -> io::Result<()> {
-        self.disk.stall().await;
+        self.disk.take_time(OpKind::Sync).await;
         let failing = lock(&self.disk.state).failing;
         let result = self.with(|f| {
             if failing {
@@ -480,6 +598,7 @@ mod tests {
             let mut rng = SmallRng::seed_from_u64(seed);
             let d2 = SimDisk {
                 state: Arc::clone(&disk.state),
+                wrote: Arc::clone(&disk.wrote),
             };
             d2.crash(&mut rng, true);
             let data = disk.read("d/a").await.expect("read");

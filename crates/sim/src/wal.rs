@@ -22,7 +22,7 @@ use rand::{Rng, SeedableRng};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
-use crate::disk::SimDisk;
+use crate::disk::{CrashStats, DiskLatency, SimDisk};
 use crate::net::{NetOptions, SimNet};
 use crate::walreceiver::{self, SharedReceived};
 
@@ -145,6 +145,8 @@ pub struct Outcome {
     pub commit_lsn: Lsn,
     /// crc32c of the event log: equal for equal runs.
     pub log_hash: u32,
+    /// What the safekeeper crashes found on their disks, summed.
+    pub crash_stats: CrashStats,
     pub log: Vec<String>,
 }
 
@@ -320,6 +322,15 @@ impl Sim {
 
     async fn crash_safekeeper(&mut self, i: usize) {
         if let Some(server) = self.servers[i].take() {
+            // Most crashes wait for the next write, so they land between it and
+            // its fsync (an idle disk holds nothing unsynced to lose).
+            if self.rng.random_bool(0.7)
+                && self.disks[i]
+                    .wait_for_unsynced_write(Duration::from_secs(1))
+                    .await
+            {
+                self.log(format!("sk{i} crashes right after a write"));
+            }
             server.kill().await;
             self.disks[i].crash(&mut self.rng, true);
             self.log(format!("sk{i} crashed"));
@@ -953,6 +964,11 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         schedule.net
     );
     sim.log(header);
+    // Disk operations take (virtual) time, so crashes land inside them: between
+    // a write and its fsync, in the middle of an fsync.
+    for disk in &sim.disks {
+        disk.set_latency(Some(DiskLatency::ssd()), rng.random());
+    }
     for i in 0..SAFEKEEPERS {
         sim.create_acceptor(i).await?;
     }
@@ -988,6 +1004,15 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         elections: sim.elections,
         commit_lsn: committed,
         log_hash,
+        crash_stats: sim.disks.iter().map(SimDisk::crash_stats).fold(
+            CrashStats::default(),
+            |a, b| CrashStats {
+                crashes: a.crashes + b.crashes,
+                found_unsynced: a.found_unsynced + b.found_unsynced,
+                bytes_lost: a.bytes_lost + b.bytes_lost,
+                torn: a.torn + b.torn,
+            },
+        ),
         log: sim.log,
     })
 }

@@ -79,9 +79,16 @@ fn wal(args: WalSimArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     let mut simulated = Duration::ZERO;
     let mut failures = Vec::new();
+    let mut crashes = ferry_sim::disk::CrashStats::default();
     for seed in args.start_seed..args.start_seed + args.seeds {
         match ferry_sim::wal::run_seed(seed, false) {
-            Ok(o) => simulated += o.simulated,
+            Ok(o) => {
+                simulated += o.simulated;
+                crashes.crashes += o.crash_stats.crashes;
+                crashes.found_unsynced += o.crash_stats.found_unsynced;
+                crashes.bytes_lost += o.crash_stats.bytes_lost;
+                crashes.torn += o.crash_stats.torn;
+            }
             Err(f) => {
                 say!("FAILED {f}");
                 say!("  replay: ferry-sim wal --seed {} --log", f.seed);
@@ -96,6 +103,14 @@ fn wal(args: WalSimArgs) -> anyhow::Result<()> {
         args.seeds as f64 / wall.max(1e-9),
         simulated.as_secs_f64() / wall.max(1e-9),
         failures.len()
+    );
+    say!(
+        "safekeeper crashes: {}, of which {} ({:.0}%) found unsynced data or directory entries; they dropped {} unsynced bytes and tore {} files' last writes",
+        crashes.crashes,
+        crashes.found_unsynced,
+        100.0 * crashes.found_unsynced as f64 / crashes.crashes.max(1) as f64,
+        crashes.bytes_lost,
+        crashes.torn
     );
     anyhow::ensure!(failures.is_empty(), "failing seeds: {failures:?}");
     Ok(())
