@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use ferry_env::{BoxConnection, Listener, Network};
 use ferry_wal::proto::{self, FrameReader, FromSafekeeper, ToSafekeeper, MAX_SEND_BYTES};
-use ferry_wal::Lsn;
+use ferry_wal::{Lsn, Term};
 use tokio::io::{AsyncWriteExt, BufWriter};
 use tokio::sync::{watch, Mutex};
 use tokio::task::JoinSet;
@@ -78,6 +78,13 @@ impl SafekeeperServer {
 
     pub async fn status(&self) -> AcceptorStatus {
         self.shared.acceptor.lock().await.status()
+    }
+
+    /// (term, flush_lsn, commit_lsn) as the acceptor has them now: for checks
+    /// made at every step (the simulator's), without the status's formatting.
+    pub async fn positions(&self) -> (Term, Lsn, Lsn) {
+        let a = self.shared.acceptor.lock().await;
+        (a.term(), a.flush_lsn(), a.commit_lsn())
     }
 
     /// Follows the fail-stop reason (`Some` once the safekeeper gave up).

@@ -236,6 +236,10 @@ struct Sim {
     elections: usize,
     /// What the simulated replica received through walsenders.
     received: SharedReceived,
+    /// Per safekeeper: the highest term seen (across restarts: it is
+    /// persisted) and the commit_lsn seen in its current incarnation.
+    seen_terms: Vec<u64>,
+    seen_commits: Vec<Lsn>,
     log: Vec<String>,
     verbose: bool,
 }
@@ -248,6 +252,45 @@ impl Sim {
             println!("{line}");
         }
         self.log.push(line);
+    }
+
+    /// Invariants of every running (not failed) safekeeper, checked at every step of the
+    /// run (not only from a final status): commit_lsn never passes flush_lsn,
+    /// the term never goes back (not even across a restart), and commit_lsn
+    /// never goes back within one incarnation.
+    async fn check_safekeepers(&mut self) -> Result<(), Failure> {
+        for i in 0..SAFEKEEPERS {
+            let Some(server) = self.servers[i].clone() else {
+                continue;
+            };
+            let (term, flush, commit) = server.positions().await;
+            if server.failure().borrow().is_some() {
+                // Stopped on a disk error (perhaps while we waited for its
+                // lock): its memory may be ahead of its disk, which is exactly
+                // why it answers nothing any more.
+                continue;
+            }
+            if commit > flush {
+                return Err(self.fail(format!(
+                    "sk{i}: commit_lsn {commit} is beyond its flush_lsn {flush}"
+                )));
+            }
+            if term < self.seen_terms[i] {
+                return Err(self.fail(format!(
+                    "sk{i}: term went back from {} to {term}",
+                    self.seen_terms[i]
+                )));
+            }
+            if commit < self.seen_commits[i] {
+                return Err(self.fail(format!(
+                    "sk{i}: commit_lsn went back from {} to {commit}",
+                    self.seen_commits[i]
+                )));
+            }
+            self.seen_terms[i] = term;
+            self.seen_commits[i] = commit;
+        }
+        Ok(())
     }
 
     /// A walsender broke an invariant (seen by the simulated replica).
@@ -313,6 +356,8 @@ impl Sim {
             .await
             .map_err(|e| self.fail(format!("sk{i} cannot listen: {e}")))?;
         self.servers[i] = Some(Arc::new(server));
+        // A new incarnation restarts from its persisted commit_lsn.
+        self.seen_commits[i] = Lsn(0);
         self.log(format!(
             "sk{i} started (WAL preallocation {})",
             self.preallocation[i]
@@ -605,6 +650,7 @@ impl Sim {
         loop {
             self.observe_old_writers()?;
             self.check_walsenders()?;
+            self.check_safekeepers().await?;
             let status_changed = async {
                 match self.status.as_mut() {
                     Some(rx) => rx.changed().await.is_ok(),
@@ -953,6 +999,8 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         produced: Lsn(0),
         elections: 0,
         received: SharedReceived::default(),
+        seen_terms: vec![0; SAFEKEEPERS],
+        seen_commits: vec![Lsn(0); SAFEKEEPERS],
         log: Vec::new(),
         verbose,
     };
