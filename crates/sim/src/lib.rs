@@ -13,6 +13,7 @@
 //!   before or after apply, partitions that expire sessions, abandoned sessions);
 //! * [`objstore`]: object storage with errors, latency and failures after a
 //!   successful write;
+//! * [`rogue`]: a misbehaving proposer whose messages must all be refused;
 //! * [`wal`]: the WAL random test (safekeepers, writers, faults, invariants);
 //! * [`walreceiver`]: a replica's side of START_REPLICATION that checks every
 //!   walsender frame.
@@ -22,5 +23,6 @@ pub mod coord;
 pub mod disk;
 pub mod net;
 pub mod objstore;
+pub mod rogue;
 pub mod wal;
 pub mod walreceiver;

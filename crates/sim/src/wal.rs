@@ -24,6 +24,7 @@ use tokio::time::Instant;
 
 use crate::disk::{CrashStats, DiskLatency, SimDisk};
 use crate::net::{NetOptions, SimNet};
+use crate::rogue::{RogueKind, RogueOutcome};
 use crate::walreceiver::{self, SharedReceived};
 
 const SAFEKEEPERS: usize = 3;
@@ -68,6 +69,11 @@ pub enum Event {
         safekeeper: usize,
         millis: u64,
     },
+    /// A misbehaving proposer sends a safekeeper what it must refuse.
+    Rogue {
+        safekeeper: usize,
+        kind: RogueKind,
+    },
 }
 
 /// A schedule: events at virtual times, plus the network settings.
@@ -99,7 +105,7 @@ pub fn generate_schedule(rng: &mut SmallRng) -> Schedule {
     let mut events = Vec::with_capacity(count);
     for _ in 0..count {
         at += Duration::from_millis(rng.random_range(0..500));
-        let event = match rng.random_range(0..7u32) {
+        let event = match rng.random_range(0..8u32) {
             // Mostly small records; sometimes one larger than a segment
             // (64 KiB), which spans segments and makes a bulk fsync.
             0 | 1 if rng.random_bool(0.1) => Event::Write {
@@ -124,6 +130,10 @@ pub fn generate_schedule(rng: &mut SmallRng) -> Schedule {
                 }
             }
             6 if rng.random_bool(0.2) => Event::DiskFailure(rng.random_range(0..SAFEKEEPERS)),
+            7 => Event::Rogue {
+                safekeeper: rng.random_range(0..SAFEKEEPERS),
+                kind: RogueKind::ALL[rng.random_range(0..RogueKind::ALL.len())],
+            },
             _ => Event::DiskStall {
                 safekeeper: rng.random_range(0..SAFEKEEPERS),
                 millis: rng.random_range(1..2000),
@@ -710,6 +720,27 @@ impl Sim {
             Event::DiskFailure(i) => {
                 self.disks[i].set_failing(true);
                 self.log(format!("sk{i} disk fails every sync"));
+            }
+            Event::Rogue { safekeeper, kind } => {
+                let Some(server) = self.servers[safekeeper].clone() else {
+                    return Ok(());
+                };
+                let positions = server.positions().await;
+                let outcome = crate::rogue::attempt(
+                    self.net.node("rogue").as_ref(),
+                    &node_name(safekeeper),
+                    &cluster_id(),
+                    SEGMENT_BYTES,
+                    kind,
+                    positions,
+                )
+                .await;
+                self.log(format!("rogue {kind:?} on sk{safekeeper}: {outcome:?}"));
+                if let RogueOutcome::Accepted(what) = outcome {
+                    return Err(
+                        self.fail(format!("sk{safekeeper} accepted a rogue message: {what}"))
+                    );
+                }
             }
             Event::DiskStall { safekeeper, millis } => {
                 self.disks[safekeeper].stall_until(Instant::now() + Duration::from_millis(millis));
