@@ -8,6 +8,8 @@
 //! [`net::SimNet`] (delays, broken connections, partitions). All choices come from
 //! one seed, so a seed replays the same run and the same event log.
 //!
+//! * [`world`]: nodes' disks, the network, coordination, object storage, the
+//!   clock and the event log of one run, drawn from its seed;
 //! * [`clock`]: virtual Unix time from a seeded start;
 //! * [`coord`]: coordination with ZooKeeper's failure behaviour (latency, loss
 //!   before or after apply, partitions that expire sessions, abandoned sessions);
@@ -26,3 +28,4 @@ pub mod objstore;
 pub mod rogue;
 pub mod wal;
 pub mod walreceiver;
+pub mod world;

@@ -22,10 +22,13 @@ use rand::{Rng, SeedableRng};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
-use crate::disk::{CrashStats, DiskLatency, SimDisk};
-use crate::net::{NetOptions, SimNet};
+use crate::coord::CoordFaults;
+use crate::disk::{CrashStats, SimDisk};
+use crate::net::NetOptions;
+use crate::objstore::ObjectFaults;
 use crate::rogue::{RogueKind, RogueOutcome};
 use crate::walreceiver::{self, SharedReceived};
+use crate::world::World;
 
 const SAFEKEEPERS: usize = 3;
 const SEGMENT_BYTES: u64 = 64 << 10;
@@ -160,19 +163,7 @@ pub struct Outcome {
     pub log: Vec<String>,
 }
 
-/// A broken invariant (or a run that could not finish), with the log so far.
-#[derive(Debug, Clone)]
-pub struct Failure {
-    pub seed: u64,
-    pub reason: String,
-    pub log: Vec<String>,
-}
-
-impl std::fmt::Display for Failure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "seed {}: {}", self.seed, self.reason)
-    }
-}
+pub use crate::world::Failure;
 
 fn node_name(i: usize) -> String {
     format!("sk{i}")
@@ -209,10 +200,9 @@ fn payload_is_intact(block: u64, arrow_ipc: &Bytes) -> bool {
 type AppendResult = (u64, u64, Result<Lsn, WriterError>);
 
 struct Sim {
-    seed: u64,
-    start: Instant,
-    rng: SmallRng,
-    net: SimNet,
+    /// Network, disks, coordination, object storage, clock and the event log.
+    world: World,
+    /// Safekeeper `i`'s disk (the world's disk of node `sk<i>`).
     disks: Vec<SimDisk>,
     servers: Vec<Option<Arc<SafekeeperServer>>>,
     /// The WAL preallocation policy each safekeeper was last started with (drawn
@@ -250,18 +240,11 @@ struct Sim {
     /// persisted) and the commit_lsn seen in its current incarnation.
     seen_terms: Vec<u64>,
     seen_commits: Vec<Lsn>,
-    log: Vec<String>,
-    verbose: bool,
 }
 
 impl Sim {
     fn log(&mut self, msg: impl AsRef<str>) {
-        let t = self.start.elapsed();
-        let line = format!("{:>9.3}s {}", t.as_secs_f64(), msg.as_ref());
-        if self.verbose {
-            println!("{line}");
-        }
-        self.log.push(line);
+        self.world.log(msg);
     }
 
     /// Invariants of every running (not failed) safekeeper, checked at every step of the
@@ -313,11 +296,7 @@ impl Sim {
     }
 
     fn fail(&self, reason: impl Into<String>) -> Failure {
-        Failure {
-            seed: self.seed,
-            reason: reason.into(),
-            log: self.log.clone(),
-        }
+        self.world.fail(reason)
     }
 
     fn segment() -> SegmentSize {
@@ -356,15 +335,16 @@ impl Sim {
     async fn start_safekeeper(&mut self, i: usize) -> Result<(), Failure> {
         // A restart comes with a repaired disk.
         self.disks[i].set_failing(false);
-        self.preallocation[i] = match self.rng.random_range(0..4) {
+        self.preallocation[i] = match self.world.rng.random_range(0..4) {
             0 => Preallocation::Always,
             1 => Preallocation::Never,
             _ => Preallocation::Auto,
         };
         let acceptor = self.open_acceptor(i).await?;
-        let server = SafekeeperServer::start(self.net.node(&node_name(i)), &node_name(i), acceptor)
-            .await
-            .map_err(|e| self.fail(format!("sk{i} cannot listen: {e}")))?;
+        let server =
+            SafekeeperServer::start(self.world.net.node(&node_name(i)), &node_name(i), acceptor)
+                .await
+                .map_err(|e| self.fail(format!("sk{i} cannot listen: {e}")))?;
         self.servers[i] = Some(Arc::new(server));
         // A new incarnation restarts from its persisted commit_lsn.
         self.seen_commits[i] = Lsn(0);
@@ -379,7 +359,7 @@ impl Sim {
         if let Some(server) = self.servers[i].take() {
             // Most crashes wait for the next write, so they land between it and
             // its fsync (an idle disk holds nothing unsynced to lose).
-            if self.rng.random_bool(0.7)
+            if self.world.rng.random_bool(0.7)
                 && self.disks[i]
                     .wait_for_unsynced_write(Duration::from_secs(1))
                     .await
@@ -387,7 +367,7 @@ impl Sim {
                 self.log(format!("sk{i} crashes right after a write"));
             }
             server.kill().await;
-            self.disks[i].crash(&mut self.rng, true);
+            self.world.crash_disk(&node_name(i));
             self.log(format!("sk{i} crashed"));
         }
     }
@@ -412,7 +392,10 @@ impl Sim {
         // commit point (here everything the checker saw committed). Committed
         // WAL is on every quorum, so this must never block an election.
         config.proposer.known_commit_lsn = self.committed;
-        let writer = Writer::start(self.net.node(&writer_node(self.writers_started)), config);
+        let writer = Writer::start(
+            self.world.net.node(&writer_node(self.writers_started)),
+            config,
+        );
         self.status = Some(writer.subscribe());
         self.writer = Some(Arc::new(writer));
         self.log(format!("writer {} started", self.writers_started));
@@ -710,13 +693,9 @@ impl Sim {
                     }
                 };
                 let (a, b) = (name(a), name(b));
-                self.net.partition(&a, &b);
-                self.log(format!("partition {a} | {b}"));
+                self.world.partition(&a, &b);
             }
-            Event::RepairPartitions => {
-                self.net.repair_all();
-                self.log("partitions repaired");
-            }
+            Event::RepairPartitions => self.world.repair_all(),
             Event::DiskFailure(i) => {
                 self.disks[i].set_failing(true);
                 self.log(format!("sk{i} disk fails every sync"));
@@ -727,7 +706,7 @@ impl Sim {
                 };
                 let positions = server.positions().await;
                 let outcome = crate::rogue::attempt(
-                    self.net.node("rogue").as_ref(),
+                    self.world.net.node("rogue").as_ref(),
                     &node_name(safekeeper),
                     &cluster_id(),
                     SEGMENT_BYTES,
@@ -752,8 +731,8 @@ impl Sim {
 
     /// Faults stop: everything is repaired and restarted, and a write must commit.
     async fn settle(&mut self, net: NetOptions) -> Result<Lsn, Failure> {
-        self.net.repair_all();
-        self.net.set_options(NetOptions {
+        self.world.repair_all();
+        self.world.net.set_options(NetOptions {
             break_prob: 0.0,
             connect_fail_prob: 0.0,
             ..net
@@ -1005,13 +984,21 @@ pub fn run_seed(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
 async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
     let mut rng = SmallRng::seed_from_u64(seed);
     let schedule = generate_schedule(&mut rng);
-    let net = SimNet::new(rng.random(), schedule.net);
-    let mut sim = Sim {
+    let mut world = World::new(
         seed,
-        start: Instant::now(),
-        rng: SmallRng::seed_from_u64(rng.random()),
-        net,
-        disks: (0..SAFEKEEPERS).map(|_| SimDisk::new()).collect(),
+        &mut rng,
+        schedule.net,
+        CoordFaults::default(),
+        ObjectFaults::default(),
+        verbose,
+    )
+    .await?;
+    let disks = (0..SAFEKEEPERS)
+        .map(|i| world.disk(&node_name(i)))
+        .collect();
+    let mut sim = Sim {
+        world,
+        disks,
         servers: vec![None, None, None],
         preallocation: vec![Preallocation::Auto; SAFEKEEPERS],
         writer: None,
@@ -1032,8 +1019,6 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         received: SharedReceived::default(),
         seen_terms: vec![0; SAFEKEEPERS],
         seen_commits: vec![Lsn(0); SAFEKEEPERS],
-        log: Vec::new(),
-        verbose,
     };
     let mut header = String::new();
     let _ = write!(
@@ -1043,11 +1028,6 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         schedule.net
     );
     sim.log(header);
-    // Disk operations take (virtual) time, so crashes land inside them: between
-    // a write and its fsync, in the middle of an fsync.
-    for disk in &sim.disks {
-        disk.set_latency(Some(DiskLatency::ssd()), rng.random());
-    }
     for i in 0..SAFEKEEPERS {
         sim.create_acceptor(i).await?;
     }
@@ -1055,16 +1035,16 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         sim.start_safekeeper(i).await?;
     }
     sim.start_writer();
-    let clock: ferry_env::SharedClock = Arc::new(crate::clock::SimClock::seeded(&mut rng));
+    let clock: ferry_env::SharedClock = Arc::new(sim.world.clock.clone());
     let receiver = tokio::spawn(walreceiver::run(
-        sim.net.node("replica"),
+        sim.world.net.node("replica"),
         clock,
         (0..SAFEKEEPERS).map(node_name).collect(),
         0,
         Arc::clone(&sim.received),
     ));
     for (at, event) in &schedule.events {
-        sim.run_until(sim.start + *at).await?;
+        sim.run_until(sim.world.start + *at).await?;
         sim.log(format!("{event:?}"));
         sim.apply(event).await?;
     }
@@ -1072,26 +1052,19 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
     receiver.abort();
     sim.check_disks(committed).await?;
     let log_hash = sim
-        .log
+        .world
+        .log_lines()
         .iter()
         .fold(0u32, |h, line| crc32c::crc32c_append(h, line.as_bytes()));
     Ok(Outcome {
         seed,
         events: schedule.events.len(),
-        simulated: sim.start.elapsed(),
+        simulated: sim.world.start.elapsed(),
         acknowledged: sim.acked.len(),
         elections: sim.elections,
         commit_lsn: committed,
         log_hash,
-        crash_stats: sim.disks.iter().map(SimDisk::crash_stats).fold(
-            CrashStats::default(),
-            |a, b| CrashStats {
-                crashes: a.crashes + b.crashes,
-                found_unsynced: a.found_unsynced + b.found_unsynced,
-                bytes_lost: a.bytes_lost + b.bytes_lost,
-                torn: a.torn + b.torn,
-            },
-        ),
-        log: sim.log,
+        crash_stats: sim.world.crash_stats(),
+        log: sim.world.into_log(),
     })
 }

@@ -1,0 +1,176 @@
+//! The simulated world a workload runs in: nodes of any role and count, each
+//! with its own disk, one network, one coordination service, one object store
+//! and one clock, all drawn from the seed; crashes, restarts and partitions of
+//! nodes; and the time-stamped event log whose hash identifies a run.
+//!
+//! A workload (the WAL test is the first) starts its nodes on the world's
+//! seams, drives a schedule of faults and checks its invariants; the world
+//! holds nothing of any protocol.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use ferry_storage::Location;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use tokio::time::Instant;
+
+use crate::clock::SimClock;
+use crate::coord::{CoordFaults, SimCoordination};
+use crate::disk::{CrashStats, DiskLatency, SimDisk};
+use crate::net::{NetOptions, SimNet};
+use crate::objstore::{FaultyObjectStore, ObjectFaults};
+
+/// A broken invariant (or a run that could not finish), with the log so far.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    pub seed: u64,
+    pub reason: String,
+    pub log: Vec<String>,
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "seed {}: {}", self.seed, self.reason)
+    }
+}
+
+/// Everything outside the nodes of one simulated run.
+pub struct World {
+    pub seed: u64,
+    pub start: Instant,
+    /// The world's own random choices (crash timing, policies, tearing).
+    pub rng: SmallRng,
+    pub net: SimNet,
+    pub clock: SimClock,
+    pub coord: SimCoordination,
+    /// Object storage (in memory, with faults), as node code sees it.
+    pub lake: Location,
+    pub lake_store: FaultyObjectStore,
+    disks: BTreeMap<String, SimDisk>,
+    disk_latency: Option<DiskLatency>,
+    log: Vec<String>,
+    verbose: bool,
+}
+
+impl World {
+    /// A world drawn from `rng` (the run's seed), with `net` network settings.
+    pub async fn new(
+        seed: u64,
+        rng: &mut SmallRng,
+        net: NetOptions,
+        coord_faults: CoordFaults,
+        object_faults: ObjectFaults,
+        verbose: bool,
+    ) -> Result<World, Failure> {
+        let fail = |reason: String| Failure {
+            seed,
+            reason,
+            log: Vec::new(),
+        };
+        let coord = SimCoordination::new(rng.random(), coord_faults)
+            .await
+            .map_err(|e| fail(format!("cannot start simulated coordination: {e}")))?;
+        let lake_store = FaultyObjectStore::new(rng.random(), object_faults);
+        let lake = Location::from_store("sim://lake", Arc::new(lake_store.clone()), "")
+            .map_err(|e| fail(format!("cannot open simulated object storage: {e}")))?;
+        Ok(World {
+            seed,
+            start: Instant::now(),
+            net: SimNet::new(rng.random(), net),
+            clock: SimClock::seeded(rng),
+            rng: SmallRng::seed_from_u64(rng.random()),
+            coord,
+            lake,
+            lake_store,
+            disks: BTreeMap::new(),
+            disk_latency: Some(DiskLatency::ssd()),
+            log: Vec::new(),
+            verbose,
+        })
+    }
+
+    /// Appends a time-stamped line to the event log.
+    pub fn log(&mut self, msg: impl AsRef<str>) {
+        let t = self.start.elapsed();
+        let line = format!("{:>9.3}s {}", t.as_secs_f64(), msg.as_ref());
+        if self.verbose {
+            println!("{line}");
+        }
+        self.log.push(line);
+    }
+
+    /// A failure of this run, with the log so far.
+    pub fn fail(&self, reason: impl Into<String>) -> Failure {
+        Failure {
+            seed: self.seed,
+            reason: reason.into(),
+            log: self.log.clone(),
+        }
+    }
+
+    pub fn log_lines(&self) -> &[String] {
+        &self.log
+    }
+
+    pub fn into_log(self) -> Vec<String> {
+        self.log
+    }
+
+    /// The disk of `node`, made on first use (with the world's disk latency);
+    /// it outlives the node's crashes.
+    pub fn disk(&mut self, node: &str) -> SimDisk {
+        if let Some(d) = self.disks.get(node) {
+            return d.clone();
+        }
+        let disk = SimDisk::new();
+        disk.set_latency(self.disk_latency, self.rng.random());
+        self.disks.insert(node.to_string(), disk.clone());
+        disk
+    }
+
+    /// Power-cuts `node`'s disk (its process must be stopped first): unsynced
+    /// writes are lost, the last ones maybe torn; its coordination sessions
+    /// are abandoned (they expire after their timeout).
+    pub fn crash_disk(&mut self, node: &str) {
+        if let Some(disk) = self.disks.get(node).cloned() {
+            disk.crash(&mut self.rng, true);
+        }
+        self.coord.crash_node(node);
+    }
+
+    /// Cuts the network between two nodes (and `a`'s coordination link when
+    /// `b` is "coord").
+    pub fn partition(&mut self, a: &str, b: &str) {
+        self.net.partition(a, b);
+        self.log(format!("partition {a} | {b}"));
+    }
+
+    pub fn repair_all(&mut self) {
+        self.net.repair_all();
+        self.coord.repair_all();
+        self.log("partitions repaired");
+    }
+
+    /// What crashes found on every disk of the world, summed.
+    pub fn crash_stats(&self) -> CrashStats {
+        self.disks
+            .values()
+            .map(SimDisk::crash_stats)
+            .fold(CrashStats::default(), |a, b| CrashStats {
+                crashes: a.crashes + b.crashes,
+                found_unsynced: a.found_unsynced + b.found_unsynced,
+                bytes_lost: a.bytes_lost + b.bytes_lost,
+                torn: a.torn + b.torn,
+            })
+    }
+
+    /// fsyncs of every disk, by node (they make the log sensitive to any
+    /// change of the execution).
+    pub fn fsyncs(&self) -> Vec<(String, u64)> {
+        self.disks
+            .iter()
+            .map(|(n, d)| (n.clone(), d.fsyncs()))
+            .collect()
+    }
+}
