@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use ferry_coord::{CoordError, SessionFactory};
 use ferry_env::Disk;
 use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig};
 use ferry_safekeeper::server::SafekeeperServer;
@@ -240,6 +241,60 @@ struct Sim {
     /// persisted) and the commit_lsn seen in its current incarnation.
     seen_terms: Vec<u64>,
     seen_commits: Vec<Lsn>,
+    /// Sessions of the "control" node that reads the known commit, and its
+    /// current session.
+    control_sessions: crate::coord::SimSessions,
+    control: Option<ferry_coord::Session>,
+    /// What the recorder writes to coordination as the known commit.
+    committed_tx: watch::Sender<Lsn>,
+}
+
+/// Where the known commit lives in coordination (as in `ferry dev`).
+const KNOWN_COMMIT_PATH: &str = "/known_commit";
+
+fn decode_lsn(data: &[u8]) -> Lsn {
+    let mut b = [0u8; 8];
+    if data.len() == 8 {
+        b.copy_from_slice(data);
+    }
+    Lsn(u64::from_le_bytes(b))
+}
+
+/// Keeps the known commit in coordination near what the writers committed:
+/// the recorder of `ferry dev`, on simulated coordination (requests may be
+/// lost before or after they apply; it writes again on the next change).
+async fn record_commits(sessions: crate::coord::SimSessions, mut committed: watch::Receiver<Lsn>) {
+    use ferry_coord::CreateMode;
+    let mut session: Option<ferry_coord::Session> = None;
+    loop {
+        if committed.changed().await.is_err() {
+            return;
+        }
+        let lsn = *committed.borrow_and_update();
+        let s = match session.clone() {
+            Some(s) => s,
+            None => match sessions.open().await {
+                Ok(s) => {
+                    session = Some(Arc::clone(&s));
+                    s
+                }
+                Err(_) => continue,
+            },
+        };
+        let data = lsn.0.to_le_bytes();
+        let written = match s.set(KNOWN_COMMIT_PATH, &data, None).await {
+            Err(CoordError::NoNode { .. }) => s
+                .create(KNOWN_COMMIT_PATH, &data, CreateMode::Persistent)
+                .await
+                .map(drop),
+            other => other.map(drop),
+        };
+        if let Err(e) = written {
+            if e.is_session_end() {
+                session = None;
+            }
+        }
+    }
 }
 
 impl Sim {
@@ -372,7 +427,41 @@ impl Sim {
         }
     }
 
-    fn start_writer(&mut self) {
+    /// The commit the cluster is known to have reached, as `ferry dev` reads it
+    /// from its coordination store before it starts a writer: here from the
+    /// simulated coordination, which may lose requests (then it retries).
+    async fn known_commit(&mut self) -> Result<Lsn, Failure> {
+        for _ in 0..100 {
+            let session = match self.control.clone() {
+                Some(s) => s,
+                None => match self.control_sessions.open().await {
+                    Ok(s) => {
+                        self.control = Some(Arc::clone(&s));
+                        s
+                    }
+                    Err(_) => {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            match session.get(KNOWN_COMMIT_PATH).await {
+                Ok((data, _)) => return Ok(decode_lsn(&data)),
+                Err(CoordError::NoNode { .. }) => return Ok(Lsn(0)),
+                Err(e) if e.is_session_end() => self.control = None,
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+        Err(self.fail("coordination did not answer a read in 100 tries"))
+    }
+
+    async fn start_writer(&mut self) -> Result<(), Failure> {
+        let known = self.known_commit().await?;
+        self.start_writer_knowing(known);
+        Ok(())
+    }
+
+    fn start_writer_knowing(&mut self, known: Lsn) {
         self.writers_started += 1;
         let mut config = WriterConfig::new(
             (0..SAFEKEEPERS).map(node_name).collect(),
@@ -389,16 +478,19 @@ impl Sim {
         config.election_timeout = Duration::from_secs(2);
         config.proposer.max_append_bytes = 16 << 10;
         // As `ferry dev` does from its coordination store: the writer knows a
-        // commit point (here everything the checker saw committed). Committed
-        // WAL is on every quorum, so this must never block an election.
-        config.proposer.known_commit_lsn = self.committed;
+        // commit point (recorded there by the recorder). Committed WAL is on
+        // every quorum, so this must never block an election.
+        config.proposer.known_commit_lsn = known;
         let writer = Writer::start(
             self.world.net.node(&writer_node(self.writers_started)),
             config,
         );
         self.status = Some(writer.subscribe());
         self.writer = Some(Arc::new(writer));
-        self.log(format!("writer {} started", self.writers_started));
+        self.log(format!(
+            "writer {} started, knowing commit {known} from coordination",
+            self.writers_started
+        ));
     }
 
     fn kill_writer(&mut self) {
@@ -416,23 +508,24 @@ impl Sim {
     /// The current writer stopped on its own (superseded, perhaps by the term
     /// of a writer long dead): like a process supervisor, start a new one.
     /// Writers replaced by a takeover have no supervisor.
-    fn restart_stopped_writer(&mut self) {
+    async fn restart_stopped_writer(&mut self) -> Result<(), Failure> {
         if self.writer.take().is_some() {
             self.log(format!(
                 "writer {} stopped; its supervisor starts a new one",
                 self.writers_started
             ));
-            self.start_writer();
+            self.start_writer().await?;
         }
+        Ok(())
     }
 
     /// A takeover: the current writer keeps running while a new one starts.
-    fn take_over(&mut self) {
+    async fn take_over(&mut self) -> Result<(), Failure> {
         if let (Some(writer), Some(status)) = (self.writer.take(), self.status.take()) {
             self.old_writers
                 .insert(self.writers_started, (writer, status));
         }
-        self.start_writer();
+        self.start_writer().await
     }
 
     /// Kills every writer replaced by a takeover.
@@ -512,6 +605,7 @@ impl Sim {
         }
         if lsn > self.committed {
             self.committed = lsn;
+            self.committed_tx.send_replace(lsn);
         }
         self.produced = self.produced.max(lsn);
         Ok(())
@@ -660,7 +754,7 @@ impl Sim {
                     }
                     if !changed {
                         self.status = None;
-                        self.restart_stopped_writer();
+                        self.restart_stopped_writer().await?;
                     }
                 }
                 Some((writer, block, result)) = self.results.1.recv() => self.on_result(writer, block, result)?,
@@ -680,9 +774,9 @@ impl Sim {
             Event::RestartWriter => {
                 self.kill_writer();
                 self.kill_old_writers()?;
-                self.start_writer();
+                self.start_writer().await?;
             }
-            Event::TakeOver => self.take_over(),
+            Event::TakeOver => self.take_over().await?,
             Event::Partition(a, b) => {
                 // Index SAFEKEEPERS is the current writer.
                 let name = |i: usize| {
@@ -761,7 +855,7 @@ impl Sim {
             self.kill_writer();
         }
         if self.writer.is_none() {
-            self.start_writer();
+            self.start_writer().await?;
         }
         // A write must commit; one that fails (its writer superseded by a stale
         // term and restarted by its supervisor) is tried again.
@@ -988,7 +1082,13 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         seed,
         &mut rng,
         schedule.net,
-        CoordFaults::default(),
+        // Requests of the recorder and of writers reading the known commit
+        // are sometimes lost, before or after they apply.
+        CoordFaults {
+            fail_before_prob: 0.05,
+            fail_after_prob: 0.05,
+            ..CoordFaults::default()
+        },
         ObjectFaults::default(),
         verbose,
     )
@@ -996,6 +1096,12 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
     let disks = (0..SAFEKEEPERS)
         .map(|i| world.disk(&node_name(i)))
         .collect();
+    let control_sessions = world.coord.factory("control", Duration::from_secs(2));
+    let (committed_tx, committed_rx) = watch::channel(Lsn(0));
+    let recorder = tokio::spawn(record_commits(
+        world.coord.factory("recorder", Duration::from_secs(2)),
+        committed_rx,
+    ));
     let mut sim = Sim {
         world,
         disks,
@@ -1019,6 +1125,9 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         received: SharedReceived::default(),
         seen_terms: vec![0; SAFEKEEPERS],
         seen_commits: vec![Lsn(0); SAFEKEEPERS],
+        control_sessions,
+        control: None,
+        committed_tx,
     };
     let mut header = String::new();
     let _ = write!(
@@ -1034,7 +1143,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
     for i in 0..SAFEKEEPERS {
         sim.start_safekeeper(i).await?;
     }
-    sim.start_writer();
+    sim.start_writer().await?;
     let clock: ferry_env::SharedClock = Arc::new(sim.world.clock.clone());
     let receiver = tokio::spawn(walreceiver::run(
         sim.world.net.node("replica"),
@@ -1050,6 +1159,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
     }
     let committed = sim.settle(schedule.net).await?;
     receiver.abort();
+    recorder.abort();
     sim.check_disks(committed).await?;
     let log_hash = sim
         .world
