@@ -10,6 +10,7 @@
 //!
 //! * [`world`]: nodes' disks, the network, coordination, object storage, the
 //!   clock and the event log of one run, drawn from its seed;
+//! * [`faults`]: the faults any workload's schedule can hold;
 //! * [`clock`]: virtual Unix time from a seeded start;
 //! * [`coord`]: coordination with ZooKeeper's failure behaviour (latency, loss
 //!   before or after apply, partitions that expire sessions, abandoned sessions);
@@ -23,6 +24,7 @@
 pub mod clock;
 pub mod coord;
 pub mod disk;
+pub mod faults;
 pub mod net;
 pub mod objstore;
 pub mod rogue;

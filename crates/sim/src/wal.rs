@@ -25,6 +25,7 @@ use tokio::time::Instant;
 
 use crate::coord::CoordFaults;
 use crate::disk::{CrashStats, SimDisk};
+use crate::faults::Fault;
 use crate::net::NetOptions;
 use crate::objstore::ObjectFaults;
 use crate::rogue::{RogueKind, RogueOutcome};
@@ -44,40 +45,20 @@ const LIVENESS_BOUND: Duration = Duration::from_secs(60);
 /// One scheduled fault or action.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
+    /// A fault of the world: node `i < 3` is safekeeper `i`; in a partition,
+    /// node 3 is the current writer (whose node a writer started later does
+    /// not share).
+    Fault(Fault),
     /// Append `records` inserts of about `bytes` bytes each, one after another.
-    Write {
-        records: u32,
-        bytes: usize,
-    },
-    /// Power-cut a safekeeper (unsynced writes lost, last one maybe torn); it stays
-    /// down until restarted.
-    CrashSafekeeper(usize),
-    /// Power-cut a safekeeper and start it again from its disk.
-    RestartSafekeeper(usize),
+    Write { records: u32, bytes: usize },
     /// Kill the writer and start a new one (which must win a new term).
     RestartWriter,
     /// Start a new writer while the old one keeps running (a failover that did
     /// not kill it): one of them ends up elected, a writer superseded after its
     /// election stops, and nothing acknowledged by either is lost.
     TakeOver,
-    /// Cut the network between two nodes (safekeeper indexes; 3 = the current
-    /// writer, whose node a writer started later does not share).
-    Partition(usize, usize),
-    RepairPartitions,
-    /// Every sync on a safekeeper's disk fails from now on, and a failed fsync
-    /// loses the unsynced writes: the safekeeper must stop without answering
-    /// from what it could not persist. The disk is repaired when it restarts.
-    DiskFailure(usize),
-    /// A safekeeper's disk stops answering for this many milliseconds.
-    DiskStall {
-        safekeeper: usize,
-        millis: u64,
-    },
     /// A misbehaving proposer sends a safekeeper what it must refuse.
-    Rogue {
-        safekeeper: usize,
-        kind: RogueKind,
-    },
+    Rogue { safekeeper: usize, kind: RogueKind },
 }
 
 /// A schedule: events at virtual times, plus the network settings.
@@ -120,28 +101,30 @@ pub fn generate_schedule(rng: &mut SmallRng) -> Schedule {
                 records: rng.random_range(1..10),
                 bytes: rng.random_range(16..4000),
             },
-            2 => Event::CrashSafekeeper(rng.random_range(0..SAFEKEEPERS)),
-            3 => Event::RestartSafekeeper(rng.random_range(0..SAFEKEEPERS)),
+            2 => Event::Fault(Fault::Crash(rng.random_range(0..SAFEKEEPERS))),
+            3 => Event::Fault(Fault::Restart(rng.random_range(0..SAFEKEEPERS))),
             4 if rng.random_bool(0.3) => Event::TakeOver,
             4 => Event::RestartWriter,
             5 => {
                 if rng.random_bool(0.5) {
                     let a = rng.random_range(0..=SAFEKEEPERS);
                     let b = (a + rng.random_range(1..=SAFEKEEPERS)) % (SAFEKEEPERS + 1);
-                    Event::Partition(a, b)
+                    Event::Fault(Fault::Partition(a, b))
                 } else {
-                    Event::RepairPartitions
+                    Event::Fault(Fault::RepairPartitions)
                 }
             }
-            6 if rng.random_bool(0.2) => Event::DiskFailure(rng.random_range(0..SAFEKEEPERS)),
+            6 if rng.random_bool(0.2) => {
+                Event::Fault(Fault::DiskFailure(rng.random_range(0..SAFEKEEPERS)))
+            }
             7 => Event::Rogue {
                 safekeeper: rng.random_range(0..SAFEKEEPERS),
                 kind: RogueKind::ALL[rng.random_range(0..RogueKind::ALL.len())],
             },
-            _ => Event::DiskStall {
-                safekeeper: rng.random_range(0..SAFEKEEPERS),
+            _ => Event::Fault(Fault::DiskStall {
+                node: rng.random_range(0..SAFEKEEPERS),
                 millis: rng.random_range(1..2000),
-            },
+            }),
         };
         events.push((at, event));
     }
@@ -766,8 +749,8 @@ impl Sim {
     async fn apply(&mut self, event: &Event) -> Result<(), Failure> {
         match *event {
             Event::Write { records, bytes } => self.write(records, bytes),
-            Event::CrashSafekeeper(i) => self.crash_safekeeper(i).await,
-            Event::RestartSafekeeper(i) => {
+            Event::Fault(Fault::Crash(i)) => self.crash_safekeeper(i).await,
+            Event::Fault(Fault::Restart(i)) => {
                 self.crash_safekeeper(i).await;
                 self.start_safekeeper(i).await?;
             }
@@ -777,7 +760,7 @@ impl Sim {
                 self.start_writer().await?;
             }
             Event::TakeOver => self.take_over().await?,
-            Event::Partition(a, b) => {
+            Event::Fault(Fault::Partition(a, b)) => {
                 // Index SAFEKEEPERS is the current writer.
                 let name = |i: usize| {
                     if i == SAFEKEEPERS {
@@ -789,8 +772,8 @@ impl Sim {
                 let (a, b) = (name(a), name(b));
                 self.world.partition(&a, &b);
             }
-            Event::RepairPartitions => self.world.repair_all(),
-            Event::DiskFailure(i) => {
+            Event::Fault(Fault::RepairPartitions) => self.world.repair_all(),
+            Event::Fault(Fault::DiskFailure(i)) => {
                 self.disks[i].set_failing(true);
                 self.log(format!("sk{i} disk fails every sync"));
             }
@@ -815,7 +798,10 @@ impl Sim {
                     );
                 }
             }
-            Event::DiskStall { safekeeper, millis } => {
+            Event::Fault(Fault::DiskStall {
+                node: safekeeper,
+                millis,
+            }) => {
                 self.disks[safekeeper].stall_until(Instant::now() + Duration::from_millis(millis));
                 self.log(format!("sk{safekeeper} disk stalls {millis} ms"));
             }
