@@ -226,7 +226,8 @@ fn refused(term: Term, reason: impl Into<String>) -> AcceptorError {
 impl Acceptor {
     /// Opens the existing safekeeper in `dir`: the control file first (it must
     /// exist and describe the safekeeper `config` asks for), then the WAL, whose
-    /// every record below the persisted commit_lsn must be present and intact
+    /// every record below the persisted commit_lsn and durable point must be
+    /// present and intact
     /// (an error names the file otherwise), walked on to its real end.
     pub async fn open(
         disk: Arc<dyn Disk>,
@@ -293,7 +294,7 @@ impl Acceptor {
             config.segment_size,
             config.preallocation,
             verify_from,
-            state.commit_lsn,
+            state.commit_lsn.max(state.durable_lsn),
         )
         .await?;
         let commit_lsn = state.commit_lsn;
@@ -479,6 +480,12 @@ impl Acceptor {
                 ),
             ));
         }
+        if self.state.durable_lsn > msg.start_streaming_at {
+            // The recorded durable point goes down before the WAL does, so that
+            // a crash in between never finds less WAL than recorded.
+            self.state.durable_lsn = msg.start_streaming_at;
+            self.control.persist(&self.state).await?;
+        }
         self.wal.truncate(msg.start_streaming_at).await?;
         // Commit announcements of an older writer say nothing about this term's WAL.
         self.pending_commit_lsn = self.commit_lsn;
@@ -608,6 +615,7 @@ impl Acceptor {
     /// Persists the in-memory positions now (clean shutdown, periodic save).
     pub async fn persist_now(&mut self) -> Result<(), AcceptorError> {
         self.state.commit_lsn = self.commit_lsn;
+        self.state.durable_lsn = self.wal.flush_lsn();
         self.state.peer_horizon_lsn = self.peer_horizon_lsn;
         self.control.persist(&self.state).await?;
         Ok(())

@@ -16,8 +16,9 @@ use serde::{Deserialize, Serialize};
 /// File name inside the safekeeper's data dir.
 pub const CONTROL_FILE: &str = "safekeeper.control";
 const MAGIC: u32 = 0xFE55_AFE0;
-/// Bumped on every incompatible change of [`SafekeeperState`] (2: the cluster id).
-pub const FORMAT_VERSION: u32 = 2;
+/// Bumped on every incompatible change of [`SafekeeperState`] (2: the cluster id;
+/// 3: the durable flush point).
+pub const FORMAT_VERSION: u32 = 3;
 
 /// Status of an object uploaded by partial segment backup (room for that feature:
 /// the list is kept and persisted, nothing fills it yet).
@@ -55,6 +56,11 @@ pub struct SafekeeperState {
     pub timeline_start_lsn: Lsn,
     /// Committed position as last persisted (the live value runs ahead of it).
     pub commit_lsn: Lsn,
+    /// WAL known durable up to here when the control file was last written (a
+    /// lower bound of the real flush_lsn, lowered before any truncation): at
+    /// start, WAL below it that is missing or damaged is refused, like WAL
+    /// below commit_lsn (a safekeeper may hold more than it knows committed).
+    pub durable_lsn: Lsn,
     /// WAL below this is in the remote backup.
     pub backup_lsn: Lsn,
     /// WAL below this is on every safekeeper (the writer's truncate_lsn).
@@ -85,6 +91,7 @@ impl SafekeeperState {
             proposer_id: 0,
             timeline_start_lsn: Lsn(0),
             commit_lsn: Lsn(0),
+            durable_lsn: Lsn(0),
             backup_lsn: Lsn(0),
             peer_horizon_lsn: Lsn(0),
             remote_consistent_lsn: Lsn(0),

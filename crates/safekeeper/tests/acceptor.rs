@@ -1,6 +1,9 @@
 //! The acceptor's answers to each message, including every refusal, and its state
 //! across restarts.
 
+// Tests damage real files directly; node code may not.
+#![allow(clippy::disallowed_methods, clippy::disallowed_types)]
+
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
@@ -378,4 +381,37 @@ async fn batch_shares_one_answer_and_relays_feedback() {
         .await
         .expect("read");
     assert_eq!(got.len() as u64, 2 * len, "never past commit_lsn");
+}
+
+/// WAL a safekeeper flushed but never learned was committed is still WAL it
+/// promised (the writer may have counted it toward a commit): after a clean
+/// stop, losing it is refused at start, like losing committed WAL.
+#[tokio::test]
+async fn flushed_wal_recorded_at_a_clean_stop_must_be_there() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let mut a = open(&disk).await;
+    a.handle_vote(1).await.expect("vote");
+    a.handle_elected(&elected(1, 0, &[(1, 0)]))
+        .await
+        .expect("elected");
+    let wal = records(20);
+    let out = a
+        .handle_batch(vec![ToSafekeeper::Append(append(1, 0, &wal, 0))])
+        .await
+        .expect("append");
+    assert!(
+        matches!(&out[0], FromSafekeeper::Append(r) if r.flush_lsn == Lsn(wal.len() as u64) && r.commit_lsn == Lsn(0))
+    );
+    a.persist_now().await.expect("clean stop");
+    drop(a);
+    std::fs::remove_file(dir.path().join("sk/wal/000000010000000000000000.partial"))
+        .expect("lose the segment");
+    let err = Acceptor::open(Arc::clone(&disk), "sk", config())
+        .await
+        .expect_err("lost flushed WAL is refused");
+    assert!(
+        err.to_string().contains("000000010000000000000000"),
+        "{err}"
+    );
 }
