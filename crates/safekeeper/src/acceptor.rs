@@ -283,8 +283,11 @@ impl Acceptor {
         }
         // Every record from the start of the timeline is checked while nothing
         // was removed; once segments are removed, from the persisted commit_lsn.
+        let durable = state.commit_lsn.max(state.durable_lsn);
         let verify_from = if state.last_removed_segno == 0 {
-            state.timeline_start_lsn
+            // A timeline start past the durable point (sent by a writer) must
+            // not turn a start-up into a refusal: walk from the durable point.
+            state.timeline_start_lsn.min(durable)
         } else {
             state.commit_lsn
         };
@@ -294,7 +297,7 @@ impl Acceptor {
             config.segment_size,
             config.preallocation,
             verify_from,
-            state.commit_lsn.max(state.durable_lsn),
+            durable,
         )
         .await?;
         let commit_lsn = state.commit_lsn;

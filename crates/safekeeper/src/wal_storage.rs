@@ -204,10 +204,11 @@ impl WalStorage {
         record_boundary: Lsn,
         durable: Lsn,
     ) -> Result<WalStorage, WalStorageError> {
-        assert!(
-            record_boundary <= durable,
-            "the walk starts below the durable point"
-        );
+        if record_boundary > durable {
+            return Err(WalStorageError::Corrupt(format!(
+                "the walk of records would start at {record_boundary}, past the durable point {durable}"
+            )));
+        }
         disk.create_dir_all(dir).await?;
         let segments = list_segments(disk.as_ref(), dir, seg).await?;
         let mut wal = WalStorage {
