@@ -1,0 +1,280 @@
+//! Insert bodies in every format, with every column type and nulls, and every
+//! class of bad input: the error names the row and column, and no rows come out.
+
+use std::sync::Arc;
+
+use arrow::array::{
+    Array, AsArray, BooleanArray, Date32Array, Float64Array, Int32Array, Int64Array, RecordBatch,
+    StringArray, TimestampMicrosecondArray,
+};
+use arrow::datatypes::{DataType, Field, Schema};
+use bytes::Bytes;
+use ferry_table::rows::{self, decode, split_by_shard, to_ipc};
+use ferry_table::{DecodeError, Format, RowError, TableDef};
+
+fn table() -> TableDef {
+    TableDef::from_toml(
+        r#"
+name = "events"
+partition_by = { column = "ts", transform = "month" }
+shard_by = { column = "i64", shards = 3 }
+[[columns]]
+name = "i32"
+type = "Int32"
+[[columns]]
+name = "i64"
+type = "Int64"
+[[columns]]
+name = "f"
+type = "Float64"
+nullable = true
+[[columns]]
+name = "b"
+type = "Boolean"
+[[columns]]
+name = "s"
+type = "Utf8"
+nullable = true
+[[columns]]
+name = "d"
+type = "Date"
+[[columns]]
+name = "ts"
+type = "Timestamp"
+"#,
+    )
+    .expect("valid table")
+}
+
+const TS1: i64 = 1_704_164_645_000_006; // 2024-01-02T03:04:05.000006Z
+const TS2: i64 = 1_709_251_200_000_000; // 2024-03-01T00:00:00Z
+
+/// The rows every good body below holds.
+fn expected(def: &TableDef) -> RecordBatch {
+    RecordBatch::try_new(
+        def.arrow_schema(),
+        vec![
+            Arc::new(Int32Array::from(vec![1, -2])),
+            Arc::new(Int64Array::from(vec![10, 20])),
+            Arc::new(Float64Array::from(vec![Some(1.5), None])),
+            Arc::new(BooleanArray::from(vec![true, false])),
+            Arc::new(StringArray::from(vec![Some("x, \"y\""), None])),
+            Arc::new(Date32Array::from(vec![19_724, 0])),
+            Arc::new(TimestampMicrosecondArray::from(vec![TS1, TS2]).with_timezone("+00:00")),
+        ],
+    )
+    .expect("batch")
+}
+
+fn one_batch(rows: &ferry_table::Rows) -> RecordBatch {
+    arrow::compute::concat_batches(&rows.batches[0].schema(), &rows.batches).expect("concat")
+}
+
+fn good(format: Format, body: impl Into<Bytes>) {
+    let def = table();
+    let rows =
+        decode(&def, format, body.into(), 1000).unwrap_or_else(|e| panic!("{format:?}: {e}"));
+    assert_eq!(rows.rows, 2);
+    assert_eq!(one_batch(&rows), expected(&def), "{format:?}");
+}
+
+fn bad(format: Format, body: impl Into<Bytes>) -> RowError {
+    match decode(&table(), format, body.into(), 1000) {
+        Err(DecodeError::Row(e)) => e,
+        other => panic!("{format:?}: expected a row error, got {other:?}"),
+    }
+}
+
+const NDJSON: &str = r#"{"i32":1,"i64":10,"f":1.5,"b":true,"s":"x, \"y\"","d":"2024-01-02","ts":"2024-01-02T03:04:05.000006Z"}
+
+{"i32":-2,"i64":20,"f":null,"b":false,"d":"1970-01-01","ts":"2024-03-01T00:00:00Z"}
+"#;
+
+const CSV: &str = "ts,i64,i32,f,b,s,d\n\
+2024-01-02T03:04:05.000006Z,10,1,1.5,true,\"x, \"\"y\"\"\",2024-01-02\n\
+2024-03-01T00:00:00Z,20,-2,,false,,1970-01-01\n";
+
+#[test]
+fn every_format_decodes_every_type_and_null() {
+    good(Format::Ndjson, NDJSON);
+    good(Format::Csv, CSV);
+    let def = table();
+    good(Format::Arrow, to_ipc(&expected(&def)).expect("ipc"));
+    let mut parquet = Vec::new();
+    {
+        let mut w = parquet::arrow::ArrowWriter::try_new(&mut parquet, def.arrow_schema(), None)
+            .expect("writer");
+        w.write(&expected(&def)).expect("write");
+        w.close().expect("close");
+    }
+    good(Format::Parquet, parquet);
+}
+
+#[test]
+fn typed_formats_convert_compatible_types_and_fill_missing_nullable_columns() {
+    // Int64 given as Int32, timestamps in milliseconds without a zone, no "f"/"s".
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("i32", DataType::Int32, false),
+        Field::new("i64", DataType::Int32, false),
+        Field::new("b", DataType::Boolean, false),
+        Field::new("d", DataType::Date32, false),
+        Field::new(
+            "ts",
+            DataType::Timestamp(arrow::datatypes::TimeUnit::Millisecond, None),
+            false,
+        ),
+    ]));
+    let batch = RecordBatch::try_new(
+        schema,
+        vec![
+            Arc::new(Int32Array::from(vec![7])),
+            Arc::new(Int32Array::from(vec![8])),
+            Arc::new(BooleanArray::from(vec![true])),
+            Arc::new(Date32Array::from(vec![3])),
+            Arc::new(arrow::array::TimestampMillisecondArray::from(vec![1_000])),
+        ],
+    )
+    .expect("batch");
+    let rows = decode(&table(), Format::Arrow, to_ipc(&batch).expect("ipc"), 10).expect("decode");
+    let got = one_batch(&rows);
+    assert_eq!(
+        got.column(1)
+            .as_primitive::<arrow::datatypes::Int64Type>()
+            .value(0),
+        8
+    );
+    assert!(got.column(2).is_null(0) && got.column(4).is_null(0));
+    assert_eq!(
+        got.column(6)
+            .as_primitive::<arrow::datatypes::TimestampMicrosecondType>()
+            .value(0),
+        1_000_000
+    );
+}
+
+#[test]
+fn bad_rows_are_named_by_row_column_and_reason() {
+    let line = |i32: &str, extra: &str| {
+        format!(
+            r#"{{"i32":{i32},"i64":1,"b":true,"d":"2024-01-02","ts":"2024-01-02T00:00:00Z"{extra}}}"#
+        )
+    };
+    let ok = line("1", "");
+    // Type mismatch in row 3.
+    let e = bad(
+        Format::Ndjson,
+        format!("{ok}\n{ok}\n{}\n", line("\"abc\"", "")),
+    );
+    assert_eq!((e.row, e.column.as_deref()), (Some(3), Some("i32")), "{e}");
+    // Missing non-nullable column in row 2.
+    let e = bad(
+        Format::Ndjson,
+        format!(
+            "{ok}\n{}\n",
+            r#"{"i32":1,"i64":1,"d":"2024-01-02","ts":"2024-01-02T00:00:00Z"}"#
+        ),
+    );
+    assert_eq!((e.row, e.column.as_deref()), (Some(2), Some("b")), "{e}");
+    assert!(e.reason.contains("non-nullable"), "{e}");
+    // Unknown column in row 2.
+    let e = bad(
+        Format::Ndjson,
+        format!("{ok}\n{}\n", line("1", r#","zz":5"#)),
+    );
+    assert_eq!((e.row, e.column.as_deref()), (Some(2), Some("zz")), "{e}");
+    // Unparseable JSON in row 2.
+    let e = bad(Format::Ndjson, format!("{ok}\n{{\"i32\": 1,,}}\n"));
+    assert_eq!(e.row, Some(2), "{e}");
+    // Partition value out of range (year 11,476) in row 2.
+    let far = r#"{"i32":1,"i64":1,"b":true,"d":"2024-01-02","ts":300000000000000000}"#;
+    let e = bad(Format::Ndjson, format!("{ok}\n{far}\n"));
+    assert_eq!((e.row, e.column.as_deref()), (Some(2), Some("ts")), "{e}");
+    assert!(e.reason.contains("out of range"), "{e}");
+
+    // CSV: unparseable date in data row 2.
+    let e = bad(
+        Format::Csv,
+        "i32,i64,b,d,ts\n1,1,true,2024-01-02,2024-01-02T00:00:00Z\n1,1,true,notadate,2024-01-02T00:00:00Z\n",
+    );
+    assert_eq!(e.row, Some(2), "{e}");
+    // CSV: a column the table lacks, and a non-nullable one left empty.
+    let e = bad(
+        Format::Csv,
+        "i32,i64,b,d,ts,zz\n1,1,true,2024-01-02,2024-01-02T00:00:00Z,1\n",
+    );
+    assert_eq!(e.column.as_deref(), Some("zz"), "{e}");
+    let e = bad(Format::Csv, "i32,i64,b,d,ts\n1,1,true,2024-01-02,2024-01-02T00:00:00Z\n1,,true,2024-01-02,2024-01-02T00:00:00Z\n");
+    assert_eq!((e.row, e.column.as_deref()), (Some(2), Some("i64")), "{e}");
+    // CSV with a short row.
+    let e = bad(Format::Csv, "i32,i64,b,d,ts\n1,1,true\n");
+    assert_eq!(e.row, Some(1), "{e}");
+
+    // Arrow: a column of the wrong type.
+    let schema = Arc::new(Schema::new(vec![Field::new("i32", DataType::Utf8, false)]));
+    let batch =
+        RecordBatch::try_new(schema, vec![Arc::new(StringArray::from(vec!["1"]))]).expect("batch");
+    let e = bad(Format::Arrow, to_ipc(&batch).expect("ipc"));
+    assert_eq!(e.column.as_deref(), Some("i32"), "{e}");
+    assert!(e.reason.contains("type mismatch"), "{e}");
+    // Garbage in binary formats.
+    assert!(bad(Format::Arrow, &b"not arrow"[..])
+        .reason
+        .contains("Arrow"));
+    assert!(bad(Format::Parquet, &b"not parquet"[..])
+        .reason
+        .contains("Parquet"));
+}
+
+#[test]
+fn row_limit_and_sharding() {
+    let def = table();
+    let body: String = (0..50)
+        .map(|i| {
+            format!(
+                r#"{{"i32":{i},"i64":{i},"b":true,"d":"2024-01-02","ts":"2024-01-02T00:00:00Z"}}"#
+            ) + "\n"
+        })
+        .collect();
+    assert_eq!(
+        decode(&def, Format::Ndjson, Bytes::from(body.clone()), 49).expect_err("limit"),
+        DecodeError::TooManyRows { limit: 49 }
+    );
+    let rows = decode(&def, Format::Ndjson, Bytes::from(body), 50).expect("decode");
+    let shards = split_by_shard(&def, &rows).expect("split");
+    assert_eq!(shards.iter().map(|(_, b)| b.num_rows()).sum::<usize>(), 50);
+    assert!(
+        shards.len() > 1,
+        "50 keys over 3 shards touch more than one"
+    );
+    for (s, b) in &shards {
+        let back = rows::from_ipc(&to_ipc(b).expect("ipc")).expect("decode ipc");
+        assert_eq!(&back[0], b);
+        let keys = ferry_table::keys::shard_numbers(3, b.column(1));
+        assert!(
+            keys.iter().all(|k| k == s),
+            "every row of shard {s} hashes to it"
+        );
+    }
+}
+
+#[test]
+fn formats_from_headers_and_names() {
+    assert_eq!(
+        Format::from_content_type("application/x-ndjson; charset=utf-8"),
+        Some(Format::Ndjson)
+    );
+    assert_eq!(Format::from_content_type("text/csv"), Some(Format::Csv));
+    assert_eq!(
+        Format::from_content_type("application/vnd.apache.arrow.stream"),
+        Some(Format::Arrow)
+    );
+    assert_eq!(
+        Format::from_content_type("application/vnd.apache.parquet"),
+        Some(Format::Parquet)
+    );
+    assert_eq!(Format::from_content_type("text/plain"), None);
+    assert_eq!(Format::from_path("x/y.jsonl"), Some(Format::Ndjson));
+    for f in Format::ALL {
+        assert_eq!(Format::from_content_type(f.content_type()), Some(f));
+    }
+}
