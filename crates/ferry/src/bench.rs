@@ -520,8 +520,10 @@ fn disk_limits(dir: &std::path::Path, files: usize, probe_mib: u64) -> anyhow::R
 }
 
 fn insert_of(total_bytes: usize, block: u64) -> bytes::Bytes {
-    let payload = total_bytes.saturating_sub(ferry_wal::record::Record::insert_len(0));
+    let payload = total_bytes.saturating_sub(ferry_wal::record::Record::insert_len(0, 0));
     ferry_wal::record::Record::Insert {
+        shard: 0,
+        idempotency_key: bytes::Bytes::new(),
         table_id: 1,
         block_number: block,
         arrow_ipc: bytes::Bytes::from(vec![(block % 251) as u8; payload]),

@@ -74,6 +74,8 @@ fn start_three_safekeepers(dir: &std::path::Path) -> (Vec<Child>, Vec<String>) {
 
 fn insert(block: u64) -> Bytes {
     encode_records(&[Record::Insert {
+        shard: 0,
+        idempotency_key: bytes::Bytes::new(),
         table_id: 3,
         block_number: block,
         arrow_ipc: Bytes::from(vec![(block % 256) as u8; 2000]),

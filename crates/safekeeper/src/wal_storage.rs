@@ -873,6 +873,8 @@ mod tests {
         let mut buf = BytesMut::new();
         for i in 0..n {
             Record::Insert {
+                shard: 0,
+                idempotency_key: bytes::Bytes::new(),
                 table_id: 1,
                 block_number: i as u64,
                 arrow_ipc: Bytes::from(vec![i as u8; size]),
@@ -1290,7 +1292,7 @@ mod tests {
         bytes[in_segment + 50..in_segment + 350].fill(0xAB);
         std::fs::write(&path, &bytes).expect("tear");
 
-        let last_record = Record::insert_len(3000) as u64;
+        let last_record = Record::insert_len(0, 3000) as u64;
         let wal = open(dir.path(), Lsn(0)).await;
         assert_eq!(
             wal.flush_lsn(),
@@ -1332,7 +1334,7 @@ mod tests {
             .await
             .expect("write");
         wal.flush().await.expect("flush");
-        let keep = Lsn(Record::insert_len(3000) as u64 * 10); // inside the first segment
+        let keep = Lsn(Record::insert_len(0, 3000) as u64 * 10); // inside the first segment
         wal.truncate(keep).await.expect("truncate");
         assert_eq!((wal.write_lsn(), wal.flush_lsn()), (keep, keep));
         assert_eq!(names(dir.path()), vec!["000000010000000000000000.partial"]);

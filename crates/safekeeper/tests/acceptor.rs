@@ -41,6 +41,8 @@ fn records(n: u64) -> Bytes {
     let mut buf = BytesMut::new();
     for b in 0..n {
         Record::Insert {
+            shard: 0,
+            idempotency_key: bytes::Bytes::new(),
             table_id: 1,
             block_number: b,
             arrow_ipc: Bytes::from(vec![1u8; 100]),

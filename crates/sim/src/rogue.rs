@@ -72,6 +72,8 @@ impl Conn {
 
 fn one_record(block: u64) -> Bytes {
     Record::Insert {
+        shard: 0,
+        idempotency_key: bytes::Bytes::new(),
         table_id: 99,
         block_number: block,
         arrow_ipc: Bytes::from_static(b"rogue"),

@@ -165,6 +165,8 @@ fn insert_record(block: u64, bytes: usize) -> Record {
     payload.extend_from_slice(&block.to_le_bytes());
     payload.extend((0..bytes).map(|i| (block as usize * 31 + i) as u8));
     Record::Insert {
+        shard: 0,
+        idempotency_key: bytes::Bytes::new(),
         table_id: 1,
         block_number: block,
         arrow_ipc: Bytes::from(payload),

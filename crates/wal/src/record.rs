@@ -19,21 +19,32 @@ use crate::Lsn;
 
 /// Size of the record header.
 pub const HEADER_BYTES: usize = 16;
+/// The longest idempotency key a record carries.
+pub const MAX_IDEMPOTENCY_KEY_BYTES: usize = 256;
+
 /// The largest record accepted (header included). An insert batch larger than
 /// this must be split by the writer.
 pub const MAX_RECORD_BYTES: usize = 64 << 20;
 
 const KIND_INSERT: u8 = 1;
+/// table_id, block_number, shard, key length, reserved.
+const INSERT_FIXED_BYTES: usize = 8 + 8 + 4 + 2 + 2;
 const KIND_SHUTDOWN_CHECKPOINT: u8 = 2;
 
 /// A decoded record.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Record {
-    /// Rows for one table: an Arrow IPC stream holding one record batch, and the
-    /// block number the writer assigned to this insert (part names derive from it).
+    /// Rows of one shard of one table: an Arrow IPC stream holding one record
+    /// batch, the block number the writer assigned to this insert (part names
+    /// derive from it; it is the LSN where the record starts, so it is unique
+    /// among committed records and grows with the WAL), and the idempotency key
+    /// of the request (empty when none was given): replicas apply a record whose
+    /// (table, shard, key) they already applied only once.
     Insert {
         table_id: u64,
+        shard: u32,
         block_number: u64,
+        idempotency_key: Bytes,
         arrow_ipc: Bytes,
     },
     /// Written by a writer that shuts down cleanly; it exits once this record is
@@ -65,13 +76,23 @@ impl Record {
         match self {
             Record::Insert {
                 table_id,
+                shard,
                 block_number,
+                idempotency_key,
                 arrow_ipc,
             } => {
+                assert!(
+                    idempotency_key.len() <= MAX_IDEMPOTENCY_KEY_BYTES,
+                    "idempotency keys are bounded before they reach a record"
+                );
                 out.put_u8(KIND_INSERT);
                 out.put_bytes(0, 7);
                 out.put_u64_le(*table_id);
                 out.put_u64_le(*block_number);
+                out.put_u32_le(*shard);
+                out.put_u16_le(idempotency_key.len() as u16);
+                out.put_u16_le(0);
+                out.put_slice(idempotency_key);
                 out.put_slice(arrow_ipc);
             }
             Record::ShutdownCheckpoint { term } => {
@@ -94,9 +115,10 @@ impl Record {
         out.freeze()
     }
 
-    /// Encoded length of an insert with `arrow_ipc_len` bytes of rows.
-    pub fn insert_len(arrow_ipc_len: usize) -> usize {
-        HEADER_BYTES + 16 + arrow_ipc_len
+    /// Encoded length of an insert with `arrow_ipc_len` bytes of rows and a key
+    /// of `key_len` bytes.
+    pub fn insert_len(key_len: usize, arrow_ipc_len: usize) -> usize {
+        HEADER_BYTES + INSERT_FIXED_BYTES + key_len + arrow_ipc_len
     }
 }
 
@@ -133,14 +155,23 @@ pub fn decode(buf: &Bytes) -> Result<(Record, usize), RecordError> {
     let mut body = buf.slice(HEADER_BYTES..len);
     let record = match kind {
         KIND_INSERT => {
-            if body.len() < 16 {
+            if body.len() < INSERT_FIXED_BYTES {
                 return Err(RecordError::Malformed("insert"));
             }
             let table_id = body.get_u64_le();
             let block_number = body.get_u64_le();
+            let shard = body.get_u32_le();
+            let key_len = usize::from(body.get_u16_le());
+            let _reserved = body.get_u16_le();
+            if key_len > MAX_IDEMPOTENCY_KEY_BYTES || body.len() < key_len {
+                return Err(RecordError::Malformed("insert"));
+            }
+            let idempotency_key = body.split_to(key_len);
             Record::Insert {
                 table_id,
+                shard,
                 block_number,
+                idempotency_key,
                 arrow_ipc: body,
             }
         }
@@ -178,13 +209,15 @@ mod tests {
         let mut buf = BytesMut::new();
         let a = Record::Insert {
             table_id: 7,
+            shard: 3,
             block_number: 42,
+            idempotency_key: Bytes::from_static(b"key-1"),
             arrow_ipc: Bytes::from_static(b"arrow bytes"),
         };
         let b = Record::ShutdownCheckpoint { term: 3 };
         let la = a.encode(&mut buf);
         let lb = b.encode(&mut buf);
-        assert_eq!(la, Record::insert_len(11));
+        assert_eq!(la, Record::insert_len(5, 11));
         let all = buf.freeze();
         assert_eq!(decode(&all).expect("a"), (a, la));
         assert_eq!(decode(&all.slice(la..)).expect("b"), (b, lb));
@@ -215,8 +248,8 @@ mod tests {
         }
 
         #[test]
-        fn inserts_round_trip(table in any::<u64>(), block in any::<u64>(), rows in proptest::collection::vec(any::<u8>(), 0..300)) {
-            let record = Record::Insert { table_id: table, block_number: block, arrow_ipc: Bytes::from(rows) };
+        fn inserts_round_trip(table in any::<u64>(), shard in any::<u32>(), block in any::<u64>(), key in proptest::collection::vec(any::<u8>(), 0..=MAX_IDEMPOTENCY_KEY_BYTES), rows in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let record = Record::Insert { table_id: table, shard, block_number: block, idempotency_key: Bytes::from(key), arrow_ipc: Bytes::from(rows) };
             let bytes = record.to_bytes();
             let (decoded, len) = decode(&bytes).expect("decode");
             prop_assert_eq!(len, bytes.len());

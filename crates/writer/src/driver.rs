@@ -135,9 +135,39 @@ pub struct ShardMinimum {
     pub positions: ReplicaPositions,
 }
 
+/// The rows of one shard of one table, to become one insert record.
+#[derive(Debug, Clone)]
+pub struct Insert {
+    pub table_id: u64,
+    pub shard: u32,
+    /// At most [`ferry_wal::record::MAX_IDEMPOTENCY_KEY_BYTES`]; empty for none.
+    pub idempotency_key: Bytes,
+    pub arrow_ipc: Bytes,
+}
+
+/// Inserts committed together.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Inserted {
+    /// The block number of each insert, in order: the LSN where its record starts.
+    pub block_numbers: Vec<u64>,
+    /// The end of the last record; commit_lsn is at or past it.
+    pub commit_lsn: Lsn,
+}
+
+/// What waits to be appended: records encoded by the caller, or inserts whose
+/// records the driver encodes once it knows where they start (their block
+/// numbers), and reports those numbers on `blocks` as soon as it does.
+enum Pending {
+    Records(Bytes),
+    Inserts {
+        inserts: Vec<Insert>,
+        blocks: oneshot::Sender<Vec<u64>>,
+    },
+}
+
 enum Command {
     Append {
-        records: Bytes,
+        records: Pending,
         reply: oneshot::Sender<Result<Lsn, WriterError>>,
     },
     Shutdown {
@@ -233,10 +263,52 @@ impl Writer {
     pub async fn append(&self, records: Bytes) -> Result<Lsn, WriterError> {
         let (reply, rx) = oneshot::channel();
         self.commands
-            .send(Command::Append { records, reply })
+            .send(Command::Append {
+                records: Pending::Records(records),
+                reply,
+            })
             .await
             .map_err(|_| WriterError::Stopped)?;
         rx.await.map_err(|_| WriterError::Stopped)?
+    }
+
+    /// Appends one insert record per element, contiguous in the WAL, each with
+    /// the block number the writer assigns (the LSN where its record starts);
+    /// resolves once all of them are committed. An error means the outcome is
+    /// unknown: some or all of them may be committed by a later writer.
+    pub async fn insert(&self, inserts: Vec<Insert>) -> Result<Inserted, WriterError> {
+        for i in &inserts {
+            if i.idempotency_key.len() > ferry_wal::record::MAX_IDEMPOTENCY_KEY_BYTES {
+                return Err(WriterError::InvalidRecords(format!(
+                    "idempotency key of {} bytes, at most {}",
+                    i.idempotency_key.len(),
+                    ferry_wal::record::MAX_IDEMPOTENCY_KEY_BYTES
+                )));
+            }
+            let len = Record::insert_len(i.idempotency_key.len(), i.arrow_ipc.len());
+            if len > ferry_wal::record::MAX_RECORD_BYTES {
+                return Err(WriterError::InvalidRecords(format!(
+                    "an insert record of {len} bytes, at most {}",
+                    ferry_wal::record::MAX_RECORD_BYTES
+                )));
+            }
+        }
+        let (reply, rx) = oneshot::channel();
+        let (blocks, blocks_rx) = oneshot::channel();
+        self.commands
+            .send(Command::Append {
+                records: Pending::Inserts { inserts, blocks },
+                reply,
+            })
+            .await
+            .map_err(|_| WriterError::Stopped)?;
+        let commit_lsn = rx.await.map_err(|_| WriterError::Stopped)??;
+        // Sent before the records were appended, hence before the commit.
+        let block_numbers = blocks_rx.await.map_err(|_| WriterError::Stopped)?;
+        Ok(Inserted {
+            block_numbers,
+            commit_lsn,
+        })
     }
 
     pub fn status(&self) -> WriterStatus {
@@ -378,7 +450,7 @@ struct Driver {
     /// Appends sent to the proposer, in LSN order, waiting for commit.
     waiters: VecDeque<(Lsn, oneshot::Sender<Result<Lsn, WriterError>>)>,
     /// Appends received before the election.
-    queued: VecDeque<(Bytes, oneshot::Sender<Result<Lsn, WriterError>>)>,
+    queued: VecDeque<(Pending, oneshot::Sender<Result<Lsn, WriterError>>)>,
     shutdown: Option<oneshot::Sender<Result<Lsn, WriterError>>>,
     status: watch::Sender<WriterStatus>,
     attempt_started: tokio::time::Instant,
@@ -507,9 +579,9 @@ impl Driver {
                 // through `shutdown` when commit reaches its end.
                 drop(rx);
                 if self.proposer.is_elected() {
-                    self.append_now(checkpoint, tx)
+                    self.append_now(Pending::Records(checkpoint), tx)
                 } else {
-                    self.queued.push_back((checkpoint, tx));
+                    self.queued.push_back((Pending::Records(checkpoint), tx));
                     Vec::new()
                 }
             }
@@ -518,9 +590,40 @@ impl Driver {
 
     fn append_now(
         &mut self,
-        records: Bytes,
+        pending: Pending,
         reply: oneshot::Sender<Result<Lsn, WriterError>>,
     ) -> Vec<Action> {
+        if !self.proposer.is_elected() {
+            self.queued.push_back((pending, reply));
+            return Vec::new();
+        }
+        let records = match pending {
+            Pending::Records(records) => records,
+            Pending::Inserts { inserts, blocks } => {
+                // Block numbers are the LSNs the records start at: known only now.
+                let mut at = self.proposer.end_lsn().0;
+                let mut numbers = Vec::with_capacity(inserts.len());
+                let mut out = BytesMut::with_capacity(
+                    inserts
+                        .iter()
+                        .map(|i| Record::insert_len(i.idempotency_key.len(), i.arrow_ipc.len()))
+                        .sum(),
+                );
+                for i in inserts {
+                    numbers.push(at);
+                    at += Record::Insert {
+                        table_id: i.table_id,
+                        shard: i.shard,
+                        block_number: at,
+                        idempotency_key: i.idempotency_key,
+                        arrow_ipc: i.arrow_ipc,
+                    }
+                    .encode(&mut out) as u64;
+                }
+                let _ = blocks.send(numbers);
+                out.freeze()
+            }
+        };
         match self.proposer.append_unsent(&records) {
             Ok(end) => {
                 self.waiters.push_back((end, reply));
@@ -539,8 +642,7 @@ impl Driver {
                 Vec::new()
             }
             Err(ProposerError::NotElected) => {
-                self.queued.push_back((records, reply));
-                Vec::new()
+                unreachable!("checked above that the proposer is elected")
             }
         }
     }

@@ -233,6 +233,8 @@ fn batch(first_block: u64, n: u64, size: usize) -> Bytes {
     let mut buf = BytesMut::new();
     for b in first_block..first_block + n {
         Record::Insert {
+            shard: 0,
+            idempotency_key: bytes::Bytes::new(),
             table_id: 1,
             block_number: b,
             arrow_ipc: Bytes::from(vec![(b % 251) as u8; size]),
@@ -519,7 +521,7 @@ fn config_with_small_appends(min_term: Term) -> ProposerConfig {
 #[tokio::test]
 async fn no_commit_from_a_previous_term() {
     let mut cluster = Cluster::new(3).await;
-    let record = |block: u64| batch(block, 1, 18); // 50 bytes each
+    let record = |block: u64| batch(block, 1, 10); // 50 bytes each
     assert_eq!(record(0).len(), 50);
 
     // Term 1: safekeeper 0 alone gets two records (X), never committed.

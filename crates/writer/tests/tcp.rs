@@ -87,6 +87,8 @@ fn writer(nodes: &[Node], id: u128) -> Writer {
 
 fn insert(block: u64, size: usize) -> Bytes {
     encode_records(&[Record::Insert {
+        shard: 0,
+        idempotency_key: bytes::Bytes::new(),
         table_id: 9,
         block_number: block,
         arrow_ipc: Bytes::from(vec![(block % 256) as u8; size]),
@@ -120,7 +122,7 @@ async fn writes_commit_survive_failures_and_stream_to_replicas() {
     ends.sort();
     ends.dedup();
     assert_eq!(ends.len(), 50);
-    let size = record::Record::insert_len(1000) as u64;
+    let size = record::Record::insert_len(0, 1000) as u64;
     assert_eq!(*ends.last().expect("end"), Lsn(50 * size));
 
     // One safekeeper down: writes go on.
@@ -309,4 +311,101 @@ async fn a_second_writer_takes_over() {
     for node in &mut nodes {
         node.stop().await;
     }
+}
+
+/// `Writer::insert` numbers each record's block by the LSN where the record
+/// starts: unique, growing with the WAL, and carried in the committed record
+/// with its shard and idempotency key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inserts_are_numbered_by_their_start_lsn() {
+    use ferry_writer::driver::Insert;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut nodes = cluster(dir.path()).await;
+    let w = writer(&nodes, 1);
+    let one = |shard: u32, key: &'static [u8], rows: usize| Insert {
+        table_id: 5,
+        shard,
+        idempotency_key: Bytes::from_static(key),
+        arrow_ipc: Bytes::from(vec![shard as u8; rows]),
+    };
+    let first = tokio::time::timeout(SOON, w.insert(vec![one(0, b"k1", 100), one(2, b"k1", 50)]))
+        .await
+        .expect("in time")
+        .expect("committed");
+    let second = tokio::time::timeout(SOON, w.insert(vec![one(1, b"", 10)]))
+        .await
+        .expect("in time")
+        .expect("committed");
+    let len = |key: usize, rows: usize| Record::insert_len(key, rows) as u64;
+    assert_eq!(first.block_numbers, [0, len(2, 100)]);
+    assert_eq!(first.commit_lsn, Lsn(len(2, 100) + len(2, 50)));
+    assert_eq!(second.block_numbers, [first.commit_lsn.0]);
+    assert_eq!(second.commit_lsn, Lsn(first.commit_lsn.0 + len(0, 10)));
+    // A key longer than a record may carry is refused before anything is sent.
+    let long = Insert {
+        idempotency_key: Bytes::from(vec![b'k'; record::MAX_IDEMPOTENCY_KEY_BYTES + 1]),
+        ..one(0, b"", 1)
+    };
+    assert!(matches!(
+        w.insert(vec![long]).await,
+        Err(WriterError::InvalidRecords(_))
+    ));
+
+    // What a walsender streams decodes to the same numbers, shards and keys.
+    let wal = read_committed(&nodes[0].addr, second.commit_lsn).await;
+    let mut got = Vec::new();
+    let mut at = 0;
+    while at < wal.len() {
+        let (rec, n) = record::decode(&wal.slice(at..)).expect("whole records");
+        if let Record::Insert {
+            block_number,
+            shard,
+            idempotency_key,
+            ..
+        } = rec
+        {
+            assert_eq!(block_number, at as u64, "block number is the start LSN");
+            got.push((shard, idempotency_key));
+        }
+        at += n;
+    }
+    assert_eq!(
+        got,
+        [
+            (0, Bytes::from_static(b"k1")),
+            (2, Bytes::from_static(b"k1")),
+            (1, Bytes::new())
+        ]
+    );
+    w.stop().await;
+    for n in &mut nodes {
+        n.stop().await;
+    }
+}
+
+/// The committed WAL from the start up to `end`, as a walsender of `addr` streams it.
+async fn read_committed(addr: &str, end: Lsn) -> Bytes {
+    let mut conn = TcpNetwork.connect(addr).await.expect("connect");
+    proto::write_frame(
+        &mut conn,
+        &ToSafekeeper::StartReplication {
+            shard_number: 0,
+            start_lsn: Lsn(0),
+        },
+    )
+    .await
+    .expect("start replication");
+    let mut received = Vec::new();
+    while (received.len() as u64) < end.0 {
+        let msg: FromSafekeeper = tokio::time::timeout(SOON, proto::read_frame(&mut conn))
+            .await
+            .expect("WAL in time")
+            .expect("frame")
+            .expect("open");
+        if let FromSafekeeper::Wal { begin_lsn, wal, .. } = msg {
+            assert_eq!(begin_lsn, Lsn(received.len() as u64));
+            received.extend_from_slice(&wal);
+        }
+    }
+    Bytes::from(received)
 }
