@@ -705,14 +705,14 @@ async fn fresh_quorum(
             ),
         );
         let writer = ferry_writer::driver::Writer::start(Arc::new(ferry_env::TcpNetwork), config);
-        (writer, Safekeepers::Processes(children), addrs)
+        (Arc::new(writer), Safekeepers::Processes(children), addrs)
     };
     let mut status = writer.subscribe();
     tokio::time::timeout(Duration::from_secs(30), status.wait_for(|s| s.elected))
         .await
         .context("writer not elected")??;
     Ok(BenchQuorum {
-        writer: Arc::new(writer),
+        writer,
         safekeepers,
         addrs,
     })

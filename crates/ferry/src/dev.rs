@@ -36,6 +36,8 @@ pub struct DevArgs {
     /// small), always or never.
     #[arg(long, default_value_t = Preallocation::Auto)]
     wal_preallocation: Preallocation,
+    #[command(flatten)]
+    api: crate::api::ApiArgs,
 }
 
 /// Most safekeepers of one local quorum.
@@ -182,9 +184,35 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         quorum.writer.subscribe(),
     ));
 
+    let catalog = ferry_ingest::Catalog::new(Arc::clone(&session));
+    catalog.init().await.context("creating the table catalog")?;
+    let mut registry = prometheus_client::registry::Registry::default();
+    let ingest_metrics = ferry_ingest::IngestMetrics::register(&mut registry);
+    let elections = crate::metrics::count_elections(&mut registry, quorum.writer.subscribe());
+    let sampled_quorum = Arc::clone(&quorum);
+    let sampled_session = Arc::clone(&session);
+    let metrics = crate::metrics::NodeMetrics::new(registry, move || {
+        let q = Arc::clone(&sampled_quorum);
+        let session = Arc::clone(&sampled_session);
+        Box::pin(async move {
+            let mut out = crate::metrics::writer(&q.writer.status());
+            for s in q.servers() {
+                out.extend(crate::metrics::safekeeper(&s.status().await));
+            }
+            out.extend(crate::metrics::coordination(&session));
+            out
+        })
+    });
+    let api = ferry_ingest::Api::new(
+        catalog,
+        Arc::clone(&quorum.writer) as Arc<dyn ferry_ingest::InsertSink>,
+        ferry_env::Cpu::BlockingPool,
+        args.api.limits(),
+        ingest_metrics,
+    );
     let status_quorum = Arc::clone(&quorum);
     let cluster_id = record.cluster_id.clone();
-    let (http, http_task) = crate::http::serve_status(http_listener, move || {
+    let status = move || {
         let q = Arc::clone(&status_quorum);
         let cluster_id = cluster_id.clone();
         async move {
@@ -194,7 +222,11 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
                 "safekeepers": q.member_status().await,
             })
         }
-    })?;
+    };
+    let router =
+        ferry_ingest::api::router(api).merge(crate::http::node_routes(status, Arc::new(metrics)));
+    let server = crate::http::serve(http_listener, router, args.api.token()?)?;
+    let http = server.addr.clone();
 
     let down: Vec<String> = quorum
         .members
@@ -220,12 +252,13 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         quorum.servers().map(|s| s.addr().to_string()).collect::<Vec<_>>().join(", "),
         quorum.writer.status().term,
     );
-    say!("replicas, partition export and the insert API are not implemented yet; press Ctrl-C to stop");
+    say!("tables and inserts on http://{http}/tables; replicas and partition export are not implemented yet; press Ctrl-C to stop");
 
     let why = shutdown.recv().await;
     tracing::info!(signal = why, "stopping");
-    http_task.abort();
-    let _ = http_task.await;
+    // Inserts in progress finish (or time out) before the writer stops.
+    server.stop().await;
+    elections.abort();
     recorder.abort();
     let _ = recorder.await;
     let term = quorum.writer.status().term;

@@ -126,7 +126,8 @@ pub struct QuorumSpec {
 
 pub struct LocalQuorum {
     pub members: Vec<Member>,
-    pub writer: Writer,
+    /// Shared with the insert API while it runs; stopping needs it back.
+    pub writer: Arc<Writer>,
 }
 
 impl LocalQuorum {
@@ -202,7 +203,10 @@ impl LocalQuorum {
         // by an earlier run, never a live rival.
         config.reelect_when_superseded = true;
         let writer = Writer::start(Arc::new(TcpNetwork), config);
-        Ok(LocalQuorum { members, writer })
+        Ok(LocalQuorum {
+            members,
+            writer: Arc::new(writer),
+        })
     }
 
     /// The running safekeepers.
@@ -237,7 +241,10 @@ impl LocalQuorum {
 
     /// Stops without a checkpoint (the writer was never elected).
     pub async fn stop(self) {
-        self.writer.stop().await;
+        match Arc::into_inner(self.writer) {
+            Some(w) => w.stop().await,
+            None => tracing::warn!("writer still shared at stop; it stops with the process"),
+        }
         for s in self.members.iter().filter_map(Member::server) {
             s.shutdown().await;
         }
@@ -246,7 +253,9 @@ impl LocalQuorum {
     /// Clean shutdown: the writer's checkpoint is committed, then the safekeepers
     /// persist their positions and stop.
     pub async fn shutdown(self) -> anyhow::Result<Lsn> {
-        let end = self.writer.shutdown().await;
+        let writer = Arc::into_inner(self.writer)
+            .context("the writer is still in use (an insert still running?)")?;
+        let end = writer.shutdown().await;
         for s in self.members.iter().filter_map(Member::server) {
             s.shutdown().await;
         }

@@ -9,12 +9,14 @@ macro_rules! say {
     }};
 }
 
+mod api;
 mod bench;
 mod cluster;
 mod dev;
 mod http;
 mod local;
 mod lockfile;
+mod metrics;
 mod paths;
 mod roles;
 

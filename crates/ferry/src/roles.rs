@@ -90,14 +90,15 @@ pub async fn safekeeper(args: SafekeeperArgs) -> anyhow::Result<()> {
     let sk = start_safekeeper(&data_dir, args.id, listener, &spec).await?;
     let server = Arc::clone(&sk.server);
     let status_server = Arc::clone(&server);
-    let (http, _) = crate::http::serve_status(http_listener, move || {
+    let http = crate::http::serve_status(http_listener, move || {
         let s = Arc::clone(&status_server);
         async move { serde_json::to_value(s.status().await).unwrap_or_default() }
     })?;
     say!(
-        "safekeeper {} listening on {}, status on http://{http}/status",
+        "safekeeper {} listening on {}, status on http://{}/status",
         args.id,
-        server.addr()
+        server.addr(),
+        http.addr
     );
     let mut failure = server.failure();
     tokio::select! {
@@ -146,11 +147,14 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
         return Ok(());
     };
     let status = writer.subscribe();
-    let (http, _) = crate::http::serve_status(http_listener, move || {
+    let http = crate::http::serve_status(http_listener, move || {
         let s = status.borrow().clone();
         async move { serde_json::to_value(s).unwrap_or_default() }
     })?;
-    say!("writer for {n} safekeepers started, status on http://{http}/status");
+    say!(
+        "writer for {n} safekeepers started, status on http://{}/status",
+        http.addr
+    );
     let mut superseded = writer.subscribe();
     tokio::select! {
         _ = shutdown.recv() => {}

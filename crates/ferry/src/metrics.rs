@@ -1,0 +1,208 @@
+//! A node's Prometheus metrics: a registry of live counters (the insert path's,
+//! elections) and values sampled from the node's status when scraped (WAL
+//! fsyncs and positions, coordination requests by type).
+
+use std::sync::{Arc, Mutex};
+
+use ferry_ingest::metrics::{Sample, Sampled};
+use futures::future::BoxFuture;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::registry::Registry;
+
+type Sampler = dyn Fn() -> BoxFuture<'static, Vec<Sample>> + Send + Sync;
+
+/// What `GET /metrics` renders.
+pub struct NodeMetrics {
+    registry: Registry,
+    latest: Arc<Mutex<Vec<Sample>>>,
+    sampler: Box<Sampler>,
+}
+
+/// Reads the samples last taken (a collector must be synchronous).
+struct Latest(Arc<Mutex<Vec<Sample>>>);
+
+impl Latest {
+    fn take(&self) -> Vec<Sample> {
+        self.0.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+}
+
+impl NodeMetrics {
+    /// `registry` holds the live metrics; `sampler` is called at every scrape.
+    pub fn new(
+        mut registry: Registry,
+        sampler: impl Fn() -> BoxFuture<'static, Vec<Sample>> + Send + Sync + 'static,
+    ) -> NodeMetrics {
+        let latest = Arc::new(Mutex::new(Vec::new()));
+        let reader = Latest(Arc::clone(&latest));
+        registry.register_collector(Box::new(Sampled::new(move || reader.take())));
+        NodeMetrics {
+            registry,
+            latest,
+            sampler: Box::new(sampler),
+        }
+    }
+
+    /// The text exposition, with fresh samples.
+    pub async fn render(&self) -> String {
+        let samples = (self.sampler)().await;
+        if let Ok(mut latest) = self.latest.lock() {
+            *latest = samples;
+        }
+        ferry_ingest::metrics::render(&self.registry)
+    }
+}
+
+pub fn gauge(
+    name: &'static str,
+    help: &'static str,
+    labels: &[(&str, &str)],
+    value: f64,
+) -> Sample {
+    Sample {
+        name,
+        help,
+        counter: false,
+        labels: labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        value,
+    }
+}
+
+pub fn counter(
+    name: &'static str,
+    help: &'static str,
+    labels: &[(&str, &str)],
+    value: f64,
+) -> Sample {
+    Sample {
+        counter: true,
+        ..gauge(name, help, labels, value)
+    }
+}
+
+/// Coordination requests of a session by type, and their errors.
+pub fn coordination(session: &ferry_coord::Session) -> Vec<Sample> {
+    let snap = session.metrics().snapshot();
+    let mut out = Vec::new();
+    for (kind, n) in &snap.round_trips {
+        out.push(counter(
+            "ferry_coordination_requests",
+            "Coordination requests by type",
+            &[("type", kind)],
+            *n as f64,
+        ));
+    }
+    for (kind, n) in &snap.errors {
+        out.push(counter(
+            "ferry_coordination_errors",
+            "Coordination requests answered with an error, by type",
+            &[("type", kind)],
+            *n as f64,
+        ));
+    }
+    out
+}
+
+/// The WAL figures of a writer's status.
+pub fn writer(status: &ferry_writer::driver::WriterStatus) -> Vec<Sample> {
+    let lsn = |s: &str| {
+        s.parse::<ferry_wal::Lsn>()
+            .map(|l| l.0 as f64)
+            .unwrap_or(0.0)
+    };
+    vec![
+        gauge(
+            "ferry_writer_term",
+            "The writer's current term",
+            &[],
+            status.term as f64,
+        ),
+        gauge(
+            "ferry_writer_elected",
+            "1 while the writer is elected",
+            &[],
+            f64::from(u8::from(status.elected)),
+        ),
+        gauge(
+            "ferry_wal_commit_lsn",
+            "The writer's commit_lsn (bytes)",
+            &[],
+            lsn(&status.commit_lsn),
+        ),
+    ]
+}
+
+/// The figures of one safekeeper.
+pub fn safekeeper(status: &ferry_safekeeper::acceptor::AcceptorStatus) -> Vec<Sample> {
+    let id = status.node_id.to_string();
+    let labels = [("safekeeper", id.as_str())];
+    let lsn = |s: &str| {
+        s.parse::<ferry_wal::Lsn>()
+            .map(|l| l.0 as f64)
+            .unwrap_or(0.0)
+    };
+    vec![
+        counter(
+            "ferry_safekeeper_wal_fsyncs",
+            "WAL fsyncs of a safekeeper since it started",
+            &labels,
+            status.wal_fsyncs as f64,
+        ),
+        counter(
+            "ferry_safekeeper_appends",
+            "Append requests a safekeeper received since it started",
+            &labels,
+            status.appends_received as f64,
+        ),
+        gauge(
+            "ferry_safekeeper_term",
+            "A safekeeper's term",
+            &labels,
+            status.term as f64,
+        ),
+        gauge(
+            "ferry_safekeeper_flush_lsn",
+            "A safekeeper's flush_lsn (bytes)",
+            &labels,
+            lsn(&status.flush_lsn),
+        ),
+        gauge(
+            "ferry_safekeeper_commit_lsn",
+            "A safekeeper's commit_lsn (bytes)",
+            &labels,
+            lsn(&status.commit_lsn),
+        ),
+    ]
+}
+
+/// Counts elections won by a writer: a task following its status.
+pub fn count_elections(
+    registry: &mut Registry,
+    mut status: tokio::sync::watch::Receiver<ferry_writer::driver::WriterStatus>,
+) -> tokio::task::JoinHandle<()> {
+    let elections = Counter::<u64>::default();
+    registry.register(
+        "ferry_elections",
+        "Elections this node's writer won",
+        elections.clone(),
+    );
+    tokio::spawn(async move {
+        let mut last_won = None;
+        loop {
+            let (elected, term) = {
+                let s = status.borrow_and_update();
+                (s.elected, s.term)
+            };
+            if elected && last_won != Some(term) {
+                last_won = Some(term);
+                elections.inc();
+            }
+            if status.changed().await.is_err() {
+                return;
+            }
+        }
+    })
+}

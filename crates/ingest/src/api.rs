@@ -1,0 +1,524 @@
+//! The HTTP API of tables and inserts (SPEC sections 4 and 7):
+//!
+//! ```text
+//! POST   /tables                 create (TOML or JSON body); 201 created, 200 same
+//!                                definition already there, 409 another definition
+//! GET    /tables                 list
+//! GET    /tables/{name}          show
+//! DELETE /tables/{name}          drop (409 while something holds the table)
+//! POST   /tables/{name}/insert   rows in NDJSON, CSV, Arrow IPC or Parquet
+//! ```
+//!
+//! An insert is answered `200 {rows, blocks, commit_lsn}` only once every record
+//! it became is committed. Every error is JSON `{error, kind, row, column}`:
+//! 400 bad rows (nothing written), 401 missing or wrong token, 404 no such
+//! table, 413 body or row count over the limit, 415 unknown format, 429 too many
+//! inserts at once, 503 when the outcome is unknown (the writer lost its term or
+//! did not commit in time: retry with the same idempotency key) or when nothing
+//! was written (`"kind": "overloaded"`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use axum::body::Body;
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use bytes::Bytes;
+use ferry_env::Cpu;
+use ferry_table::{DecodeError, Format, Table, TableDef};
+use ferry_wal::record::MAX_IDEMPOTENCY_KEY_BYTES;
+use ferry_writer::driver::{Insert, Inserted, WriterError};
+use serde::{Deserialize, Serialize};
+use tokio::sync::Semaphore;
+
+use crate::catalog::{Catalog, CatalogError};
+use crate::metrics::IngestMetrics;
+
+/// Where committed inserts go: the node's writer.
+#[async_trait]
+pub trait InsertSink: Send + Sync {
+    async fn insert(&self, inserts: Vec<Insert>) -> Result<Inserted, WriterError>;
+}
+
+#[async_trait]
+impl InsertSink for ferry_writer::driver::Writer {
+    async fn insert(&self, inserts: Vec<Insert>) -> Result<Inserted, WriterError> {
+        ferry_writer::driver::Writer::insert(self, inserts).await
+    }
+}
+
+/// A bearer token. Its `Debug` never shows it, and it is compared in constant
+/// time.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiToken(String);
+
+impl ApiToken {
+    /// A token must be at least 16 printable ASCII characters without spaces.
+    pub fn new(token: &str) -> Result<ApiToken, String> {
+        if token.len() < 16 || !token.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(
+                "an API token must be at least 16 printable ASCII characters without spaces".into(),
+            );
+        }
+        Ok(ApiToken(token.to_string()))
+    }
+
+    pub fn secret(&self) -> &str {
+        &self.0
+    }
+
+    fn matches(&self, header: Option<&header::HeaderValue>) -> bool {
+        use subtle::ConstantTimeEq;
+        let Some(given) = header
+            .and_then(|h| h.to_str().ok())
+            .and_then(|h| h.strip_prefix("Bearer "))
+        else {
+            return false;
+        };
+        // Lengths may differ; `ct_eq` on slices of unequal length is false
+        // without looking at the bytes, which reveals only the length.
+        bool::from(given.as_bytes().ct_eq(self.0.as_bytes()))
+    }
+}
+
+impl std::fmt::Debug for ApiToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiToken(<redacted>)")
+    }
+}
+
+/// Limits of the insert API.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiLimits {
+    /// Largest request body (413 past it).
+    pub max_body_bytes: usize,
+    /// Most rows in one insert (413 past it).
+    pub max_rows: usize,
+    /// Inserts decoding or waiting for commit at once (429 past it).
+    pub max_concurrent_inserts: usize,
+    /// How long an insert waits for its commit before answering 503 (outcome
+    /// unknown).
+    pub commit_timeout: Duration,
+}
+
+impl Default for ApiLimits {
+    fn default() -> ApiLimits {
+        ApiLimits {
+            max_body_bytes: 64 << 20,
+            max_rows: 1_000_000,
+            max_concurrent_inserts: 64,
+            commit_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// The API's shared state.
+pub struct Api {
+    pub catalog: Catalog,
+    pub sink: Arc<dyn InsertSink>,
+    pub cpu: Cpu,
+    pub limits: ApiLimits,
+    pub metrics: Arc<IngestMetrics>,
+    slots: Semaphore,
+}
+
+impl Api {
+    pub fn new(
+        catalog: Catalog,
+        sink: Arc<dyn InsertSink>,
+        cpu: Cpu,
+        limits: ApiLimits,
+        metrics: Arc<IngestMetrics>,
+    ) -> Arc<Api> {
+        Arc::new(Api {
+            slots: Semaphore::new(limits.max_concurrent_inserts.max(1)),
+            catalog,
+            sink,
+            cpu,
+            limits,
+            metrics,
+        })
+    }
+}
+
+/// An error answer.
+#[derive(Debug, Clone, Serialize)]
+pub struct ApiError {
+    #[serde(skip)]
+    pub status: StatusCode,
+    pub kind: &'static str,
+    pub error: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub row: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub column: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, kind: &'static str, error: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            kind,
+            error: error.into(),
+            row: None,
+            column: None,
+            field: None,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(&self)).into_response()
+    }
+}
+
+impl From<CatalogError> for ApiError {
+    fn from(e: CatalogError) -> ApiError {
+        let (status, kind) = match &e {
+            CatalogError::NoSuchTable(_) => (StatusCode::NOT_FOUND, "no_such_table"),
+            CatalogError::InvalidName(_) => (StatusCode::BAD_REQUEST, "invalid_name"),
+            CatalogError::Conflict { .. } => (StatusCode::CONFLICT, "table_conflict"),
+            CatalogError::InUse { .. } => (StatusCode::CONFLICT, "table_in_use"),
+            CatalogError::Damaged { .. } => (StatusCode::INTERNAL_SERVER_ERROR, "catalog_damaged"),
+            CatalogError::Coord(_) => (StatusCode::SERVICE_UNAVAILABLE, "coordination"),
+        };
+        ApiError::new(status, kind, e.to_string())
+    }
+}
+
+/// What a committed insert answers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InsertResponse {
+    pub rows: u64,
+    /// Block numbers of the records, one per shard touched (more when a
+    /// shard's rows exceed one record).
+    pub blocks: Vec<u64>,
+    pub commit_lsn: String,
+}
+
+#[derive(Debug, Deserialize)]
+struct InsertQuery {
+    format: Option<String>,
+}
+
+/// The routes of tables and inserts.
+pub fn router(api: Arc<Api>) -> Router {
+    Router::new()
+        .route("/tables", post(create_table).get(list_tables))
+        .route("/tables/{name}", get(show_table).delete(drop_table))
+        .route("/tables/{name}/insert", post(insert))
+        .with_state(api)
+}
+
+/// Refuses every request of `router` without the bearer token (when one is
+/// configured) with 401, before any handler runs.
+pub fn protect(router: Router, token: Option<ApiToken>) -> Router {
+    let Some(token) = token else {
+        return router;
+    };
+    let token = Arc::new(token);
+    router.layer(axum::middleware::from_fn(
+        move |req: Request, next: Next| {
+            let token = Arc::clone(&token);
+            async move {
+                if token.matches(req.headers().get(header::AUTHORIZATION)) {
+                    next.run(req).await
+                } else {
+                    let mut r = ApiError::new(
+                        StatusCode::UNAUTHORIZED,
+                        "unauthorized",
+                        "missing or wrong bearer token (Authorization: Bearer <token>)",
+                    )
+                    .into_response();
+                    r.headers_mut().insert(
+                        header::WWW_AUTHENTICATE,
+                        header::HeaderValue::from_static("Bearer"),
+                    );
+                    r
+                }
+            }
+        },
+    ))
+}
+
+async fn read_body(api: &Api, body: Body) -> Result<Bytes, ApiError> {
+    axum::body::to_bytes(body, api.limits.max_body_bytes)
+        .await
+        .map_err(|e| {
+            // The only error before the limit is a broken connection.
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body_too_large",
+                format!(
+                    "request body over {} bytes or unreadable: {e}",
+                    api.limits.max_body_bytes
+                ),
+            )
+        })
+}
+
+async fn create_table(
+    State(api): State<Arc<Api>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let body = read_body(&api, body).await?;
+    let json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("json"));
+    let def = if json {
+        TableDef::from_json(&body)
+    } else {
+        match std::str::from_utf8(&body) {
+            Ok(text) => TableDef::from_toml(text),
+            Err(_) => Err(ferry_table::DefError {
+                field: "definition".into(),
+                reason: "not UTF-8 text".into(),
+            }),
+        }
+    }
+    .map_err(|e| ApiError {
+        field: Some(e.field.clone()),
+        ..ApiError::new(StatusCode::BAD_REQUEST, "invalid_definition", e.to_string())
+    })?;
+    let (table, created) = api.catalog.create(&def).await?;
+    let status = if created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((status, Json(table)).into_response())
+}
+
+async fn list_tables(State(api): State<Arc<Api>>) -> Result<Json<Vec<Table>>, ApiError> {
+    Ok(Json(api.catalog.list().await?))
+}
+
+async fn show_table(
+    State(api): State<Arc<Api>>,
+    Path(name): Path<String>,
+) -> Result<Json<Table>, ApiError> {
+    match api.catalog.get(&name).await? {
+        Some(t) => Ok(Json(t)),
+        None => Err(CatalogError::NoSuchTable(name).into()),
+    }
+}
+
+async fn drop_table(
+    State(api): State<Arc<Api>>,
+    Path(name): Path<String>,
+) -> Result<Json<Table>, ApiError> {
+    Ok(Json(api.catalog.drop_table(&name).await?))
+}
+
+fn format_of(query: &InsertQuery, headers: &HeaderMap) -> Result<Format, ApiError> {
+    if let Some(name) = &query.format {
+        return Format::from_name(name).ok_or_else(|| {
+            ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unknown_format",
+                format!("unknown format {name:?} (ndjson, csv, arrow, parquet)"),
+            )
+        });
+    }
+    let ct = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    Format::from_content_type(ct).ok_or_else(|| {
+        ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unknown_format",
+            format!(
+                "Content-Type {ct:?} is not an insert format ({}), and no ?format= was given",
+                Format::ALL.map(Format::content_type).join(", ")
+            ),
+        )
+    })
+}
+
+fn idempotency_key(headers: &HeaderMap) -> Result<Bytes, ApiError> {
+    let Some(v) = headers.get("idempotency-key") else {
+        return Ok(Bytes::new());
+    };
+    let bytes = v.as_bytes();
+    if bytes.is_empty()
+        || bytes.len() > MAX_IDEMPOTENCY_KEY_BYTES
+        || !bytes.iter().all(|b| b.is_ascii_graphic())
+    {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_idempotency_key",
+            format!("Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY_BYTES} printable ASCII characters"),
+        ));
+    }
+    Ok(Bytes::copy_from_slice(bytes))
+}
+
+/// Most Arrow bytes of rows in one WAL record (well under the record limit:
+/// IPC framing adds a little to the in-memory size).
+const RECORD_ROWS_BYTES: usize = 32 << 20;
+
+async fn insert(
+    State(api): State<Arc<Api>>,
+    Path(name): Path<String>,
+    Query(query): Query<InsertQuery>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let started = tokio::time::Instant::now();
+    let format = format_of(&query, &headers);
+    let label = format
+        .as_ref()
+        .map(|f| format!("{f:?}").to_lowercase())
+        .unwrap_or_else(|_| "unknown".into());
+    let result = match format {
+        Ok(format) => insert_rows(&api, &name, format, &headers, body).await,
+        Err(e) => Err(e),
+    };
+    let outcome = match &result {
+        Ok(_) => "ok",
+        Err(e) => e.kind,
+    };
+    api.metrics
+        .inserts
+        .get_or_create(&crate::metrics::InsertLabels {
+            format: label,
+            outcome: outcome.into(),
+        })
+        .inc();
+    api.metrics
+        .insert_seconds
+        .observe(started.elapsed().as_secs_f64());
+    match result {
+        Ok(r) => Json(r).into_response(),
+        Err(e) => {
+            api.metrics.error(e.kind);
+            e.into_response()
+        }
+    }
+}
+
+async fn insert_rows(
+    api: &Arc<Api>,
+    name: &str,
+    format: Format,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<InsertResponse, ApiError> {
+    let key = idempotency_key(headers)?;
+    let _slot = api.slots.try_acquire().map_err(|_| {
+        ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "too_many_inserts",
+            format!(
+                "{} inserts are already running; retry later",
+                api.limits.max_concurrent_inserts
+            ),
+        )
+    })?;
+    let table = api
+        .catalog
+        .get(name)
+        .await?
+        .ok_or_else(|| ApiError::from(CatalogError::NoSuchTable(name.to_string())))?;
+    let body = read_body(api, body).await?;
+    let body_len = body.len() as u64;
+    let max_rows = api.limits.max_rows;
+    let def = table.def.clone();
+    let decoded = api
+        .cpu
+        .run(move || -> Result<(u64, Vec<(u32, Bytes)>), ApiError> {
+            let rows =
+                ferry_table::rows::decode(&def, format, body, max_rows).map_err(|e| match e {
+                    DecodeError::Row(r) => ApiError {
+                        row: r.row,
+                        column: r.column.clone(),
+                        ..ApiError::new(StatusCode::BAD_REQUEST, "bad_row", r.to_string())
+                    },
+                    DecodeError::TooManyRows { limit } => ApiError::new(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        "too_many_rows",
+                        format!("more than {limit} rows in one insert"),
+                    ),
+                })?;
+            let internal = |e: arrow::error::ArrowError| {
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
+            };
+            let mut payloads = Vec::new();
+            for (shard, batch) in
+                ferry_table::rows::split_by_shard(&def, &rows).map_err(internal)?
+            {
+                for slice in ferry_table::rows::slices(&batch, RECORD_ROWS_BYTES) {
+                    payloads.push((shard, ferry_table::rows::to_ipc(&slice).map_err(internal)?));
+                }
+            }
+            Ok((rows.rows as u64, payloads))
+        })
+        .await?;
+    let (rows, payloads) = decoded;
+    if payloads.is_empty() {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "empty",
+            "the body holds no rows",
+        ));
+    }
+    let inserts = payloads
+        .into_iter()
+        .map(|(shard, arrow_ipc)| Insert {
+            table_id: table.id,
+            shard,
+            idempotency_key: key.clone(),
+            arrow_ipc,
+        })
+        .collect();
+    let commit_started = tokio::time::Instant::now();
+    let unknown = |why: String| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "outcome_unknown",
+            format!("outcome unknown, retry with the same idempotency key: {why}"),
+        )
+    };
+    let inserted =
+        match tokio::time::timeout(api.limits.commit_timeout, api.sink.insert(inserts)).await {
+            Ok(Ok(inserted)) => inserted,
+            Ok(Err(WriterError::Overloaded)) => {
+                return Err(ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "overloaded",
+                    "the writer has too many appends waiting; nothing was written, retry later",
+                ))
+            }
+            Ok(Err(WriterError::InvalidRecords(e))) => {
+                return Err(ApiError::new(StatusCode::BAD_REQUEST, "invalid_records", e))
+            }
+            Ok(Err(e)) => return Err(unknown(e.to_string())),
+            Err(_) => {
+                return Err(unknown(format!(
+                    "not committed within {:?}",
+                    api.limits.commit_timeout
+                )))
+            }
+        };
+    api.metrics
+        .commit_seconds
+        .observe(commit_started.elapsed().as_secs_f64());
+    api.metrics.rows.inc_by(rows);
+    api.metrics.bytes.inc_by(body_len);
+    Ok(InsertResponse {
+        rows,
+        blocks: inserted.block_numbers,
+        commit_lsn: inserted.commit_lsn.to_string(),
+    })
+}

@@ -1,0 +1,253 @@
+//! The table catalog, kept in coordination so that every node (writers routing
+//! inserts, replicas naming parts, exports) reads the same definitions.
+//!
+//! Layout:
+//!
+//! ```text
+//! /ferry/tables/<name>          JSON of the Table (id and definition); immutable
+//! /ferry/tables/<name>/refs/    one child per holder (a replica, an export) that
+//!                               needs the table; a table with refs is not dropped
+//! /ferry/table_ids/id-NNNNNNNNNN  one persistent sequential node per id handed out
+//! ```
+//!
+//! Invariants:
+//! * a table id is handed out once, ever (a sequential node's counter never goes
+//!   back), so WAL records of a dropped table can never be read as rows of a new
+//!   table of the same name;
+//! * a table node and its `refs` node are created and deleted in one multi, so no
+//!   reader sees a table without `refs` (or the reverse);
+//! * drop deletes `refs` and the table in one multi: a holder registered under
+//!   `refs` makes the delete fail as a whole (ZooKeeper deletes only childless
+//!   nodes), so a drop can never race a new holder.
+
+use ferry_coord::{CoordError, CreateMode, Op, Session};
+use ferry_table::{Table, TableDef};
+
+pub const TABLES: &str = "/ferry/tables";
+const TABLE_IDS: &str = "/ferry/table_ids";
+/// Attempts of one catalog change across lost connections (outcome unknown).
+const ATTEMPTS: usize = 5;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CatalogError {
+    #[error("no table named {0:?}")]
+    NoSuchTable(String),
+    #[error("table {name:?} exists with a different definition (id {id}); drop it first or choose another name")]
+    Conflict { name: String, id: u64 },
+    #[error("table {name:?} is still used by {holders:?}")]
+    InUse { name: String, holders: Vec<String> },
+    #[error("table record {path} in coordination is not valid: {detail}")]
+    Damaged { path: String, detail: String },
+    #[error("invalid table name {0:?}")]
+    InvalidName(String),
+    #[error(transparent)]
+    Coord(#[from] CoordError),
+}
+
+/// The catalog over one coordination session.
+#[derive(Clone)]
+pub struct Catalog {
+    session: Session,
+}
+
+fn table_path(name: &str) -> String {
+    format!("{TABLES}/{name}")
+}
+
+impl Catalog {
+    pub fn new(session: Session) -> Catalog {
+        Catalog { session }
+    }
+
+    /// Creates the catalog's parent nodes if missing.
+    pub async fn init(&self) -> Result<(), CatalogError> {
+        ferry_coord::create_all(&*self.session, TABLES).await?;
+        ferry_coord::create_all(&*self.session, TABLE_IDS).await?;
+        Ok(())
+    }
+
+    /// Creates a table, or returns the existing one if it has exactly this
+    /// definition (creating twice is a no-op); `created` tells which.
+    pub async fn create(&self, def: &TableDef) -> Result<(Table, bool), CatalogError> {
+        let path = table_path(&def.name);
+        let mut last = None;
+        for _ in 0..ATTEMPTS {
+            if let Some(existing) = self.get(&def.name).await? {
+                return if &existing.def == def {
+                    Ok((existing, false))
+                } else {
+                    Err(CatalogError::Conflict {
+                        name: def.name.clone(),
+                        id: existing.id,
+                    })
+                };
+            }
+            let id = match self
+                .session
+                .create(
+                    &format!("{TABLE_IDS}/id-"),
+                    b"",
+                    CreateMode::PersistentSequential,
+                )
+                .await
+            {
+                Ok((created, _)) => parse_id(&created)?,
+                Err(e @ CoordError::ConnectionLoss { .. }) => {
+                    // An id may have been spent: harmless, ids need not be dense.
+                    last = Some(e);
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            };
+            let table = Table {
+                id,
+                def: def.clone(),
+            };
+            let data = serde_json::to_vec(&table).expect("a table serialises");
+            let ops = vec![
+                Op::create(path.clone(), data, CreateMode::Persistent),
+                Op::create(format!("{path}/refs"), Vec::new(), CreateMode::Persistent),
+            ];
+            match self.session.multi(ops).await {
+                Ok(_) => {
+                    tracing::info!(table = %def.name, id, "table created");
+                    return Ok((table, true));
+                }
+                // Created meanwhile (by a racing request, or by this one before
+                // the connection dropped): the next round compares definitions.
+                Err(CoordError::MultiFailed { source, .. })
+                    if matches!(*source, CoordError::NodeExists { .. }) => {}
+                Err(e @ CoordError::ConnectionLoss { .. }) => last = Some(e),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(last
+            .unwrap_or_else(|| CoordError::Backend("table creation did not settle".into()))
+            .into())
+    }
+
+    /// The table named `name`, if it exists.
+    pub async fn get(&self, name: &str) -> Result<Option<Table>, CatalogError> {
+        if !ferry_table::def::valid_name(name) {
+            return Err(CatalogError::InvalidName(name.to_string()));
+        }
+        let path = table_path(name);
+        match self.session.get(&path).await {
+            Ok((data, _)) => {
+                let table: Table =
+                    serde_json::from_slice(&data).map_err(|e| CatalogError::Damaged {
+                        path: path.clone(),
+                        detail: e.to_string(),
+                    })?;
+                if table.def.name != name {
+                    return Err(CatalogError::Damaged {
+                        path,
+                        detail: format!("it names table {:?}", table.def.name),
+                    });
+                }
+                Ok(Some(table))
+            }
+            Err(CoordError::NoNode { .. }) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Every table, by name.
+    pub async fn list(&self) -> Result<Vec<Table>, CatalogError> {
+        let (mut names, _) = match self.session.children(TABLES).await {
+            Ok(c) => c,
+            Err(CoordError::NoNode { .. }) => return Ok(Vec::new()),
+            Err(e) => return Err(e.into()),
+        };
+        names.sort();
+        let mut out = Vec::with_capacity(names.len());
+        for name in names {
+            // Dropped between the listing and the read: not listed.
+            if let Some(t) = self.get(&name).await? {
+                out.push(t);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Registers `holder` as needing the table (it cannot be dropped until
+    /// [`Catalog::release`]); ephemeral holders vanish with their session.
+    pub async fn hold(
+        &self,
+        name: &str,
+        holder: &str,
+        ephemeral: bool,
+    ) -> Result<(), CatalogError> {
+        let mode = if ephemeral {
+            CreateMode::Ephemeral
+        } else {
+            CreateMode::Persistent
+        };
+        match self
+            .session
+            .create(&format!("{}/refs/{holder}", table_path(name)), b"", mode)
+            .await
+        {
+            Ok(_) | Err(CoordError::NodeExists { .. }) => Ok(()),
+            Err(CoordError::NoNode { .. }) => Err(CatalogError::NoSuchTable(name.to_string())),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    pub async fn release(&self, name: &str, holder: &str) -> Result<(), CatalogError> {
+        match self
+            .session
+            .delete(&format!("{}/refs/{holder}", table_path(name)), None)
+            .await
+        {
+            Ok(()) | Err(CoordError::NoNode { .. }) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Drops a table nothing holds.
+    pub async fn drop_table(&self, name: &str) -> Result<Table, CatalogError> {
+        let Some(table) = self.get(name).await? else {
+            return Err(CatalogError::NoSuchTable(name.to_string()));
+        };
+        let path = table_path(name);
+        let ops = vec![
+            Op::delete(format!("{path}/refs"), None),
+            Op::delete(path.clone(), None),
+        ];
+        match self.session.multi(ops).await {
+            Ok(_) => {
+                tracing::info!(table = %name, id = table.id, "table dropped");
+                Ok(table)
+            }
+            Err(CoordError::MultiFailed { source, .. }) => match *source {
+                CoordError::NotEmpty { .. } => {
+                    let (holders, _) = self
+                        .session
+                        .children(&format!("{path}/refs"))
+                        .await
+                        .unwrap_or_default();
+                    Err(CatalogError::InUse {
+                        name: name.to_string(),
+                        holders,
+                    })
+                }
+                CoordError::NoNode { .. } => Err(CatalogError::NoSuchTable(name.to_string())),
+                other => Err(other.into()),
+            },
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+fn parse_id(created: &str) -> Result<u64, CatalogError> {
+    created
+        .rsplit_once("id-")
+        .and_then(|(_, n)| n.parse::<u64>().ok())
+        // Ids start at 1: 0 is never a table.
+        .map(|n| n + 1)
+        .ok_or_else(|| CatalogError::Damaged {
+            path: created.to_string(),
+            detail: "not a sequential id node".into(),
+        })
+}
