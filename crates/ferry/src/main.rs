@@ -11,6 +11,7 @@ macro_rules! say {
 
 mod api;
 mod bench;
+mod client_cmd;
 mod cluster;
 mod dev;
 mod http;
@@ -45,6 +46,14 @@ enum Command {
     Safekeeper(roles::SafekeeperArgs),
     /// Runs the writer (the proposer of the WAL quorum) of a distributed deployment.
     Writer(roles::WriterArgs),
+    /// Tables: create from a TOML file, list, show, drop (talks to a node over HTTP).
+    Table {
+        #[command(subcommand)]
+        command: client_cmd::TableCommand,
+    },
+    /// Inserts a file (NDJSON, CSV, Arrow IPC or Parquet) into a table, in
+    /// chunks with bounded memory, retrying with the same idempotency key.
+    Insert(client_cmd::InsertArgs),
     /// Deterministic simulation: random schedules of faults, checked invariants.
     /// Runs the separate `ferry-sim` binary installed beside this one (the
     /// product carries no simulator), e.g. `ferry sim wal --seeds 2000`.
@@ -121,6 +130,8 @@ fn main() -> anyhow::Result<()> {
             Command::Dev(args) => dev::run(args).await,
             Command::Safekeeper(args) => roles::safekeeper(args).await,
             Command::Writer(args) => roles::writer(args).await,
+            Command::Table { command } => client_cmd::table(command).await,
+            Command::Insert(args) => client_cmd::insert(args).await,
             Command::Sim { .. } => unreachable!("handled before the runtime starts"),
             Command::Bench { which } => match which {
                 BenchCommand::Coord(args) => bench::coord(args).await,

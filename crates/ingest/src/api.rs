@@ -153,10 +153,23 @@ pub struct ApiError {
     pub status: StatusCode,
     pub kind: &'static str,
     pub error: String,
+    /// Where the error is, for bad rows and bad definitions.
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub at: Option<Box<ErrorAt>>,
+}
+
+/// Where in a request an error lies.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ErrorAt {
+    /// What is wrong, without the row and column (which have their own fields).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// 1-based data row of the body.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub row: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub column: Option<String>,
+    /// The field of a table definition.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
 }
@@ -167,9 +180,7 @@ impl ApiError {
             status,
             kind,
             error: error.into(),
-            row: None,
-            column: None,
-            field: None,
+            at: None,
         }
     }
 }
@@ -287,7 +298,11 @@ async fn create_table(
         }
     }
     .map_err(|e| ApiError {
-        field: Some(e.field.clone()),
+        at: Some(Box::new(ErrorAt {
+            field: Some(e.field.clone()),
+            reason: Some(e.reason.clone()),
+            ..ErrorAt::default()
+        })),
         ..ApiError::new(StatusCode::BAD_REQUEST, "invalid_definition", e.to_string())
     })?;
     let (table, created) = api.catalog.create(&def).await?;
@@ -441,8 +456,12 @@ async fn insert_rows(
             let rows =
                 ferry_table::rows::decode(&def, format, body, max_rows).map_err(|e| match e {
                     DecodeError::Row(r) => ApiError {
-                        row: r.row,
-                        column: r.column.clone(),
+                        at: Some(Box::new(ErrorAt {
+                            reason: Some(r.reason.clone()),
+                            row: r.row,
+                            column: r.column.clone(),
+                            field: None,
+                        })),
                         ..ApiError::new(StatusCode::BAD_REQUEST, "bad_row", r.to_string())
                     },
                     DecodeError::TooManyRows { limit } => ApiError::new(

@@ -331,8 +331,24 @@ fn decode_csv(
         Err(ArrowError::ComputeError(m)) if m == TOO_MANY => {
             Err(DecodeError::TooManyRows { limit: max_rows })
         }
-        Err(e) => Err(locate(e, |n| build(n).map(|r| Box::new(r) as BatchIter<'_>)).into()),
+        Err(e) => {
+            let mut located = locate(e, |n| build(n).map(|r| Box::new(r) as BatchIter<'_>));
+            // arrow-csv names a column by its position in the file.
+            if located.column.is_none() {
+                located.column = csv_column(&located.reason)
+                    .and_then(|i| csv_schema.fields().get(i))
+                    .map(|f| f.name().clone());
+            }
+            Err(located.into())
+        }
     }
+}
+
+/// The column position in an arrow-csv message ("... for column 3 at line 2").
+fn csv_column(message: &str) -> Option<usize> {
+    let rest = &message[message.find("for column ")? + "for column ".len()..];
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
 }
 
 fn decode_ipc(body: &[u8], max_rows: usize) -> Result<Vec<RecordBatch>, DecodeError> {

@@ -191,12 +191,12 @@ fn bad_rows_are_named_by_row_column_and_reason() {
     assert_eq!((e.row, e.column.as_deref()), (Some(2), Some("ts")), "{e}");
     assert!(e.reason.contains("out of range"), "{e}");
 
-    // CSV: unparseable date in data row 2.
+    // CSV: unparseable date in data row 2, named by its header.
     let e = bad(
         Format::Csv,
         "i32,i64,b,d,ts\n1,1,true,2024-01-02,2024-01-02T00:00:00Z\n1,1,true,notadate,2024-01-02T00:00:00Z\n",
     );
-    assert_eq!(e.row, Some(2), "{e}");
+    assert_eq!((e.row, e.column.as_deref()), (Some(2), Some("d")), "{e}");
     // CSV: a column the table lacks, and a non-nullable one left empty.
     let e = bad(
         Format::Csv,

@@ -1,0 +1,532 @@
+//! Client commands: `ferry table ...` and `ferry insert`, over the HTTP API
+//! through `ferry-client`.
+//!
+//! `ferry insert` reads a file of any size with bounded memory: a reader thread
+//! cuts it into chunks of whole rows (NDJSON lines, CSV records with the header
+//! repeated, Arrow or Parquet batches re-encoded as Arrow IPC) and hands them
+//! over a queue of one, so that at most three chunks exist at once (one being
+//! read, one queued, one being sent). Every chunk is one insert with its own
+//! idempotency key (`<base>-<chunk number>`); a retry reuses it.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, IsTerminal, Read};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use arrow::array::RecordBatch;
+use bytes::Bytes;
+use ferry_client::{Client, ClientError, RetryPolicy};
+use ferry_table::Format;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ClientArgs {
+    /// The node's HTTP address.
+    #[arg(long, env = "FERRY_URL", default_value = "http://127.0.0.1:7878")]
+    pub url: String,
+    /// Bearer token, when the node requires one.
+    #[arg(long, env = "FERRY_API_TOKEN", hide_env_values = true)]
+    pub api_token: Option<String>,
+    /// Seconds one request may take.
+    #[arg(long, default_value_t = 120)]
+    pub timeout_secs: u64,
+}
+
+impl ClientArgs {
+    fn client(&self) -> anyhow::Result<Client> {
+        let token = self.api_token.clone().filter(|t| !t.is_empty());
+        Ok(Client::new(
+            &self.url,
+            token,
+            Duration::from_secs(self.timeout_secs),
+        )?)
+    }
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum TableCommand {
+    /// Creates a table from a TOML definition (a no-op if the same definition
+    /// exists; another definition under the name is refused).
+    Create {
+        #[arg(long)]
+        file: PathBuf,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Lists the tables.
+    List {
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Shows one table's definition (as TOML).
+    Show {
+        name: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Drops a table nothing uses.
+    Drop {
+        name: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+}
+
+pub async fn table(cmd: TableCommand) -> anyhow::Result<()> {
+    match cmd {
+        TableCommand::Create { file, client } => {
+            let text = std::fs::read_to_string(&file)
+                .with_context(|| format!("reading {}", file.display()))?;
+            // Checked here too, so that a mistake is named before any request.
+            ferry_table::TableDef::from_toml(&text)
+                .with_context(|| format!("{} is not a valid table definition", file.display()))?;
+            let (table, created) = client.client()?.create_table_toml(&text).await?;
+            if created {
+                say!("created table {} (id {})", table.def.name, table.id);
+            } else {
+                say!(
+                    "table {} (id {}) already exists with this definition",
+                    table.def.name,
+                    table.id
+                );
+            }
+        }
+        TableCommand::List { client } => {
+            for t in client.client()?.tables().await? {
+                say!(
+                    "{}\tid {}\t{} columns\tpartition by {:?}({})\t{} shards x {} replicas",
+                    t.def.name,
+                    t.id,
+                    t.def.columns.len(),
+                    t.def.partition_by.transform,
+                    t.def.partition_by.column,
+                    t.def.shard_by.shards,
+                    t.def.replicas
+                );
+            }
+        }
+        TableCommand::Show { name, client } => {
+            let t = client.client()?.table(&name).await?;
+            say!("# table id {}\n{}", t.id, t.def.to_toml());
+        }
+        TableCommand::Drop { name, client } => {
+            let t = client.client()?.drop_table(&name).await?;
+            say!("dropped table {} (id {})", t.def.name, t.id);
+        }
+    }
+    Ok(())
+}
+
+#[derive(Debug, clap::Args)]
+pub struct InsertArgs {
+    /// The table.
+    pub table: String,
+    /// The file: NDJSON, CSV with a header row, Arrow IPC (stream or file) or Parquet.
+    pub file: PathBuf,
+    /// The file's format; default from its extension (.ndjson/.jsonl/.json,
+    /// .csv, .arrow/.arrows/.ipc, .parquet).
+    #[arg(long)]
+    pub format: Option<String>,
+    /// Base of the idempotency keys (`<base>-<chunk>`). Give the same base to run
+    /// the same insert again safely; default: a new one per run.
+    #[arg(long)]
+    pub idempotency_key: Option<String>,
+    /// Bytes of rows per request (at most the node's --max-body-bytes).
+    #[arg(long, default_value_t = 8 << 20)]
+    pub chunk_bytes: usize,
+    /// Attempts per chunk when the outcome is unknown or the node is busy.
+    #[arg(long, default_value_t = 10)]
+    pub attempts: u32,
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+/// One request's worth of rows.
+struct Chunk {
+    body: Bytes,
+    format: Format,
+    /// Data rows in the chunk (0 when not counted: typed formats count on the
+    /// server).
+    rows: u64,
+    /// Rows of the file before this chunk.
+    first_row: u64,
+    /// File bytes read up to the end of this chunk.
+    read_to: u64,
+}
+
+pub async fn insert(args: InsertArgs) -> anyhow::Result<()> {
+    let format = match &args.format {
+        Some(f) => Format::from_name(f)
+            .with_context(|| format!("unknown format {f:?} (ndjson, csv, arrow, parquet)"))?,
+        None => Format::from_path(&args.file.to_string_lossy()).with_context(|| {
+            format!(
+                "cannot tell the format of {} from its name: give --format",
+                args.file.display()
+            )
+        })?,
+    };
+    anyhow::ensure!(
+        args.chunk_bytes >= 1024,
+        "--chunk-bytes must be at least 1024"
+    );
+    let key_len = args.idempotency_key.as_ref().map_or(0, String::len);
+    anyhow::ensure!(
+        key_len <= 200,
+        "--idempotency-key is at most 200 characters (a chunk number is added)"
+    );
+    let client = args.client.client()?;
+    let file =
+        File::open(&args.file).with_context(|| format!("opening {}", args.file.display()))?;
+    let total = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let base = args.idempotency_key.clone().unwrap_or_else(new_key_base);
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<anyhow::Result<Chunk>>(1);
+    let chunk_bytes = args.chunk_bytes;
+    let path = args.file.clone();
+    // A plain thread: reading and cutting the file is blocking work of this
+    // command-line process, not of a node.
+    let reader = std::thread::Builder::new()
+        .name("ferry-insert-reader".into())
+        .spawn(move || {
+            let result = cut(file, format, chunk_bytes, &tx);
+            if let Err(e) = result {
+                let _ = tx.blocking_send(Err(e.context(format!("reading {}", path.display()))));
+            }
+        })
+        .context("starting the file reader")?;
+
+    let progress = Progress::new(total);
+    let started = Instant::now();
+    let mut rows = 0u64;
+    let mut requests = 0u64;
+    let mut row_offset = 0u64;
+    let policy = RetryPolicy {
+        attempts: args.attempts.max(1),
+        ..RetryPolicy::default()
+    };
+    while let Some(chunk) = rx.recv().await {
+        let chunk = chunk?;
+        let key = format!("{base}-{requests}");
+        let progress_ref = &progress;
+        let inserted = client
+            .insert_with_retry(
+                &args.table,
+                chunk.format,
+                chunk.body,
+                Some(&key),
+                &policy,
+                |attempt, e| {
+                    progress_ref.note(&format!(
+                        "retrying chunk {requests} (attempt {attempt} failed: {e})"
+                    ))
+                },
+            )
+            .await;
+        let inserted = match inserted {
+            Ok(i) => i,
+            Err(ClientError::Api { status, body }) if body.row.is_some() => {
+                let first = if chunk.rows > 0 {
+                    chunk.first_row
+                } else {
+                    row_offset
+                };
+                anyhow::bail!(
+                    "{}: row {}{}: {} ({status}; nothing of this chunk was written, {rows} rows before it were)",
+                    args.file.display(),
+                    first + body.row.unwrap_or(0),
+                    body.column.as_ref().map(|c| format!(", column {c:?}")).unwrap_or_default(),
+                    body.reason.clone().unwrap_or(body.error.clone())
+                );
+            }
+            Err(e) => {
+                return Err(anyhow::Error::new(e).context(format!(
+                    "inserting chunk {requests} of {} ({rows} rows before it were committed)",
+                    args.file.display()
+                )))
+            }
+        };
+        rows += inserted.rows;
+        row_offset += inserted.rows;
+        requests += 1;
+        progress.update(chunk.read_to, rows, started.elapsed());
+    }
+    let _ = reader.join();
+    progress.finish();
+    let secs = started.elapsed().as_secs_f64();
+    say!(
+        "inserted {rows} rows into {} in {requests} requests from {} ({:.1} MiB in {secs:.1} s, {:.1} MB/s, {:.0} rows/s; peak memory {} MiB; idempotency key base {base})",
+        args.table,
+        args.file.display(),
+        total as f64 / (1 << 20) as f64,
+        total as f64 / 1e6 / secs.max(1e-9),
+        rows as f64 / secs.max(1e-9),
+        peak_rss_mib().map_or("?".into(), |m| m.to_string()),
+    );
+    Ok(())
+}
+
+fn new_key_base() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!("ins-{:x}-{:x}", nanos, std::process::id())
+}
+
+/// Peak resident memory of this process (Linux `VmHWM`).
+pub fn peak_rss_mib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024)
+}
+
+type Sender = tokio::sync::mpsc::Sender<anyhow::Result<Chunk>>;
+
+/// Cuts `file` into chunks of about `chunk_bytes` and sends them in order.
+fn cut(file: File, format: Format, chunk_bytes: usize, tx: &Sender) -> anyhow::Result<()> {
+    let mut reader = CountingReader {
+        inner: BufReader::with_capacity(1 << 20, file),
+        read: 0,
+    };
+    match format {
+        Format::Ndjson => cut_lines(&mut reader, None, chunk_bytes, tx),
+        Format::Csv => {
+            let mut header = Vec::new();
+            anyhow::ensure!(
+                read_csv_record(&mut reader, &mut header)?,
+                "the CSV file is empty: it needs a header row"
+            );
+            cut_lines(&mut reader, Some(header), chunk_bytes, tx)
+        }
+        Format::Arrow => {
+            let mut magic = [0u8; 6];
+            let mut head = reader.inner.fill_buf()?.to_vec();
+            head.truncate(6);
+            magic[..head.len()].copy_from_slice(&head);
+            let batches: Box<dyn Iterator<Item = Result<RecordBatch, arrow::error::ArrowError>>> =
+                if &magic == b"ARROW1" {
+                    // The random-access file form needs Seek: read it from the path's handle.
+                    let file = reader.inner.into_inner();
+                    Box::new(arrow::ipc::reader::FileReader::try_new(file, None)?)
+                } else {
+                    Box::new(arrow::ipc::reader::StreamReader::try_new(
+                        reader.inner,
+                        None,
+                    )?)
+                };
+            cut_batches(batches, chunk_bytes, tx)
+        }
+        Format::Parquet => {
+            let file = reader.inner.into_inner();
+            let batches =
+                parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(file)?
+                    .with_batch_size(8192)
+                    .build()?;
+            cut_batches(Box::new(batches), chunk_bytes, tx)
+        }
+    }
+}
+
+struct CountingReader<R> {
+    inner: BufReader<R>,
+    read: u64,
+}
+
+impl<R: Read> CountingReader<R> {
+    fn read_until(&mut self, out: &mut Vec<u8>) -> std::io::Result<usize> {
+        let n = self.inner.read_until(b'\n', out)?;
+        self.read += n as u64;
+        Ok(n)
+    }
+}
+
+/// Appends one CSV record (quoted fields may hold newlines) to `out`; false at
+/// the end of the file.
+fn read_csv_record<R: Read>(r: &mut CountingReader<R>, out: &mut Vec<u8>) -> std::io::Result<bool> {
+    let start = out.len();
+    let mut quotes = 0usize;
+    loop {
+        let before = out.len();
+        if r.read_until(out)? == 0 {
+            return Ok(out.len() > start);
+        }
+        quotes += out[before..].iter().filter(|&&b| b == b'"').count();
+        // An even number of quotes: every quoted field is closed ("" inside a
+        // field counts twice), so the newline ends the record.
+        if quotes.is_multiple_of(2) {
+            return Ok(true);
+        }
+    }
+}
+
+fn blank(line: &[u8]) -> bool {
+    line.iter().all(|b| b.is_ascii_whitespace())
+}
+
+/// NDJSON lines, or CSV records after `header`, in chunks.
+fn cut_lines<R: Read>(
+    r: &mut CountingReader<R>,
+    header: Option<Vec<u8>>,
+    chunk_bytes: usize,
+    tx: &Sender,
+) -> anyhow::Result<()> {
+    let format = if header.is_some() {
+        Format::Csv
+    } else {
+        Format::Ndjson
+    };
+    let mut buf = Vec::with_capacity(chunk_bytes + (64 << 10));
+    let mut rows = 0u64;
+    let mut first_row = 0u64;
+    let reset = |buf: &mut Vec<u8>| {
+        buf.clear();
+        if let Some(h) = &header {
+            buf.extend_from_slice(h);
+            if !h.ends_with(b"\n") {
+                buf.push(b'\n');
+            }
+        }
+    };
+    reset(&mut buf);
+    loop {
+        let before = buf.len();
+        let more = match format {
+            Format::Csv => read_csv_record(r, &mut buf)?,
+            _ => r.read_until(&mut buf)? > 0,
+        };
+        if more && !blank(&buf[before..]) {
+            rows += 1;
+        }
+        if rows > 0 && (!more || buf.len() >= chunk_bytes) {
+            let body = Bytes::from(std::mem::replace(
+                &mut buf,
+                Vec::with_capacity(chunk_bytes + (64 << 10)),
+            ));
+            let chunk = Chunk {
+                body,
+                format,
+                rows,
+                first_row,
+                read_to: r.read,
+            };
+            if tx.blocking_send(Ok(chunk)).is_err() {
+                return Ok(()); // the sender gave up
+            }
+            first_row += rows;
+            rows = 0;
+            reset(&mut buf);
+        }
+        if !more {
+            return Ok(());
+        }
+    }
+}
+
+/// Batches regrouped into Arrow IPC chunks of about `chunk_bytes`.
+fn cut_batches(
+    batches: Box<dyn Iterator<Item = Result<RecordBatch, arrow::error::ArrowError>>>,
+    chunk_bytes: usize,
+    tx: &Sender,
+) -> anyhow::Result<()> {
+    let mut pending: Vec<RecordBatch> = Vec::new();
+    let mut pending_bytes = 0usize;
+    let mut first_row = 0u64;
+    let flush = |pending: &mut Vec<RecordBatch>, first_row: &mut u64| -> anyhow::Result<bool> {
+        if pending.is_empty() {
+            return Ok(true);
+        }
+        let schema = pending[0].schema();
+        let all = arrow::compute::concat_batches(&schema, pending.iter())?;
+        pending.clear();
+        let rows = all.num_rows() as u64;
+        let body = ferry_table::rows::to_ipc(&all)?;
+        let chunk = Chunk {
+            body,
+            format: Format::Arrow,
+            rows,
+            first_row: *first_row,
+            read_to: 0,
+        };
+        *first_row += rows;
+        Ok(tx.blocking_send(Ok(chunk)).is_ok())
+    };
+    for b in batches {
+        let b = b?;
+        pending_bytes += b.get_array_memory_size();
+        pending.push(b);
+        if pending_bytes >= chunk_bytes {
+            pending_bytes = 0;
+            if !flush(&mut pending, &mut first_row)? {
+                return Ok(());
+            }
+        }
+    }
+    flush(&mut pending, &mut first_row)?;
+    Ok(())
+}
+
+/// A progress bar on a terminal, a line every few seconds otherwise.
+struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+    last_line: std::sync::Mutex<Instant>,
+    total: u64,
+}
+
+impl Progress {
+    fn new(total: u64) -> Progress {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = indicatif::ProgressBar::new(total);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{bar:40} {bytes}/{total_bytes} {msg} ({elapsed}, eta {eta})",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            bar
+        });
+        Progress {
+            bar,
+            last_line: std::sync::Mutex::new(Instant::now()),
+            total,
+        }
+    }
+
+    fn update(&self, read_to: u64, rows: u64, elapsed: Duration) {
+        let rate = read_to as f64 / 1e6 / elapsed.as_secs_f64().max(1e-9);
+        let message = format!("{rows} rows, {rate:.1} MB/s");
+        match &self.bar {
+            Some(bar) => {
+                if read_to > 0 {
+                    bar.set_position(read_to);
+                }
+                bar.set_message(message);
+            }
+            None => {
+                let Ok(mut last) = self.last_line.lock() else {
+                    return;
+                };
+                if last.elapsed() >= Duration::from_secs(5) {
+                    *last = Instant::now();
+                    eprintln!(
+                        "inserted {rows} rows, {:.1} of {:.1} MiB, {rate:.1} MB/s",
+                        read_to as f64 / (1 << 20) as f64,
+                        self.total as f64 / (1 << 20) as f64
+                    );
+                }
+            }
+        }
+    }
+
+    fn note(&self, line: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(line),
+            None => eprintln!("{line}"),
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
