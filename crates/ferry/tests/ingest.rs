@@ -1,0 +1,743 @@
+//! Tables and inserts against a running `ferry dev`, as a user drives them: the
+//! `ferry table` commands, inserts in every format through `ferry-client`, every
+//! class of bad input (status, message, nothing committed), limits and the
+//! token, a writer takeover in the middle of inserts, and `ferry insert` of a
+//! large file with bounded memory. What was committed is read back from a
+//! safekeeper's walsender and compared row by row.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arrow::array::{
+    AsArray, BooleanArray, Date32Array, Float64Array, Int32Array, Int64Array, RecordBatch,
+    StringArray, TimestampMicrosecondArray,
+};
+use arrow::datatypes::Int64Type;
+use bytes::Bytes;
+use common::*;
+use ferry_client::{Client, ClientError};
+use ferry_env::Network;
+use ferry_table::{Format, TableDef};
+use ferry_wal::proto::{self, FromSafekeeper, ToSafekeeper};
+use ferry_wal::record::{self, Record};
+use ferry_wal::Lsn;
+
+const TABLE: &str = r#"
+name = "events"
+partition_by = { column = "ts", transform = "month" }
+shard_by = { column = "id", shards = 3 }
+replicas = 2
+
+[[columns]]
+name = "id"
+type = "Int64"
+[[columns]]
+name = "small"
+type = "Int32"
+[[columns]]
+name = "f"
+type = "Float64"
+nullable = true
+[[columns]]
+name = "b"
+type = "Boolean"
+[[columns]]
+name = "s"
+type = "Utf8"
+nullable = true
+[[columns]]
+name = "d"
+type = "Date"
+[[columns]]
+name = "ts"
+type = "Timestamp"
+"#;
+
+fn def() -> TableDef {
+    TableDef::from_toml(TABLE).expect("table")
+}
+
+fn base_url(lines: &[String]) -> String {
+    status_url(lines).trim_end_matches("/status").to_string()
+}
+
+fn safekeeper_addr(lines: &[String]) -> String {
+    ready_line(lines)
+        .split("safekeepers (")
+        .nth(1)
+        .and_then(|rest| rest.split([',', ')']).next())
+        .expect("a safekeeper address")
+        .to_string()
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+fn client(url: &str, token: Option<&str>) -> Client {
+    Client::new(url, token.map(str::to_string), Duration::from_secs(60)).expect("client")
+}
+
+/// Runs a `ferry` client command; returns (success, stdout, stderr).
+fn ferry(args: &[&str], url: &str) -> (bool, String, String) {
+    let out = Command::new(FERRY)
+        .args(args)
+        .env("FERRY_URL", url)
+        .env_remove("FERRY_API_TOKEN")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run ferry");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The rows each good body below holds: ids `base` and `base + 1`.
+fn expected(base: i64) -> RecordBatch {
+    RecordBatch::try_new(
+        def().arrow_schema(),
+        vec![
+            Arc::new(Int64Array::from(vec![base, base + 1])),
+            Arc::new(Int32Array::from(vec![1, -2])),
+            Arc::new(Float64Array::from(vec![Some(1.5), None])),
+            Arc::new(BooleanArray::from(vec![true, false])),
+            Arc::new(StringArray::from(vec![Some("x, \"y\""), None])),
+            Arc::new(Date32Array::from(vec![19_724, 0])),
+            Arc::new(
+                TimestampMicrosecondArray::from(vec![1_704_164_645_000_006, 1_709_251_200_000_000])
+                    .with_timezone("+00:00"),
+            ),
+        ],
+    )
+    .expect("batch")
+}
+
+fn body(format: Format, base: i64) -> Bytes {
+    match format {
+        Format::Ndjson => Bytes::from(format!(
+            "{{\"id\":{},\"small\":1,\"f\":1.5,\"b\":true,\"s\":\"x, \\\"y\\\"\",\"d\":\"2024-01-02\",\"ts\":\"2024-01-02T03:04:05.000006Z\"}}\n\
+             {{\"id\":{},\"small\":-2,\"f\":null,\"b\":false,\"d\":\"1970-01-01\",\"ts\":\"2024-03-01T00:00:00Z\"}}\n",
+            base,
+            base + 1
+        )),
+        Format::Csv => Bytes::from(format!(
+            "ts,id,small,f,b,s,d\n\
+             2024-01-02T03:04:05.000006Z,{},1,1.5,true,\"x, \"\"y\"\"\",2024-01-02\n\
+             2024-03-01T00:00:00Z,{},-2,,false,,1970-01-01\n",
+            base,
+            base + 1
+        )),
+        Format::Arrow => ferry_table::rows::to_ipc(&expected(base)).expect("ipc"),
+        Format::Parquet => {
+            let mut out = Vec::new();
+            let mut w = parquet::arrow::ArrowWriter::try_new(&mut out, def().arrow_schema(), None)
+                .expect("parquet writer");
+            w.write(&expected(base)).expect("write");
+            w.close().expect("close");
+            Bytes::from(out)
+        }
+    }
+}
+
+/// An insert record as committed.
+#[derive(Debug)]
+struct Committed {
+    lsn: u64,
+    table_id: u64,
+    shard: u32,
+    block_number: u64,
+    key: Bytes,
+    rows: RecordBatch,
+}
+
+/// Every insert record of the committed WAL up to `end`, read through a
+/// safekeeper's walsender.
+async fn committed_inserts(safekeeper: &str, end: Lsn) -> Vec<Committed> {
+    let mut conn = ferry_env::TcpNetwork
+        .connect(safekeeper)
+        .await
+        .expect("connect to a safekeeper");
+    proto::write_frame(
+        &mut conn,
+        &ToSafekeeper::StartReplication {
+            shard_number: 0,
+            start_lsn: Lsn(0),
+        },
+    )
+    .await
+    .expect("start replication");
+    let mut wal = Vec::new();
+    while (wal.len() as u64) < end.0 {
+        let msg: FromSafekeeper =
+            tokio::time::timeout(Duration::from_secs(20), proto::read_frame(&mut conn))
+                .await
+                .expect("WAL in time")
+                .expect("frame")
+                .expect("open");
+        if let FromSafekeeper::Wal {
+            begin_lsn, wal: w, ..
+        } = msg
+        {
+            assert_eq!(begin_lsn, Lsn(wal.len() as u64));
+            wal.extend_from_slice(&w);
+        }
+    }
+    let wal = Bytes::from(wal);
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at < end.0 as usize {
+        let (rec, len) = record::decode(&wal.slice(at..)).expect("whole records");
+        if let Record::Insert {
+            table_id,
+            shard,
+            block_number,
+            idempotency_key,
+            arrow_ipc,
+        } = rec
+        {
+            let mut batches = ferry_table::rows::from_ipc(&arrow_ipc).expect("Arrow IPC rows");
+            assert_eq!(batches.len(), 1, "one batch per record");
+            out.push(Committed {
+                lsn: at as u64,
+                table_id,
+                shard,
+                block_number,
+                key: idempotency_key,
+                rows: batches.remove(0),
+            });
+        }
+        at += len;
+    }
+    out
+}
+
+fn commit_lsn(url: &str) -> Lsn {
+    let status: serde_json::Value =
+        serde_json::from_str(&http_get(&format!("{url}/status"))).expect("status JSON");
+    status["writer"]["commit_lsn"]
+        .as_str()
+        .expect("commit_lsn")
+        .parse()
+        .expect("an LSN")
+}
+
+/// The rows of all records with `key`, ordered by id.
+fn rows_of(records: &[&Committed]) -> RecordBatch {
+    let schema = def().arrow_schema();
+    let all =
+        arrow::compute::concat_batches(&schema, records.iter().map(|c| &c.rows)).expect("concat");
+    let ids = all.column(0).as_primitive::<Int64Type>();
+    let mut order: Vec<u32> = (0..all.num_rows() as u32).collect();
+    order.sort_by_key(|&i| ids.value(i as usize));
+    arrow::compute::take_record_batch(&all, &arrow::array::UInt32Array::from(order)).expect("take")
+}
+
+#[test]
+fn tables_and_inserts_in_every_format_are_committed_row_for_row() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let (mut child, lines) = start_dev(&data);
+    let url = base_url(&lines);
+
+    // Tables through the command line.
+    let file = dir.path().join("events.toml");
+    std::fs::write(&file, TABLE).expect("write definition");
+    let file = file.to_str().expect("path");
+    let (ok, out, err) = ferry(&["table", "create", "--file", file], &url);
+    assert!(
+        ok && out.contains("created table events (id 1)"),
+        "{out}{err}"
+    );
+    let (ok, out, err) = ferry(&["table", "create", "--file", file], &url);
+    assert!(
+        ok && out.contains("already exists with this definition"),
+        "{out}{err}"
+    );
+    let other = dir.path().join("other.toml");
+    std::fs::write(&other, TABLE.replace("shards = 3", "shards = 4")).expect("write");
+    let (ok, _, err) = ferry(
+        &["table", "create", "--file", other.to_str().expect("path")],
+        &url,
+    );
+    assert!(
+        !ok && err.contains("exists with a different definition"),
+        "{err}"
+    );
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, TABLE.replace("type = \"Int32\"", "type = \"Int8\"")).expect("write");
+    let (ok, _, err) = ferry(
+        &["table", "create", "--file", bad.to_str().expect("path")],
+        &url,
+    );
+    assert!(
+        !ok && err.contains("columns[1].type") && err.contains("Int8"),
+        "{err}"
+    );
+    let (ok, out, _) = ferry(&["table", "list"], &url);
+    assert!(ok && out.contains("events\tid 1\t7 columns"), "{out}");
+    let (ok, out, _) = ferry(&["table", "show", "events"], &url);
+    assert!(ok, "{out}");
+    let shown = out.split_once('\n').expect("two parts").1;
+    assert_eq!(
+        TableDef::from_toml(shown).expect("shown TOML reads back"),
+        def()
+    );
+
+    // Inserts in every format, each with its own key.
+    let rt = runtime();
+    let c = client(&url, None);
+    let mut answers = Vec::new();
+    for (i, format) in Format::ALL.into_iter().enumerate() {
+        let base = 100 * (i as i64 + 1);
+        let key = format!("key-{format:?}");
+        let inserted = rt
+            .block_on(c.insert_body("events", format, body(format, base), Some(&key)))
+            .unwrap_or_else(|e| panic!("{format:?}: {e}"));
+        assert_eq!(inserted.rows, 2, "{format:?}");
+        assert!(!inserted.blocks.is_empty());
+        answers.push((format, base, key, inserted));
+    }
+    let end: Lsn = answers
+        .last()
+        .expect("answers")
+        .3
+        .commit_lsn
+        .parse()
+        .expect("lsn");
+    assert!(commit_lsn(&url) >= end);
+    let records = rt.block_on(committed_inserts(&safekeeper_addr(&lines), end));
+    for (format, base, key, inserted) in &answers {
+        let mine: Vec<&Committed> = records.iter().filter(|r| r.key == key.as_bytes()).collect();
+        assert_eq!(
+            mine.iter().map(|r| r.block_number).collect::<Vec<_>>(),
+            inserted.blocks,
+            "{format:?}: one record per shard touched, numbered as answered"
+        );
+        for r in &mine {
+            assert_eq!(r.table_id, 1);
+            assert_eq!(r.block_number, r.lsn, "block number is the record's LSN");
+            let shards = ferry_table::keys::shard_numbers(3, r.rows.column(0));
+            assert!(
+                shards.iter().all(|s| *s == r.shard),
+                "rows routed to their shard"
+            );
+        }
+        assert_eq!(rows_of(&mine), expected(*base), "{format:?}: rows as sent");
+    }
+
+    // A table with nothing holding it is dropped; then it is gone.
+    let (ok, out, err) = ferry(&["table", "drop", "events"], &url);
+    assert!(ok && out.contains("dropped table events"), "{out}{err}");
+    let (ok, _, err) = ferry(&["table", "show", "events"], &url);
+    assert!(!ok && err.contains("no table named"), "{err}");
+    interrupt(&child);
+    assert_clean_exit(&mut child, &data);
+}
+
+fn api_error(
+    result: Result<ferry_client::Inserted, ClientError>,
+) -> (u16, ferry_client::ApiErrorBody) {
+    match result {
+        Err(ClientError::Api { status, body }) => (status, *body),
+        other => panic!("expected an API error, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_inserts_are_refused_with_their_row_and_change_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let token = "a-token-of-sufficient-length";
+    let (mut child, lines) = start_dev_with(
+        &data,
+        &[
+            "--max-body-bytes",
+            "4096",
+            "--max-rows",
+            "10",
+            "--api-token",
+            token,
+        ],
+    );
+    let url = base_url(&lines);
+    let rt = runtime();
+    let c = client(&url, Some(token));
+    rt.block_on(c.create_table(&def())).expect("create table");
+    let before = rt
+        .block_on(c.insert_body("events", Format::Ndjson, body(Format::Ndjson, 1), None))
+        .expect("a good insert");
+    let end: Lsn = before.commit_lsn.parse().expect("lsn");
+
+    let good = r#"{"id":1,"small":1,"b":true,"d":"2024-01-02","ts":"2024-01-02T00:00:00Z"}"#;
+    let cases: Vec<(&str, String, Option<u64>, Option<&str>)> = vec![
+        (
+            "type mismatch",
+            format!(
+                "{good}\n{}\n",
+                good.replace("\"small\":1", "\"small\":\"abc\"")
+            ),
+            Some(2),
+            Some("small"),
+        ),
+        (
+            "missing non-nullable",
+            format!("{good}\n{good}\n{}\n", good.replace("\"b\":true,", "")),
+            Some(3),
+            Some("b"),
+        ),
+        (
+            "unknown column",
+            format!("{}\n", good.replace("\"id\":1", "\"id\":1,\"zz\":2")),
+            Some(1),
+            Some("zz"),
+        ),
+        (
+            "unparseable",
+            format!("{good}\n{{\"id\": 1,,}}\n"),
+            Some(2),
+            None,
+        ),
+        (
+            "partition out of range",
+            format!(
+                "{}\n",
+                good.replace("\"2024-01-02T00:00:00Z\"", "300000000000000000")
+            ),
+            Some(1),
+            Some("ts"),
+        ),
+    ];
+    for (what, text, row, column) in cases {
+        let (status, e) = api_error(rt.block_on(c.insert_body(
+            "events",
+            Format::Ndjson,
+            Bytes::from(text),
+            Some("k"),
+        )));
+        assert_eq!((status, e.kind.as_str()), (400, "bad_row"), "{what}: {e:?}");
+        assert_eq!(e.row, row, "{what}: {e:?}");
+        if column.is_some() {
+            assert_eq!(e.column.as_deref(), column, "{what}: {e:?}");
+        }
+        assert!(!e.error.is_empty() && e.reason.is_some(), "{what}: {e:?}");
+    }
+    let csv = "id,small,b,d,ts\n1,1,true,notadate,2024-01-02T00:00:00Z\n";
+    let (status, e) =
+        api_error(rt.block_on(c.insert_body("events", Format::Csv, Bytes::from(csv), None)));
+    assert_eq!(
+        (status, e.row, e.column.as_deref()),
+        (400, Some(1), Some("d")),
+        "{e:?}"
+    );
+
+    // Limits, formats and tables.
+    let big = format!("{good}\n").repeat(100);
+    let (status, e) =
+        api_error(rt.block_on(c.insert_body("events", Format::Ndjson, Bytes::from(big), None)));
+    assert_eq!((status, e.kind.as_str()), (413, "body_too_large"), "{e:?}");
+    let many = format!("{good}\n").repeat(11);
+    let (status, e) =
+        api_error(rt.block_on(c.insert_body("events", Format::Ndjson, Bytes::from(many), None)));
+    assert_eq!((status, e.kind.as_str()), (413, "too_many_rows"), "{e:?}");
+    let (status, e) =
+        api_error(rt.block_on(c.insert_body("nosuch", Format::Ndjson, Bytes::from(good), None)));
+    assert_eq!((status, e.kind.as_str()), (404, "no_such_table"), "{e:?}");
+    let raw = reqwest_like_post(
+        &url,
+        "/tables/events/insert",
+        "text/plain",
+        good,
+        Some(token),
+    );
+    assert!(raw.starts_with("HTTP/1.1 415"), "{raw}");
+    // Without the token, or with a wrong one: 401, and nothing happens.
+    let anonymous = client(&url, None);
+    let (status, e) = api_error(rt.block_on(anonymous.insert_body(
+        "events",
+        Format::Ndjson,
+        Bytes::from(good),
+        None,
+    )));
+    assert_eq!((status, e.kind.as_str()), (401, "unauthorized"), "{e:?}");
+    let wrong = client(&url, Some("a-token-of-sufficient-lengtH"));
+    let (status, _) = api_error(rt.block_on(wrong.insert_body(
+        "events",
+        Format::Ndjson,
+        Bytes::from(good),
+        None,
+    )));
+    assert_eq!(status, 401);
+    match rt.block_on(anonymous.tables()) {
+        Err(ClientError::Api { status: 401, .. }) => {}
+        other => panic!("listing tables without the token: {other:?}"),
+    }
+    let log = std::fs::read_to_string(dev_log(&data)).unwrap_or_default();
+    assert!(!log.contains(token), "the token is never logged");
+
+    // Nothing of the refused requests was committed.
+    let status_raw = reqwest_like_get(&url, "/status", Some(token));
+    let status: serde_json::Value =
+        serde_json::from_str(status_raw.split_once("\r\n\r\n").expect("body").1).expect("JSON");
+    let now: Lsn = status["writer"]["commit_lsn"]
+        .as_str()
+        .expect("lsn")
+        .parse()
+        .expect("lsn");
+    assert_eq!(now, end, "refused inserts committed nothing");
+    let records = rt.block_on(committed_inserts(&safekeeper_addr(&lines), end));
+    assert_eq!(records.iter().map(|r| r.rows.num_rows()).sum::<usize>(), 2);
+    interrupt(&child);
+    assert_clean_exit(&mut child, &data);
+}
+
+/// A plain HTTP/1.1 request; returns the whole response.
+fn raw_request(url: &str, request: String) -> String {
+    use std::io::{Read, Write};
+    let host = url.strip_prefix("http://").expect("http URL");
+    let mut conn = std::net::TcpStream::connect(host).expect("connect");
+    conn.write_all(request.as_bytes()).expect("send");
+    let mut response = String::new();
+    conn.read_to_string(&mut response).expect("read");
+    response
+}
+
+fn auth(token: Option<&str>) -> String {
+    token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default()
+}
+
+fn reqwest_like_post(
+    url: &str,
+    path: &str,
+    content_type: &str,
+    body: &str,
+    token: Option<&str>,
+) -> String {
+    let host = url.strip_prefix("http://").expect("http URL");
+    raw_request(
+        url,
+        format!(
+            "POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n{}Connection: close\r\n\r\n{body}",
+            body.len(),
+            auth(token)
+        ),
+    )
+}
+
+fn reqwest_like_get(url: &str, path: &str, token: Option<&str>) -> String {
+    let host = url.strip_prefix("http://").expect("http URL");
+    raw_request(
+        url,
+        format!(
+            "GET {path} HTTP/1.1\r\nHost: {host}\r\n{}Connection: close\r\n\r\n",
+            auth(token)
+        ),
+    )
+}
+
+/// Writers taking over while inserts run: every insert answered 200 is in the
+/// committed WAL with its key; an insert answered 503 is retried with the same
+/// key until it is answered 200.
+#[test]
+fn a_writer_takeover_never_answers_success_for_an_uncommitted_insert() {
+    use std::io::Write as _;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let (mut child, lines) = start_dev(&data);
+    let url = base_url(&lines);
+    let addrs: Vec<String> = ready_line(&lines)
+        .split("safekeepers (")
+        .nth(1)
+        .and_then(|rest| rest.split(')').next())
+        .expect("addresses")
+        .split(", ")
+        .map(str::to_string)
+        .collect();
+    let rt = runtime();
+    let c = client(&url, None);
+    rt.block_on(c.create_table(&def())).expect("create table");
+
+    let results = rt.block_on(async {
+        let mut tasks = tokio::task::JoinSet::new();
+        for task in 0..8i64 {
+            let c = c.clone();
+            tasks.spawn(async move {
+                let mut acked = Vec::new();
+                let mut unknown = 0usize;
+                for i in 0..25i64 {
+                    let key = format!("t{task}-{i}");
+                    let body = body(Format::Ndjson, 1000 * task + 10 * i);
+                    loop {
+                        match c
+                            .insert_body("events", Format::Ndjson, body.clone(), Some(&key))
+                            .await
+                        {
+                            Ok(inserted) => {
+                                acked.push((key.clone(), inserted));
+                                break;
+                            }
+                            Err(e) if e.retryable() => {
+                                unknown += 1;
+                                tokio::time::sleep(Duration::from_millis(20)).await;
+                            }
+                            Err(e) => panic!("{key}: {e}"),
+                        }
+                    }
+                }
+                (acked, unknown)
+            });
+        }
+        // Takeovers: a higher term on one safekeeper after another ends the
+        // writer's term; ferry dev elects it again above.
+        for (round, term) in [(0usize, 1_000u64), (1, 2_000), (2, 3_000)] {
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            let frame = proto::encode_frame(&ToSafekeeper::VoteRequest { term }).expect("encode");
+            let mut conn =
+                std::net::TcpStream::connect(&addrs[round % addrs.len()]).expect("connect");
+            conn.write_all(&frame).expect("vote request");
+        }
+        let mut all = Vec::new();
+        let mut unknown = 0;
+        while let Some(r) = tasks.join_next().await {
+            let (acked, u) = r.expect("task");
+            all.extend(acked);
+            unknown += u;
+        }
+        (all, unknown)
+    });
+    let (acked, unknown) = results;
+    assert_eq!(acked.len(), 200, "every insert was answered 200 in the end");
+    let end = acked
+        .iter()
+        .map(|(_, i)| i.commit_lsn.parse::<Lsn>().expect("lsn"))
+        .max()
+        .expect("answers");
+    let records = rt.block_on(committed_inserts(&addrs[0], end));
+    let by_lsn: BTreeMap<u64, &Committed> = records.iter().map(|r| (r.lsn, r)).collect();
+    for (key, inserted) in &acked {
+        for block in &inserted.blocks {
+            let r = by_lsn
+                .get(block)
+                .unwrap_or_else(|| panic!("{key}: block {block} answered but not committed"));
+            assert_eq!(r.key, key.as_bytes(), "block {block} holds {key}'s rows");
+        }
+        let mine: Vec<&Committed> = inserted.blocks.iter().map(|b| by_lsn[b]).collect();
+        assert_eq!(
+            mine.iter().map(|r| r.rows.num_rows()).sum::<usize>(),
+            2,
+            "{key}"
+        );
+    }
+    let status: serde_json::Value =
+        serde_json::from_str(&http_get(&format!("{url}/status"))).expect("status");
+    assert!(
+        status["writer"]["term"].as_u64().expect("term") > 3_000,
+        "the takeovers happened: {status}"
+    );
+    eprintln!("{unknown} answers were 503 (outcome unknown) and retried with their key");
+    interrupt(&child);
+    assert_clean_exit(&mut child, &data);
+}
+
+/// `ferry insert` of a large NDJSON file: memory stays bounded whatever the
+/// file's size (FERRY_TEST_BIG_INSERT_MIB, default 1024), every row arrives.
+#[test]
+fn ferry_insert_streams_a_large_file_with_bounded_memory() {
+    let mib: u64 = std::env::var("FERRY_TEST_BIG_INSERT_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1024);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let (mut child, lines) = start_dev(&data);
+    let url = base_url(&lines);
+    let rt = runtime();
+    rt.block_on(client(&url, None).create_table(&def()))
+        .expect("create table");
+    // Write the file: lines of about 200 bytes.
+    let path = dir.path().join("big.ndjson");
+    let mut rows = 0u64;
+    {
+        use std::io::Write as _;
+        let mut w = std::io::BufWriter::new(std::fs::File::create(&path).expect("create"));
+        let mut written = 0u64;
+        let pad = "p".repeat(60);
+        while written < mib << 20 {
+            let line = format!(
+                "{{\"id\":{rows},\"small\":{},\"f\":{}.5,\"b\":true,\"s\":\"{pad}\",\"d\":\"2024-01-02\",\"ts\":\"2024-01-02T03:04:05Z\"}}\n",
+                rows % 1000,
+                rows % 7
+            );
+            w.write_all(line.as_bytes()).expect("write");
+            written += line.len() as u64;
+            rows += 1;
+        }
+    }
+    let out = Command::new(FERRY)
+        .args(["insert", "events"])
+        .arg(&path)
+        .args(["--url", &url, "--idempotency-key", "big"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("ferry insert");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains(&format!("inserted {rows} rows into events")),
+        "{stdout}"
+    );
+    let peak: u64 = stdout
+        .split("peak memory ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .expect("peak memory in the summary");
+    assert!(
+        peak < 200,
+        "ferry insert peaked at {peak} MiB for a {mib} MiB file"
+    );
+    let server_peak = proc_peak_mib(child.id());
+    assert!(server_peak < 1024, "ferry dev peaked at {server_peak} MiB");
+    let metrics = http_get(&format!("{url}/metrics"));
+    assert!(
+        metrics.contains(&format!("ferry_insert_rows_total {rows}")),
+        "every row counted: {}",
+        metrics
+            .lines()
+            .filter(|l| l.contains("rows"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    eprintln!(
+        "{mib} MiB, {rows} rows: ferry insert peaked at {peak} MiB, ferry dev at {server_peak} MiB"
+    );
+    interrupt(&child);
+    assert_clean_exit(&mut child, &data);
+}
+
+fn proc_peak_mib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    let line = status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .expect("VmHWM");
+    line.split_whitespace()
+        .nth(1)
+        .and_then(|k| k.parse::<u64>().ok())
+        .expect("kB")
+        / 1024
+}
