@@ -130,3 +130,40 @@ pub fn safekeepers_on_disk(wal_dir: &Path) -> Vec<(String, String)> {
     found.sort();
     found
 }
+
+/// How often, at most, the last known commit state is written to coordination.
+pub const RECORD_WAL_STATE_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Keeps `/ferry/wal` near the writer's commit state: after the election and
+/// then at most every [`RECORD_WAL_STATE_EVERY`] while commit_lsn moves.
+pub async fn record_commits(
+    session: ferry_coord::Session,
+    mut status: tokio::sync::watch::Receiver<ferry_writer::driver::WriterStatus>,
+) {
+    let mut recorded: Option<WalState> = None;
+    loop {
+        let now = {
+            let s = status.borrow_and_update();
+            s.synced
+                .then(|| s.commit_lsn.parse::<ferry_wal::Lsn>().ok())
+                .flatten()
+                .map(|commit_lsn| WalState {
+                    term: s.term,
+                    commit_lsn,
+                })
+        };
+        if let Some(state) = now.filter(|n| Some(*n) != recorded) {
+            match record_wal_state(&*session, state).await {
+                Ok(()) => recorded = Some(state),
+                Err(e) => tracing::warn!(
+                    error = format!("{e:#}"),
+                    "could not record the commit state"
+                ),
+            }
+            tokio::time::sleep(RECORD_WAL_STATE_EVERY).await;
+        }
+        if status.changed().await.is_err() {
+            return;
+        }
+    }
+}

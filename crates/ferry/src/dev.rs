@@ -76,8 +76,6 @@ impl ShutdownSignal {
     }
 }
 
-/// How often, at most, the last known commit state is written to coordination.
-const RECORD_WAL_STATE_EVERY: Duration = Duration::from_secs(1);
 /// How long the writer may take to get elected before `ferry dev` gives up.
 const ELECTION_BOUND: Duration = Duration::from_secs(30);
 
@@ -108,12 +106,15 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
                 coord_dir.display()
             )
         })?;
-    let session: ferry_coord::Session = Arc::new(
-        store
-            .session(Duration::from_secs(10))
-            .await
-            .context("opening a coordination session")?,
-    );
+    let coord_metrics = Arc::new(ferry_coord::CoordMetrics::default());
+    let sessions = Arc::new(ferry_coord::EmbeddedSessions {
+        store: store.clone(),
+        timeout: Duration::from_secs(10),
+        metrics: Arc::clone(&coord_metrics),
+    });
+    let session: ferry_coord::Session = ferry_coord::SessionFactory::open(&*sessions)
+        .await
+        .context("opening a coordination session")?;
 
     let wal_dir = data_dir.join("wal");
     let record = identify(&*session, &args, &coord_dir, &wal_dir).await?;
@@ -179,27 +180,28 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         store.shutdown().await;
         anyhow::bail!("{why}");
     }
-    let recorder = tokio::spawn(record_commits(
+    let recorder = tokio::spawn(cluster::record_commits(
         Arc::clone(&session),
         quorum.writer.subscribe(),
     ));
 
-    let catalog = ferry_ingest::Catalog::new(Arc::clone(&session));
-    catalog.init().await.context("creating the table catalog")?;
+    let catalog = ferry_ingest::Catalog::open(sessions)
+        .await
+        .context("opening the table catalog")?;
     let mut registry = prometheus_client::registry::Registry::default();
     let ingest_metrics = ferry_ingest::IngestMetrics::register(&mut registry);
     let elections = crate::metrics::count_elections(&mut registry, quorum.writer.subscribe());
     let sampled_quorum = Arc::clone(&quorum);
-    let sampled_session = Arc::clone(&session);
+    let sampled_coord = Arc::clone(&coord_metrics);
     let metrics = crate::metrics::NodeMetrics::new(registry, move || {
         let q = Arc::clone(&sampled_quorum);
-        let session = Arc::clone(&sampled_session);
+        let coord = Arc::clone(&sampled_coord);
         Box::pin(async move {
             let mut out = crate::metrics::writer(&q.writer.status());
             for s in q.servers() {
                 out.extend(crate::metrics::safekeeper(&s.status().await));
             }
-            out.extend(crate::metrics::coordination(&session));
+            out.extend(crate::metrics::coordination(&coord));
             out
         })
     });
@@ -344,38 +346,4 @@ fn random_u128() -> u128 {
         h.finish()
     };
     (u128::from(half()) << 64) | u128::from(half())
-}
-
-/// Keeps `/ferry/wal` near the writer's commit state: after the election and
-/// then at most every [`RECORD_WAL_STATE_EVERY`] while commit_lsn moves.
-async fn record_commits(
-    session: ferry_coord::Session,
-    mut status: tokio::sync::watch::Receiver<ferry_writer::driver::WriterStatus>,
-) {
-    let mut recorded: Option<WalState> = None;
-    loop {
-        let now = {
-            let s = status.borrow_and_update();
-            s.synced
-                .then(|| s.commit_lsn.parse::<ferry_wal::Lsn>().ok())
-                .flatten()
-                .map(|commit_lsn| WalState {
-                    term: s.term,
-                    commit_lsn,
-                })
-        };
-        if let Some(state) = now.filter(|n| Some(*n) != recorded) {
-            match cluster::record_wal_state(&*session, state).await {
-                Ok(()) => recorded = Some(state),
-                Err(e) => tracing::warn!(
-                    error = format!("{e:#}"),
-                    "could not record the commit state"
-                ),
-            }
-            tokio::time::sleep(RECORD_WAL_STATE_EVERY).await;
-        }
-        if status.changed().await.is_err() {
-            return;
-        }
-    }
 }

@@ -83,9 +83,9 @@ pub fn counter(
     }
 }
 
-/// Coordination requests of a session by type, and their errors.
-pub fn coordination(session: &ferry_coord::Session) -> Vec<Sample> {
-    let snap = session.metrics().snapshot();
+/// Coordination requests by type, and their errors.
+pub fn coordination(metrics: &ferry_coord::CoordMetrics) -> Vec<Sample> {
+    let snap = metrics.snapshot();
     let mut out = Vec::new();
     for (kind, n) in &snap.round_trips {
         out.push(counter(

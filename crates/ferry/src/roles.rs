@@ -67,6 +67,15 @@ pub struct WriterArgs {
     /// common committed end of WAL, print it and exit (writes nothing).
     #[arg(long)]
     sync: bool,
+    /// ZooKeeper ensemble (`host:port[,host:port...][/chroot]`, the chroot must
+    /// exist) holding the cluster record, the last known commit and the table
+    /// catalog. With it the writer serves the table and insert API on --http and
+    /// refuses a WAL quorum younger than the known commit; without it, it
+    /// serves only /status and /metrics.
+    #[arg(long, env = "FERRY_ZOOKEEPER")]
+    zookeeper: Option<String>,
+    #[command(flatten)]
+    api: crate::api::ApiArgs,
 }
 
 pub async fn safekeeper(args: SafekeeperArgs) -> anyhow::Result<()> {
@@ -121,53 +130,166 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
         args.safekeepers.iter().all(|a| !a.trim().is_empty()),
         "--safekeepers has an empty address"
     );
+    let token = args.api.token()?;
     let http_listener = if args.sync {
         None
     } else {
         Some(crate::http::bind(&args.http).await?)
     };
+    // Coordination: the cluster record must match, and the writer starts knowing
+    // the last recorded commit (an election below it is refused).
+    let coord_metrics = Arc::new(ferry_coord::CoordMetrics::default());
+    let coordination = match &args.zookeeper {
+        None => None,
+        Some(connect) => {
+            let sessions: Arc<dyn ferry_coord::SessionFactory> =
+                Arc::new(ferry_coord::ZkSessions {
+                    options: ferry_coord::zk::ZkOptions::new(connect.clone()),
+                    metrics: Arc::clone(&coord_metrics),
+                });
+            let session = sessions
+                .open()
+                .await
+                .with_context(|| format!("connecting to ZooKeeper at {connect}"))?;
+            check_cluster_record(&*session, &args, n).await?;
+            let known = crate::cluster::read_wal_state(&*session).await?;
+            Some((sessions, session, known))
+        }
+    };
     let proposer_id = u128::from(std::process::id());
-    let writer = Writer::start(
-        Arc::new(TcpNetwork),
-        WriterConfig::new(
-            args.safekeepers.clone(),
-            ProposerConfig::new(
-                args.cluster_id.clone(),
-                n,
-                TIMELINE_ID,
-                segment.bytes(),
-                proposer_id,
-            ),
-        ),
+    let mut proposer = ProposerConfig::new(
+        args.cluster_id.clone(),
+        n,
+        TIMELINE_ID,
+        segment.bytes(),
+        proposer_id,
     );
+    if let Some((_, _, known)) = &coordination {
+        proposer.min_term = known.term;
+        proposer.known_commit_lsn = known.commit_lsn;
+    }
+    let writer = Arc::new(Writer::start(
+        Arc::new(TcpNetwork),
+        WriterConfig::new(args.safekeepers.clone(), proposer),
+    ));
     let Some(http_listener) = http_listener else {
         let (term, end) = writer.wait_synced().await?;
         say!("synced: safekeepers agree on committed end {end} (term {term})");
-        writer.stop().await;
+        if let Some(w) = Arc::into_inner(writer) {
+            w.stop().await;
+        }
         return Ok(());
     };
+    let mut registry = prometheus_client::registry::Registry::default();
+    let elections = crate::metrics::count_elections(&mut registry, writer.subscribe());
     let status = writer.subscribe();
-    let http = crate::http::serve_status(http_listener, move || {
+    let status_route = move || {
         let s = status.borrow().clone();
         async move { serde_json::to_value(s).unwrap_or_default() }
-    })?;
+    };
+    let mut router = axum::Router::new();
+    let mut recorder = None;
+    if let Some((sessions, session, _)) = &coordination {
+        let catalog = ferry_ingest::Catalog::open(Arc::clone(sessions))
+            .await
+            .context("opening the table catalog")?;
+        let ingest_metrics = ferry_ingest::IngestMetrics::register(&mut registry);
+        let api = ferry_ingest::Api::new(
+            catalog,
+            Arc::clone(&writer) as Arc<dyn ferry_ingest::InsertSink>,
+            ferry_env::Cpu::BlockingPool,
+            args.api.limits(),
+            ingest_metrics,
+        );
+        router = ferry_ingest::api::router(api);
+        recorder = Some(tokio::spawn(crate::cluster::record_commits(
+            Arc::clone(session),
+            writer.subscribe(),
+        )));
+    }
+    let sampled_writer = writer.subscribe();
+    let sampled_coord = Arc::clone(&coord_metrics);
+    let metrics = crate::metrics::NodeMetrics::new(registry, move || {
+        let mut out = crate::metrics::writer(&sampled_writer.borrow());
+        out.extend(crate::metrics::coordination(&sampled_coord));
+        Box::pin(async move { out })
+    });
+    let router = router.merge(crate::http::node_routes(status_route, Arc::new(metrics)));
+    let http = crate::http::serve(http_listener, router, token)?;
     say!(
-        "writer for {n} safekeepers started, status on http://{}/status",
-        http.addr
+        "writer for {n} safekeepers started, status on http://{}/status{}",
+        http.addr,
+        if coordination.is_some() {
+            format!(", tables and inserts on http://{}/tables", http.addr)
+        } else {
+            "; no --zookeeper, so no table and insert API".into()
+        }
     );
     let mut superseded = writer.subscribe();
-    tokio::select! {
-        _ = shutdown.recv() => {}
-        s = superseded.wait_for(|s| s.superseded_by.is_some()) => {
+    let outcome = tokio::select! {
+        _ = shutdown.recv() => Ok(()),
+        s = superseded.wait_for(|s| s.superseded_by.is_some() || s.refused.is_some()) => {
             // Another writer took over, or a term left by one long gone ended
             // this leadership: exit, so that a supervisor starts a new election.
-            match s.ok().and_then(|s| s.superseded_by) {
-                Some(term) => anyhow::bail!("writer superseded by term {term}; exiting"),
-                None => anyhow::bail!("writer stopped unexpectedly"),
+            // A refusal (electing would lose committed WAL) needs an operator.
+            match s.ok().map(|s| (s.superseded_by, s.refused.clone())) {
+                Some((Some(term), _)) => Err(anyhow::anyhow!("writer superseded by term {term}; exiting")),
+                Some((None, Some(why))) => Err(anyhow::anyhow!("writer refused to get elected: {why}")),
+                _ => Err(anyhow::anyhow!("writer stopped unexpectedly")),
             }
         }
+    };
+    http.stop().await;
+    elections.abort();
+    if let Some(r) = recorder {
+        r.abort();
     }
+    outcome?;
+    let writer = Arc::into_inner(writer)
+        .context("the writer is still shared after the HTTP endpoint stopped")?;
+    let term = writer.status().term;
     let end = writer.shutdown().await?;
+    if let Some((_, session, _)) = &coordination {
+        crate::cluster::record_wal_state(
+            &**session,
+            crate::cluster::WalState {
+                term,
+                commit_lsn: end,
+            },
+        )
+        .await?;
+        session.close().await;
+    }
     say!("writer stopped cleanly; shutdown checkpoint committed, WAL ends at {end}");
     Ok(())
+}
+
+/// The cluster record in coordination: written by the first writer, checked by
+/// every later one (another cluster id, number of safekeepers or segment size
+/// is refused).
+async fn check_cluster_record(
+    session: &dyn ferry_coord::Coordination,
+    args: &WriterArgs,
+    n: usize,
+) -> anyhow::Result<()> {
+    use crate::cluster::{ClusterRecord, ClusterState};
+    let wanted = ClusterRecord {
+        cluster_id: args.cluster_id.clone(),
+        safekeepers: n,
+        segment_bytes: args.segment_bytes,
+        state: ClusterState::Ready,
+    };
+    match crate::cluster::read_record(session).await? {
+        None => crate::cluster::write_record(session, &wanted).await,
+        Some(found) if found == wanted => Ok(()),
+        Some(found) => anyhow::bail!(
+            "the coordination store belongs to cluster {} ({} safekeepers, {}-byte segments, {:?}); this writer was started for cluster {} ({n} safekeepers, {}-byte segments)",
+            found.cluster_id,
+            found.safekeepers,
+            found.segment_bytes,
+            found.state,
+            args.cluster_id,
+            args.segment_bytes
+        ),
+    }
 }

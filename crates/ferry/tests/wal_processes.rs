@@ -4,7 +4,7 @@
 //! committed end every safekeeper agrees on.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,60 +16,14 @@ use ferry_wal::Lsn;
 use ferry_writer::driver::{encode_records, Writer, WriterConfig};
 use ferry_writer::proposer::ProposerConfig;
 
-const FERRY: &str = env!("CARGO_BIN_EXE_ferry");
+mod common;
+
+use common::FERRY;
 const SEG: u64 = 1 << 20;
 const CLUSTER: &str = "processes-test";
 
 fn cluster_id() -> ferry_wal::ClusterId {
     ferry_wal::ClusterId::new(CLUSTER).expect("id")
-}
-
-/// Starts `ferry safekeeper` (`--create` for a new one) and returns it with the
-/// address it listens on.
-fn start_safekeeper(
-    id: u64,
-    data: &std::path::Path,
-    listen: &str,
-    create: bool,
-) -> (Child, String) {
-    let mut child = Command::new(FERRY)
-        .args([
-            "safekeeper",
-            "--id",
-            &id.to_string(),
-            "--cluster-id",
-            CLUSTER,
-            "--listen",
-            listen,
-            "--http",
-            "127.0.0.1:0",
-        ])
-        .args(create.then_some("--create"))
-        .args(["--segment-bytes", &SEG.to_string(), "--data-dir"])
-        .arg(data)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn safekeeper");
-    let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
-    let mut line = String::new();
-    reader.read_line(&mut line).expect("read");
-    let addr = line
-        .split("listening on ")
-        .nth(1)
-        .and_then(|rest| rest.split(',').next())
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .to_string();
-    std::thread::spawn(move || for _ in reader.lines().map_while(Result::ok) {});
-    (child, addr)
-}
-
-/// Safekeepers 0, 1 and 2 under `dir`, on free ports: the processes and their
-/// addresses.
-fn start_three_safekeepers(dir: &std::path::Path) -> (Vec<Child>, Vec<String>) {
-    (0..3)
-        .map(|id| start_safekeeper(id, &dir.join(format!("sk{id}")), "127.0.0.1:0", true))
-        .unzip()
 }
 
 fn insert(block: u64) -> Bytes {
@@ -122,7 +76,7 @@ async fn committed_blocks(addr: &str, end: Lsn) -> Vec<u64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_of_a_safekeeper_mid_stream_loses_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (mut children, addrs) = start_three_safekeepers(dir.path());
+    let (mut children, addrs) = common::start_three_safekeepers(dir.path(), CLUSTER, SEG);
     let mut config = WriterConfig::new(
         addrs.clone(),
         ProposerConfig::new(cluster_id(), 3, 1, SEG, 77),
@@ -146,7 +100,8 @@ async fn kill_9_of_a_safekeeper_mid_stream_loses_nothing() {
     children[0].kill().expect("kill -9");
     children[0].wait().expect("reap");
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let (child, _) = start_safekeeper(0, &dir.path().join("sk0"), &addrs[0], false);
+    let (child, _) =
+        common::start_safekeeper(0, &dir.path().join("sk0"), &addrs[0], false, CLUSTER, SEG);
     children[0] = child;
 
     let acked = tokio::time::timeout(Duration::from_secs(60), appends)
@@ -247,7 +202,7 @@ async fn safekeeper_term(addr: &str) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_writer_process_takes_over_and_the_first_exits_with_an_error() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (children, addrs) = start_three_safekeepers(dir.path());
+    let (children, addrs) = common::start_three_safekeepers(dir.path(), CLUSTER, SEG);
     let wait_for_term = |term: u64| {
         let addrs = addrs.clone();
         async move {

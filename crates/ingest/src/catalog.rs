@@ -20,7 +20,9 @@
 //!   `refs` makes the delete fail as a whole (ZooKeeper deletes only childless
 //!   nodes), so a drop can never race a new holder.
 
-use ferry_coord::{CoordError, CreateMode, Op, Session};
+use std::sync::Arc;
+
+use ferry_coord::{CoordError, CreateMode, Op, Session, SessionFactory};
 use ferry_table::{Table, TableDef};
 
 pub const TABLES: &str = "/ferry/tables";
@@ -44,10 +46,14 @@ pub enum CatalogError {
     Coord(#[from] CoordError),
 }
 
-/// The catalog over one coordination session.
+/// The catalog. It holds a coordination session and opens a new one of the same
+/// back-end when that one has expired (or was closed), so that a node outlives
+/// a session expiry; a request caught by the expiry fails once (503), and the
+/// next one runs on the new session.
 #[derive(Clone)]
 pub struct Catalog {
-    session: Session,
+    sessions: Arc<dyn SessionFactory>,
+    current: Arc<tokio::sync::Mutex<Session>>,
 }
 
 fn table_path(name: &str) -> String {
@@ -55,15 +61,33 @@ fn table_path(name: &str) -> String {
 }
 
 impl Catalog {
-    pub fn new(session: Session) -> Catalog {
-        Catalog { session }
+    /// A catalog on a session opened from `sessions`.
+    pub async fn open(sessions: Arc<dyn SessionFactory>) -> Result<Catalog, CatalogError> {
+        let session = sessions.open().await?;
+        let catalog = Catalog {
+            sessions,
+            current: Arc::new(tokio::sync::Mutex::new(session)),
+        };
+        let s = catalog.session().await?;
+        ferry_coord::create_all(&*s, TABLES).await?;
+        ferry_coord::create_all(&*s, TABLE_IDS).await?;
+        Ok(catalog)
     }
 
-    /// Creates the catalog's parent nodes if missing.
-    pub async fn init(&self) -> Result<(), CatalogError> {
-        ferry_coord::create_all(&*self.session, TABLES).await?;
-        ferry_coord::create_all(&*self.session, TABLE_IDS).await?;
-        Ok(())
+    /// The live session, a new one if the last one ended.
+    pub async fn session(&self) -> Result<Session, CatalogError> {
+        let mut current = self.current.lock().await;
+        let ended = current.session_state().borrow().is_terminal();
+        if ended {
+            tracing::info!("coordination session ended; opening a new one");
+            *current = self.sessions.open().await?;
+        }
+        Ok(Arc::clone(&current))
+    }
+
+    /// Closes the session (at shutdown).
+    pub async fn close(&self) {
+        self.current.lock().await.close().await;
     }
 
     /// Creates a table, or returns the existing one if it has exactly this
@@ -72,6 +96,7 @@ impl Catalog {
         let path = table_path(&def.name);
         let mut last = None;
         for _ in 0..ATTEMPTS {
+            let session = self.session().await?;
             if let Some(existing) = self.get(&def.name).await? {
                 return if &existing.def == def {
                     Ok((existing, false))
@@ -82,8 +107,7 @@ impl Catalog {
                     })
                 };
             }
-            let id = match self
-                .session
+            let id = match session
                 .create(
                     &format!("{TABLE_IDS}/id-"),
                     b"",
@@ -108,7 +132,7 @@ impl Catalog {
                 Op::create(path.clone(), data, CreateMode::Persistent),
                 Op::create(format!("{path}/refs"), Vec::new(), CreateMode::Persistent),
             ];
-            match self.session.multi(ops).await {
+            match session.multi(ops).await {
                 Ok(_) => {
                     tracing::info!(table = %def.name, id, "table created");
                     return Ok((table, true));
@@ -132,7 +156,7 @@ impl Catalog {
             return Err(CatalogError::InvalidName(name.to_string()));
         }
         let path = table_path(name);
-        match self.session.get(&path).await {
+        match self.session().await?.get(&path).await {
             Ok((data, _)) => {
                 let table: Table =
                     serde_json::from_slice(&data).map_err(|e| CatalogError::Damaged {
@@ -154,7 +178,7 @@ impl Catalog {
 
     /// Every table, by name.
     pub async fn list(&self) -> Result<Vec<Table>, CatalogError> {
-        let (mut names, _) = match self.session.children(TABLES).await {
+        let (mut names, _) = match self.session().await?.children(TABLES).await {
             Ok(c) => c,
             Err(CoordError::NoNode { .. }) => return Ok(Vec::new()),
             Err(e) => return Err(e.into()),
@@ -184,7 +208,8 @@ impl Catalog {
             CreateMode::Persistent
         };
         match self
-            .session
+            .session()
+            .await?
             .create(&format!("{}/refs/{holder}", table_path(name)), b"", mode)
             .await
         {
@@ -196,7 +221,8 @@ impl Catalog {
 
     pub async fn release(&self, name: &str, holder: &str) -> Result<(), CatalogError> {
         match self
-            .session
+            .session()
+            .await?
             .delete(&format!("{}/refs/{holder}", table_path(name)), None)
             .await
         {
@@ -215,15 +241,15 @@ impl Catalog {
             Op::delete(format!("{path}/refs"), None),
             Op::delete(path.clone(), None),
         ];
-        match self.session.multi(ops).await {
+        let session = self.session().await?;
+        match session.multi(ops).await {
             Ok(_) => {
                 tracing::info!(table = %name, id = table.id, "table dropped");
                 Ok(table)
             }
             Err(CoordError::MultiFailed { source, .. }) => match *source {
                 CoordError::NotEmpty { .. } => {
-                    let (holders, _) = self
-                        .session
+                    let (holders, _) = session
                         .children(&format!("{path}/refs"))
                         .await
                         .unwrap_or_default();

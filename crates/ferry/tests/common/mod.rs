@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 pub const FERRY: &str = env!("CARGO_BIN_EXE_ferry");
@@ -152,4 +152,83 @@ pub fn skipped(why: &str) {
         .unwrap_or("a test")
         .to_string();
     let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
+}
+
+/// Starts `ferry safekeeper` (`--create` for a new one) and returns it with the
+/// address it listens on.
+pub fn start_safekeeper(
+    id: u64,
+    data: &std::path::Path,
+    listen: &str,
+    create: bool,
+    cluster: &str,
+    segment_bytes: u64,
+) -> (Child, String) {
+    let mut child = Command::new(FERRY)
+        .args([
+            "safekeeper",
+            "--id",
+            &id.to_string(),
+            "--cluster-id",
+            cluster,
+            "--listen",
+            listen,
+            "--http",
+            "127.0.0.1:0",
+        ])
+        .args(create.then_some("--create"))
+        .args(["--segment-bytes", &segment_bytes.to_string(), "--data-dir"])
+        .arg(data)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn safekeeper");
+    let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    reader.read_line(&mut line).expect("read");
+    let addr = line
+        .split("listening on ")
+        .nth(1)
+        .and_then(|rest| rest.split(',').next())
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .to_string();
+    std::thread::spawn(move || for _ in reader.lines().map_while(Result::ok) {});
+    (child, addr)
+}
+
+/// Safekeepers 0, 1 and 2 under `dir`, on free ports: the processes and their
+/// addresses.
+pub fn start_three_safekeepers(
+    dir: &std::path::Path,
+    cluster: &str,
+    segment_bytes: u64,
+) -> (Vec<Child>, Vec<String>) {
+    (0..3)
+        .map(|id| {
+            start_safekeeper(
+                id,
+                &dir.join(format!("sk{id}")),
+                "127.0.0.1:0",
+                true,
+                cluster,
+                segment_bytes,
+            )
+        })
+        .unzip()
+}
+
+/// The address of the test ZooKeeper, or `None` (with a note) when the suite runs
+/// without services; `FERRY_TEST_REQUIRE_SERVICES=1` makes a missing one a failure.
+pub fn zk_address() -> Option<String> {
+    match std::env::var("FERRY_TEST_ZK") {
+        Ok(addr) if !addr.is_empty() => Some(addr),
+        _ => {
+            assert!(
+                std::env::var("FERRY_TEST_REQUIRE_SERVICES").as_deref() != Ok("1"),
+                "FERRY_TEST_ZK is not set but services are required"
+            );
+            skipped("FERRY_TEST_ZK is not set: this ZooKeeper test did not run (scripts/test.sh runs it)");
+            None
+        }
+    }
 }

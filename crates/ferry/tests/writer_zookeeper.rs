@@ -1,0 +1,213 @@
+//! The distributed writer with ZooKeeper: `ferry writer --zookeeper` serves the
+//! table and insert API, records the last known commit, and refuses a WAL
+//! quorum that holds less than that (safekeepers restored from nothing) and a
+//! coordination store of another cluster.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::*;
+use ferry_client::Client;
+use ferry_coord::zk::{ZkOptions, ZkSession};
+use ferry_coord::Coordination;
+use ferry_table::Format;
+
+const SEG: u64 = 1 << 20;
+const CLUSTER: &str = "writer-zk-test";
+
+const TABLE: &str = r#"
+name = "t"
+partition_by = { column = "day", transform = "identity" }
+shard_by = { column = "id", shards = 2 }
+[[columns]]
+name = "id"
+type = "Int64"
+[[columns]]
+name = "day"
+type = "Date"
+"#;
+
+/// Starts `ferry writer`; returns it and its HTTP base URL once it printed its
+/// first line.
+fn start_writer(addrs: &[String], zk: &str, cluster: &str) -> (Child, String) {
+    let mut child = Command::new(FERRY)
+        .args([
+            "writer",
+            "--cluster-id",
+            cluster,
+            "--safekeepers",
+            &addrs.join(","),
+        ])
+        .args([
+            "--segment-bytes",
+            &SEG.to_string(),
+            "--http",
+            "127.0.0.1:0",
+            "--zookeeper",
+            zk,
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn writer");
+    let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    reader.read_line(&mut line).expect("read");
+    std::thread::spawn(move || for _ in reader.lines().map_while(Result::ok) {});
+    let url = line
+        .split("status on ")
+        .nth(1)
+        .and_then(|r| r.split("/status").next())
+        .map(str::to_string)
+        .unwrap_or_else(|| {
+            let mut err = String::new();
+            use std::io::Read as _;
+            let _ = child.stderr.take().map(|mut e| e.read_to_string(&mut err));
+            panic!("unexpected first line {line:?}; stderr: {err}")
+        });
+    (child, url)
+}
+
+/// Waits (at most 60 s) for `child` to exit; returns its success and stderr.
+fn wait_exit(child: &mut Child) -> (bool, String) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(status) = child.try_wait().expect("poll") {
+            let mut err = String::new();
+            use std::io::Read as _;
+            let _ = child.stderr.take().map(|mut e| e.read_to_string(&mut err));
+            return (status.success(), err);
+        }
+        assert!(Instant::now() < deadline, "did not exit in time");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+async fn insert_until_elected(c: &Client, base: i64) -> ferry_client::Inserted {
+    let body = Bytes::from(format!(
+        "{{\"id\":{base},\"day\":\"2024-05-01\"}}\n{{\"id\":{},\"day\":\"2024-05-02\"}}\n",
+        base + 1
+    ));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match c
+            .insert_body("t", Format::Ndjson, body.clone(), Some(&format!("k{base}")))
+            .await
+        {
+            Ok(i) => return i,
+            Err(e) if e.retryable() && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Err(e) => panic!("insert: {e}"),
+        }
+    }
+}
+
+#[test]
+fn the_distributed_writer_serves_inserts_and_refuses_a_younger_quorum() {
+    let Some(zk) = zk_address() else { return };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    let chroot = format!("/writer-test-{}-{nanos}", std::process::id());
+    rt.block_on(async {
+        let root = ZkSession::connect(&ZkOptions::new(zk.clone()))
+            .await
+            .expect("ZooKeeper");
+        ferry_coord::create_all(&root, &chroot)
+            .await
+            .expect("chroot");
+        root.close().await;
+    });
+    let connect = format!("{zk}{chroot}");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut safekeepers, addrs) = start_three_safekeepers(&dir.path().join("a"), CLUSTER, SEG);
+
+    // First writer: creates the cluster record, takes a table and inserts.
+    let (mut writer, url) = start_writer(&addrs, &connect, CLUSTER);
+    let c = Client::new(&url, None, Duration::from_secs(30)).expect("client");
+    let first = rt.block_on(async {
+        c.create_table_toml(TABLE).await.expect("create table");
+        insert_until_elected(&c, 0).await
+    });
+    assert_eq!(first.rows, 2);
+    interrupt(&writer);
+    let (ok, err) = wait_exit(&mut writer);
+    assert!(ok, "clean stop: {err}");
+
+    // The last known commit is in ZooKeeper, past the insert.
+    let known: serde_json::Value = rt.block_on(async {
+        let s = ZkSession::connect(&ZkOptions::new(connect.clone()))
+            .await
+            .expect("ZooKeeper");
+        let (data, _) = s.get("/ferry/wal").await.expect("/ferry/wal");
+        s.close().await;
+        serde_json::from_slice(&data).expect("JSON")
+    });
+    let recorded: ferry_wal::Lsn =
+        serde_json::from_value(known["commit_lsn"].clone()).expect("lsn");
+    assert!(
+        recorded >= first.commit_lsn.parse().expect("lsn"),
+        "{known}"
+    );
+
+    // A second writer takes over: the table is there, inserts go on.
+    let (mut writer, url) = start_writer(&addrs, &connect, CLUSTER);
+    let c = Client::new(&url, None, Duration::from_secs(30)).expect("client");
+    let second = rt.block_on(async {
+        assert_eq!(c.tables().await.expect("tables").len(), 1);
+        insert_until_elected(&c, 10).await
+    });
+    assert!(second.blocks[0] >= first.commit_lsn.parse::<ferry_wal::Lsn>().expect("lsn").0);
+    interrupt(&writer);
+    assert!(wait_exit(&mut writer).0);
+    for s in &mut safekeepers {
+        interrupt(s);
+        let _ = s.wait();
+    }
+
+    // Safekeepers made anew (their WAL lost) cannot hold what was committed: a
+    // writer knowing the commit refuses to get elected on them.
+    let (mut fresh, fresh_addrs) = start_three_safekeepers(&dir.path().join("b"), CLUSTER, SEG);
+    let (mut writer, _) = start_writer(&fresh_addrs, &connect, CLUSTER);
+    let (ok, err) = wait_exit(&mut writer);
+    assert!(!ok && err.contains("refused"), "{err}");
+
+    // A coordination store of another cluster is refused at start.
+    let out = Command::new(FERRY)
+        .args([
+            "writer",
+            "--cluster-id",
+            "another",
+            "--safekeepers",
+            &fresh_addrs.join(","),
+        ])
+        .args([
+            "--segment-bytes",
+            &SEG.to_string(),
+            "--http",
+            "127.0.0.1:0",
+            "--zookeeper",
+            &connect,
+        ])
+        .output()
+        .expect("run writer");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("belongs to cluster writer-zk-test"),
+        "{err}"
+    );
+    for s in &mut fresh {
+        interrupt(s);
+        let _ = s.wait();
+    }
+}
