@@ -13,6 +13,7 @@ mod api;
 mod bench;
 mod client_cmd;
 mod cluster;
+mod config;
 mod dev;
 mod http;
 mod local;
@@ -24,6 +25,7 @@ mod roles;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
+use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
@@ -35,6 +37,10 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// TOML configuration file (`ferry config example` prints one with every
+    /// setting); flags and environment variables win over it.
+    #[arg(long, global = true)]
+    config: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -61,11 +67,24 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<std::ffi::OsString>,
     },
+    /// Configuration files.
+    Config {
+        #[command(subcommand)]
+        which: ConfigCommand,
+    },
     /// Prints performance figures.
     Bench {
         #[command(subcommand)]
         which: BenchCommand,
     },
+}
+
+#[derive(Debug, Subcommand)]
+enum ConfigCommand {
+    /// Prints a configuration file with every setting, its default and what it does.
+    Example,
+    /// Checks a configuration file (unknown keys, wrong types) and says what it sets.
+    Check { file: PathBuf },
 }
 
 #[derive(Debug, Subcommand)]
@@ -105,9 +124,24 @@ pub fn default_data_dir() -> PathBuf {
 }
 
 fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let args = config::apply(std::env::args_os().collect())?;
+    let cli = Cli::parse_from(args);
+    let _ = &cli.config; // applied above, before parsing
     if let Command::Sim { args } = cli.command {
         return run_simulator(args);
+    }
+    if let Command::Config { which } = &cli.command {
+        match which {
+            ConfigCommand::Example => say!("{}", config::EXAMPLE.trim_end()),
+            ConfigCommand::Check { file } => {
+                let text = std::fs::read_to_string(file)
+                    .with_context(|| format!("reading {}", file.display()))?;
+                let parsed = config::parse(&text)
+                    .with_context(|| format!("configuration file {}", file.display()))?;
+                say!("{} is valid: {parsed:?}", file.display());
+            }
+        }
+        return Ok(());
     }
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -132,7 +166,9 @@ fn main() -> anyhow::Result<()> {
             Command::Writer(args) => roles::writer(args).await,
             Command::Table { command } => client_cmd::table(command).await,
             Command::Insert(args) => client_cmd::insert(args).await,
-            Command::Sim { .. } => unreachable!("handled before the runtime starts"),
+            Command::Sim { .. } | Command::Config { .. } => {
+                unreachable!("handled before the runtime starts")
+            }
             Command::Bench { which } => match which {
                 BenchCommand::Coord(args) => bench::coord(args).await,
                 BenchCommand::Wal(args) => bench::wal(args).await,

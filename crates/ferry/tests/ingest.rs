@@ -741,3 +741,65 @@ fn proc_peak_mib(pid: u32) -> u64 {
         .expect("kB")
         / 1024
 }
+
+/// `--config`: the file's settings apply, flags win over it, unknown keys are
+/// refused before anything starts, and `ferry config example` is a valid file.
+#[test]
+fn a_configuration_file_applies_under_the_flags() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let example = Command::new(FERRY)
+        .args(["config", "example"])
+        .output()
+        .expect("ferry config example");
+    assert!(example.status.success());
+    let example_file = dir.path().join("example.toml");
+    std::fs::write(&example_file, &example.stdout).expect("write");
+    let (ok, out, err) = ferry(
+        &["config", "check", example_file.to_str().expect("path")],
+        "",
+    );
+    assert!(ok, "the example is valid: {out}{err}");
+
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "[api]\nmax_rowz = 3\n").expect("write");
+    let data = dir.path().join("data");
+    let err = expect_failure(
+        &[
+            "dev".as_ref(),
+            "--config".as_ref(),
+            bad.as_os_str(),
+            "--data-dir".as_ref(),
+            data.as_os_str(),
+        ],
+        &[],
+    );
+    assert!(err.contains("max_rowz"), "{err}");
+    assert!(!data.exists(), "nothing was created");
+
+    // The file says one row per insert and an HTTP address that is not free;
+    // the flag's address wins, the file's limit applies.
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let file = dir.path().join("ferry.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[dev]\nhttp = \"{}\"\n[api]\nmax_rows = 1\n",
+            busy.local_addr().expect("addr")
+        ),
+    )
+    .expect("write");
+    let (mut child, lines) = start_dev_with(&data, &["--config", file.to_str().expect("path")]);
+    let url = base_url(&lines);
+    let rt = runtime();
+    let c = client(&url, None);
+    rt.block_on(c.create_table(&def())).expect("create table");
+    let (status, e) = api_error(rt.block_on(c.insert_body(
+        "events",
+        Format::Ndjson,
+        body(Format::Ndjson, 1),
+        None,
+    )));
+    assert_eq!((status, e.kind.as_str()), (413, "too_many_rows"), "{e:?}");
+    interrupt(&child);
+    assert_clean_exit(&mut child, &data);
+}

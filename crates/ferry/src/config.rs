@@ -1,0 +1,323 @@
+//! The TOML configuration file (`--config FILE`, every role).
+//!
+//! A file has one table per role (`[dev]`, `[safekeeper]`, `[writer]`) and an
+//! `[api]` table shared by the roles that serve the insert API. Every key is a
+//! command-line flag of that role with `_` for `-`; the file is checked against
+//! typed tables, so an unknown key or a value of the wrong type is an error
+//! naming the key. Precedence: a flag on the command line, then its
+//! environment variable, then the file, then the built-in default. It is
+//! applied by turning the file's settings into flags placed before the
+//! command line's own, for those flags the command line and the environment do
+//! not set, so that clap checks every value the same way whatever its source.
+
+use std::ffi::OsString;
+use std::path::Path;
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+
+/// Every setting, as a file holds it.
+#[derive(Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub dev: Option<DevSection>,
+    pub safekeeper: Option<SafekeeperSection>,
+    pub writer: Option<WriterSection>,
+    pub api: Option<ApiSection>,
+}
+
+#[derive(Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct DevSection {
+    pub data_dir: Option<String>,
+    pub http: Option<String>,
+    pub safekeepers: Option<u64>,
+    pub segment_bytes: Option<u64>,
+    pub wal_preallocation: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SafekeeperSection {
+    pub id: Option<u64>,
+    pub cluster_id: Option<String>,
+    pub create: Option<bool>,
+    pub listen: Option<String>,
+    pub data_dir: Option<String>,
+    pub segment_bytes: Option<u64>,
+    pub wal_preallocation: Option<String>,
+    pub http: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct WriterSection {
+    pub cluster_id: Option<String>,
+    pub safekeepers: Option<Vec<String>>,
+    pub segment_bytes: Option<u64>,
+    pub http: Option<String>,
+    pub zookeeper: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiSection {
+    pub api_token: Option<String>,
+    pub max_body_bytes: Option<u64>,
+    pub max_rows: Option<u64>,
+    pub max_concurrent_inserts: Option<u64>,
+    pub commit_timeout_secs: Option<u64>,
+}
+
+/// A file with every setting, its default and what it does.
+pub const EXAMPLE: &str = r#"# ferry configuration file: `ferry <role> --config ferry.toml`.
+# Every setting is optional. A flag on the command line wins over its
+# environment variable, which wins over this file, which wins over the default
+# shown here. Unknown keys are an error.
+
+[dev]
+# Data directory (coordination store, WAL, object storage). Env: FERRY_DATA_DIR.
+data_dir = "ferry-data"
+# HTTP endpoint: /status, /metrics, /tables and inserts.
+http = "127.0.0.1:7878"
+# Safekeepers of a new data dir; an existing one keeps its own number.
+safekeepers = 3
+# WAL segment size in bytes of a new data dir (a power of two, 64 KiB to 1 GiB).
+segment_bytes = 16777216
+# When WAL segments are zero-filled ahead of time: "auto", "always" or "never".
+wal_preallocation = "auto"
+
+[safekeeper]
+# Id of this safekeeper, unique in its quorum (required).
+# id = 0
+# The cluster it belongs to (required). Env: FERRY_CLUSTER_ID.
+# cluster_id = "prod"
+# Create the safekeeper if its data dir holds none: for a new member only.
+create = false
+# Address writers and replicas connect to.
+listen = "127.0.0.1:5454"
+# Data directory (the safekeeper lives in <data_dir>/sk<id>). Env: FERRY_DATA_DIR.
+# data_dir = "/var/lib/ferry"
+# WAL segment size in bytes; the same on every safekeeper and the writer.
+segment_bytes = 16777216
+wal_preallocation = "auto"
+# HTTP endpoint: /status and /metrics.
+http = "127.0.0.1:7676"
+
+[writer]
+# The cluster whose safekeepers it writes to (required). Env: FERRY_CLUSTER_ID.
+# cluster_id = "prod"
+# Safekeeper addresses, in the same order for every writer (required).
+# safekeepers = ["10.0.0.1:5454", "10.0.0.2:5454", "10.0.0.3:5454"]
+segment_bytes = 16777216
+# HTTP endpoint: /status, /metrics, and with zookeeper set, /tables and inserts.
+http = "127.0.0.1:7677"
+# ZooKeeper ensemble host:port[,host:port...][/chroot] holding the cluster
+# record, the last known commit and the table catalog. Env: FERRY_ZOOKEEPER.
+# zookeeper = "10.0.0.9:2181/ferry"
+
+[api]
+# Bearer token every HTTP request must carry; at least 16 characters. Unset:
+# no authentication. Env: FERRY_API_TOKEN (preferred: a file or the
+# environment keeps it out of the process list).
+# api_token = "..."
+# Largest insert body in bytes (413 past it).
+max_body_bytes = 67108864
+# Most rows in one insert (413 past it).
+max_rows = 1000000
+# Inserts running at once (429 past it).
+max_concurrent_inserts = 64
+# Seconds an insert waits for its commit before answering 503 (outcome unknown).
+commit_timeout_secs = 30
+"#;
+
+/// Parses a configuration file's text.
+pub fn parse(text: &str) -> anyhow::Result<FileConfig> {
+    toml::from_str(text).map_err(|e| anyhow::anyhow!("{}", e.to_string().trim_end()))
+}
+
+/// The flag and environment variable of each key of a section.
+fn env_of(key: &str) -> Option<&'static str> {
+    match key {
+        "data_dir" => Some("FERRY_DATA_DIR"),
+        "cluster_id" => Some("FERRY_CLUSTER_ID"),
+        "zookeeper" => Some("FERRY_ZOOKEEPER"),
+        "api_token" => Some("FERRY_API_TOKEN"),
+        _ => None,
+    }
+}
+
+/// The flags a section stands for, skipping those `given` (flags on the command
+/// line) or set in the environment.
+fn section_flags<T: Serialize>(section: &T, given: &[String]) -> anyhow::Result<Vec<OsString>> {
+    let value = toml::Value::try_from(section).context("reading the configuration")?;
+    let mut out = Vec::new();
+    let Some(table) = value.as_table() else {
+        return Ok(out);
+    };
+    for (key, v) in table {
+        let flag = format!("--{}", key.replace('_', "-"));
+        if given
+            .iter()
+            .any(|g| g == &flag || g.starts_with(&format!("{flag}=")))
+        {
+            continue;
+        }
+        if env_of(key).is_some_and(|e| std::env::var_os(e).is_some_and(|v| !v.is_empty())) {
+            continue;
+        }
+        match v {
+            toml::Value::Boolean(true) => out.push(flag.into()),
+            toml::Value::Boolean(false) => {}
+            toml::Value::Array(items) => {
+                let items: Vec<String> = items
+                    .iter()
+                    .map(|i| {
+                        i.as_str()
+                            .map(str::to_string)
+                            .unwrap_or_else(|| i.to_string())
+                    })
+                    .collect();
+                out.push(format!("{flag}={}", items.join(",")).into());
+            }
+            toml::Value::String(s) => out.push(format!("{flag}={s}").into()),
+            other => out.push(format!("{flag}={other}").into()),
+        }
+    }
+    Ok(out)
+}
+
+/// The command line with the settings of `--config FILE` (if given) added for
+/// the subcommand's role, before the command line's own flags.
+pub fn apply(args: Vec<OsString>) -> anyhow::Result<Vec<OsString>> {
+    let strings: Vec<String> = args
+        .iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    let mut path = None;
+    for (i, a) in strings.iter().enumerate() {
+        if a == "--config" {
+            path = strings.get(i + 1).cloned();
+        } else if let Some(p) = a.strip_prefix("--config=") {
+            path = Some(p.to_string());
+        }
+    }
+    let (Some(path), Some(role)) = (path, strings.get(1).cloned()) else {
+        return Ok(args);
+    };
+    let text = std::fs::read_to_string(Path::new(&path))
+        .with_context(|| format!("reading the configuration file {path}"))?;
+    let config = parse(&text).with_context(|| format!("configuration file {path}"))?;
+    let mut injected = Vec::new();
+    let serves_api = matches!(role.as_str(), "dev" | "writer");
+    match role.as_str() {
+        "dev" => {
+            if let Some(s) = &config.dev {
+                injected.extend(section_flags(s, &strings)?);
+            }
+        }
+        "safekeeper" => {
+            if let Some(s) = &config.safekeeper {
+                injected.extend(section_flags(s, &strings)?);
+            }
+        }
+        "writer" => {
+            if let Some(s) = &config.writer {
+                injected.extend(section_flags(s, &strings)?);
+            }
+        }
+        _ => {}
+    }
+    if serves_api {
+        if let Some(s) = &config.api {
+            injected.extend(section_flags(s, &strings)?);
+        }
+    }
+    let mut out = Vec::with_capacity(args.len() + injected.len());
+    out.extend(args.iter().take(2).cloned());
+    out.extend(injected);
+    out.extend(args.into_iter().skip(2));
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_example_holds_every_setting_and_parses() {
+        let config = parse(EXAMPLE).expect("the example parses");
+        let dev = config.dev.expect("dev");
+        assert_eq!(dev.http.as_deref(), Some("127.0.0.1:7878"));
+        assert_eq!(config.api.expect("api").max_rows, Some(1_000_000));
+        // Every key of every section appears in the example (set or commented).
+        for key in [
+            "data_dir",
+            "http",
+            "safekeepers",
+            "segment_bytes",
+            "wal_preallocation",
+            "id",
+            "cluster_id",
+            "create",
+            "listen",
+            "zookeeper",
+            "api_token",
+            "max_body_bytes",
+            "max_rows",
+            "max_concurrent_inserts",
+            "commit_timeout_secs",
+        ] {
+            assert!(EXAMPLE.contains(&format!("{key} = ")), "{key} documented");
+        }
+    }
+
+    #[test]
+    fn unknown_keys_and_wrong_types_are_errors() {
+        let e = parse("[dev]\nhttp_port = 1\n").expect_err("unknown key");
+        assert!(e.to_string().contains("http_port"), "{e}");
+        let e = parse("[devv]\n").expect_err("unknown table");
+        assert!(e.to_string().contains("devv"), "{e}");
+        let e = parse("[api]\nmax_rows = \"many\"\n").expect_err("wrong type");
+        assert!(e.to_string().contains("max_rows"), "{e}");
+    }
+
+    #[test]
+    fn flags_win_over_the_file() {
+        let dir = std::env::temp_dir().join(format!("ferry-config-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let file = dir.join("f.toml");
+        std::fs::write(
+            &file,
+            "[writer]\nsafekeepers = [\"a:1\", \"b:2\"]\nhttp = \"h:1\"\n[api]\nmax_rows = 5\n[dev]\nhttp = \"d:1\"\n",
+        )
+        .expect("write");
+        let args: Vec<OsString> = [
+            "ferry",
+            "writer",
+            "--config",
+            file.to_str().expect("path"),
+            "--http",
+            "x:9",
+        ]
+        .into_iter()
+        .map(OsString::from)
+        .collect();
+        let out: Vec<String> = apply(args)
+            .expect("apply")
+            .into_iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        assert!(
+            out.contains(&"--safekeepers=a:1,b:2".to_string()),
+            "{out:?}"
+        );
+        assert!(out.contains(&"--max-rows=5".to_string()), "{out:?}");
+        assert!(
+            !out.iter().any(|a| a == "--http=h:1" || a == "--http=d:1"),
+            "{out:?}"
+        );
+        assert_eq!(&out[out.len() - 2..], ["--http", "x:9"]);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
