@@ -653,15 +653,15 @@ fn bench_cluster() -> ferry_wal::ClusterId {
 }
 
 /// A quorum of one measurement.
-struct BenchQuorum {
-    writer: Arc<ferry_writer::driver::Writer>,
+pub struct BenchQuorum {
+    pub writer: Arc<ferry_writer::driver::Writer>,
     safekeepers: Safekeepers,
     /// The safekeepers' WAL addresses (walsenders connect to them).
     addrs: Vec<String>,
 }
 
 /// A fresh quorum in its own directory, elected and ready.
-async fn fresh_quorum(
+pub async fn fresh_quorum(
     root: &std::path::Path,
     name: &str,
     n: usize,
@@ -747,7 +747,7 @@ async fn closed_loop(
     Ok(all)
 }
 
-async fn stop_quorum(quorum: BenchQuorum) -> anyhow::Result<()> {
+pub async fn stop_quorum(quorum: BenchQuorum) -> anyhow::Result<()> {
     let writer = Arc::into_inner(quorum.writer).context("writer still shared")?;
     writer.shutdown().await?;
     match &quorum.safekeepers {

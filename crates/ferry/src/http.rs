@@ -7,15 +7,13 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::metrics::NodeMetrics;
 use anyhow::Context;
 use axum::http::header;
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::{Json, Router};
 use ferry_ingest::ApiToken;
-use prometheus_client::registry::Registry;
-
-use crate::metrics::NodeMetrics;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -113,15 +111,4 @@ pub fn serve(
         stop: Some(stop),
         task,
     })
-}
-
-/// Serves only `/status` and `/metrics` (nodes without the insert API) until
-/// the process ends.
-pub fn serve_status<F, Fut>(listener: tokio::net::TcpListener, status: F) -> anyhow::Result<Server>
-where
-    F: Fn() -> Fut + Clone + Send + Sync + 'static,
-    Fut: Future<Output = serde_json::Value> + Send + 'static,
-{
-    let metrics = NodeMetrics::new(Registry::default(), || Box::pin(async { Vec::new() }));
-    serve(listener, node_routes(status, Arc::new(metrics)), None)
 }

@@ -11,6 +11,7 @@ macro_rules! say {
 
 mod api;
 mod bench;
+mod bench_ingest;
 mod client_cmd;
 mod cluster;
 mod config;
@@ -95,6 +96,10 @@ enum BenchCommand {
     /// WAL quorum: throughput and commit latency of 3 safekeepers on loopback,
     /// next to the disk's own fdatasync latency and sequential write rate.
     Wal(bench::WalBenchArgs),
+    /// Inserts: rows/s and MB/s through HTTP into committed WAL (NDJSON and
+    /// Arrow IPC), next to arrow-json's and arrow-ipc's own decode rates and
+    /// the WAL's throughput for the same bytes.
+    Ingest(bench_ingest::IngestBenchArgs),
 }
 
 /// Runs `ferry-sim` from beside this binary with `args`, in place of this
@@ -172,6 +177,7 @@ fn main() -> anyhow::Result<()> {
             Command::Bench { which } => match which {
                 BenchCommand::Coord(args) => bench::coord(args).await,
                 BenchCommand::Wal(args) => bench::wal(args).await,
+                BenchCommand::Ingest(args) => bench_ingest::ingest(args).await,
             },
         }
     })

@@ -99,10 +99,20 @@ pub async fn safekeeper(args: SafekeeperArgs) -> anyhow::Result<()> {
     let sk = start_safekeeper(&data_dir, args.id, listener, &spec).await?;
     let server = Arc::clone(&sk.server);
     let status_server = Arc::clone(&server);
-    let http = crate::http::serve_status(http_listener, move || {
+    let sampled = Arc::clone(&server);
+    let metrics = crate::metrics::NodeMetrics::new(Default::default(), move || {
+        let s = Arc::clone(&sampled);
+        Box::pin(async move { crate::metrics::safekeeper(&s.status().await) })
+    });
+    let status = move || {
         let s = Arc::clone(&status_server);
         async move { serde_json::to_value(s.status().await).unwrap_or_default() }
-    })?;
+    };
+    let http = crate::http::serve(
+        http_listener,
+        crate::http::node_routes(status, Arc::new(metrics)),
+        None,
+    )?;
     say!(
         "safekeeper {} listening on {}, status on http://{}/status",
         args.id,

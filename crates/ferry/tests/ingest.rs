@@ -334,6 +334,26 @@ fn tables_and_inserts_in_every_format_are_committed_row_for_row() {
         assert_eq!(rows_of(&mine), expected(*base), "{format:?}: rows as sent");
     }
 
+    // The metrics count what happened.
+    let metrics = http_get(&format!("{url}/metrics"));
+    for line in [
+        "ferry_inserts_total{format=\"ndjson\",outcome=\"ok\"} 1",
+        "ferry_inserts_total{format=\"parquet\",outcome=\"ok\"} 1",
+        "ferry_insert_rows_total 8",
+        "ferry_elections_total 1",
+        "ferry_insert_duration_seconds_count 4",
+        "ferry_wal_commit_duration_seconds_count 4",
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "{line} in\n{metrics}");
+    }
+    for prefix in [
+        "ferry_safekeeper_wal_fsyncs_total{safekeeper=\"0\"}",
+        "ferry_coordination_requests_total{type=\"multi\"}",
+        "ferry_wal_commit_lsn",
+    ] {
+        assert!(metrics.contains(prefix), "{prefix} in\n{metrics}");
+    }
+
     // A table with nothing holding it is dropped; then it is gone.
     let (ok, out, err) = ferry(&["table", "drop", "events"], &url);
     assert!(ok && out.contains("dropped table events"), "{out}{err}");

@@ -1,0 +1,365 @@
+//! `ferry bench ingest`: rows through HTTP into committed WAL, for NDJSON and
+//! for Arrow IPC, next to what bounds them, measured in the same run on the
+//! same bytes: arrow-json's decode rate alone, arrow-ipc's decode rate alone,
+//! and the WAL quorum's own throughput for records of the same size.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use arrow::array::{
+    BooleanArray, Date32Array, Float64Array, Int32Array, Int64Array, RecordBatch, StringArray,
+    TimestampMicrosecondArray,
+};
+use bytes::Bytes;
+use ferry_table::{Format, TableDef};
+
+#[derive(Debug, clap::Args)]
+pub struct IngestBenchArgs {
+    /// Directory for the data (WAL, coordination); a temporary directory inside
+    /// the working folder by default (so the figures are for this disk).
+    #[arg(long)]
+    dir: Option<std::path::PathBuf>,
+    /// Rows of each run.
+    #[arg(long, default_value_t = 1_000_000)]
+    rows: usize,
+    /// Rows per insert request.
+    #[arg(long, default_value_t = 50_000)]
+    rows_per_request: usize,
+    /// Insert requests in flight.
+    #[arg(long, default_value_t = 4)]
+    in_flight: usize,
+    /// Shards of the table (rows are split by the shard key).
+    #[arg(long, default_value_t = 1)]
+    shards: u32,
+}
+
+const TABLE: &str = r#"
+name = "bench"
+partition_by = { column = "ts", transform = "day" }
+shard_by = { column = "id", shards = SHARDS }
+[[columns]]
+name = "id"
+type = "Int64"
+[[columns]]
+name = "user_id"
+type = "Int64"
+[[columns]]
+name = "amount"
+type = "Float64"
+[[columns]]
+name = "ok"
+type = "Boolean"
+[[columns]]
+name = "name"
+type = "Utf8"
+[[columns]]
+name = "day"
+type = "Date"
+[[columns]]
+name = "ts"
+type = "Timestamp"
+[[columns]]
+name = "code"
+type = "Int32"
+[[columns]]
+name = "note"
+type = "Utf8"
+nullable = true
+[[columns]]
+name = "score"
+type = "Float64"
+nullable = true
+"#;
+
+/// Rows `start..start + n` of the benchmark table (10 columns).
+fn batch(def: &TableDef, start: usize, n: usize) -> anyhow::Result<RecordBatch> {
+    let ids: Vec<i64> = (start..start + n).map(|i| i as i64).collect();
+    let ts0 = 1_717_200_000_000_000i64; // 2024-06-01
+    Ok(RecordBatch::try_new(
+        def.arrow_schema(),
+        vec![
+            Arc::new(Int64Array::from(ids.clone())),
+            Arc::new(Int64Array::from_iter_values(ids.iter().map(|i| i % 10_007))),
+            Arc::new(Float64Array::from_iter_values(
+                ids.iter().map(|i| *i as f64 * 0.25),
+            )),
+            Arc::new(BooleanArray::from_iter(
+                ids.iter().map(|i| Some(i % 3 == 0)),
+            )),
+            Arc::new(StringArray::from_iter_values(
+                ids.iter().map(|i| format!("user-{}", i % 5000)),
+            )),
+            Arc::new(Date32Array::from_iter_values(
+                ids.iter().map(|i| 19_875 + (i % 30) as i32),
+            )),
+            Arc::new(
+                TimestampMicrosecondArray::from_iter_values(
+                    ids.iter().map(|i| ts0 + i * 1_000_003),
+                )
+                .with_timezone(ferry_table::def::UTC),
+            ),
+            Arc::new(Int32Array::from_iter_values(
+                ids.iter().map(|i| (i % 1000) as i32),
+            )),
+            Arc::new(StringArray::from_iter(
+                ids.iter()
+                    .map(|i| (i % 4 != 0).then(|| format!("note number {i}"))),
+            )),
+            Arc::new(Float64Array::from_iter(
+                ids.iter().map(|i| (i % 5 != 0).then_some(*i as f64 / 7.0)),
+            )),
+        ],
+    )?)
+}
+
+fn to_ndjson(batch: &RecordBatch) -> anyhow::Result<Bytes> {
+    let mut out = Vec::new();
+    {
+        let mut w = arrow::json::LineDelimitedWriter::new(&mut out);
+        w.write(batch)?;
+        w.finish()?;
+    }
+    Ok(Bytes::from(out))
+}
+
+fn mb_s(bytes: usize, d: Duration) -> f64 {
+    bytes as f64 / 1e6 / d.as_secs_f64().max(1e-9)
+}
+
+fn rows_s(rows: usize, d: Duration) -> f64 {
+    rows as f64 / d.as_secs_f64().max(1e-9)
+}
+
+/// Decodes every body with the plain Arrow reader (one thread), as the bound of
+/// the insert path's decoding.
+fn decode_alone(
+    schema: &arrow::datatypes::SchemaRef,
+    format: Format,
+    bodies: &[Bytes],
+) -> anyhow::Result<Duration> {
+    let start = Instant::now();
+    let mut rows = 0;
+    for b in bodies {
+        match format {
+            Format::Ndjson => {
+                let reader = arrow::json::ReaderBuilder::new(Arc::clone(schema))
+                    .with_batch_size(64 * 1024)
+                    .build(std::io::Cursor::new(b))?;
+                for batch in reader {
+                    rows += batch?.num_rows();
+                }
+            }
+            _ => {
+                for batch in
+                    arrow::ipc::reader::StreamReader::try_new(std::io::Cursor::new(b), None)?
+                {
+                    rows += batch?.num_rows();
+                }
+            }
+        }
+    }
+    anyhow::ensure!(rows > 0, "decoded nothing");
+    Ok(start.elapsed())
+}
+
+/// Sends every body as an insert, `in_flight` at a time; returns the wall time.
+async fn insert_all(
+    client: &ferry_client::Client,
+    format: Format,
+    bodies: &[Bytes],
+    in_flight: usize,
+) -> anyhow::Result<Duration> {
+    let start = Instant::now();
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let bodies = Arc::new(bodies.to_vec());
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..in_flight.max(1) {
+        let (client, next, bodies) = (client.clone(), Arc::clone(&next), Arc::clone(&bodies));
+        tasks.spawn(async move {
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(body) = bodies.get(i) else {
+                    return Ok(());
+                };
+                client
+                    .insert_body(
+                        "bench",
+                        format,
+                        body.clone(),
+                        Some(&format!("{format:?}-{i}")),
+                    )
+                    .await?;
+            }
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r.context("insert task")?
+            .map_err(|e: ferry_client::ClientError| anyhow::anyhow!(e))?;
+    }
+    Ok(start.elapsed())
+}
+
+/// Appends raw insert records carrying `payloads`, `in_flight` at a time: the
+/// WAL quorum's throughput for the same bytes, without HTTP or decoding.
+async fn wal_alone(
+    writer: &Arc<ferry_writer::driver::Writer>,
+    payloads: &[Bytes],
+    in_flight: usize,
+) -> anyhow::Result<Duration> {
+    let start = Instant::now();
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let payloads = Arc::new(payloads.to_vec());
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..in_flight.max(1) {
+        let (w, next, payloads) = (Arc::clone(writer), Arc::clone(&next), Arc::clone(&payloads));
+        tasks.spawn(async move {
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(p) = payloads.get(i) else {
+                    return Ok(());
+                };
+                w.insert(vec![ferry_writer::driver::Insert {
+                    table_id: 99,
+                    shard: 0,
+                    idempotency_key: Bytes::new(),
+                    arrow_ipc: p.clone(),
+                }])
+                .await?;
+            }
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r.context("append task")?
+            .map_err(|e: ferry_writer::driver::WriterError| anyhow::anyhow!(e))?;
+    }
+    Ok(start.elapsed())
+}
+
+pub async fn ingest(args: IngestBenchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        args.rows > 0 && args.rows_per_request > 0,
+        "--rows and --rows-per-request must be positive"
+    );
+    let def = TableDef::from_toml(&TABLE.replace("SHARDS", &args.shards.to_string()))?;
+    let schema = def.arrow_schema();
+    say!("generating {} rows of 10 columns...", args.rows);
+    let mut ndjson = Vec::new();
+    let mut ipc = Vec::new();
+    let mut start = 0;
+    while start < args.rows {
+        let n = args.rows_per_request.min(args.rows - start);
+        let b = batch(&def, start, n)?;
+        ndjson.push(to_ndjson(&b)?);
+        ipc.push(ferry_table::rows::to_ipc(&b)?);
+        start += n;
+    }
+    let ndjson_bytes: usize = ndjson.iter().map(Bytes::len).sum();
+    let ipc_bytes: usize = ipc.iter().map(Bytes::len).sum();
+
+    // The bounds, alone, on the same bytes.
+    let json_alone = decode_alone(&schema, Format::Ndjson, &ndjson)?;
+    let ipc_alone = decode_alone(&schema, Format::Arrow, &ipc)?;
+
+    // A fresh node: embedded coordination, three safekeepers, the API on loopback.
+    let root = match &args.dir {
+        Some(d) => tempfile::Builder::new()
+            .prefix("ferry-bench-ingest-")
+            .tempdir_in(d)?,
+        None => tempfile::Builder::new()
+            .prefix("ferry-bench-ingest-")
+            .tempdir_in(".")?,
+    };
+    let disk = Arc::new(ferry_env::RealDisk::open_root(root.path())?);
+    let store =
+        ferry_coord::embedded::EmbeddedStore::open(disk, "coord", Default::default()).await?;
+    let sessions = Arc::new(ferry_coord::EmbeddedSessions {
+        store: store.clone(),
+        timeout: Duration::from_secs(10),
+        metrics: Default::default(),
+    });
+    let quorum = crate::bench::fresh_quorum(root.path(), "wal", 3, true).await?;
+    let catalog = ferry_ingest::Catalog::open(sessions).await?;
+    let mut registry = prometheus_client::registry::Registry::default();
+    let api = ferry_ingest::Api::new(
+        catalog,
+        Arc::clone(&quorum.writer) as Arc<dyn ferry_ingest::InsertSink>,
+        ferry_env::Cpu::BlockingPool,
+        ferry_ingest::ApiLimits {
+            max_body_bytes: 1 << 30,
+            max_rows: usize::MAX,
+            ..Default::default()
+        },
+        ferry_ingest::IngestMetrics::register(&mut registry),
+    );
+    let listener = crate::http::bind("127.0.0.1:0").await?;
+    let server = crate::http::serve(listener, ferry_ingest::api::router(api), None)?;
+    let client = ferry_client::Client::new(
+        &format!("http://{}", server.addr),
+        None,
+        Duration::from_secs(300),
+    )?;
+    client.create_table(&def).await?;
+
+    // Warm up (page cache, connections), then measure.
+    insert_all(&client, Format::Arrow, &ipc[..1.min(ipc.len())], 1).await?;
+    let json_e2e = insert_all(&client, Format::Ndjson, &ndjson, args.in_flight).await?;
+    let ipc_e2e = insert_all(&client, Format::Arrow, &ipc, args.in_flight).await?;
+    let wal = wal_alone(&quorum.writer, &ipc, args.in_flight).await?;
+    server.stop().await;
+    crate::bench::stop_quorum(quorum).await?;
+    store.shutdown().await;
+
+    let rows = args.rows;
+    say!(
+        "ingest, {rows} rows x 10 columns, {} rows per request, {} in flight, {} shard(s); NDJSON {:.1} MB, Arrow IPC {:.1} MB",
+        args.rows_per_request,
+        args.in_flight,
+        args.shards,
+        ndjson_bytes as f64 / 1e6,
+        ipc_bytes as f64 / 1e6
+    );
+    say!("| path | time | rows/s | MB/s of its body |");
+    say!("|---|---|---|---|");
+    for (name, d, bytes) in [
+        (
+            "NDJSON through HTTP into committed WAL",
+            json_e2e,
+            ndjson_bytes,
+        ),
+        (
+            "arrow-json decode alone (1 thread)",
+            json_alone,
+            ndjson_bytes,
+        ),
+        (
+            "Arrow IPC through HTTP into committed WAL",
+            ipc_e2e,
+            ipc_bytes,
+        ),
+        ("arrow-ipc decode alone (1 thread)", ipc_alone, ipc_bytes),
+        (
+            "WAL quorum alone, same IPC bytes as records",
+            wal,
+            ipc_bytes,
+        ),
+    ] {
+        say!(
+            "| {name} | {:.3} s | {:.0} | {:.1} |",
+            d.as_secs_f64(),
+            rows_s(rows, d),
+            mb_s(bytes, d)
+        );
+    }
+    let json_ratio = json_alone.as_secs_f64() / json_e2e.as_secs_f64();
+    let ipc_ratio = wal.as_secs_f64() / ipc_e2e.as_secs_f64();
+    say!(
+        "NDJSON end to end = {:.0}% of arrow-json's decode rate (goal at least 60%)",
+        json_ratio * 100.0
+    );
+    say!(
+        "Arrow IPC end to end = {:.0}% of the WAL quorum's throughput for the same bytes (goal at least 70%)",
+        ipc_ratio * 100.0
+    );
+    Ok(())
+}
