@@ -89,6 +89,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         Some(crate::default_data_dir()),
     )?;
     let http_listener = crate::http::bind(&args.http).await?;
+    let token = args.api.token()?;
 
     let data_dir = crate::paths::absolute(&data_dir)?;
     let _lock = crate::lockfile::lock_dir(&data_dir)?;
@@ -227,7 +228,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     };
     let router =
         ferry_ingest::api::router(api).merge(crate::http::node_routes(status, Arc::new(metrics)));
-    let server = crate::http::serve(http_listener, router, args.api.token()?)?;
+    let server = crate::http::serve(http_listener, router, token)?;
     let http = server.addr.clone();
 
     let down: Vec<String> = quorum

@@ -20,10 +20,9 @@ use arrow::datatypes::Int64Type;
 use bytes::Bytes;
 use common::*;
 use ferry_client::{Client, ClientError};
-use ferry_env::Network;
 use ferry_table::{Format, TableDef};
-use ferry_wal::proto::{self, FromSafekeeper, ToSafekeeper};
-use ferry_wal::record::{self, Record};
+use ferry_wal::proto::{self, ToSafekeeper};
+use ferry_wal::record::Record;
 use ferry_wal::Lsn;
 
 const TABLE: &str = r#"
@@ -162,62 +161,31 @@ struct Committed {
 /// Every insert record of the committed WAL up to `end`, read through a
 /// safekeeper's walsender.
 async fn committed_inserts(safekeeper: &str, end: Lsn) -> Vec<Committed> {
-    let mut conn = ferry_env::TcpNetwork
-        .connect(safekeeper)
-        .await
-        .expect("connect to a safekeeper");
-    proto::write_frame(
-        &mut conn,
-        &ToSafekeeper::StartReplication {
-            shard_number: 0,
-            start_lsn: Lsn(0),
-        },
-    )
-    .await
-    .expect("start replication");
-    let mut wal = Vec::new();
-    while (wal.len() as u64) < end.0 {
-        let msg: FromSafekeeper =
-            tokio::time::timeout(Duration::from_secs(20), proto::read_frame(&mut conn))
-                .await
-                .expect("WAL in time")
-                .expect("frame")
-                .expect("open");
-        if let FromSafekeeper::Wal {
-            begin_lsn, wal: w, ..
-        } = msg
-        {
-            assert_eq!(begin_lsn, Lsn(wal.len() as u64));
-            wal.extend_from_slice(&w);
-        }
-    }
-    let wal = Bytes::from(wal);
-    let mut out = Vec::new();
-    let mut at = 0;
-    while at < end.0 as usize {
-        let (rec, len) = record::decode(&wal.slice(at..)).expect("whole records");
-        if let Record::Insert {
-            table_id,
-            shard,
-            block_number,
-            idempotency_key,
-            arrow_ipc,
-        } = rec
-        {
-            let mut batches = ferry_table::rows::from_ipc(&arrow_ipc).expect("Arrow IPC rows");
-            assert_eq!(batches.len(), 1, "one batch per record");
-            out.push(Committed {
-                lsn: at as u64,
+    let wal = read_committed_wal(safekeeper, end).await;
+    records_of(&wal)
+        .into_iter()
+        .filter_map(|(lsn, rec)| match rec {
+            Record::Insert {
                 table_id,
                 shard,
                 block_number,
-                key: idempotency_key,
-                rows: batches.remove(0),
-            });
-        }
-        at += len;
-    }
-    out
+                idempotency_key,
+                arrow_ipc,
+            } => {
+                let mut batches = ferry_table::rows::from_ipc(&arrow_ipc).expect("Arrow IPC rows");
+                assert_eq!(batches.len(), 1, "one batch per record");
+                Some(Committed {
+                    lsn,
+                    table_id,
+                    shard,
+                    block_number,
+                    key: idempotency_key,
+                    rows: batches.remove(0),
+                })
+            }
+            _ => None,
+        })
+        .collect()
 }
 
 fn commit_lsn(url: &str) -> Lsn {
@@ -587,10 +555,12 @@ fn a_writer_takeover_never_answers_success_for_an_uncommitted_insert() {
     let c = client(&url, None);
     rt.block_on(c.create_table(&def())).expect("create table");
 
+    let answered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let results = rt.block_on(async {
         let mut tasks = tokio::task::JoinSet::new();
         for task in 0..8i64 {
             let c = c.clone();
+            let answered = Arc::clone(&answered);
             tasks.spawn(async move {
                 let mut acked = Vec::new();
                 let mut unknown = 0usize;
@@ -604,6 +574,7 @@ fn a_writer_takeover_never_answers_success_for_an_uncommitted_insert() {
                         {
                             Ok(inserted) => {
                                 acked.push((key.clone(), inserted));
+                                answered.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                                 break;
                             }
                             Err(e) if e.retryable() => {
@@ -617,10 +588,14 @@ fn a_writer_takeover_never_answers_success_for_an_uncommitted_insert() {
                 (acked, unknown)
             });
         }
-        // Takeovers: a higher term on one safekeeper after another ends the
+        // Takeovers while inserts run (after 50, 100 and 150 of the 200 were
+        // answered): a higher term on one safekeeper after another ends the
         // writer's term; ferry dev elects it again above.
         for (round, term) in [(0usize, 1_000u64), (1, 2_000), (2, 3_000)] {
-            tokio::time::sleep(Duration::from_millis(150)).await;
+            let after = 50 * (round + 1);
+            while answered.load(std::sync::atomic::Ordering::SeqCst) < after {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
             let frame = proto::encode_frame(&ToSafekeeper::VoteRequest { term }).expect("encode");
             let mut conn =
                 std::net::TcpStream::connect(&addrs[round % addrs.len()]).expect("connect");
@@ -658,12 +633,23 @@ fn a_writer_takeover_never_answers_success_for_an_uncommitted_insert() {
             "{key}"
         );
     }
-    let status: serde_json::Value =
-        serde_json::from_str(&http_get(&format!("{url}/status"))).expect("status");
-    assert!(
-        status["writer"]["term"].as_u64().expect("term") > 3_000,
-        "the takeovers happened: {status}"
-    );
+    // The last takeover happened while inserts still ran; the writer is
+    // elected again above it (at the latest a few election rounds later).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let status: serde_json::Value =
+            serde_json::from_str(&http_get(&format!("{url}/status"))).expect("status");
+        if status["writer"]["term"].as_u64().expect("term") > 3_000
+            && status["writer"]["elected"] == true
+        {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not elected again: {status}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     eprintln!("{unknown} answers were 503 (outcome unknown) and retried with their key");
     interrupt(&child);
     assert_clean_exit(&mut child, &data);
@@ -794,6 +780,20 @@ fn a_configuration_file_applies_under_the_flags() {
         &[],
     );
     assert!(err.contains("max_rowz"), "{err}");
+    assert!(!data.exists(), "nothing was created");
+    let err = expect_failure(
+        &[
+            "dev".as_ref(),
+            "--api-token".as_ref(),
+            "short".as_ref(),
+            "--http".as_ref(),
+            "127.0.0.1:0".as_ref(),
+            "--data-dir".as_ref(),
+            data.as_os_str(),
+        ],
+        &[],
+    );
+    assert!(err.contains("at least 16"), "{err}");
     assert!(!data.exists(), "nothing was created");
 
     // The file says one row per insert and an HTTP address that is not free;

@@ -11,7 +11,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use ferry_env::{Network, TcpNetwork};
 use ferry_wal::proto::{self, FromSafekeeper, ToSafekeeper};
-use ferry_wal::record::{self, Record};
+use ferry_wal::record::Record;
 use ferry_wal::Lsn;
 use ferry_writer::driver::{encode_records, Writer, WriterConfig};
 use ferry_writer::proposer::ProposerConfig;
@@ -38,39 +38,14 @@ fn insert(block: u64) -> Bytes {
 
 /// Every insert block number in the committed WAL of the safekeeper at `addr`.
 async fn committed_blocks(addr: &str, end: Lsn) -> Vec<u64> {
-    let mut conn = TcpNetwork.connect(addr).await.expect("connect");
-    proto::write_frame(
-        &mut conn,
-        &ToSafekeeper::StartReplication {
-            shard_number: 0,
-            start_lsn: Lsn(0),
-        },
-    )
-    .await
-    .expect("start");
-    let mut wal = Vec::new();
-    while (wal.len() as u64) < end.0 {
-        let msg: FromSafekeeper =
-            tokio::time::timeout(Duration::from_secs(20), proto::read_frame(&mut conn))
-                .await
-                .expect("in time")
-                .expect("frame")
-                .expect("open");
-        if let FromSafekeeper::Wal { wal: chunk, .. } = msg {
-            wal.extend_from_slice(&chunk);
-        }
-    }
-    let wal = Bytes::from(wal);
-    let mut blocks = Vec::new();
-    let mut at = 0;
-    while at < wal.len() {
-        let (rec, len) = record::decode(&wal.slice(at..)).expect("record");
-        if let Record::Insert { block_number, .. } = rec {
-            blocks.push(block_number);
-        }
-        at += len;
-    }
-    blocks
+    let wal = common::read_committed_wal(addr, end).await;
+    common::records_of(&wal)
+        .into_iter()
+        .filter_map(|(_, rec)| match rec {
+            Record::Insert { block_number, .. } => Some(block_number),
+            _ => None,
+        })
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

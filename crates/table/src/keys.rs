@@ -77,25 +77,18 @@ pub fn for_each_partition_id(
     let transform = def.partition_by.transform;
     let mut text = String::new();
     match column.data_type() {
-        DataType::Int32 => {
-            for (i, v) in column
-                .as_primitive::<Int32Type>()
-                .values()
-                .iter()
-                .enumerate()
-            {
-                text.clear();
-                text += &v.to_string();
-                f(i, &text);
-            }
-        }
-        DataType::Int64 => {
-            for (i, v) in column
-                .as_primitive::<Int64Type>()
-                .values()
-                .iter()
-                .enumerate()
-            {
+        DataType::Int32 | DataType::Int64 => {
+            let values: Box<dyn Iterator<Item = i64>> = match column.data_type() {
+                DataType::Int32 => Box::new(
+                    column
+                        .as_primitive::<Int32Type>()
+                        .values()
+                        .iter()
+                        .map(|&v| i64::from(v)),
+                ),
+                _ => Box::new(column.as_primitive::<Int64Type>().values().iter().copied()),
+            };
+            for (i, v) in values.enumerate() {
                 text.clear();
                 text += &v.to_string();
                 f(i, &text);

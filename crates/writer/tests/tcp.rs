@@ -155,42 +155,10 @@ async fn writes_commit_survive_failures_and_stream_to_replicas() {
     nodes[2].start().await;
 
     // A walsender streams committed WAL from the start; its feedback reaches the writer.
-    let mut conn = TcpNetwork.connect(&nodes[2].addr).await.expect("connect");
-    proto::write_frame(
-        &mut conn,
-        &ToSafekeeper::StartReplication {
-            shard_number: 4,
-            start_lsn: Lsn(0),
-        },
-    )
-    .await
-    .expect("start replication");
-    let mut received = Vec::new();
-    while (received.len() as u64) < end.0 {
-        let msg: FromSafekeeper = tokio::time::timeout(SOON, proto::read_frame(&mut conn))
-            .await
-            .expect("WAL in time")
-            .expect("frame")
-            .expect("open");
-        match msg {
-            FromSafekeeper::Wal {
-                begin_lsn,
-                commit_lsn,
-                wal,
-            } => {
-                assert_eq!(begin_lsn, Lsn(received.len() as u64));
-                assert!(
-                    Lsn(begin_lsn.0 + wal.len() as u64) <= commit_lsn,
-                    "only committed WAL"
-                );
-                received.extend_from_slice(&wal);
-            }
-            FromSafekeeper::Keepalive { .. } => {}
-            other => panic!("unexpected {other:?}"),
-        }
-    }
+    let mut conn = start_replication(&nodes[2].addr, 4).await;
+    let received = receive_until(&mut conn, end).await;
     let mut blocks = Vec::new();
-    let bytes = Bytes::from(received);
+    let bytes = received;
     let mut at = 0;
     while at < bytes.len() {
         let (rec, len) = record::decode(&bytes.slice(at..)).expect("whole records");
@@ -383,29 +351,53 @@ async fn inserts_are_numbered_by_their_start_lsn() {
     }
 }
 
-/// The committed WAL from the start up to `end`, as a walsender of `addr` streams it.
-async fn read_committed(addr: &str, end: Lsn) -> Bytes {
+/// A walsender connection of `addr` for shard `shard`, from LSN 0.
+async fn start_replication(addr: &str, shard: u32) -> ferry_env::BoxConnection {
     let mut conn = TcpNetwork.connect(addr).await.expect("connect");
     proto::write_frame(
         &mut conn,
         &ToSafekeeper::StartReplication {
-            shard_number: 0,
+            shard_number: shard,
             start_lsn: Lsn(0),
         },
     )
     .await
     .expect("start replication");
+    conn
+}
+
+/// WAL received on `conn` up to `end`: every frame continues the stream and
+/// carries only committed WAL.
+async fn receive_until(conn: &mut ferry_env::BoxConnection, end: Lsn) -> Bytes {
     let mut received = Vec::new();
     while (received.len() as u64) < end.0 {
-        let msg: FromSafekeeper = tokio::time::timeout(SOON, proto::read_frame(&mut conn))
+        let msg: FromSafekeeper = tokio::time::timeout(SOON, proto::read_frame(conn))
             .await
             .expect("WAL in time")
             .expect("frame")
             .expect("open");
-        if let FromSafekeeper::Wal { begin_lsn, wal, .. } = msg {
-            assert_eq!(begin_lsn, Lsn(received.len() as u64));
-            received.extend_from_slice(&wal);
+        match msg {
+            FromSafekeeper::Wal {
+                begin_lsn,
+                commit_lsn,
+                wal,
+            } => {
+                assert_eq!(begin_lsn, Lsn(received.len() as u64));
+                assert!(
+                    Lsn(begin_lsn.0 + wal.len() as u64) <= commit_lsn,
+                    "only committed WAL"
+                );
+                received.extend_from_slice(&wal);
+            }
+            FromSafekeeper::Keepalive { .. } => {}
+            other => panic!("unexpected {other:?}"),
         }
     }
     Bytes::from(received)
+}
+
+/// The committed WAL from the start up to `end`, as a walsender of `addr` streams it.
+async fn read_committed(addr: &str, end: Lsn) -> Bytes {
+    let mut conn = start_replication(addr, 0).await;
+    receive_until(&mut conn, end).await
 }

@@ -232,3 +232,64 @@ pub fn zk_address() -> Option<String> {
         }
     }
 }
+
+/// The committed WAL from LSN 0 up to `end`, as the walsender of the safekeeper
+/// at `addr` streams it: every frame must continue the stream and stay within
+/// the commit_lsn it announces.
+pub async fn read_committed_wal(addr: &str, end: ferry_wal::Lsn) -> bytes::Bytes {
+    use ferry_env::Network as _;
+    use ferry_wal::proto::{self, FromSafekeeper, ToSafekeeper};
+    use ferry_wal::Lsn;
+    let mut conn = ferry_env::TcpNetwork
+        .connect(addr)
+        .await
+        .expect("connect to a safekeeper");
+    proto::write_frame(
+        &mut conn,
+        &ToSafekeeper::StartReplication {
+            shard_number: 0,
+            start_lsn: Lsn(0),
+        },
+    )
+    .await
+    .expect("start replication");
+    let mut wal = Vec::new();
+    while (wal.len() as u64) < end.0 {
+        let msg: FromSafekeeper =
+            tokio::time::timeout(Duration::from_secs(20), proto::read_frame(&mut conn))
+                .await
+                .expect("WAL in time")
+                .expect("frame")
+                .expect("open");
+        if let FromSafekeeper::Wal {
+            begin_lsn,
+            commit_lsn,
+            wal: chunk,
+        } = msg
+        {
+            assert_eq!(
+                begin_lsn,
+                Lsn(wal.len() as u64),
+                "frames continue the stream"
+            );
+            assert!(
+                begin_lsn.0 + chunk.len() as u64 <= commit_lsn.0,
+                "only committed WAL"
+            );
+            wal.extend_from_slice(&chunk);
+        }
+    }
+    bytes::Bytes::from(wal)
+}
+
+/// Every record of `wal` (which starts at LSN 0), with the LSN it starts at.
+pub fn records_of(wal: &bytes::Bytes) -> Vec<(u64, ferry_wal::record::Record)> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at < wal.len() {
+        let (rec, len) = ferry_wal::record::decode(&wal.slice(at..)).expect("whole records");
+        out.push((at as u64, rec));
+        at += len;
+    }
+    out
+}
