@@ -1,0 +1,105 @@
+//! The table catalog on the embedded store: creating twice, conflicts, ids never
+//! reused, drops refused while a holder is registered, and a new session after
+//! the old one expired.
+
+#![allow(clippy::disallowed_methods, clippy::disallowed_types)] // a real temp dir
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_coord::embedded::EmbeddedStore;
+use ferry_coord::EmbeddedSessions;
+use ferry_ingest::{Catalog, CatalogError};
+use ferry_table::TableDef;
+
+fn def(shards: u32) -> TableDef {
+    TableDef::from_toml(&format!(
+        r#"name = "t"
+partition_by = {{ column = "d", transform = "month" }}
+shard_by = {{ column = "id", shards = {shards} }}
+[[columns]]
+name = "id"
+type = "Int64"
+[[columns]]
+name = "d"
+type = "Date"
+"#
+    ))
+    .expect("table")
+}
+
+async fn catalog(dir: &std::path::Path) -> (EmbeddedStore, Catalog) {
+    let disk = Arc::new(ferry_env::RealDisk::open_root(dir).expect("disk"));
+    let store = EmbeddedStore::open(disk, "coord", Default::default())
+        .await
+        .expect("store");
+    let sessions = Arc::new(EmbeddedSessions {
+        store: store.clone(),
+        timeout: Duration::from_secs(10),
+        metrics: Default::default(),
+    });
+    let catalog = Catalog::open(sessions).await.expect("catalog");
+    (store, catalog)
+}
+
+#[tokio::test]
+async fn tables_are_created_once_held_and_dropped() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, catalog) = catalog(dir.path()).await;
+    let (t, created) = catalog.create(&def(2)).await.expect("create");
+    assert!(created);
+    assert_eq!(t.id, 1);
+    let (again, created) = catalog.create(&def(2)).await.expect("same definition");
+    assert!(!created);
+    assert_eq!(again, t);
+    assert!(matches!(
+        catalog.create(&def(3)).await,
+        Err(CatalogError::Conflict { id: 1, .. })
+    ));
+    assert!(matches!(
+        catalog.get("../x").await,
+        Err(CatalogError::InvalidName(_))
+    ));
+
+    // A holder keeps the table; released, it can be dropped.
+    catalog.hold("t", "replica-0-0", false).await.expect("hold");
+    match catalog.drop_table("t").await {
+        Err(CatalogError::InUse { holders, .. }) => assert_eq!(holders, ["replica-0-0"]),
+        other => panic!("drop of a held table: {other:?}"),
+    }
+    assert_eq!(catalog.list().await.expect("list").len(), 1);
+    catalog.release("t", "replica-0-0").await.expect("release");
+    assert_eq!(catalog.drop_table("t").await.expect("drop").id, 1);
+    assert!(catalog.get("t").await.expect("get").is_none());
+    assert!(matches!(
+        catalog.drop_table("t").await,
+        Err(CatalogError::NoSuchTable(_))
+    ));
+
+    // A new table of the same name gets a new id: records of the old one can
+    // never be read as its rows.
+    let (t2, _) = catalog.create(&def(2)).await.expect("create again");
+    assert_eq!(t2.id, 2);
+
+    // The catalog outlives its session.
+    let session = catalog.session().await.expect("session");
+    assert!(store
+        .expire_session(session.session_id())
+        .await
+        .expect("expire"));
+    let mut state = session.session_state();
+    state
+        .wait_for(|s| s.is_terminal())
+        .await
+        .expect("session ends");
+    assert_eq!(
+        catalog.list().await.expect("list on a new session").len(),
+        1
+    );
+    assert_ne!(
+        catalog.session().await.expect("session").session_id(),
+        session.session_id()
+    );
+    catalog.close().await;
+    store.shutdown().await;
+}
