@@ -541,7 +541,11 @@ fn conform(
 /// The rows of each shard touched, in shard order, as one batch per shard.
 pub fn split_by_shard(def: &TableDef, rows: &Rows) -> Result<Vec<(u32, RecordBatch)>, ArrowError> {
     let schema = def.arrow_schema();
-    let all = arrow::compute::concat_batches(&schema, &rows.batches)?;
+    // One batch (an Arrow or small body) needs no copy.
+    let all = match rows.batches.as_slice() {
+        [one] => one.clone(),
+        many => arrow::compute::concat_batches(&schema, many)?,
+    };
     if all.num_rows() == 0 {
         return Ok(Vec::new());
     }
