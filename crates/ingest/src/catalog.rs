@@ -46,6 +46,16 @@ pub enum CatalogError {
     Coord(#[from] CoordError),
 }
 
+/// What a table id names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TableById {
+    Known(Table),
+    /// The id was handed out, but its table is gone.
+    Dropped,
+    /// No table ever had this id.
+    Unknown,
+}
+
 /// The catalog. It holds a coordination session and opens a new one of the same
 /// back-end when that one has expired (or was closed), so that a node outlives
 /// a session expiry; a request caught by the expiry fails once (503), and the
@@ -110,7 +120,7 @@ impl Catalog {
             let id = match session
                 .create(
                     &format!("{TABLE_IDS}/id-"),
-                    b"",
+                    def.name.as_bytes(),
                     CreateMode::PersistentSequential,
                 )
                 .await
@@ -173,6 +183,32 @@ impl Catalog {
             }
             Err(CoordError::NoNode { .. }) => Ok(None),
             Err(e) => Err(e.into()),
+        }
+    }
+
+    /// The table with id `id`, as WAL records name it: known, dropped (its id
+    /// was handed out, the table is gone or the name now belongs to a newer
+    /// table), or never handed out at all.
+    pub async fn by_id(&self, id: u64) -> Result<TableById, CatalogError> {
+        if id == 0 {
+            return Ok(TableById::Unknown);
+        }
+        let path = format!("{TABLE_IDS}/id-{:010}", id - 1);
+        let name = match self.session().await?.get(&path).await {
+            Ok((data, _)) => String::from_utf8(data).map_err(|_| CatalogError::Damaged {
+                path: path.clone(),
+                detail: "not a table name".into(),
+            })?,
+            Err(CoordError::NoNode { .. }) => return Ok(TableById::Unknown),
+            Err(e) => return Err(e.into()),
+        };
+        if name.is_empty() {
+            // Handed out by a creation that did not finish: no record names it.
+            return Ok(TableById::Dropped);
+        }
+        match self.get(&name).await? {
+            Some(t) if t.id == id => Ok(TableById::Known(t)),
+            _ => Ok(TableById::Dropped),
         }
     }
 

@@ -10,5 +10,5 @@ pub mod catalog;
 pub mod metrics;
 
 pub use api::{Api, ApiLimits, ApiToken, InsertResponse, InsertSink};
-pub use catalog::{Catalog, CatalogError};
+pub use catalog::{Catalog, CatalogError, TableById};
 pub use metrics::IngestMetrics;

@@ -80,6 +80,14 @@ async fn tables_are_created_once_held_and_dropped() {
     // never be read as its rows.
     let (t2, _) = catalog.create(&def(2)).await.expect("create again");
     assert_eq!(t2.id, 2);
+    use ferry_ingest::TableById;
+    assert_eq!(
+        catalog.by_id(2).await.expect("by id"),
+        TableById::Known(t2.clone())
+    );
+    assert_eq!(catalog.by_id(1).await.expect("by id"), TableById::Dropped);
+    assert_eq!(catalog.by_id(3).await.expect("by id"), TableById::Unknown);
+    assert_eq!(catalog.by_id(0).await.expect("by id"), TableById::Unknown);
 
     // The catalog outlives its session.
     let session = catalog.session().await.expect("session");
