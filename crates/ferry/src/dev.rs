@@ -40,6 +40,9 @@ pub struct DevArgs {
     api: crate::api::ApiArgs,
 }
 
+/// Replicas that `ferry dev` runs; each holds every shard of every table.
+const DEV_REPLICAS: u32 = 2;
+
 /// Most safekeepers of one local quorum.
 pub const MAX_SAFEKEEPERS: u64 = 15;
 
@@ -206,6 +209,41 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
             out
         })
     });
+    // Replicas holding every shard of every table, streaming from the safekeepers.
+    let replica_disk: Arc<dyn ferry_env::Disk> = Arc::new(
+        RealDisk::open_root(&data_dir)
+            .with_context(|| format!("opening the data dir {}", data_dir.display()))?,
+    );
+    let tables: Arc<dyn ferry_replica::Tables> =
+        Arc::new(crate::reads::CatalogTables(catalog.clone()));
+    let safekeeper_addrs: Vec<String> = quorum.servers().map(|s| s.addr().to_string()).collect();
+    let mut replicas = Vec::new();
+    let mut replica_tasks = Vec::new();
+    for r in 0..DEV_REPLICAS {
+        let dir = format!("replicas/r{r}");
+        let replica = ferry_replica::Replica::open(
+            Arc::clone(&replica_disk),
+            &dir,
+            ferry_replica::ALL_SHARDS,
+            r,
+            ferry_env::Cpu::BlockingPool,
+            Arc::clone(&tables),
+        )
+        .await
+        .with_context(|| format!("opening replica {}", data_dir.join(&dir).display()))?;
+        let shared: ferry_replica::SharedReplica = Arc::new(tokio::sync::Mutex::new(replica));
+        replica_tasks.push(tokio::spawn(ferry_replica::stream::run(
+            Arc::clone(&shared),
+            Arc::new(ferry_env::TcpNetwork),
+            Arc::new(ferry_env::SystemClock),
+            ferry_replica::StreamConfig::new(safekeeper_addrs.clone()),
+        )));
+        replicas.push(shared);
+    }
+    let reads = Arc::new(crate::reads::Reads {
+        catalog: catalog.clone(),
+        replicas: replicas.clone(),
+    });
     let api = ferry_ingest::Api::new(
         catalog,
         Arc::clone(&quorum.writer) as Arc<dyn ferry_ingest::InsertSink>,
@@ -214,20 +252,28 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         ingest_metrics,
     );
     let status_quorum = Arc::clone(&quorum);
+    let status_replicas = replicas.clone();
     let cluster_id = record.cluster_id.clone();
     let status = move || {
         let q = Arc::clone(&status_quorum);
+        let rs = status_replicas.clone();
         let cluster_id = cluster_id.clone();
         async move {
+            let mut replicas = Vec::new();
+            for r in &rs {
+                replicas.push(r.lock().await.subscribe().borrow().clone());
+            }
             serde_json::json!({
                 "cluster_id": cluster_id,
                 "writer": q.writer.status(),
                 "safekeepers": q.member_status().await,
+                "replicas": replicas,
             })
         }
     };
-    let router =
-        ferry_ingest::api::router(api).merge(crate::http::node_routes(status, Arc::new(metrics)));
+    let router = ferry_ingest::api::router(api)
+        .merge(crate::reads::router(reads))
+        .merge(crate::http::node_routes(status, Arc::new(metrics)));
     let server = crate::http::serve(http_listener, router, token)?;
     let http = server.addr.clone();
 
@@ -255,12 +301,18 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         quorum.servers().map(|s| s.addr().to_string()).collect::<Vec<_>>().join(", "),
         quorum.writer.status().term,
     );
-    say!("tables and inserts on http://{http}/tables; replicas and partition export are not implemented yet; press Ctrl-C to stop");
+    say!("tables and inserts on http://{http}/tables, {DEV_REPLICAS} replicas holding every shard (GET /replicas); partition export is not implemented yet; press Ctrl-C to stop");
 
     let why = shutdown.recv().await;
     tracing::info!(signal = why, "stopping");
     // Inserts in progress finish (or time out) before the writer stops.
     server.stop().await;
+    // A replica is consistent at any instant: stopping its stream is safe.
+    for t in replica_tasks {
+        t.abort();
+        let _ = t.await;
+    }
+    drop(replicas);
     elections.abort();
     recorder.abort();
     let _ = recorder.await;

@@ -21,6 +21,7 @@ mod local;
 mod lockfile;
 mod metrics;
 mod paths;
+mod reads;
 mod roles;
 
 use std::io::IsTerminal;

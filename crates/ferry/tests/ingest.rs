@@ -302,6 +302,38 @@ fn tables_and_inserts_in_every_format_are_committed_row_for_row() {
         assert_eq!(rows_of(&mine), expected(*base), "{format:?}: rows as sent");
     }
 
+    // Both replicas applied every insert once, partitioned by month.
+    for replica in 0..2 {
+        let count: serde_json::Value = serde_json::from_str(&http_get(&format!(
+            "{url}/tables/events/count?replica={replica}&min_lsn={end}"
+        )))
+        .expect("count JSON");
+        assert_eq!(count["rows"], 8, "replica {replica}: {count}");
+        let partitions: serde_json::Value = serde_json::from_str(&http_get(&format!(
+            "{url}/tables/events/partitions?replica={replica}&min_lsn={end}"
+        )))
+        .expect("partitions JSON");
+        let ids: Vec<&str> = partitions
+            .as_array()
+            .expect("array")
+            .iter()
+            .map(|p| p["partition_id"].as_str().expect("id"))
+            .collect();
+        assert_eq!(ids, ["202401", "202403"], "{partitions}");
+    }
+    let p0 = http_get(&format!("{url}/tables/events/partitions?replica=0"));
+    let p1 = http_get(&format!("{url}/tables/events/partitions?replica=1"));
+    assert_eq!(
+        p0, p1,
+        "both replicas hold the same parts, names and checksums"
+    );
+    let march = http_get(&format!("{url}/tables/events/rows?partition=202403"));
+    assert_eq!(
+        march.lines().count(),
+        4,
+        "one March row per insert: {march}"
+    );
+
     // The metrics count what happened.
     let metrics = http_get(&format!("{url}/metrics"));
     for line in [
@@ -649,6 +681,20 @@ fn a_writer_takeover_never_answers_success_for_an_uncommitted_insert() {
             "not elected again: {status}"
         );
         std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut per_key: BTreeMap<(&[u8], u32), usize> = BTreeMap::new();
+    for r in &records {
+        *per_key.entry((&r.key[..], r.shard)).or_default() += 1;
+    }
+    let twice = per_key.values().filter(|n| **n > 1).count();
+    eprintln!("{twice} (key, shard) records are in the committed WAL more than once");
+    // Retried inserts were applied once: every replica holds 200 x 2 rows.
+    for replica in 0..2 {
+        let count: serde_json::Value = serde_json::from_str(&http_get(&format!(
+            "{url}/tables/events/count?replica={replica}&min_lsn={end}"
+        )))
+        .expect("count JSON");
+        assert_eq!(count["rows"], 400, "replica {replica}: {count}");
     }
     eprintln!("{unknown} answers were 503 (outcome unknown) and retried with their key");
     interrupt(&child);

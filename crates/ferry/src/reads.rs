@@ -1,0 +1,276 @@
+//! Replicas on a node: the catalog as the replicas' table source, and the read
+//! API over the replicas' parts:
+//!
+//! ```text
+//! GET /replicas                                      every replica's status
+//! GET /tables/{name}/partitions[?replica=R][&min_lsn=L][&wait_ms=W]
+//!                                                    partitions with their active parts
+//! GET /tables/{name}/count[?partition=P][&replica=R][&min_lsn=L][&wait_ms=W]
+//! GET /tables/{name}/rows?partition=P[&format=ndjson|arrow][&replica=R][&min_lsn=L]
+//! ```
+//!
+//! `min_lsn` makes a read wait (at most `wait_ms`, default 10 s; 504 past it)
+//! until the replica applied everything up to that LSN, e.g. an insert's
+//! `commit_lsn`: the read then sees that insert.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use axum::extract::{Path, Query, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use ferry_ingest::api::ApiError;
+use ferry_ingest::{Catalog, TableById};
+use ferry_replica::{PartMeta, SharedReplica, TableRef, Tables};
+use ferry_wal::Lsn;
+use serde::{Deserialize, Serialize};
+
+/// The catalog as replicas look tables up. Ids unknown to a possibly lagging
+/// coordination server are asked again a few times before they count as
+/// never created.
+pub struct CatalogTables(pub Catalog);
+
+#[async_trait]
+impl Tables for CatalogTables {
+    async fn by_id(&self, id: u64) -> Result<TableRef, String> {
+        for attempt in 0..5 {
+            match self.0.by_id(id).await.map_err(|e| e.to_string())? {
+                TableById::Known(t) => return Ok(TableRef::Known(t)),
+                TableById::Dropped => return Ok(TableRef::Dropped),
+                TableById::Unknown if attempt < 4 => {
+                    tokio::time::sleep(Duration::from_millis(200)).await
+                }
+                TableById::Unknown => return Ok(TableRef::Unknown),
+            }
+        }
+        Ok(TableRef::Unknown)
+    }
+}
+
+pub struct Reads {
+    pub catalog: Catalog,
+    pub replicas: Vec<SharedReplica>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ReadQuery {
+    replica: Option<usize>,
+    partition: Option<String>,
+    min_lsn: Option<String>,
+    wait_ms: Option<u64>,
+    format: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct Partition {
+    partition_id: String,
+    rows: u64,
+    bytes: u64,
+    parts: Vec<PartMeta>,
+}
+
+pub fn router(reads: Arc<Reads>) -> Router {
+    Router::new()
+        .route("/replicas", get(replicas))
+        .route("/tables/{name}/partitions", get(partitions))
+        .route("/tables/{name}/count", get(count))
+        .route("/tables/{name}/rows", get(rows))
+        .with_state(reads)
+}
+
+async fn replicas(State(reads): State<Arc<Reads>>) -> Json<Vec<ferry_replica::ReplicaStatus>> {
+    let mut out = Vec::new();
+    for r in &reads.replicas {
+        out.push(r.lock().await.subscribe().borrow().clone());
+    }
+    Json(out)
+}
+
+fn bad(message: impl Into<String>) -> ApiError {
+    ApiError::new(StatusCode::BAD_REQUEST, "bad_request", message)
+}
+
+/// The replica asked for, once it applied `min_lsn`.
+async fn replica_at(reads: &Reads, q: &ReadQuery) -> Result<SharedReplica, ApiError> {
+    let i = q.replica.unwrap_or(0);
+    let replica = reads.replicas.get(i).cloned().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "no_such_replica",
+            format!(
+                "no replica {i} on this node ({} replicas)",
+                reads.replicas.len()
+            ),
+        )
+    })?;
+    if let Some(min) = &q.min_lsn {
+        let min: Lsn = min
+            .parse()
+            .map_err(|e| bad(format!("min_lsn {min:?}: {e}")))?;
+        let wait = Duration::from_millis(q.wait_ms.unwrap_or(10_000).min(600_000));
+        let mut status = replica.lock().await.subscribe();
+        let reached = tokio::time::timeout(
+            wait,
+            status.wait_for(|s| s.disk_consistent_lsn >= min || s.error.is_some()),
+        )
+        .await
+        .map(|r| r.map(|s| s.error.clone()));
+        match reached {
+            Ok(Ok(None)) => {}
+            Ok(Ok(Some(error))) => {
+                return Err(ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "replica_stopped",
+                    format!("replica {i} stopped: {error}"),
+                ))
+            }
+            _ => {
+                let at = status.borrow().disk_consistent_lsn;
+                return Err(ApiError::new(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "not_applied_yet",
+                    format!("replica {i} applied up to {at}, not {min}, within {wait:?}"),
+                ));
+            }
+        }
+    }
+    Ok(replica)
+}
+
+async fn table_id(reads: &Reads, name: &str) -> Result<u64, ApiError> {
+    match reads.catalog.get(name).await? {
+        Some(t) => Ok(t.id),
+        None => Err(ferry_ingest::CatalogError::NoSuchTable(name.to_string()).into()),
+    }
+}
+
+fn by_partition(parts: Vec<PartMeta>) -> Vec<Partition> {
+    let mut map: BTreeMap<String, Partition> = BTreeMap::new();
+    for p in parts {
+        let e = map
+            .entry(p.name.partition_id.clone())
+            .or_insert_with(|| Partition {
+                partition_id: p.name.partition_id.clone(),
+                rows: 0,
+                bytes: 0,
+                parts: Vec::new(),
+            });
+        e.rows += p.rows;
+        e.bytes += p.bytes;
+        e.parts.push(p);
+    }
+    map.into_values().collect()
+}
+
+async fn partitions(
+    State(reads): State<Arc<Reads>>,
+    Path(name): Path<String>,
+    Query(q): Query<ReadQuery>,
+) -> Result<Json<Vec<Partition>>, ApiError> {
+    let id = table_id(&reads, &name).await?;
+    let replica = replica_at(&reads, &q).await?;
+    let parts = replica.lock().await.parts(id);
+    Ok(Json(by_partition(parts)))
+}
+
+async fn count(
+    State(reads): State<Arc<Reads>>,
+    Path(name): Path<String>,
+    Query(q): Query<ReadQuery>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let id = table_id(&reads, &name).await?;
+    let replica = replica_at(&reads, &q).await?;
+    let r = replica.lock().await;
+    let rows: u64 = r
+        .parts(id)
+        .iter()
+        .filter(|p| {
+            q.partition
+                .as_ref()
+                .is_none_or(|want| &p.name.partition_id == want)
+        })
+        .map(|p| p.rows)
+        .sum();
+    Ok(Json(serde_json::json!({
+        "table": name,
+        "partition": q.partition,
+        "rows": rows,
+        "disk_consistent_lsn": r.disk_consistent_lsn().to_string(),
+    })))
+}
+
+async fn rows(
+    State(reads): State<Arc<Reads>>,
+    Path(name): Path<String>,
+    Query(q): Query<ReadQuery>,
+) -> Result<Response, ApiError> {
+    let partition = q
+        .partition
+        .clone()
+        .ok_or_else(|| bad("?partition= is required"))?;
+    let id = table_id(&reads, &name).await?;
+    let replica = replica_at(&reads, &q).await?;
+    let (disk, paths) = {
+        let r = replica.lock().await;
+        let paths: Vec<(ferry_replica::PartName, String)> = r
+            .parts(id)
+            .into_iter()
+            .filter(|p| p.name.partition_id == partition)
+            .map(|p| {
+                let path = r.part_path(id, &p.name);
+                (p.name, path)
+            })
+            .collect();
+        (Arc::clone(r.disk()), paths)
+    };
+    let mut batches = Vec::new();
+    for (name, path) in paths {
+        // A part replaced meanwhile is still readable until it is removed.
+        let bytes = disk
+            .read(&path)
+            .await
+            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "io", e.to_string()))?;
+        let rows = ferry_env::Cpu::BlockingPool
+            .run(move || ferry_replica::part::read_rows(&name, bytes::Bytes::from(bytes)))
+            .await
+            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "part", e.to_string()))?;
+        batches.extend(rows);
+    }
+    let internal = |e: arrow::error::ArrowError| {
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "encode", e.to_string())
+    };
+    match q.format.as_deref().unwrap_or("ndjson") {
+        "ndjson" | "json" => {
+            let mut out = Vec::new();
+            {
+                let mut w = arrow::json::LineDelimitedWriter::new(&mut out);
+                for b in &batches {
+                    w.write(b).map_err(internal)?;
+                }
+                w.finish().map_err(internal)?;
+            }
+            Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], out).into_response())
+        }
+        "arrow" => {
+            let mut out = Vec::new();
+            if let Some(first) = batches.first() {
+                let mut w = arrow::ipc::writer::StreamWriter::try_new(&mut out, &first.schema())
+                    .map_err(internal)?;
+                for b in &batches {
+                    w.write(b).map_err(internal)?;
+                }
+                w.finish().map_err(internal)?;
+            }
+            Ok((
+                [(header::CONTENT_TYPE, "application/vnd.apache.arrow.stream")],
+                out,
+            )
+                .into_response())
+        }
+        other => Err(bad(format!("unknown format {other:?} (ndjson, arrow)"))),
+    }
+}

@@ -1,0 +1,531 @@
+//! One replica of one shard: applies committed insert records, in LSN order,
+//! as parts on its disk, and keeps `disk_consistent_lsn`.
+//!
+//! Layout under the replica's directory:
+//!
+//! ```text
+//! state                          JSON: disk_consistent_lsn, the idempotency window
+//! parts/<table_id>/<part>.parquet
+//! parts/<table_id>/<part>.parquet.tmp    a part being written (removed at start)
+//! ```
+//!
+//! Invariants:
+//! * **Parts first, then the position.** A part is written to a temporary
+//!   name, fsynced, renamed and its directory fsynced before the state file
+//!   (written atomically) moves `disk_consistent_lsn` past its record. A crash
+//!   at any instant leaves every part of a record below `disk_consistent_lsn`
+//!   in place, and at most the parts of records after it, which re-applying
+//!   finds already there (a part of the same name, or a part covering the
+//!   block) and does not write again: nothing lost, nothing twice.
+//! * **A function of the WAL alone.** Which records are applied (own shard,
+//!   known table, key not in the window), the parts they become (one per
+//!   partition, rows in record order) and their names depend only on the
+//!   committed WAL, so every replica of a shard holds the same parts.
+//! * **Idempotency window.** A record whose (table, key) is among the last
+//!   [`DEDUP_WINDOW`] keyed records of the shard applied before it is skipped.
+//! * **Hostile WAL stops the replica.** A record of a table id never handed
+//!   out, rows that do not decode or do not match the table's schema, or a
+//!   malformed record stop the replica with an error naming the LSN; it never
+//!   writes a part it cannot vouch for.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+
+use arrow::array::RecordBatch;
+use async_trait::async_trait;
+use bytes::Bytes;
+use ferry_env::{Cpu, Disk};
+use ferry_table::Table;
+use ferry_wal::record::{self, Record};
+use ferry_wal::Lsn;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use crate::part::{self, PartMeta, PartName};
+
+/// The shard number of a replica that applies every shard's records (`ferry
+/// dev`, whose replicas hold whole tables).
+pub const ALL_SHARDS: u32 = u32::MAX;
+
+/// Keyed inserts of a shard remembered for deduplication.
+pub const DEDUP_WINDOW: usize = 4096;
+
+/// What a table id in a WAL record names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TableRef {
+    Known(Table),
+    /// Handed out, but the table was dropped: its records are skipped.
+    Dropped,
+    /// Never handed out: the WAL is not ferry's, or the catalog is not this
+    /// cluster's.
+    Unknown,
+}
+
+/// Where a replica learns what a table id is (the catalog in coordination).
+#[async_trait]
+pub trait Tables: Send + Sync {
+    async fn by_id(&self, id: u64) -> Result<TableRef, String>;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReplicaError {
+    #[error("replica storage {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("replica state {path} is damaged: {detail}")]
+    Damaged { path: String, detail: String },
+    #[error("WAL record at {lsn}: {detail}; the replica stopped rather than write a wrong part")]
+    BadRecord { lsn: Lsn, detail: String },
+    #[error("looking up table {table_id} for the record at {lsn}: {detail}")]
+    Catalog {
+        table_id: u64,
+        lsn: Lsn,
+        detail: String,
+    },
+    #[error(transparent)]
+    Part(#[from] part::PartError),
+}
+
+fn io(path: &str) -> impl FnOnce(std::io::Error) -> ReplicaError + '_ {
+    move |source| ReplicaError::Io {
+        path: path.to_string(),
+        source,
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+struct State {
+    format: u32,
+    shard: u32,
+    replica: u32,
+    disk_consistent_lsn: Lsn,
+    /// (table id, shard, key, LSN of the record that applied it), oldest first.
+    window: VecDeque<(u64, u32, String, Lsn)>,
+}
+
+const STATE_FORMAT: u32 = 1;
+
+/// What others see of a replica.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ReplicaStatus {
+    pub shard: u32,
+    pub replica: u32,
+    pub disk_consistent_lsn: Lsn,
+    pub last_received_lsn: Lsn,
+    pub records_applied: u64,
+    pub records_skipped_duplicate: u64,
+    pub parts: usize,
+    /// Why the replica stopped, if it did.
+    pub error: Option<String>,
+}
+
+/// A replica's data: its parts and its position, on its disk.
+pub struct Replica {
+    disk: Arc<dyn Disk>,
+    dir: String,
+    cpu: Cpu,
+    tables: Arc<dyn Tables>,
+    state: State,
+    /// Active parts by table.
+    parts: BTreeMap<u64, BTreeMap<PartName, PartMeta>>,
+    table_cache: BTreeMap<u64, TableRef>,
+    status: watch::Sender<ReplicaStatus>,
+    /// Received WAL not yet applied (an incomplete record at its end).
+    pending: Vec<u8>,
+    pending_start: Lsn,
+}
+
+impl Replica {
+    /// Opens (or creates) the replica under `dir` of `disk`: removes parts left
+    /// half-written by a crash and checks every part and the state.
+    pub async fn open(
+        disk: Arc<dyn Disk>,
+        dir: &str,
+        shard: u32,
+        replica: u32,
+        cpu: Cpu,
+        tables: Arc<dyn Tables>,
+    ) -> Result<Replica, ReplicaError> {
+        let state_path = format!("{dir}/state");
+        disk.create_dir_all(&format!("{dir}/parts"))
+            .await
+            .map_err(io(dir))?;
+        let state = match disk.read(&state_path).await {
+            Ok(bytes) => {
+                let s: State =
+                    serde_json::from_slice(&bytes).map_err(|e| ReplicaError::Damaged {
+                        path: state_path.clone(),
+                        detail: e.to_string(),
+                    })?;
+                if s.format != STATE_FORMAT || s.shard != shard || s.replica != replica {
+                    return Err(ReplicaError::Damaged {
+                        path: state_path,
+                        detail: format!(
+                            "format {} of shard {} replica {}, expected format {STATE_FORMAT} of shard {shard} replica {replica}",
+                            s.format, s.shard, s.replica
+                        ),
+                    });
+                }
+                s
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => State {
+                format: STATE_FORMAT,
+                shard,
+                replica,
+                ..State::default()
+            },
+            Err(e) => return Err(io(&state_path)(e)),
+        };
+        let mut parts: BTreeMap<u64, BTreeMap<PartName, PartMeta>> = BTreeMap::new();
+        let parts_dir = format!("{dir}/parts");
+        for table in disk.list_dir(&parts_dir).await.map_err(io(&parts_dir))? {
+            let Ok(table_id) = table.parse::<u64>() else {
+                continue;
+            };
+            let tdir = format!("{parts_dir}/{table}");
+            for file in disk.list_dir(&tdir).await.map_err(io(&tdir))? {
+                let path = format!("{tdir}/{file}");
+                if file.ends_with(".tmp") {
+                    tracing::info!(%path, "removing a part left half-written by a crash");
+                    disk.remove_file(&path).await.map_err(io(&path))?;
+                    continue;
+                }
+                let Some(name) = file.strip_suffix(".parquet").and_then(PartName::parse) else {
+                    continue;
+                };
+                let bytes = Bytes::from(disk.read(&path).await.map_err(io(&path))?);
+                let meta = cpu
+                    .run({
+                        let name = name.clone();
+                        move || part::read_meta(&name, bytes)
+                    })
+                    .await?;
+                parts.entry(table_id).or_default().insert(name, meta);
+            }
+            disk.sync_dir(&tdir).await.map_err(io(&tdir))?;
+        }
+        let status = ReplicaStatus {
+            shard,
+            replica,
+            disk_consistent_lsn: state.disk_consistent_lsn,
+            last_received_lsn: state.disk_consistent_lsn,
+            records_applied: 0,
+            records_skipped_duplicate: 0,
+            parts: parts.values().map(BTreeMap::len).sum(),
+            error: None,
+        };
+        let (status, _) = watch::channel(status);
+        Ok(Replica {
+            disk,
+            dir: dir.to_string(),
+            cpu,
+            tables,
+            pending_start: state.disk_consistent_lsn,
+            state,
+            parts,
+            table_cache: BTreeMap::new(),
+            status,
+            pending: Vec::new(),
+        })
+    }
+
+    pub fn disk_consistent_lsn(&self) -> Lsn {
+        self.state.disk_consistent_lsn
+    }
+
+    /// Where the stream must resume: the end of the WAL received and kept.
+    pub fn receive_from(&self) -> Lsn {
+        Lsn(self.pending_start.0 + self.pending.len() as u64)
+    }
+
+    /// Forgets received WAL that was not applied (a new stream starts at the
+    /// applied position).
+    pub fn reset_stream(&mut self) {
+        self.pending.clear();
+        self.pending_start = self.state.disk_consistent_lsn;
+    }
+
+    pub fn subscribe(&self) -> watch::Receiver<ReplicaStatus> {
+        self.status.subscribe()
+    }
+
+    /// Active parts of a table.
+    pub fn parts(&self, table_id: u64) -> Vec<PartMeta> {
+        self.parts
+            .get(&table_id)
+            .map(|p| p.values().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// Path of a part's file under the disk root.
+    pub fn part_path(&self, table_id: u64, name: &PartName) -> String {
+        format!("{}/parts/{table_id}/{name}.parquet", self.dir)
+    }
+
+    pub fn disk(&self) -> &Arc<dyn Disk> {
+        &self.disk
+    }
+
+    /// Takes WAL received from a walsender (it must continue the stream) and
+    /// applies every complete record in it; returns the new
+    /// `disk_consistent_lsn`, persisted.
+    pub async fn receive(&mut self, begin: Lsn, wal: &[u8]) -> Result<Lsn, ReplicaError> {
+        let at = self.receive_from();
+        if begin != at {
+            return Err(ReplicaError::BadRecord {
+                lsn: begin,
+                detail: format!("WAL arrived from {begin}, the stream is at {at}"),
+            });
+        }
+        self.pending.extend_from_slice(wal);
+        self.status
+            .send_modify(|s| s.last_received_lsn = self.receive_from());
+        let buf = Bytes::from(std::mem::take(&mut self.pending));
+        let mut used = 0usize;
+        let mut applied_any = false;
+        let result = loop {
+            let rest = buf.slice(used..);
+            match record::check(&rest) {
+                Ok(len) => {
+                    let lsn = Lsn(self.pending_start.0 + used as u64);
+                    let end = Lsn(lsn.0 + len as u64);
+                    let rec = match record::decode(&rest) {
+                        Ok((r, _)) => r,
+                        Err(e) => {
+                            break Err(ReplicaError::BadRecord {
+                                lsn,
+                                detail: e.to_string(),
+                            })
+                        }
+                    };
+                    if let Err(e) = self.apply(lsn, rec).await {
+                        break Err(e);
+                    }
+                    self.state.disk_consistent_lsn = end;
+                    used += len;
+                    applied_any = true;
+                }
+                Err(record::RecordError::Incomplete { .. }) => break Ok(()),
+                Err(e) => {
+                    break Err(ReplicaError::BadRecord {
+                        lsn: Lsn(self.pending_start.0 + used as u64),
+                        detail: e.to_string(),
+                    })
+                }
+            }
+        };
+        self.pending = buf[used..].to_vec();
+        self.pending_start = Lsn(self.pending_start.0 + used as u64);
+        if applied_any {
+            self.persist().await?;
+        }
+        if let Err(e) = &result {
+            self.status.send_modify(|s| s.error = Some(e.to_string()));
+        }
+        result?;
+        Ok(self.state.disk_consistent_lsn)
+    }
+
+    async fn persist(&mut self) -> Result<(), ReplicaError> {
+        let path = format!("{}/state", self.dir);
+        let data = serde_json::to_vec(&self.state).expect("state serialises");
+        self.disk
+            .write_atomic(&path, data)
+            .await
+            .map_err(io(&path))?;
+        let lsn = self.state.disk_consistent_lsn;
+        let n = self.parts.values().map(BTreeMap::len).sum();
+        self.status.send_modify(|s| {
+            s.disk_consistent_lsn = lsn;
+            s.parts = n;
+        });
+        Ok(())
+    }
+
+    async fn table(&mut self, table_id: u64, lsn: Lsn) -> Result<TableRef, ReplicaError> {
+        if let Some(t) = self.table_cache.get(&table_id) {
+            return Ok(t.clone());
+        }
+        let found = self
+            .tables
+            .by_id(table_id)
+            .await
+            .map_err(|detail| ReplicaError::Catalog {
+                table_id,
+                lsn,
+                detail,
+            })?;
+        if found != TableRef::Unknown {
+            self.table_cache.insert(table_id, found.clone());
+        }
+        Ok(found)
+    }
+
+    async fn apply(&mut self, lsn: Lsn, rec: Record) -> Result<(), ReplicaError> {
+        let Record::Insert {
+            table_id,
+            shard,
+            block_number,
+            idempotency_key,
+            arrow_ipc,
+        } = rec
+        else {
+            return Ok(());
+        };
+        if self.state.shard != ALL_SHARDS && shard != self.state.shard {
+            return Ok(());
+        }
+        let bad = |detail: String| ReplicaError::BadRecord { lsn, detail };
+        let table = match self.table(table_id, lsn).await? {
+            TableRef::Known(t) => t,
+            TableRef::Dropped => return Ok(()),
+            TableRef::Unknown => {
+                return Err(bad(format!(
+                    "table id {table_id} was never created in this cluster's catalog"
+                )))
+            }
+        };
+        if block_number != lsn.0 {
+            return Err(bad(format!(
+                "block number {block_number} is not the record's LSN"
+            )));
+        }
+        // Idempotency: the same key applied before, by another record.
+        let key = (!idempotency_key.is_empty())
+            .then(|| String::from_utf8_lossy(&idempotency_key).into_owned());
+        if let Some(key) = &key {
+            let seen = self
+                .state
+                .window
+                .iter()
+                .any(|(t, s, k, at)| *t == table_id && *s == shard && k == key && *at != lsn);
+            if seen {
+                self.status
+                    .send_modify(|s| s.records_skipped_duplicate += 1);
+                return Ok(());
+            }
+        }
+        // A crash after the parts but before the state: already applied.
+        let covered = self
+            .parts
+            .get(&table_id)
+            .is_some_and(|p| p.keys().any(|n| n.covers(block_number)));
+        if !covered {
+            let def = table.def.clone();
+            let grouped = self
+                .cpu
+                .run(move || group_by_partition(&def, &arrow_ipc))
+                .await
+                .map_err(bad)?;
+            let schema = table.def.arrow_schema();
+            for (partition_id, batch) in grouped {
+                let name = PartName {
+                    partition_id,
+                    min_block: block_number,
+                    max_block: block_number,
+                    level: 0,
+                };
+                let meta = self
+                    .write_part(table_id, &schema, &name, vec![batch], (lsn, lsn))
+                    .await?;
+                self.parts.entry(table_id).or_default().insert(name, meta);
+            }
+        }
+        if let Some(key) = key {
+            if !self.state.window.iter().any(|(_, _, _, at)| *at == lsn) {
+                self.state.window.push_back((table_id, shard, key, lsn));
+                while self.state.window.len() > DEDUP_WINDOW {
+                    self.state.window.pop_front();
+                }
+            }
+        }
+        self.status.send_modify(|s| s.records_applied += 1);
+        Ok(())
+    }
+
+    /// Encodes and writes one part durably: temporary name, fsync, rename,
+    /// directory fsync.
+    async fn write_part(
+        &self,
+        table_id: u64,
+        schema: &arrow::datatypes::SchemaRef,
+        name: &PartName,
+        batches: Vec<RecordBatch>,
+        lsns: (Lsn, Lsn),
+    ) -> Result<PartMeta, ReplicaError> {
+        let (bytes, meta) = self
+            .cpu
+            .run({
+                let schema = Arc::clone(schema);
+                let name = name.clone();
+                move || part::encode(&schema, &name, table_id, &batches, lsns)
+            })
+            .await?;
+        let tdir = format!("{}/parts/{table_id}", self.dir);
+        self.disk.create_dir_all(&tdir).await.map_err(io(&tdir))?;
+        let path = self.part_path(table_id, name);
+        let tmp = format!("{path}.tmp");
+        match self.disk.remove_file(&tmp).await {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io(&tmp)(e)),
+        }
+        let file = self.disk.create_new(&tmp).await.map_err(io(&tmp))?;
+        file.write_at(0, bytes).await.map_err(io(&tmp))?;
+        file.sync_data().await.map_err(io(&tmp))?;
+        drop(file);
+        self.disk.rename(&tmp, &path).await.map_err(io(&path))?;
+        self.disk.sync_dir(&tdir).await.map_err(io(&tdir))?;
+        Ok(meta)
+    }
+}
+
+/// Decodes an insert record's rows, checks them against the table, and groups
+/// them by partition (partitions in id order, rows in record order).
+fn group_by_partition(
+    def: &ferry_table::TableDef,
+    arrow_ipc: &[u8],
+) -> Result<Vec<(String, RecordBatch)>, String> {
+    let batches = ferry_table::rows::from_ipc(arrow_ipc)
+        .map_err(|e| format!("rows do not decode as Arrow IPC: {e}"))?;
+    let schema = def.arrow_schema();
+    for b in &batches {
+        if b.schema().fields() != schema.fields() {
+            return Err(format!(
+                "rows of schema {:?} do not match table {:?}",
+                b.schema().fields(),
+                def.name
+            ));
+        }
+    }
+    let all = arrow::compute::concat_batches(&schema, &batches).map_err(|e| e.to_string())?;
+    let pidx = def
+        .column_index(&def.partition_by.column)
+        .ok_or("no partition column")?;
+    if all.column(pidx).null_count() > 0 {
+        return Err("a null partition value".into());
+    }
+    let ids = ferry_table::keys::partition_ids(def, all.column(pidx))
+        .map_err(|(row, e)| format!("row {}: {e}", row + 1))?;
+    let mut rows: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
+    for (i, id) in ids.iter().enumerate() {
+        rows.entry(id.as_str()).or_default().push(i as u32);
+    }
+    let mut out = Vec::with_capacity(rows.len());
+    for (id, idx) in rows {
+        let batch = if idx.len() == all.num_rows() {
+            all.clone()
+        } else {
+            arrow::compute::take_record_batch(&all, &arrow::array::UInt32Array::from(idx))
+                .map_err(|e| e.to_string())?
+        };
+        out.push((id.to_string(), batch));
+    }
+    Ok(out)
+}
+
+/// A replica shared between its stream task and readers.
+pub type SharedReplica = Arc<tokio::sync::Mutex<Replica>>;

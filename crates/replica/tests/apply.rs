@@ -1,0 +1,251 @@
+//! A replica applying WAL on a real disk: parts per partition, identical on two
+//! replicas, restart and crash leftovers, the idempotency window, and hostile
+//! WAL stopping the replica.
+
+#![allow(clippy::disallowed_methods, clippy::disallowed_types)] // a real temp dir
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use arrow::array::{Int64Array, RecordBatch, StringArray};
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use ferry_env::{Cpu, Disk, RealDisk};
+use ferry_replica::{Replica, ReplicaError, TableRef, Tables};
+use ferry_table::{Table, TableDef};
+use ferry_wal::record::Record;
+use ferry_wal::Lsn;
+
+fn table() -> Table {
+    Table {
+        id: 1,
+        def: TableDef::from_toml(
+            r#"name = "t"
+partition_by = { column = "p", transform = "identity" }
+shard_by = { column = "id", shards = 2 }
+[[columns]]
+name = "id"
+type = "Int64"
+[[columns]]
+name = "p"
+type = "Utf8"
+"#,
+        )
+        .expect("table"),
+    }
+}
+
+struct FixedTables(BTreeMap<u64, TableRef>);
+
+#[async_trait]
+impl Tables for FixedTables {
+    async fn by_id(&self, id: u64) -> Result<TableRef, String> {
+        Ok(self.0.get(&id).cloned().unwrap_or(TableRef::Unknown))
+    }
+}
+
+fn tables() -> Arc<dyn Tables> {
+    Arc::new(FixedTables(BTreeMap::from([
+        (1, TableRef::Known(table())),
+        (2, TableRef::Dropped),
+    ])))
+}
+
+/// Rows `ids` with partitions from `parts` (cycled).
+fn rows(ids: std::ops::Range<i64>, parts: &[&str]) -> Bytes {
+    let n = ids.clone().count();
+    let batch = RecordBatch::try_new(
+        table().def.arrow_schema(),
+        vec![
+            Arc::new(Int64Array::from_iter_values(ids)),
+            Arc::new(StringArray::from_iter_values(
+                (0..n).map(|i| parts[i % parts.len()]),
+            )),
+        ],
+    )
+    .expect("batch");
+    ferry_table::rows::to_ipc(&batch).expect("ipc")
+}
+
+/// WAL: records appended with block number = start LSN.
+#[derive(Default)]
+struct Wal {
+    bytes: BytesMut,
+}
+
+impl Wal {
+    fn insert(&mut self, table_id: u64, shard: u32, key: &str, arrow_ipc: Bytes) -> Lsn {
+        let at = self.bytes.len() as u64;
+        Record::Insert {
+            table_id,
+            shard,
+            block_number: at,
+            idempotency_key: Bytes::from(key.as_bytes().to_vec()),
+            arrow_ipc,
+        }
+        .encode(&mut self.bytes);
+        Lsn(at)
+    }
+
+    fn end(&self) -> Lsn {
+        Lsn(self.bytes.len() as u64)
+    }
+}
+
+async fn open(disk: &Arc<dyn Disk>, dir: &str, shard: u32) -> Replica {
+    Replica::open(Arc::clone(disk), dir, shard, 0, Cpu::Inline, tables())
+        .await
+        .expect("open replica")
+}
+
+fn names(r: &Replica) -> Vec<(String, u64, u32)> {
+    r.parts(1)
+        .into_iter()
+        .map(|p| (p.name.to_string(), p.rows, p.checksum))
+        .collect()
+}
+
+#[tokio::test]
+async fn records_become_parts_identical_on_two_replicas_and_survive_restarts() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let mut wal = Wal::default();
+    let a = wal.insert(1, 0, "k1", rows(0..10, &["x", "y"]));
+    wal.insert(1, 1, "", rows(10..20, &["x"])); // another shard
+    wal.insert(2, 0, "", rows(20..30, &["x"])); // a dropped table
+    let b = wal.insert(1, 0, "k2", rows(30..33, &["y"]));
+    wal.insert(1, 0, "k1", rows(0..10, &["x", "y"])); // a retry of k1
+    let all = wal.bytes.clone().freeze();
+
+    // Replica 0 gets the WAL in one piece, replica 1 in small pieces.
+    let mut r0 = open(&disk, "r0", 0).await;
+    assert_eq!(r0.receive(Lsn(0), &all).await.expect("apply"), wal.end());
+    let mut r1 = open(&disk, "r1", 0).await;
+    for (i, chunk) in all.chunks(37).enumerate() {
+        r1.receive(Lsn(i as u64 * 37), chunk)
+            .await
+            .expect("apply piece");
+    }
+    assert_eq!(r1.disk_consistent_lsn(), wal.end());
+    let expected = [
+        (format!("x_{}_{}_0", a.0, a.0), 5, 0),
+        (format!("y_{}_{}_0", a.0, a.0), 5, 0),
+        (format!("y_{}_{}_0", b.0, b.0), 3, 0),
+    ];
+    let got0 = names(&r0);
+    assert_eq!(
+        got0.iter().map(|(n, r, _)| (n.clone(), *r)).collect::<Vec<_>>(),
+        expected.iter().map(|(n, r, _)| (n.clone(), *r)).collect::<Vec<_>>(),
+        "one part per partition per applied insert; other shards, dropped tables and the retry skipped"
+    );
+    assert_eq!(
+        got0,
+        names(&r1),
+        "replicas agree on names, rows and checksums"
+    );
+    let file = |r: &str, n: &str| {
+        std::fs::read(dir.path().join(format!("{r}/parts/1/{n}.parquet"))).expect("part")
+    };
+    assert_eq!(
+        file("r0", &expected[0].0),
+        file("r1", &expected[0].0),
+        "same bytes"
+    );
+    assert_eq!(r0.subscribe().borrow().records_skipped_duplicate, 1);
+
+    // Restart: the same parts, and it resumes at its position.
+    drop(r0);
+    let r0 = open(&disk, "r0", 0).await;
+    assert_eq!(r0.disk_consistent_lsn(), wal.end());
+    assert_eq!(names(&r0), got0);
+
+    // A replica of every shard holds shard 1's rows too.
+    let mut all_shards = open(&disk, "all", ferry_replica::ALL_SHARDS).await;
+    all_shards.receive(Lsn(0), &all).await.expect("apply");
+    assert_eq!(all_shards.parts(1).iter().map(|p| p.rows).sum::<u64>(), 23);
+}
+
+#[tokio::test]
+async fn a_crash_between_parts_and_position_neither_loses_nor_duplicates() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let mut wal = Wal::default();
+    wal.insert(1, 0, "k", rows(0..4, &["x", "y"]));
+    let all = wal.bytes.clone().freeze();
+    let mut r = open(&disk, "r", 0).await;
+    r.receive(Lsn(0), &all).await.expect("apply");
+    let parts = names(&r);
+    drop(r);
+    // As if the crash came after the parts but before the state: the state
+    // is the one from before, and a part was being written too.
+    std::fs::remove_file(dir.path().join("r/state")).expect("remove state");
+    std::fs::write(dir.path().join("r/parts/1/z_99_99_0.parquet.tmp"), b"torn").expect("tmp");
+    let mut r = open(&disk, "r", 0).await;
+    assert_eq!(r.disk_consistent_lsn(), Lsn(0));
+    assert!(
+        !dir.path().join("r/parts/1/z_99_99_0.parquet.tmp").exists(),
+        "leftover removed"
+    );
+    r.receive(Lsn(0), &all).await.expect("apply again");
+    assert_eq!(names(&r), parts, "the same parts, once");
+    assert_eq!(r.disk_consistent_lsn(), wal.end());
+}
+
+#[tokio::test]
+async fn hostile_wal_stops_the_replica_without_writing_a_part() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    // A table id never handed out.
+    let mut wal = Wal::default();
+    wal.insert(7, 0, "", rows(0..2, &["x"]));
+    let mut r = open(&disk, "a", 0).await;
+    let e = r
+        .receive(Lsn(0), &wal.bytes)
+        .await
+        .expect_err("unknown table");
+    assert!(
+        matches!(e, ReplicaError::BadRecord { .. }) && e.to_string().contains("never created"),
+        "{e}"
+    );
+    assert!(r.parts(7).is_empty() && r.disk_consistent_lsn() == Lsn(0));
+    assert!(r.subscribe().borrow().error.is_some());
+
+    // Rows of another schema.
+    let other = RecordBatch::try_new(
+        Arc::new(arrow::datatypes::Schema::new(vec![
+            arrow::datatypes::Field::new("id", arrow::datatypes::DataType::Int64, false),
+        ])),
+        vec![Arc::new(Int64Array::from(vec![1]))],
+    )
+    .expect("batch");
+    let mut wal = Wal::default();
+    wal.insert(1, 0, "", ferry_table::rows::to_ipc(&other).expect("ipc"));
+    let mut r = open(&disk, "b", 0).await;
+    let e = r
+        .receive(Lsn(0), &wal.bytes)
+        .await
+        .expect_err("schema mismatch");
+    assert!(e.to_string().contains("do not match"), "{e}");
+    assert!(r.parts(1).is_empty());
+
+    // Bytes that are not Arrow, and a block number that is not the LSN.
+    let mut wal = Wal::default();
+    wal.insert(1, 0, "", Bytes::from_static(b"garbage"));
+    let mut r = open(&disk, "c", 0).await;
+    assert!(r.receive(Lsn(0), &wal.bytes).await.is_err());
+    let mut bytes = BytesMut::new();
+    Record::Insert {
+        table_id: 1,
+        shard: 0,
+        block_number: 5,
+        idempotency_key: Bytes::new(),
+        arrow_ipc: rows(0..1, &["x"]),
+    }
+    .encode(&mut bytes);
+    let mut r = open(&disk, "d", 0).await;
+    let e = r.receive(Lsn(0), &bytes).await.expect_err("block number");
+    assert!(e.to_string().contains("block number"), "{e}");
+    // WAL that does not continue the stream.
+    let mut r = open(&disk, "e", 0).await;
+    assert!(r.receive(Lsn(10), &bytes).await.is_err());
+}
