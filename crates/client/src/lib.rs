@@ -214,6 +214,51 @@ impl Client {
             .1)
     }
 
+    /// A GET of the read API, as JSON (`path` and query built by the caller
+    /// from validated names).
+    pub async fn get_json(&self, path_and_query: &str) -> Result<serde_json::Value, ClientError> {
+        Ok(self
+            .send(self.request(reqwest::Method::GET, path_and_query))
+            .await?
+            .1)
+    }
+
+    /// Rows of a table, or of one partition, on replica `replica`, once it
+    /// applied `min_lsn` (an insert's `commit_lsn`) if given.
+    pub async fn count(
+        &self,
+        table: &str,
+        partition: Option<&str>,
+        replica: usize,
+        min_lsn: Option<&str>,
+    ) -> Result<u64, ClientError> {
+        let mut q = format!("/tables/{}/count?replica={replica}", path_segment(table)?);
+        if let Some(p) = partition {
+            q += &format!("&partition={}", query_value(p)?);
+        }
+        if let Some(l) = min_lsn {
+            q += &format!("&min_lsn={}", query_value(l)?);
+        }
+        let v = self.get_json(&q).await?;
+        v["rows"].as_u64().ok_or_else(|| ClientError::BadAnswer {
+            url: self.base.clone(),
+            detail: format!("no row count in {v}"),
+        })
+    }
+
+    /// The partitions of a table on replica `replica`, with their parts.
+    pub async fn partitions(
+        &self,
+        table: &str,
+        replica: usize,
+    ) -> Result<serde_json::Value, ClientError> {
+        self.get_json(&format!(
+            "/tables/{}/partitions?replica={replica}",
+            path_segment(table)?
+        ))
+        .await
+    }
+
     /// One insert of a body in `format`, sent once.
     pub async fn insert_body(
         &self,
@@ -285,6 +330,22 @@ fn path_segment(name: &str) -> Result<&str, ClientError> {
     } else {
         Err(ClientError::Config(format!(
             "{name:?} is not a valid table name ([A-Za-z_][A-Za-z0-9_]{{0,63}})"
+        )))
+    }
+}
+
+/// A query value ferry accepts as it is: partition ids and LSNs only use
+/// characters that need no escaping.
+fn query_value(v: &str) -> Result<&str, ClientError> {
+    if !v.is_empty()
+        && v.len() <= 64
+        && v.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-' | b'/'))
+    {
+        Ok(v)
+    } else {
+        Err(ClientError::Config(format!(
+            "{v:?} is not a partition id or LSN"
         )))
     }
 }

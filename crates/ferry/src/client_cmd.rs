@@ -117,6 +117,80 @@ pub async fn table(cmd: TableCommand) -> anyhow::Result<()> {
     Ok(())
 }
 
+#[derive(Debug, clap::Subcommand)]
+pub enum QueryCommand {
+    /// Rows of a table (or one partition) on a replica.
+    Count {
+        table: String,
+        #[arg(long)]
+        partition: Option<String>,
+        /// Which replica of the node answers.
+        #[arg(long, default_value_t = 0)]
+        replica: usize,
+        /// Wait until the replica applied this LSN (an insert's commit_lsn).
+        #[arg(long)]
+        min_lsn: Option<String>,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// The partitions of a table on a replica, with their parts.
+    Partitions {
+        table: String,
+        #[arg(long, default_value_t = 0)]
+        replica: usize,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+}
+
+pub async fn query(cmd: QueryCommand) -> anyhow::Result<()> {
+    match cmd {
+        QueryCommand::Count {
+            table,
+            partition,
+            replica,
+            min_lsn,
+            client,
+        } => {
+            let n = client
+                .client()?
+                .count(&table, partition.as_deref(), replica, min_lsn.as_deref())
+                .await?;
+            say!("{n}");
+        }
+        QueryCommand::Partitions {
+            table,
+            replica,
+            client,
+        } => {
+            let v = client.client()?.partitions(&table, replica).await?;
+            for p in v.as_array().into_iter().flatten() {
+                say!(
+                    "{}\t{} rows\t{} bytes\t{} parts",
+                    p["partition_id"].as_str().unwrap_or("?"),
+                    p["rows"],
+                    p["bytes"],
+                    p["parts"].as_array().map_or(0, Vec::len)
+                );
+                for part in p["parts"].as_array().into_iter().flatten() {
+                    let n = &part["name"];
+                    say!(
+                        "  {}_{}_{}_{}\t{} rows\t{} bytes\tchecksum {:08x}",
+                        n["partition_id"].as_str().unwrap_or("?"),
+                        n["min_block"],
+                        n["max_block"],
+                        n["level"],
+                        part["rows"],
+                        part["bytes"],
+                        part["checksum"].as_u64().unwrap_or(0)
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 #[derive(Debug, clap::Args)]
 pub struct InsertArgs {
     /// The table.

@@ -62,6 +62,11 @@ enum Command {
     /// Inserts a file (NDJSON, CSV, Arrow IPC or Parquet) into a table, in
     /// chunks with bounded memory, retrying with the same idempotency key.
     Insert(client_cmd::InsertArgs),
+    /// Reads from a node's replicas: row counts, partitions and parts.
+    Query {
+        #[command(subcommand)]
+        command: client_cmd::QueryCommand,
+    },
     /// Deterministic simulation: random schedules of faults, checked invariants.
     /// Runs the separate `ferry-sim` binary installed beside this one (the
     /// product carries no simulator), e.g. `ferry sim wal --seeds 2000`.
@@ -172,6 +177,7 @@ fn main() -> anyhow::Result<()> {
             Command::Writer(args) => roles::writer(args).await,
             Command::Table { command } => client_cmd::table(command).await,
             Command::Insert(args) => client_cmd::insert(args).await,
+            Command::Query { command } => client_cmd::query(command).await,
             Command::Sim { .. } | Command::Config { .. } => {
                 unreachable!("handled before the runtime starts")
             }

@@ -354,6 +354,42 @@ fn tables_and_inserts_in_every_format_are_committed_row_for_row() {
         assert!(metrics.contains(prefix), "{prefix} in\n{metrics}");
     }
 
+    let (ok, out, err) = ferry(
+        &["query", "count", "events", "--min-lsn", &end.to_string()],
+        &url,
+    );
+    assert!(ok && out.trim() == "8", "{out}{err}");
+    let (ok, out, err) = ferry(
+        &[
+            "query",
+            "count",
+            "events",
+            "--partition",
+            "202403",
+            "--replica",
+            "1",
+        ],
+        &url,
+    );
+    assert!(ok && out.trim() == "4", "{out}{err}");
+    let (ok, out, _) = ferry(&["query", "partitions", "events"], &url);
+    assert!(ok && out.starts_with("202401\t4 rows"), "{out}");
+
+    // A restart: the replicas resume from their parts and position.
+    interrupt(&child);
+    assert_clean_exit(&mut child, &data);
+    let (restarted, lines) = start_dev(&data);
+    child = restarted;
+    let url = base_url(&lines);
+    assert_eq!(
+        http_get(&format!("{url}/tables/events/partitions?replica=0")),
+        p0
+    );
+    assert_eq!(
+        http_get(&format!("{url}/tables/events/partitions?replica=1")),
+        p1
+    );
+
     // A table with nothing holding it is dropped; then it is gone.
     let (ok, out, err) = ferry(&["table", "drop", "events"], &url);
     assert!(ok && out.contains("dropped table events"), "{out}{err}");
