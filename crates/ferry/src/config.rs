@@ -23,7 +23,20 @@ pub struct FileConfig {
     pub dev: Option<DevSection>,
     pub safekeeper: Option<SafekeeperSection>,
     pub writer: Option<WriterSection>,
+    pub replica: Option<ReplicaSection>,
     pub api: Option<ApiSection>,
+}
+
+#[derive(Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaSection {
+    pub shard: Option<u32>,
+    pub replica: Option<u32>,
+    pub safekeepers: Option<Vec<String>>,
+    pub zookeeper: Option<String>,
+    pub data_dir: Option<String>,
+    pub http: Option<String>,
+    pub api_token: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize, Serialize)]
@@ -115,6 +128,21 @@ http = "127.0.0.1:7677"
 # ZooKeeper ensemble host:port[,host:port...][/chroot] holding the cluster
 # record, the last known commit and the table catalog. Env: FERRY_ZOOKEEPER.
 # zookeeper = "10.0.0.9:2181/ferry"
+
+[replica]
+# The shard it holds and which replica of the shard it is (required).
+# shard = 0
+# replica = 0
+# Safekeepers to stream WAL from (required).
+# safekeepers = ["10.0.0.1:5454", "10.0.0.2:5454", "10.0.0.3:5454"]
+# ZooKeeper with the table catalog (required). Env: FERRY_ZOOKEEPER.
+# zookeeper = "10.0.0.9:2181/ferry"
+# Data directory (the replica lives in <data_dir>/s<shard>r<replica>). Env: FERRY_DATA_DIR.
+# data_dir = "/var/lib/ferry"
+# HTTP endpoint: /status, /metrics and reads.
+http = "127.0.0.1:7678"
+# Bearer token for its HTTP endpoint. Env: FERRY_API_TOKEN.
+# api_token = "..."
 
 [api]
 # Bearer token every HTTP request must carry; at least 16 characters. Unset:
@@ -223,6 +251,11 @@ pub fn apply(args: Vec<OsString>) -> anyhow::Result<Vec<OsString>> {
         }
         "writer" => {
             if let Some(s) = &config.writer {
+                injected.extend(section_flags(s, &strings)?);
+            }
+        }
+        "replica" => {
+            if let Some(s) = &config.replica {
                 injected.extend(section_flags(s, &strings)?);
             }
         }

@@ -54,6 +54,9 @@ enum Command {
     Safekeeper(roles::SafekeeperArgs),
     /// Runs the writer (the proposer of the WAL quorum) of a distributed deployment.
     Writer(roles::WriterArgs),
+    /// Runs one replica of one shard of a distributed deployment: applies the
+    /// shard's committed WAL as Parquet parts and serves reads.
+    Replica(roles::ReplicaArgs),
     /// Tables: create from a TOML file, list, show, drop (talks to a node over HTTP).
     Table {
         #[command(subcommand)]
@@ -175,6 +178,7 @@ fn main() -> anyhow::Result<()> {
             Command::Dev(args) => dev::run(args).await,
             Command::Safekeeper(args) => roles::safekeeper(args).await,
             Command::Writer(args) => roles::writer(args).await,
+            Command::Replica(args) => roles::replica(args).await,
             Command::Table { command } => client_cmd::table(command).await,
             Command::Insert(args) => client_cmd::insert(args).await,
             Command::Query { command } => client_cmd::query(command).await,

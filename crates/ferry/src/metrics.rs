@@ -178,6 +178,39 @@ pub fn safekeeper(status: &ferry_safekeeper::acceptor::AcceptorStatus) -> Vec<Sa
     ]
 }
 
+/// The position of a replica.
+pub fn replica(status: &ferry_replica::ReplicaStatus) -> Vec<Sample> {
+    let shard = status.shard.to_string();
+    let replica = status.replica.to_string();
+    let labels = [("shard", shard.as_str()), ("replica", replica.as_str())];
+    vec![
+        gauge(
+            "ferry_replica_disk_consistent_lsn",
+            "WAL a replica applied durably (bytes)",
+            &labels,
+            status.disk_consistent_lsn.0 as f64,
+        ),
+        counter(
+            "ferry_replica_records_applied",
+            "Insert records a replica applied since it started",
+            &labels,
+            status.records_applied as f64,
+        ),
+        counter(
+            "ferry_replica_duplicates_skipped",
+            "Retried inserts a replica skipped by their idempotency key",
+            &labels,
+            status.records_skipped_duplicate as f64,
+        ),
+        gauge(
+            "ferry_replica_parts",
+            "Active parts of a replica",
+            &labels,
+            status.parts as f64,
+        ),
+    ]
+}
+
 /// Counts elections won by a writer: a task following its status.
 pub fn count_elections(
     registry: &mut Registry,

@@ -303,3 +303,199 @@ async fn check_cluster_record(
         ),
     }
 }
+
+#[derive(Debug, clap::Args)]
+pub struct ReplicaArgs {
+    /// The shard this replica holds.
+    #[arg(long)]
+    shard: u32,
+    /// Which replica of the shard (unique per shard).
+    #[arg(long)]
+    replica: u32,
+    /// Safekeeper addresses to stream WAL from, comma-separated.
+    #[arg(long, value_delimiter = ',', required = true)]
+    safekeepers: Vec<String>,
+    /// ZooKeeper ensemble (`host:port[,...][/chroot]`) with the table catalog;
+    /// the replica registers itself there. Env: FERRY_ZOOKEEPER.
+    #[arg(long, env = "FERRY_ZOOKEEPER")]
+    zookeeper: String,
+    /// Data directory (the replica lives in `<data dir>/s<shard>r<replica>`).
+    /// Default: $FERRY_DATA_DIR.
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// HTTP endpoint: /status, /metrics and the read API.
+    #[arg(long, default_value = "127.0.0.1:7678")]
+    http: String,
+    /// Bearer token every HTTP request must carry. Env: FERRY_API_TOKEN.
+    #[arg(long, env = "FERRY_API_TOKEN", hide_env_values = true)]
+    api_token: Option<String>,
+}
+
+/// Coordination node of a live replica (ephemeral: it vanishes with the
+/// replica's session).
+pub fn replica_node(shard: u32, replica: u32) -> String {
+    format!("/ferry/replicas/s{shard}r{replica}")
+}
+
+pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
+    let mut shutdown = crate::dev::ShutdownSignal::install()?;
+    anyhow::ensure!(
+        args.shard != ferry_replica::ALL_SHARDS,
+        "--shard {} is reserved",
+        args.shard
+    );
+    let token = match args.api_token.as_deref() {
+        None | Some("") => None,
+        Some(t) => Some(
+            ferry_ingest::ApiToken::new(t)
+                .map_err(|e| anyhow::anyhow!("--api-token / FERRY_API_TOKEN: {e}"))?,
+        ),
+    };
+    let data_dir = crate::paths::data_dir(args.data_dir.as_deref(), "FERRY_DATA_DIR", None)?;
+    let http_listener = crate::http::bind(&args.http).await?;
+    let coord_metrics = Arc::new(ferry_coord::CoordMetrics::default());
+    let sessions: Arc<dyn ferry_coord::SessionFactory> = Arc::new(ferry_coord::ZkSessions {
+        options: ferry_coord::zk::ZkOptions::new(args.zookeeper.clone()),
+        metrics: Arc::clone(&coord_metrics),
+    });
+    let catalog = ferry_ingest::Catalog::open(Arc::clone(&sessions))
+        .await
+        .with_context(|| format!("opening the table catalog at {}", args.zookeeper))?;
+    crate::paths::create_dir(&data_dir)?;
+    let _lock = crate::lockfile::lock_dir(&data_dir)?;
+    let disk: Arc<dyn ferry_env::Disk> = Arc::new(
+        ferry_env::RealDisk::open_root(&data_dir)
+            .with_context(|| format!("opening {}", data_dir.display()))?,
+    );
+    let dir = format!("s{}r{}", args.shard, args.replica);
+    let replica = ferry_replica::Replica::open(
+        disk,
+        &dir,
+        args.shard,
+        args.replica,
+        ferry_env::Cpu::BlockingPool,
+        Arc::new(crate::reads::CatalogTables(catalog.clone())),
+    )
+    .await
+    .with_context(|| format!("opening the replica in {}", data_dir.join(&dir).display()))?;
+    let mut status_rx = replica.subscribe();
+    let shared: ferry_replica::SharedReplica = Arc::new(tokio::sync::Mutex::new(replica));
+    let mut stream = tokio::spawn(ferry_replica::stream::run(
+        Arc::clone(&shared),
+        Arc::new(TcpNetwork),
+        Arc::new(ferry_env::SystemClock),
+        ferry_replica::StreamConfig::new(args.safekeepers.clone()),
+    ));
+    let reads = Arc::new(crate::reads::Reads {
+        catalog: catalog.clone(),
+        replicas: vec![Arc::clone(&shared)],
+    });
+    let status_replica = status_rx.clone();
+    let status = move || {
+        let s = status_replica.borrow().clone();
+        async move { serde_json::to_value(s).unwrap_or_default() }
+    };
+    let sampled = status_rx.clone();
+    let sampled_coord = Arc::clone(&coord_metrics);
+    let metrics = crate::metrics::NodeMetrics::new(Default::default(), move || {
+        let mut out = crate::metrics::replica(&sampled.borrow());
+        out.extend(crate::metrics::coordination(&sampled_coord));
+        Box::pin(async move { out })
+    });
+    let router =
+        crate::reads::router(reads).merge(crate::http::node_routes(status, Arc::new(metrics)));
+    let http = crate::http::serve(http_listener, router, token)?;
+    let node = replica_node(args.shard, args.replica);
+    let registration = tokio::spawn(register(
+        catalog.clone(),
+        node.clone(),
+        http.addr.clone(),
+        status_rx.clone(),
+    ));
+    say!(
+        "replica {} of shard {} streaming from {}, reads and status on http://{}/status, registered as {node}",
+        args.replica,
+        args.shard,
+        args.safekeepers.join(","),
+        http.addr
+    );
+    let outcome = tokio::select! {
+        _ = shutdown.recv() => Ok(()),
+        e = &mut stream => Err(match e {
+            Ok(e) => anyhow::Error::new(e).context("the replica stopped"),
+            Err(e) => anyhow::anyhow!("the replica's stream task failed: {e}"),
+        }),
+    };
+    stream.abort();
+    registration.abort();
+    http.stop().await;
+    let _ = status_rx.borrow_and_update();
+    catalog.close().await;
+    outcome?;
+    say!(
+        "replica stopped cleanly at {}",
+        status_rx.borrow().disk_consistent_lsn
+    );
+    Ok(())
+}
+
+/// Keeps the replica's ephemeral node in coordination: its HTTP address and
+/// applied LSN, written again when they change (at most every second) and
+/// made again on a new session after an expiry.
+async fn register(
+    catalog: ferry_ingest::Catalog,
+    node: String,
+    http: String,
+    mut status: tokio::sync::watch::Receiver<ferry_replica::ReplicaStatus>,
+) {
+    let mut written: Option<(i64, ferry_wal::Lsn)> = None;
+    loop {
+        let lsn = status.borrow_and_update().disk_consistent_lsn;
+        let result = async {
+            let session = catalog.session().await.map_err(|e| e.to_string())?;
+            let data = serde_json::to_vec(&serde_json::json!({
+                "http": http,
+                "disk_consistent_lsn": lsn.to_string(),
+            }))
+            .map_err(|e| e.to_string())?;
+            let id = session.session_id();
+            if written.map(|(s, _)| s) != Some(id) {
+                ferry_coord::create_all(&*session, "/ferry/replicas")
+                    .await
+                    .map_err(|e| e.to_string())?;
+                match session
+                    .create(&node, &data, ferry_coord::CreateMode::Ephemeral)
+                    .await
+                {
+                    Ok(_) => {}
+                    Err(ferry_coord::CoordError::NodeExists { .. }) => {
+                        // Left by this replica's previous session until it expires.
+                        return Err(format!("{node} is still held by an earlier session"));
+                    }
+                    Err(e) => return Err(e.to_string()),
+                }
+            } else if written.map(|(_, l)| l) != Some(lsn) {
+                session
+                    .set(&node, &data, None)
+                    .await
+                    .map_err(|e| e.to_string())?;
+            }
+            Ok::<_, String>(id)
+        }
+        .await;
+        match result {
+            Ok(id) => written = Some((id, lsn)),
+            Err(e) => tracing::warn!(node = %node, error = %e, "could not register the replica"),
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        // Look again when the position moves, and every few seconds anyway
+        // (a session may have expired meanwhile).
+        if written.is_some() {
+            if let Ok(Err(_)) =
+                tokio::time::timeout(std::time::Duration::from_secs(5), status.changed()).await
+            {
+                return;
+            }
+        }
+    }
+}

@@ -72,6 +72,37 @@ fn start_writer(addrs: &[String], zk: &str, cluster: &str) -> (Child, String) {
     (child, url)
 }
 
+/// Starts `ferry replica` of `shard`; returns it and its HTTP base URL.
+fn start_replica(addrs: &[String], zk: &str, shard: u32, dir: &std::path::Path) -> (Child, String) {
+    let mut child = Command::new(FERRY)
+        .args(["replica", "--shard", &shard.to_string(), "--replica", "0"])
+        .args([
+            "--safekeepers",
+            &addrs.join(","),
+            "--zookeeper",
+            zk,
+            "--http",
+            "127.0.0.1:0",
+        ])
+        .arg("--data-dir")
+        .arg(dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn replica");
+    let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    reader.read_line(&mut line).expect("read");
+    std::thread::spawn(move || for _ in reader.lines().map_while(Result::ok) {});
+    let url = line
+        .split("status on ")
+        .nth(1)
+        .and_then(|r| r.split("/status").next())
+        .map(str::to_string)
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
+    (child, url)
+}
+
 /// Waits (at most 60 s) for `child` to exit; returns its success and stderr.
 fn wait_exit(child: &mut Child) -> (bool, String) {
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -167,6 +198,47 @@ fn the_distributed_writer_serves_inserts_and_refuses_a_younger_quorum() {
         assert_eq!(c.tables().await.expect("tables").len(), 1);
         insert_until_elected(&c, 10).await
     });
+
+    // A replica per shard applies its shard's rows; together they hold all 4.
+    let mut replicas = Vec::new();
+    let mut total = 0;
+    for shard in 0..2 {
+        let (child, rurl) = start_replica(
+            &addrs,
+            &connect,
+            shard,
+            &dir.path().join(format!("replica{shard}")),
+        );
+        replicas.push(child);
+        let rc = Client::new(&rurl, None, Duration::from_secs(30)).expect("client");
+        total += rt
+            .block_on(rc.count("t", None, 0, Some(&second.commit_lsn)))
+            .expect("count once applied");
+    }
+    assert_eq!(total, 4, "each row on the replica of its shard, once");
+    let registered = rt.block_on(async {
+        let s = ZkSession::connect(&ZkOptions::new(connect.clone()))
+            .await
+            .expect("ZooKeeper");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let children = loop {
+            let (children, _) = s.children("/ferry/replicas").await.unwrap_or_default();
+            if children.len() == 2 || Instant::now() > deadline {
+                break children;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        s.close().await;
+        let mut children = children;
+        children.sort();
+        children
+    });
+    assert_eq!(registered, ["s0r0", "s1r0"], "replicas register themselves");
+    for r in &mut replicas {
+        interrupt(r);
+        let (ok, err) = wait_exit(r);
+        assert!(ok, "replica stops cleanly: {err}");
+    }
     assert!(second.blocks[0] >= first.commit_lsn.parse::<ferry_wal::Lsn>().expect("lsn").0);
     interrupt(&writer);
     assert!(wait_exit(&mut writer).0);
