@@ -38,6 +38,15 @@ pub struct DevArgs {
     wal_preallocation: Preallocation,
     #[command(flatten)]
     api: crate::api::ApiArgs,
+    /// Runs a demonstration and exits: creates a sample table partitioned by
+    /// month, inserts generated rows spread over 12 months through the HTTP
+    /// API, waits until both replicas applied them and shows their partitions
+    /// and parts.
+    #[arg(long)]
+    demo: bool,
+    /// Rows the demonstration inserts.
+    #[arg(long, default_value_t = 1_200_000, requires = "demo")]
+    demo_rows: usize,
 }
 
 /// Replicas that `ferry dev` runs; each holds every shard of every table.
@@ -303,8 +312,17 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     );
     say!("tables and inserts on http://{http}/tables, {DEV_REPLICAS} replicas holding every shard (GET /replicas); partition export is not implemented yet; press Ctrl-C to stop");
 
-    let why = shutdown.recv().await;
-    tracing::info!(signal = why, "stopping");
+    let demo_result = if args.demo {
+        let result = crate::demo::run(&format!("http://{http}"), args.demo_rows).await;
+        if let Err(e) = &result {
+            say!("the demo failed: {e:#}");
+        }
+        Some(result)
+    } else {
+        let why = shutdown.recv().await;
+        tracing::info!(signal = why, "stopping");
+        None
+    };
     // Inserts in progress finish (or time out) before the writer stops.
     server.stop().await;
     // A replica is consistent at any instant: stopping its stream is safe.
@@ -330,7 +348,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     session.close().await;
     store.shutdown().await;
     say!("ferry dev stopped cleanly; shutdown checkpoint committed at {end}");
-    Ok(())
+    demo_result.unwrap_or(Ok(()))
 }
 
 /// Checks the data dir's identity against the flags and what is on disk, or

@@ -15,6 +15,7 @@ mod bench_ingest;
 mod client_cmd;
 mod cluster;
 mod config;
+mod demo;
 mod dev;
 mod http;
 mod local;

@@ -905,3 +905,39 @@ fn a_configuration_file_applies_under_the_flags() {
     interrupt(&child);
     assert_clean_exit(&mut child, &data);
 }
+
+/// `ferry dev --demo`: inserts, both replicas apply, identical parts, exit 0.
+#[test]
+fn the_demo_runs_and_exits_cleanly() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = Command::new(FERRY)
+        .args([
+            "dev",
+            "--demo",
+            "--demo-rows",
+            "250000",
+            "--http",
+            "127.0.0.1:0",
+            "--data-dir",
+        ])
+        .arg(dir.path().join("data"))
+        .stdin(Stdio::null())
+        .output()
+        .expect("ferry dev --demo");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("inserted 250000 rows"), "{stdout}");
+    assert!(stdout.contains("replica 1 applied up to"), "{stdout}");
+    assert!(stdout.contains("250000 rows in the table"), "{stdout}");
+    assert_eq!(
+        stdout.matches("  2025").count(),
+        12,
+        "12 monthly partitions: {stdout}"
+    );
+    assert!(stdout.contains("both replicas hold the same"), "{stdout}");
+    assert!(stdout.contains("stopped cleanly"), "{stdout}");
+}
