@@ -132,6 +132,24 @@ pub async fn run(url: &str, rows: usize) -> anyhow::Result<()> {
             "demo: replica {replica} applied up to {commit} after {:.1} s: {n} rows in the table",
             started.elapsed().as_secs_f64()
         );
+    }
+    // Merges run in the background; they settle on the same parts everywhere.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let replicas = client.get_json("/replicas").await?;
+        let pending: u64 = replicas
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|r| r["pending_merges"].as_u64().unwrap_or(0))
+            .sum();
+        if pending == 0 {
+            break;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "merges did not settle in 60 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for replica in 0..2 {
         listings.push(client.partitions(&def.name, replica).await?);
     }
     say!("demo: partitions on replica 0 (parts, rows):");
@@ -172,7 +190,7 @@ pub async fn run(url: &str, rows: usize) -> anyhow::Result<()> {
         b.len()
     );
     say!(
-        "demo: both replicas hold the same {} parts, name for name and checksum for checksum",
+        "demo: merges settled; both replicas hold the same {} parts, name for name and checksum for checksum",
         a.len()
     );
     say!(

@@ -247,6 +247,10 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
             Arc::new(ferry_env::SystemClock),
             ferry_replica::StreamConfig::new(safekeeper_addrs.clone()),
         )));
+        replica_tasks.push(tokio::spawn(ferry_replica::run_merges(
+            Arc::clone(&shared),
+            crate::roles::REPLACED_PART_GRACE,
+        )));
         replicas.push(shared);
     }
     let reads = Arc::new(crate::reads::Reads {

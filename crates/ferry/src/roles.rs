@@ -331,6 +331,9 @@ pub struct ReplicaArgs {
     api_token: Option<String>,
 }
 
+/// How long a part a merge replaced stays on disk for readers that listed it.
+pub const REPLACED_PART_GRACE: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Coordination node of a live replica (ephemeral: it vanishes with the
 /// replica's session).
 pub fn replica_node(shard: u32, replica: u32) -> String {
@@ -386,6 +389,10 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
         Arc::new(ferry_env::SystemClock),
         ferry_replica::StreamConfig::new(args.safekeepers.clone()),
     ));
+    let merges = tokio::spawn(ferry_replica::run_merges(
+        Arc::clone(&shared),
+        REPLACED_PART_GRACE,
+    ));
     let reads = Arc::new(crate::reads::Reads {
         catalog: catalog.clone(),
         replicas: vec![Arc::clone(&shared)],
@@ -427,6 +434,7 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
         }),
     };
     stream.abort();
+    merges.abort();
     registration.abort();
     http.stop().await;
     let _ = status_rx.borrow_and_update();

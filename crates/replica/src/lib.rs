@@ -13,6 +13,7 @@ pub mod stream;
 
 pub use part::{PartMeta, PartName};
 pub use replica::{
-    Replica, ReplicaError, ReplicaStatus, SharedReplica, TableRef, Tables, ALL_SHARDS,
+    run_merges, Merge, MergeJob, Replica, ReplicaError, ReplicaStatus, SharedReplica, TableRef,
+    Tables, ALL_SHARDS, MERGE_FANIN,
 };
 pub use stream::StreamConfig;

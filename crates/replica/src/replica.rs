@@ -47,6 +47,11 @@ use crate::part::{self, PartMeta, PartName};
 /// dev`, whose replicas hold whole tables).
 pub const ALL_SHARDS: u32 = u32::MAX;
 
+/// Parts of one level in a partition that are merged into one part of the next.
+pub const MERGE_FANIN: usize = 8;
+/// Parts of this level are not merged further.
+pub const MAX_MERGE_LEVEL: u32 = 4;
+
 /// Keyed inserts of a shard remembered for deduplication.
 pub const DEDUP_WINDOW: usize = 4096;
 
@@ -104,6 +109,18 @@ struct State {
     disk_consistent_lsn: Lsn,
     /// (table id, shard, key, LSN of the record that applied it), oldest first.
     window: VecDeque<(u64, u32, String, Lsn)>,
+    /// Merges decided and not yet done, in the order decided.
+    #[serde(default)]
+    merges: Vec<Merge>,
+}
+
+/// A merge: `sources` (consecutive parts of one partition, same level, in block
+/// order) become `result`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Merge {
+    pub table_id: u64,
+    pub result: PartName,
+    pub sources: Vec<PartName>,
 }
 
 const STATE_FORMAT: u32 = 1;
@@ -118,6 +135,9 @@ pub struct ReplicaStatus {
     pub records_applied: u64,
     pub records_skipped_duplicate: u64,
     pub parts: usize,
+    /// Merges decided and not yet done.
+    pub pending_merges: usize,
+    pub merges_done: u64,
     /// Why the replica stopped, if it did.
     pub error: Option<String>,
 }
@@ -203,10 +223,44 @@ impl Replica {
                         move || part::read_meta(&name, bytes)
                     })
                     .await?;
+                if meta.min_lsn >= state.disk_consistent_lsn && name.level == 0 {
+                    // Written for a record past the recorded position: it is
+                    // written again, identically, when the record is applied
+                    // again, and until then no merge decision may count it.
+                    tracing::info!(%path, "removing a part of a record not yet recorded as applied");
+                    disk.remove_file(&path).await.map_err(io(&path))?;
+                    continue;
+                }
                 parts.entry(table_id).or_default().insert(name, meta);
+            }
+            // A part covered by another (a merge's result) was replaced: the
+            // merge finished but the sources were not all removed yet.
+            let covered: Vec<PartName> = parts
+                .get(&table_id)
+                .map(|p| {
+                    p.keys()
+                        .filter(|n| p.keys().any(|o| replaces(o, n)))
+                        .cloned()
+                        .collect()
+                })
+                .unwrap_or_default();
+            for name in covered {
+                let path = format!("{tdir}/{name}.parquet");
+                tracing::info!(%path, "removing a part a merge replaced");
+                disk.remove_file(&path).await.map_err(io(&path))?;
+                if let Some(p) = parts.get_mut(&table_id) {
+                    p.remove(&name);
+                }
             }
             disk.sync_dir(&tdir).await.map_err(io(&tdir))?;
         }
+        let mut state = state;
+        // Merges whose result is there are done.
+        state.merges.retain(|m| {
+            !parts
+                .get(&m.table_id)
+                .is_some_and(|p| p.contains_key(&m.result))
+        });
         let status = ReplicaStatus {
             shard,
             replica,
@@ -215,6 +269,8 @@ impl Replica {
             records_applied: 0,
             records_skipped_duplicate: 0,
             parts: parts.values().map(BTreeMap::len).sum(),
+            pending_merges: state.merges.len(),
+            merges_done: 0,
             error: None,
         };
         let (status, _) = watch::channel(status);
@@ -338,9 +394,11 @@ impl Replica {
             .map_err(io(&path))?;
         let lsn = self.state.disk_consistent_lsn;
         let n = self.parts.values().map(BTreeMap::len).sum();
+        let pending = self.state.merges.len();
         self.status.send_modify(|s| {
             s.disk_consistent_lsn = lsn;
             s.parts = n;
+            s.pending_merges = pending;
         });
         Ok(())
     }
@@ -431,7 +489,9 @@ impl Replica {
                 let meta = self
                     .write_part(table_id, &schema, &name, vec![batch], (lsn, lsn))
                     .await?;
+                let partition = name.partition_id.clone();
                 self.parts.entry(table_id).or_default().insert(name, meta);
+                self.decide_merges(table_id, &partition);
             }
         }
         if let Some(key) = key {
@@ -444,6 +504,111 @@ impl Replica {
         }
         self.status.send_modify(|s| s.records_applied += 1);
         Ok(())
+    }
+
+    /// The parts of a partition as the WAL applied so far defines them: the
+    /// active parts with every decided merge counted as done.
+    fn logical_parts(&self, table_id: u64, partition: &str) -> Vec<PartName> {
+        let mut names: std::collections::BTreeSet<PartName> = self
+            .parts
+            .get(&table_id)
+            .into_iter()
+            .flat_map(|p| p.keys())
+            .filter(|n| n.partition_id == partition)
+            .cloned()
+            .collect();
+        for m in self.state.merges.iter().filter(|m| m.table_id == table_id) {
+            if m.result.partition_id == partition {
+                for s in &m.sources {
+                    names.remove(s);
+                }
+                names.insert(m.result.clone());
+            }
+        }
+        names.into_iter().collect()
+    }
+
+    /// The merge policy, a function of the applied WAL alone: whenever a
+    /// partition holds [`MERGE_FANIN`] parts of one level (below
+    /// [`MAX_MERGE_LEVEL`]), the oldest of them (lowest blocks) become one part
+    /// of the next level; repeated while it applies. Called after every part a
+    /// record adds, so every replica decides the same merges at the same LSN.
+    fn decide_merges(&mut self, table_id: u64, partition: &str) {
+        loop {
+            let logical = self.logical_parts(table_id, partition);
+            let mut decided = false;
+            for level in 0..MAX_MERGE_LEVEL {
+                let mut same: Vec<&PartName> =
+                    logical.iter().filter(|n| n.level == level).collect();
+                if same.len() < MERGE_FANIN {
+                    continue;
+                }
+                same.sort_by_key(|n| n.min_block);
+                let sources: Vec<PartName> =
+                    same[..MERGE_FANIN].iter().map(|n| (*n).clone()).collect();
+                let result = PartName {
+                    partition_id: partition.to_string(),
+                    min_block: sources[0].min_block,
+                    max_block: sources[MERGE_FANIN - 1].max_block,
+                    level: level + 1,
+                };
+                self.state.merges.push(Merge {
+                    table_id,
+                    result,
+                    sources,
+                });
+                decided = true;
+                break;
+            }
+            if !decided {
+                return;
+            }
+        }
+    }
+
+    /// The first decided merge whose sources are all written (merges run in
+    /// the order decided), with what a merger needs to do it without holding
+    /// the replica.
+    pub fn next_merge(&self) -> Option<MergeJob> {
+        let m = self.state.merges.first()?;
+        let have = self.parts.get(&m.table_id)?;
+        let mut sources = Vec::with_capacity(m.sources.len());
+        for s in &m.sources {
+            let meta = have.get(s)?;
+            sources.push((self.part_path(m.table_id, s), meta.clone()));
+        }
+        Some(MergeJob {
+            merge: m.clone(),
+            sources,
+            disk: Arc::clone(&self.disk),
+            cpu: self.cpu,
+            path: self.part_path(m.table_id, &m.result),
+            dir: format!("{}/parts/{}", self.dir, m.table_id),
+        })
+    }
+
+    /// Records a merge done by [`MergeJob::run`]: the result becomes active,
+    /// the sources replaced (their files are the caller's to remove, after
+    /// readers had time to finish); persisted before it returns.
+    pub async fn finish_merge(
+        &mut self,
+        merge: &Merge,
+        meta: PartMeta,
+    ) -> Result<Vec<String>, ReplicaError> {
+        if self.state.merges.first() != Some(merge) {
+            return Ok(Vec::new());
+        }
+        self.state.merges.remove(0);
+        let parts = self.parts.entry(merge.table_id).or_default();
+        let mut replaced = Vec::new();
+        for s in &merge.sources {
+            parts.remove(s);
+            replaced.push(format!("{}/parts/{}/{s}.parquet", self.dir, merge.table_id));
+        }
+        parts.insert(merge.result.clone(), meta);
+        self.persist().await?;
+        self.status.send_modify(|s| s.merges_done += 1);
+        Ok(replaced)
     }
 
     /// Encodes and writes one part durably: temporary name, fsync, rename,
@@ -480,6 +645,139 @@ impl Replica {
         self.disk.rename(&tmp, &path).await.map_err(io(&path))?;
         self.disk.sync_dir(&tdir).await.map_err(io(&tdir))?;
         Ok(meta)
+    }
+}
+
+/// Whether part `a` replaced part `b`: same partition, a higher level, and
+/// `b`'s blocks inside `a`'s.
+fn replaces(a: &PartName, b: &PartName) -> bool {
+    a != b
+        && a.partition_id == b.partition_id
+        && a.level > b.level
+        && a.min_block <= b.min_block
+        && b.max_block <= a.max_block
+}
+
+/// A merge to run outside the replica's lock.
+pub struct MergeJob {
+    pub merge: Merge,
+    sources: Vec<(String, PartMeta)>,
+    disk: Arc<dyn Disk>,
+    cpu: Cpu,
+    path: String,
+    dir: String,
+}
+
+impl MergeJob {
+    /// Reads the sources in block order, writes the merged part durably
+    /// (temporary name, fsync, rename, directory fsync) and returns its
+    /// metadata. The rows are the sources' rows in block order, so every
+    /// replica writes the same part. Holds the sources' rows in memory: merges
+    /// stop at [`MAX_MERGE_LEVEL`], which bounds a part's size.
+    pub async fn run(self) -> Result<PartMeta, ReplicaError> {
+        let mut batches = Vec::new();
+        let min_lsn = self
+            .sources
+            .iter()
+            .map(|(_, m)| m.min_lsn)
+            .min()
+            .unwrap_or_default();
+        let max_lsn = self
+            .sources
+            .iter()
+            .map(|(_, m)| m.max_lsn)
+            .max()
+            .unwrap_or_default();
+        for (path, meta) in &self.sources {
+            let bytes = Bytes::from(self.disk.read(path).await.map_err(io(path))?);
+            let name = meta.name.clone();
+            batches.extend(self.cpu.run(move || part::read_rows(&name, bytes)).await?);
+        }
+        let table_id = self.merge.table_id;
+        let Some(schema) = batches.first().map(RecordBatch::schema) else {
+            return Err(ReplicaError::Damaged {
+                path: self.path.clone(),
+                detail: "a merge of parts without rows".into(),
+            });
+        };
+        let (bytes, meta) = self
+            .cpu
+            .run({
+                let name = self.merge.result.clone();
+                move || part::encode(&schema, &name, table_id, &batches, (min_lsn, max_lsn))
+            })
+            .await?;
+        let tmp = format!("{}.tmp", self.path);
+        match self.disk.remove_file(&tmp).await {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io(&tmp)(e)),
+        }
+        let file = self.disk.create_new(&tmp).await.map_err(io(&tmp))?;
+        file.write_at(0, bytes).await.map_err(io(&tmp))?;
+        file.sync_data().await.map_err(io(&tmp))?;
+        drop(file);
+        self.disk
+            .rename(&tmp, &self.path)
+            .await
+            .map_err(io(&self.path))?;
+        self.disk.sync_dir(&self.dir).await.map_err(io(&self.dir))?;
+        Ok(meta)
+    }
+}
+
+/// Runs a replica's merges as they are decided, one at a time, without
+/// holding the replica while a merge reads and writes; removes the parts a
+/// merge replaced after `grace` (readers that listed them may still read
+/// them). Returns only if a merge fails.
+pub async fn run_merges(replica: SharedReplica, grace: std::time::Duration) -> ReplicaError {
+    let mut status = replica.lock().await.subscribe();
+    let mut doomed: VecDeque<(tokio::time::Instant, Vec<String>)> = VecDeque::new();
+    loop {
+        let job = replica.lock().await.next_merge();
+        if let Some(job) = job {
+            let merge = job.merge.clone();
+            let meta = match job.run().await {
+                Ok(m) => m,
+                Err(e) => return e,
+            };
+            let replaced = match replica.lock().await.finish_merge(&merge, meta).await {
+                Ok(r) => r,
+                Err(e) => return e,
+            };
+            doomed.push_back((tokio::time::Instant::now() + grace, replaced));
+            continue;
+        }
+        let disk = Arc::clone(replica.lock().await.disk());
+        while doomed
+            .front()
+            .is_some_and(|(at, _)| *at <= tokio::time::Instant::now())
+        {
+            if let Some((_, paths)) = doomed.pop_front() {
+                for p in paths {
+                    if let Err(e) = disk.remove_file(&p).await {
+                        if e.kind() != std::io::ErrorKind::NotFound {
+                            tracing::warn!(path = %p, error = %e, "could not remove a replaced part");
+                        }
+                    }
+                }
+            }
+        }
+        let wake = doomed.front().map(|(at, _)| *at);
+        tokio::select! {
+            biased;
+            changed = status.changed() => {
+                if changed.is_err() {
+                    return ReplicaError::Damaged { path: String::new(), detail: "replica closed".into() };
+                }
+            }
+            _ = async {
+                match wake {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending::<()>().await,
+                }
+            } => {}
+        }
     }
 }
 

@@ -249,3 +249,80 @@ async fn hostile_wal_stops_the_replica_without_writing_a_part() {
     let mut r = open(&disk, "e", 0).await;
     assert!(r.receive(Lsn(10), &bytes).await.is_err());
 }
+
+/// Runs every decided merge of `r` to the end, as the merge task does.
+async fn merge_all(r: &mut Replica) -> Vec<String> {
+    let mut replaced = Vec::new();
+    while let Some(job) = r.next_merge() {
+        let merge = job.merge.clone();
+        let meta = job.run().await.expect("merge");
+        replaced.extend(r.finish_merge(&merge, meta).await.expect("finish"));
+    }
+    replaced
+}
+
+#[tokio::test]
+async fn merges_are_decided_by_the_wal_and_agree_across_replicas_and_crashes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let mut wal = Wal::default();
+    let mut blocks = Vec::new();
+    for i in 0..20i64 {
+        blocks.push(wal.insert(1, 0, "", rows(i * 10..i * 10 + 10, &["x"])).0);
+    }
+    let all = wal.bytes.clone().freeze();
+
+    // Replica a: everything at once, merges after.
+    let mut a = open(&disk, "a", 0).await;
+    a.receive(Lsn(0), &all).await.expect("apply");
+    assert_eq!(
+        a.subscribe().borrow().pending_merges,
+        2,
+        "20 parts: two merges of 8"
+    );
+    let replaced = merge_all(&mut a).await;
+    assert_eq!(replaced.len(), 16);
+    let merged: Vec<String> = a.parts(1).iter().map(|p| p.name.to_string()).collect();
+    assert_eq!(merged[0], format!("x_{}_{}_1", blocks[0], blocks[7]));
+    assert_eq!(merged[1], format!("x_{}_{}_1", blocks[8], blocks[15]));
+    assert_eq!(
+        merged.len(),
+        2 + 4,
+        "two level-1 parts and the 4 newest level-0 parts"
+    );
+    assert_eq!(a.parts(1).iter().map(|p| p.rows).sum::<u64>(), 200);
+
+    // Replica b: merges interleaved with applying, a crash (reopen) mid-way
+    // with a merge decided but not done, and one done but whose sources are
+    // still on disk.
+    let mut b = open(&disk, "b", 0).await;
+    let cut = all.len() / 2;
+    b.receive(Lsn(0), &all[..cut]).await.expect("first half");
+    let job = b.next_merge().expect("a merge decided");
+    let merge = job.merge.clone();
+    let meta = job.run().await.expect("merge runs");
+    let _ = b.finish_merge(&merge, meta).await.expect("finish");
+    // Sources of that merge are not removed: a crash before the removal.
+    drop(b);
+    let mut b = open(&disk, "b", 0).await;
+    let at = b.receive_from();
+    b.receive(at, &all[at.0 as usize..])
+        .await
+        .expect("second half");
+    merge_all(&mut b).await;
+    assert_eq!(names(&a), names(&b), "same parts, names and checksums");
+    for p in a.parts(1) {
+        let file = |r: &str| {
+            std::fs::read(dir.path().join(format!("{r}/parts/1/{}.parquet", p.name))).expect("part")
+        };
+        assert_eq!(file("a"), file("b"), "{}: same bytes", p.name);
+    }
+    // Replaced parts are gone after a restart, and the merged ones stay.
+    drop(b);
+    let b = open(&disk, "b", 0).await;
+    assert_eq!(names(&b), names(&a));
+    let on_disk = std::fs::read_dir(dir.path().join("b/parts/1"))
+        .expect("dir")
+        .count();
+    assert_eq!(on_disk, 6, "only the active parts are left");
+}
