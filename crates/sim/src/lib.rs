@@ -27,6 +27,7 @@ pub mod disk;
 pub mod faults;
 pub mod net;
 pub mod objstore;
+pub mod replicas;
 pub mod rogue;
 pub mod wal;
 pub mod walreceiver;

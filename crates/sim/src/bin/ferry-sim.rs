@@ -33,6 +33,10 @@ enum SimCommand {
     /// The WAL random test: 3 safekeepers, writers and a replica under crashes,
     /// restarts, partitions, broken connections and disk faults.
     Wal(WalSimArgs),
+    /// The replica random test: inserts through the writer, 2 shards x 2
+    /// replicas streaming from 3 safekeepers, under replica and safekeeper
+    /// crashes, partitions and retried inserts.
+    Replicas(WalSimArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -116,6 +120,62 @@ fn wal(args: WalSimArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn replicas(args: WalSimArgs) -> anyhow::Result<()> {
+    let show = |o: &ferry_sim::replicas::Outcome| {
+        format!(
+            "{} events, {:.1} simulated s, {} acknowledged inserts, {} rows per shard copy, {} replica crashes, {} merges, log hash {:08x}",
+            o.events,
+            o.simulated.as_secs_f64(),
+            o.acknowledged,
+            o.rows,
+            o.replica_crashes,
+            o.merges,
+            o.log_hash
+        )
+    };
+    if let Some(seed) = args.seed {
+        return match ferry_sim::replicas::run_seed(seed, args.log) {
+            Ok(o) => {
+                say!("seed {seed}: ok, {}", show(&o));
+                Ok(())
+            }
+            Err(f) => {
+                if !args.log {
+                    for line in &f.log {
+                        say!("{line}");
+                    }
+                }
+                anyhow::bail!("{f}")
+            }
+        };
+    }
+    let started = Instant::now();
+    let mut failures = Vec::new();
+    let (mut crashes, mut merges) = (0, 0);
+    for seed in args.start_seed..args.start_seed + args.seeds {
+        match ferry_sim::replicas::run_seed(seed, false) {
+            Ok(o) => {
+                crashes += o.replica_crashes;
+                merges += o.merges;
+            }
+            Err(f) => {
+                say!("FAILED {f}");
+                say!("  replay: ferry-sim replicas --seed {} --log", f.seed);
+                failures.push(f.seed);
+            }
+        }
+    }
+    let wall = started.elapsed().as_secs_f64();
+    say!(
+        "{} seeds in {wall:.2} s: {:.1} seeds/s, {crashes} replica crashes, {merges} merges, {} failed",
+        args.seeds,
+        args.seeds as f64 / wall.max(1e-9),
+        failures.len()
+    );
+    anyhow::ensure!(failures.is_empty(), "failing seeds: {failures:?}");
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     // Node logs would drown the event log; RUST_LOG turns them on.
@@ -130,5 +190,6 @@ fn main() -> anyhow::Result<()> {
     // The simulator builds its own single-threaded runtime per seed.
     match cli.command {
         SimCommand::Wal(args) => wal(args),
+        SimCommand::Replicas(args) => replicas(args),
     }
 }

@@ -1,0 +1,664 @@
+//! The replica random test: inserts through the real writer into three real
+//! safekeepers, and replicas of 2 shards x 2 replicas (the production
+//! `Replica`, walreceiver and merge task) streaming from them, under replica
+//! crashes that land between writes and fsyncs (unsynced data lost, torn
+//! files), safekeeper crashes under a streaming replica, partitions between
+//! replicas and safekeepers, and retried inserts with their idempotency keys.
+//!
+//! Checked at every step: a replica's `disk_consistent_lsn` never goes back,
+//! not within an incarnation and not across a crash (what it reported was
+//! durable). Checked once faults stop and everything settled: every replica
+//! holds exactly the rows of its shard's acknowledged inserts, each once (a
+//! retried insert included); the replicas of a shard hold the same parts,
+//! name for name and checksum for checksum; no replica stopped.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arrow::array::{AsArray, Int64Array, RecordBatch, StringArray};
+use arrow::datatypes::Int64Type;
+use async_trait::async_trait;
+use bytes::Bytes;
+use ferry_env::{Cpu, Disk};
+use ferry_replica::{Replica, SharedReplica, StreamConfig, TableRef, Tables};
+use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig};
+use ferry_safekeeper::server::SafekeeperServer;
+use ferry_table::{Table, TableDef};
+use ferry_wal::segment::SegmentSize;
+use ferry_wal::{ClusterId, Lsn};
+use ferry_writer::driver::{Insert, Writer, WriterConfig};
+use ferry_writer::proposer::ProposerConfig;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use crate::coord::CoordFaults;
+use crate::disk::SimDisk;
+use crate::net::NetOptions;
+use crate::objstore::ObjectFaults;
+use crate::world::{Failure, World};
+
+const SAFEKEEPERS: usize = 3;
+const SHARDS: u32 = 2;
+const REPLICAS_PER_SHARD: u32 = 2;
+const SEGMENT_BYTES: u64 = 256 << 10;
+const TABLE_ID: u64 = 1;
+const PARTITIONS: [&str; 3] = ["p0", "p1", "p2"];
+
+fn table() -> Table {
+    Table {
+        id: TABLE_ID,
+        def: TableDef::from_toml(
+            r#"name = "t"
+partition_by = { column = "p", transform = "identity" }
+shard_by = { column = "id", shards = 2 }
+[[columns]]
+name = "id"
+type = "Int64"
+[[columns]]
+name = "p"
+type = "Utf8"
+"#,
+        )
+        .expect("the test table is valid"),
+    }
+}
+
+struct OneTable;
+
+#[async_trait]
+impl Tables for OneTable {
+    async fn by_id(&self, id: u64) -> Result<TableRef, String> {
+        Ok(if id == TABLE_ID {
+            TableRef::Known(table())
+        } else {
+            TableRef::Unknown
+        })
+    }
+}
+
+fn sk_name(i: usize) -> String {
+    format!("sk{i}")
+}
+
+fn replica_name(i: usize) -> String {
+    format!(
+        "r{}{}",
+        i as u32 / REPLICAS_PER_SHARD,
+        i as u32 % REPLICAS_PER_SHARD
+    )
+}
+
+fn replicas() -> usize {
+    (SHARDS * REPLICAS_PER_SHARD) as usize
+}
+
+#[derive(Debug, Clone)]
+enum Event {
+    /// A new insert of this many rows.
+    Insert(usize),
+    /// An acknowledged insert sent again with its key (a client retry).
+    Retry,
+    CrashReplica(usize),
+    CrashSafekeeper(usize),
+    PartitionReplica(usize, usize),
+    Repair,
+}
+
+/// One insert as a client sends it: its key and its records.
+#[derive(Debug, Clone)]
+struct Request {
+    key: String,
+    ids: Vec<i64>,
+    inserts: Vec<Insert>,
+}
+
+fn request(n: u64, first_id: i64, rows: usize) -> Request {
+    let def = table().def;
+    let ids: Vec<i64> = (first_id..first_id + rows as i64).collect();
+    let batch = RecordBatch::try_new(
+        def.arrow_schema(),
+        vec![
+            Arc::new(Int64Array::from(ids.clone())),
+            Arc::new(StringArray::from_iter_values(
+                ids.iter()
+                    .map(|i| PARTITIONS[(*i as usize / 3) % PARTITIONS.len()]),
+            )),
+        ],
+    )
+    .expect("batch");
+    let rows_in = ferry_table::Rows {
+        rows: batch.num_rows(),
+        batches: vec![batch],
+    };
+    let key = format!("req-{n}");
+    let inserts = ferry_table::rows::split_by_shard(&def, &rows_in)
+        .expect("split")
+        .into_iter()
+        .map(|(shard, b)| Insert {
+            table_id: TABLE_ID,
+            shard,
+            idempotency_key: Bytes::from(key.clone().into_bytes()),
+            arrow_ipc: ferry_table::rows::to_ipc(&b).expect("ipc"),
+        })
+        .collect();
+    Request { key, ids, inserts }
+}
+
+/// What one seed did.
+#[derive(Debug)]
+pub struct Outcome {
+    pub seed: u64,
+    pub events: usize,
+    pub simulated: Duration,
+    pub acknowledged: usize,
+    pub rows: usize,
+    pub replica_crashes: usize,
+    pub merges: u64,
+    pub log_hash: u32,
+    pub log: Vec<String>,
+}
+
+/// An insert's request and whether it was acknowledged.
+type ResultTx = mpsc::UnboundedSender<(Request, bool)>;
+type ResultRx = mpsc::UnboundedReceiver<(Request, bool)>;
+
+struct ReplicaNode {
+    shared: SharedReplica,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+struct Sim {
+    world: World,
+    sk_disks: Vec<SimDisk>,
+    servers: Vec<Option<Arc<SafekeeperServer>>>,
+    writer: Arc<Writer>,
+    replicas: Vec<Option<ReplicaNode>>,
+    /// Highest `disk_consistent_lsn` each replica reported (durable).
+    reported: Arc<Mutex<Vec<Lsn>>>,
+    violations: Arc<Mutex<Vec<String>>>,
+    acked: BTreeMap<String, Request>,
+    unknown: Vec<Request>,
+    results: (ResultTx, ResultRx),
+    in_flight: usize,
+    next_request: u64,
+    next_id: i64,
+    replica_crashes: usize,
+}
+
+impl Sim {
+    fn log(&mut self, line: impl AsRef<str>) {
+        self.world.log(line);
+    }
+
+    fn fail(&self, reason: impl Into<String>) -> Failure {
+        self.world.fail(reason)
+    }
+
+    fn acceptor_config(i: usize) -> AcceptorConfig {
+        AcceptorConfig {
+            cluster_id: ClusterId::new("replica-sim").expect("id"),
+            node_id: i as u64,
+            timeline_id: 1,
+            segment_size: SegmentSize::new(SEGMENT_BYTES).expect("segment size"),
+            preallocation: Default::default(),
+        }
+    }
+
+    async fn start_safekeeper(&mut self, i: usize, create: bool) -> Result<(), Failure> {
+        let disk: Arc<dyn Disk> = Arc::new(self.sk_disks[i].clone());
+        let acceptor = if create {
+            Acceptor::create(disk, &sk_name(i), Self::acceptor_config(i)).await
+        } else {
+            Acceptor::open(disk, &sk_name(i), Self::acceptor_config(i)).await
+        }
+        .map_err(|e| self.fail(format!("sk{i} cannot open: {e}")))?;
+        let server =
+            SafekeeperServer::start(self.world.net.node(&sk_name(i)), &sk_name(i), acceptor)
+                .await
+                .map_err(|e| self.fail(format!("sk{i} cannot listen: {e}")))?;
+        self.servers[i] = Some(Arc::new(server));
+        self.log(format!("sk{i} started"));
+        Ok(())
+    }
+
+    async fn crash_safekeeper(&mut self, i: usize) {
+        if let Some(server) = self.servers[i].take() {
+            server.kill().await;
+            self.world.crash_disk(&sk_name(i));
+            self.log(format!("sk{i} crashed"));
+        }
+    }
+
+    /// Opens replica `i` from its disk, checking it kept what it reported.
+    async fn start_replica(&mut self, i: usize) -> Result<(), Failure> {
+        let name = replica_name(i);
+        let disk: Arc<dyn Disk> = Arc::new(self.world.disk(&name));
+        let replica = Replica::open(
+            disk,
+            "replica",
+            i as u32 / REPLICAS_PER_SHARD,
+            i as u32 % REPLICAS_PER_SHARD,
+            Cpu::Inline,
+            Arc::new(OneTable),
+        )
+        .await
+        .map_err(|e| self.fail(format!("{name} cannot reopen: {e}")))?;
+        let opened = replica.disk_consistent_lsn();
+        let reported = self.reported.lock().map(|r| r[i]).unwrap_or_default();
+        if opened < reported {
+            return Err(self.fail(format!(
+                "{name} reopened at {opened}, below the {reported} it reported as durable"
+            )));
+        }
+        let mut status = replica.subscribe();
+        let shared: SharedReplica = Arc::new(tokio::sync::Mutex::new(replica));
+        let mut config = StreamConfig::new((0..SAFEKEEPERS).map(sk_name).collect());
+        config.reconnect_delay = Duration::from_millis(100);
+        // Each replica starts on another safekeeper.
+        config.safekeepers.rotate_left(i % SAFEKEEPERS);
+        let stream = tokio::spawn({
+            let shared = Arc::clone(&shared);
+            let net = self.world.net.node(&name);
+            let clock: ferry_env::SharedClock = Arc::new(self.world.clock.clone());
+            async move {
+                let e = ferry_replica::stream::run(shared, net, clock, config).await;
+                tracing::debug!(error = %e, "replica stream ended");
+            }
+        });
+        let merges = tokio::spawn({
+            let shared = Arc::clone(&shared);
+            async move {
+                let e = ferry_replica::run_merges(shared, Duration::from_secs(2)).await;
+                tracing::debug!(error = %e, "replica merges ended");
+            }
+        });
+        // The step check: the position never goes back.
+        let monitor = tokio::spawn({
+            let reported = Arc::clone(&self.reported);
+            let violations = Arc::clone(&self.violations);
+            async move {
+                loop {
+                    let lsn = status.borrow_and_update().disk_consistent_lsn;
+                    if let (Ok(mut r), Ok(mut v)) = (reported.lock(), violations.lock()) {
+                        if lsn < r[i] {
+                            v.push(format!(
+                                "{name}: disk_consistent_lsn went back from {} to {lsn}",
+                                r[i]
+                            ));
+                        }
+                        r[i] = r[i].max(lsn);
+                    }
+                    if status.changed().await.is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        self.replicas[i] = Some(ReplicaNode {
+            shared,
+            tasks: vec![stream, merges, monitor],
+        });
+        self.log(format!("{} started at {opened}", replica_name(i)));
+        Ok(())
+    }
+
+    async fn crash_replica(&mut self, i: usize) -> Result<(), Failure> {
+        let name = replica_name(i);
+        if let Some(node) = self.replicas[i].take() {
+            // Most crashes wait for a write, so they land before its fsync.
+            let disk = self.world.disk(&name);
+            if self.world.rng.random_bool(0.7)
+                && disk.wait_for_unsynced_write(Duration::from_secs(1)).await
+            {
+                self.log(format!("{name} crashes right after a write"));
+            }
+            for t in node.tasks {
+                t.abort();
+                let _ = t.await;
+            }
+            drop(node.shared);
+            self.world.crash_disk(&name);
+            self.replica_crashes += 1;
+            self.log(format!("{name} crashed"));
+        }
+        self.start_replica(i).await
+    }
+
+    fn send(&mut self, req: Request) {
+        let writer = Arc::clone(&self.writer);
+        let tx = self.results.0.clone();
+        self.in_flight += 1;
+        tokio::spawn(async move {
+            let ok = writer.insert(req.inserts.clone()).await.is_ok();
+            let _ = tx.send((req, ok));
+        });
+    }
+
+    fn collect_results(&mut self) {
+        while let Ok((req, ok)) = self.results.1.try_recv() {
+            self.in_flight -= 1;
+            if ok {
+                self.acked.insert(req.key.clone(), req);
+            } else {
+                // Outcome unknown: the client will retry with the same key.
+                self.unknown.push(req);
+            }
+        }
+    }
+
+    async fn apply(&mut self, event: &Event) -> Result<(), Failure> {
+        match event {
+            Event::Insert(rows) => {
+                let req = request(self.next_request, self.next_id, *rows);
+                self.next_request += 1;
+                self.next_id += *rows as i64;
+                self.send(req);
+            }
+            Event::Retry => {
+                let n = self.acked.len();
+                if n > 0 {
+                    let pick = self.world.rng.random_range(0..n);
+                    if let Some(req) = self.acked.values().nth(pick).cloned() {
+                        self.log(format!("retry of {}", req.key));
+                        self.send(req);
+                    }
+                }
+            }
+            Event::CrashReplica(i) => self.crash_replica(*i).await?,
+            Event::CrashSafekeeper(i) => {
+                // At most one safekeeper down at a time: a quorum stays.
+                let down = self.servers.iter().filter(|s| s.is_none()).count();
+                if down == 0 {
+                    self.crash_safekeeper(*i).await;
+                } else if self.servers[*i].is_none() {
+                    self.start_safekeeper(*i, false).await?;
+                }
+            }
+            Event::PartitionReplica(r, s) => {
+                let (a, b) = (replica_name(*r), sk_name(*s));
+                self.world.partition(&a, &b);
+            }
+            Event::Repair => self.world.repair_all(),
+        }
+        self.collect_results();
+        self.check_steps()
+    }
+
+    fn check_steps(&self) -> Result<(), Failure> {
+        let v = self
+            .violations
+            .lock()
+            .map(|v| v.clone())
+            .unwrap_or_default();
+        match v.first() {
+            Some(first) => Err(self.fail(first.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Faults stop: every safekeeper up, partitions repaired, unknown outcomes
+    /// retried until acknowledged, every replica caught up and merges settled.
+    async fn settle(&mut self) -> Result<Lsn, Failure> {
+        self.world.repair_all();
+        for i in 0..SAFEKEEPERS {
+            if self.servers[i].is_none() {
+                self.start_safekeeper(i, false).await?;
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            self.collect_results();
+            for req in std::mem::take(&mut self.unknown) {
+                self.send(req);
+            }
+            if self.in_flight == 0 && self.unknown.is_empty() {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(self.fail("inserts did not complete after faults stopped"));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let end: Lsn = self
+            .writer
+            .status()
+            .commit_lsn
+            .parse()
+            .map_err(|e| self.fail(format!("writer commit_lsn: {e}")))?;
+        for i in 0..replicas() {
+            let Some(node) = &self.replicas[i] else {
+                continue;
+            };
+            let mut status = node.shared.lock().await.subscribe();
+            let reached = tokio::time::timeout_at(
+                deadline,
+                status.wait_for(|s| {
+                    (s.disk_consistent_lsn >= end && s.pending_merges == 0) || s.error.is_some()
+                }),
+            )
+            .await
+            .is_ok();
+            let s = status.borrow().clone();
+            if let Some(e) = s.error {
+                return Err(self.fail(format!("{} stopped: {e}", replica_name(i))));
+            }
+            if !reached {
+                return Err(self.fail(format!(
+                    "{} reached {} of {end} ({} merges pending) after faults stopped",
+                    replica_name(i),
+                    s.disk_consistent_lsn,
+                    s.pending_merges
+                )));
+            }
+        }
+        self.check_steps()?;
+        Ok(end)
+    }
+
+    /// The rows of every replica against the acknowledged inserts.
+    async fn check_replicas(&mut self) -> Result<(usize, u64), Failure> {
+        let mut expected: BTreeMap<u32, Vec<i64>> = BTreeMap::new();
+        let def = table().def;
+        for req in self.acked.values() {
+            let ids = Int64Array::from(req.ids.clone());
+            let shards = ferry_table::keys::shard_numbers(
+                SHARDS,
+                &(Arc::new(ids) as arrow::array::ArrayRef),
+            );
+            for (id, shard) in req.ids.iter().zip(shards) {
+                expected.entry(shard).or_default().push(*id);
+            }
+        }
+        let _ = def;
+        let mut per_shard_parts: BTreeMap<u32, Vec<(String, u64, u32)>> = BTreeMap::new();
+        let mut rows_total = 0;
+        let mut merges = 0;
+        for i in 0..replicas() {
+            let name = replica_name(i);
+            let shard = i as u32 / REPLICAS_PER_SHARD;
+            let Some(node) = &self.replicas[i] else {
+                continue;
+            };
+            let r = node.shared.lock().await;
+            merges += r.subscribe().borrow().merges_done;
+            let mut ids = Vec::new();
+            let mut parts = Vec::new();
+            for p in r.parts(TABLE_ID) {
+                let bytes = r
+                    .disk()
+                    .read(&r.part_path(TABLE_ID, &p.name))
+                    .await
+                    .map_err(|e| self.fail(format!("{name}: reading part {}: {e}", p.name)))?;
+                let batches = ferry_replica::part::read_rows(&p.name, Bytes::from(bytes))
+                    .map_err(|e| self.fail(format!("{name}: {e}")))?;
+                for b in &batches {
+                    let col = b.column(0).as_primitive::<Int64Type>();
+                    ids.extend((0..col.len()).map(|j| col.value(j)));
+                }
+                parts.push((p.name.to_string(), p.rows, p.checksum));
+            }
+            let mut sorted = ids.clone();
+            sorted.sort_unstable();
+            let unique: BTreeSet<i64> = sorted.iter().copied().collect();
+            if unique.len() != sorted.len() {
+                return Err(self.fail(format!(
+                    "{name} holds {} rows more than once",
+                    sorted.len() - unique.len()
+                )));
+            }
+            let mut want = expected.get(&shard).cloned().unwrap_or_default();
+            want.sort_unstable();
+            if sorted != want {
+                let missing: Vec<i64> = want
+                    .iter()
+                    .filter(|x| !unique.contains(x))
+                    .copied()
+                    .take(5)
+                    .collect();
+                return Err(self.fail(format!(
+                    "{name} holds {} rows of shard {shard}, the acknowledged inserts {} (missing e.g. {missing:?})",
+                    sorted.len(),
+                    want.len()
+                )));
+            }
+            rows_total += sorted.len();
+            match per_shard_parts.get(&shard) {
+                Some(other) if *other != parts => {
+                    return Err(self.fail(format!(
+                        "{name}'s parts differ from its shard's other replica: {} against {} parts",
+                        parts.len(),
+                        other.len()
+                    )))
+                }
+                Some(_) => {}
+                None => {
+                    per_shard_parts.insert(shard, parts);
+                }
+            }
+        }
+        Ok((rows_total, merges))
+    }
+}
+
+fn generate(rng: &mut SmallRng) -> Vec<(Duration, Event)> {
+    let n = rng.random_range(30..80);
+    let mut at = Duration::ZERO;
+    let mut events = Vec::with_capacity(n);
+    for _ in 0..n {
+        at += Duration::from_millis(rng.random_range(5..300));
+        let event = match rng.random_range(0..100) {
+            0..=59 => Event::Insert(rng.random_range(1..40)),
+            60..=69 => Event::Retry,
+            70..=81 => Event::CrashReplica(rng.random_range(0..replicas())),
+            82..=89 => Event::CrashSafekeeper(rng.random_range(0..SAFEKEEPERS)),
+            90..=95 => Event::PartitionReplica(
+                rng.random_range(0..replicas()),
+                rng.random_range(0..SAFEKEEPERS),
+            ),
+            _ => Event::Repair,
+        };
+        events.push((at, event));
+    }
+    events
+}
+
+pub fn run_seed(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .map_err(|e| Failure {
+            seed,
+            reason: format!("cannot build the runtime: {e}"),
+            log: Vec::new(),
+        })?;
+    runtime.block_on(run_seed_async(seed, verbose))
+}
+
+async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
+    let mut rng = SmallRng::seed_from_u64(seed ^ 0x7265_706c_6963_6173);
+    let events = generate(&mut rng);
+    let mut world = World::new(
+        seed,
+        &mut rng,
+        NetOptions::default(),
+        CoordFaults::default(),
+        ObjectFaults::default(),
+        verbose,
+    )
+    .await?;
+    let sk_disks = (0..SAFEKEEPERS).map(|i| world.disk(&sk_name(i))).collect();
+    let mut config = WriterConfig::new(
+        (0..SAFEKEEPERS).map(sk_name).collect(),
+        ProposerConfig::new(
+            ClusterId::new("replica-sim").expect("id"),
+            SAFEKEEPERS,
+            1,
+            SEGMENT_BYTES,
+            1,
+        ),
+    );
+    config.reconnect_delay = Duration::from_millis(50);
+    config.peer_timeout = Duration::from_secs(1);
+    config.reelect_when_superseded = true;
+    let writer = Arc::new(Writer::start(world.net.node("writer"), config));
+    let mut sim = Sim {
+        world,
+        sk_disks,
+        servers: vec![None, None, None],
+        writer,
+        replicas: (0..replicas()).map(|_| None).collect(),
+        reported: Arc::new(Mutex::new(vec![Lsn(0); replicas()])),
+        violations: Arc::new(Mutex::new(Vec::new())),
+        acked: BTreeMap::new(),
+        unknown: Vec::new(),
+        results: mpsc::unbounded_channel(),
+        in_flight: 0,
+        next_request: 0,
+        next_id: 0,
+        replica_crashes: 0,
+    };
+    sim.log(format!("seed {seed}: {} events", events.len()));
+    for i in 0..SAFEKEEPERS {
+        sim.start_safekeeper(i, true).await?;
+    }
+    for i in 0..replicas() {
+        sim.start_replica(i).await?;
+    }
+    for (at, event) in &events {
+        tokio::time::sleep_until(sim.world.start + *at).await;
+        sim.log(format!("{event:?}"));
+        sim.apply(event).await?;
+    }
+    let end = sim.settle().await?;
+    let (rows, merges) = sim.check_replicas().await?;
+    sim.log(format!(
+        "settled at {end}: {rows} rows on all replicas, {merges} merges"
+    ));
+    for i in 0..replicas() {
+        if let Some(node) = sim.replicas[i].take() {
+            for t in node.tasks {
+                t.abort();
+            }
+        }
+    }
+    let log_hash = sim
+        .world
+        .log_lines()
+        .iter()
+        .fold(0u32, |h, line| crc32c::crc32c_append(h, line.as_bytes()));
+    Ok(Outcome {
+        seed,
+        events: events.len(),
+        simulated: sim.world.start.elapsed(),
+        acknowledged: sim.acked.len(),
+        rows,
+        replica_crashes: sim.replica_crashes,
+        merges,
+        log_hash,
+        log: sim.world.into_log(),
+    })
+}

@@ -1,0 +1,80 @@
+//! The replica random test (`ferry_sim::replicas`): random seeds from a window
+//! that moves every day, and a determinism check. A failure prints the seed
+//! and the command that replays it.
+
+use ferry_sim::replicas::run_seed;
+use ferry_sim::world::Failure;
+
+fn explain(f: &Failure) -> String {
+    let tail: Vec<&str> = f
+        .log
+        .iter()
+        .rev()
+        .take(40)
+        .rev()
+        .map(String::as_str)
+        .collect();
+    format!(
+        "{f}\nreplay with: cargo run --release -p ferry-sim -- replicas --seed {} --log\nlast events:\n{}",
+        f.seed,
+        tail.join("\n")
+    )
+}
+
+fn env(name: &str) -> Option<u64> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
+}
+
+/// Seeds that caught planted bugs (200 seeds from 0 with each plant): a level-0
+/// part renamed without its fsync (197 of 200 failed, e.g. 0 and 1: a torn part
+/// at reopen), the idempotency window ignored (198 of 200, e.g. 0 and 1: rows
+/// twice), and a merge policy that waits while a merge of the partition is
+/// pending, so that decisions depend on how fast merges run (5 of 200: 41 and
+/// 69, replicas of a shard with different parts). They must stay green.
+const REGRESSION_SEEDS: &[u64] = &[0, 1, 41, 69];
+
+#[test]
+fn regression_seeds() {
+    for &seed in REGRESSION_SEEDS {
+        if let Err(f) = run_seed(seed, false) {
+            panic!("{}", explain(&f));
+        }
+    }
+}
+
+#[test]
+fn random_seeds() {
+    let seeds = env("FERRY_SIM_SEEDS").unwrap_or(200);
+    let day = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() / 86_400)
+        .unwrap_or(0);
+    let base = env("FERRY_SIM_BASE_SEED").unwrap_or(day * 1_000);
+    eprintln!(
+        "replica random_seeds: seeds {base}..{} (FERRY_SIM_BASE_SEED={base} FERRY_SIM_SEEDS={seeds} repeats this window)",
+        base + seeds
+    );
+    let mut crashes = 0;
+    let mut merges = 0;
+    for seed in base..base + seeds {
+        match run_seed(seed, false) {
+            Ok(o) => {
+                crashes += o.replica_crashes;
+                merges += o.merges;
+            }
+            Err(f) => panic!("{}", explain(&f)),
+        }
+    }
+    eprintln!("{seeds} seeds: {crashes} replica crashes, {merges} merges");
+    assert!(
+        crashes > 0 && merges > 0,
+        "the schedules reach crashes and merges"
+    );
+}
+
+#[test]
+fn same_seed_same_log() {
+    let a = run_seed(7, false).unwrap_or_else(|f| panic!("{}", explain(&f)));
+    let b = run_seed(7, false).unwrap_or_else(|f| panic!("{}", explain(&f)));
+    assert_eq!(a.log_hash, b.log_hash, "a seed gives one execution");
+}
