@@ -657,7 +657,7 @@ pub struct BenchQuorum {
     pub writer: Arc<ferry_writer::driver::Writer>,
     safekeepers: Safekeepers,
     /// The safekeepers' WAL addresses (walsenders connect to them).
-    addrs: Vec<String>,
+    pub addrs: Vec<String>,
 }
 
 /// A fresh quorum in its own directory, elected and ready.

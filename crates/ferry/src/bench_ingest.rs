@@ -169,6 +169,7 @@ async fn insert_all(
     format: Format,
     bodies: &[Bytes],
     in_flight: usize,
+    run: &'static str,
 ) -> anyhow::Result<Duration> {
     let start = Instant::now();
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -183,12 +184,7 @@ async fn insert_all(
                     return Ok(());
                 };
                 client
-                    .insert_body(
-                        "bench",
-                        format,
-                        body.clone(),
-                        Some(&format!("{format:?}-{i}")),
-                    )
+                    .insert_body("bench", format, body.clone(), Some(&format!("{run}-{i}")))
                     .await?;
             }
         });
@@ -234,6 +230,56 @@ async fn wal_alone(
             .map_err(|e: ferry_writer::driver::WriterError| anyhow::anyhow!(e))?;
     }
     Ok(start.elapsed())
+}
+
+/// The floor for applying: the same rows written as a replica writes them (one
+/// zstd Parquet file per insert and partition, fsynced), in one thread, with
+/// nothing else: no WAL, no network.
+fn raw_parquet_write(
+    def: &TableDef,
+    ipc: &[Bytes],
+    dir: &std::path::Path,
+) -> anyhow::Result<Duration> {
+    use std::io::Write as _;
+    std::fs::create_dir_all(dir)?;
+    let schema = def.arrow_schema();
+    let pidx = def
+        .column_index(&def.partition_by.column)
+        .context("partition column")?;
+    let props = parquet::file::properties::WriterProperties::builder()
+        .set_compression(parquet::basic::Compression::ZSTD(
+            parquet::basic::ZstdLevel::try_new(1)?,
+        ))
+        .build();
+    let started = Instant::now();
+    for (i, body) in ipc.iter().enumerate() {
+        for batch in ferry_table::rows::from_ipc(body)? {
+            let ids = ferry_table::keys::partition_ids(def, batch.column(pidx))
+                .map_err(|(row, e)| anyhow::anyhow!("row {row}: {e}"))?;
+            let mut groups: std::collections::BTreeMap<&str, Vec<u32>> = Default::default();
+            for (row, id) in ids.iter().enumerate() {
+                groups.entry(id.as_str()).or_default().push(row as u32);
+            }
+            for (id, rows) in groups {
+                let part = arrow::compute::take_record_batch(
+                    &batch,
+                    &arrow::array::UInt32Array::from(rows),
+                )?;
+                let mut out = Vec::new();
+                let mut w = parquet::arrow::ArrowWriter::try_new(
+                    &mut out,
+                    Arc::clone(&schema),
+                    Some(props.clone()),
+                )?;
+                w.write(&part)?;
+                w.close()?;
+                let mut f = std::fs::File::create(dir.join(format!("{id}_{i}.parquet")))?;
+                f.write_all(&out)?;
+                f.sync_data()?;
+            }
+        }
+    }
+    Ok(started.elapsed())
 }
 
 pub async fn ingest(args: IngestBenchArgs) -> anyhow::Result<()> {
@@ -302,9 +348,121 @@ pub async fn ingest(args: IngestBenchArgs) -> anyhow::Result<()> {
     client.create_table(&def).await?;
 
     // Warm up (page cache, connections), then measure.
-    insert_all(&client, Format::Arrow, &ipc[..1.min(ipc.len())], 1).await?;
-    let json_e2e = insert_all(&client, Format::Ndjson, &ndjson, args.in_flight).await?;
-    let ipc_e2e = insert_all(&client, Format::Arrow, &ipc, args.in_flight).await?;
+    insert_all(
+        &client,
+        Format::Arrow,
+        &ipc[..1.min(ipc.len())],
+        1,
+        "warm-up",
+    )
+    .await?;
+    let json_e2e = insert_all(&client, Format::Ndjson, &ndjson, args.in_flight, "json").await?;
+    let ipc_e2e = insert_all(&client, Format::Arrow, &ipc, args.in_flight, "ipc").await?;
+    let after_json: ferry_wal::Lsn = quorum
+        .writer
+        .status()
+        .commit_lsn
+        .parse()
+        .map_err(|e: String| anyhow::anyhow!(e))?;
+
+    // Two replicas start now: applying the WAL of both runs (2 x rows) is
+    // their apply rate.
+    let safekeepers: Vec<String> = quorum.addrs.clone();
+    let replica_disk: Arc<dyn ferry_env::Disk> =
+        Arc::new(ferry_env::RealDisk::open_root(root.path())?);
+    let tables: Arc<dyn ferry_replica::Tables> = Arc::new(crate::reads::CatalogTables(
+        ferry_ingest::Catalog::open(Arc::new(ferry_coord::EmbeddedSessions {
+            store: store.clone(),
+            timeout: Duration::from_secs(10),
+            metrics: Default::default(),
+        }))
+        .await?,
+    ));
+    let mut replicas = Vec::new();
+    let mut tasks = Vec::new();
+    let apply_started = Instant::now();
+    for r in 0..2 {
+        let replica = ferry_replica::Replica::open(
+            Arc::clone(&replica_disk),
+            &format!("replica{r}"),
+            ferry_replica::ALL_SHARDS,
+            r,
+            ferry_env::Cpu::BlockingPool,
+            Arc::clone(&tables),
+        )
+        .await?;
+        let shared: ferry_replica::SharedReplica = Arc::new(tokio::sync::Mutex::new(replica));
+        tasks.push(tokio::spawn({
+            let shared = Arc::clone(&shared);
+            let config = ferry_replica::StreamConfig::new(safekeepers.clone());
+            async move {
+                let e = ferry_replica::stream::run(
+                    shared,
+                    Arc::new(ferry_env::TcpNetwork),
+                    Arc::new(ferry_env::SystemClock),
+                    config,
+                )
+                .await;
+                tracing::error!(error = %e, "bench replica stopped");
+            }
+        }));
+        tasks.push(tokio::spawn({
+            let shared = Arc::clone(&shared);
+            async move {
+                let e = ferry_replica::run_merges(shared, Duration::from_secs(60)).await;
+                tracing::error!(error = %e, "bench replica merges stopped");
+            }
+        }));
+        replicas.push(shared);
+    }
+    let wait_applied = |lsn: ferry_wal::Lsn, settled: bool| {
+        let replicas = replicas.clone();
+        async move {
+            for r in &replicas {
+                let mut status = r.lock().await.subscribe();
+                status
+                    .wait_for(|s| {
+                        s.error.is_some()
+                            || (s.disk_consistent_lsn >= lsn && (!settled || s.pending_merges == 0))
+                    })
+                    .await?;
+                let error = status.borrow().error.clone();
+                if let Some(e) = error {
+                    anyhow::bail!("a replica stopped: {e}");
+                }
+            }
+            Ok::<_, anyhow::Error>(())
+        }
+    };
+    wait_applied(after_json, false).await?;
+    let apply_alone = apply_started.elapsed();
+    wait_applied(after_json, true).await?;
+
+    // Arrow IPC through HTTP (the same rows again, new keys) until both
+    // replicas applied it.
+    let e2e_started = Instant::now();
+    insert_all(&client, Format::Arrow, &ipc, args.in_flight, "parts").await?;
+    let after_ipc: ferry_wal::Lsn = quorum
+        .writer
+        .status()
+        .commit_lsn
+        .parse()
+        .map_err(|e: String| anyhow::anyhow!(e))?;
+    wait_applied(after_ipc, false).await?;
+    let to_parts = e2e_started.elapsed();
+    let merges_started = Instant::now();
+    wait_applied(after_ipc, true).await?;
+    let merge_settle = merges_started.elapsed();
+    let mut merges_done = 0;
+    for r in &replicas {
+        merges_done += r.lock().await.subscribe().borrow().merges_done;
+    }
+    for t in tasks {
+        t.abort();
+        let _ = t.await;
+    }
+    drop(replicas);
+    let raw_parquet = raw_parquet_write(&def, &ipc, &root.path().join("raw"))?;
     let wal = wal_alone(&quorum.writer, &ipc, args.in_flight).await?;
     server.stop().await;
     crate::bench::stop_quorum(quorum).await?;
@@ -351,6 +509,39 @@ pub async fn ingest(args: IngestBenchArgs) -> anyhow::Result<()> {
             mb_s(bytes, d)
         );
     }
+    say!(
+        "| Arrow IPC through HTTP until both replicas applied it as parts | {:.3} s | {:.0} | {:.1} |",
+        to_parts.as_secs_f64(),
+        rows_s(rows, to_parts),
+        mb_s(ipc_bytes, to_parts)
+    );
+    say!(
+        "| 2 replicas each applying both runs' {} rows from the WAL (apply alone), rows/s per replica | {:.3} s | {:.0} | - |",
+        2 * rows,
+        apply_alone.as_secs_f64(),
+        rows_s(2 * rows, apply_alone)
+    );
+    say!(
+        "| raw Parquet write of the same rows (zstd, one file per insert and partition, fsync; 1 thread) | {:.3} s | {:.0} | {:.1} |",
+        raw_parquet.as_secs_f64(),
+        rows_s(rows, raw_parquet),
+        mb_s(ipc_bytes, raw_parquet)
+    );
+    say!(
+        "merges: {merges_done} done by the 2 replicas (running beside applying), settled {:.3} s after the last insert was applied",
+        merge_settle.as_secs_f64()
+    );
+    let apply_rate = rows_s(2 * rows, apply_alone);
+    let raw_rate = rows_s(rows, raw_parquet);
+    say!(
+        "insert to applied parts on 2 replicas = {:.0}% of the raw Parquet write rate (goal at least 50%)",
+        100.0 * rows_s(rows, to_parts) / raw_rate
+    );
+    say!(
+        "replica apply = {:.0}% of the raw Parquet write rate per replica, {:.0}% for the two together on this machine's 2 cores (goal at least 80%)",
+        100.0 * apply_rate / raw_rate,
+        200.0 * apply_rate / raw_rate
+    );
     let json_ratio = json_alone.as_secs_f64() / json_e2e.as_secs_f64();
     let ipc_ratio = wal.as_secs_f64() / ipc_e2e.as_secs_f64();
     say!(
