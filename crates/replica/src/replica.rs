@@ -632,20 +632,33 @@ impl Replica {
         let tdir = format!("{}/parts/{table_id}", self.dir);
         self.disk.create_dir_all(&tdir).await.map_err(io(&tdir))?;
         let path = self.part_path(table_id, name);
-        let tmp = format!("{path}.tmp");
-        match self.disk.remove_file(&tmp).await {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(io(&tmp)(e)),
-        }
-        let file = self.disk.create_new(&tmp).await.map_err(io(&tmp))?;
-        file.write_at(0, bytes).await.map_err(io(&tmp))?;
-        file.sync_data().await.map_err(io(&tmp))?;
-        drop(file);
-        self.disk.rename(&tmp, &path).await.map_err(io(&path))?;
-        self.disk.sync_dir(&tdir).await.map_err(io(&tdir))?;
+        write_durably(self.disk.as_ref(), &tdir, &path, bytes).await?;
         Ok(meta)
     }
+}
+
+/// Writes a part file so that it exists whole or not at all: under
+/// `<path>.tmp` (a leftover of an earlier attempt removed first), fsynced,
+/// renamed to `path`, and the directory `dir` fsynced.
+async fn write_durably(
+    disk: &dyn Disk,
+    dir: &str,
+    path: &str,
+    bytes: Bytes,
+) -> Result<(), ReplicaError> {
+    let tmp = format!("{path}.tmp");
+    match disk.remove_file(&tmp).await {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io(&tmp)(e)),
+    }
+    let file = disk.create_new(&tmp).await.map_err(io(&tmp))?;
+    file.write_at(0, bytes).await.map_err(io(&tmp))?;
+    file.sync_data().await.map_err(io(&tmp))?;
+    drop(file);
+    disk.rename(&tmp, path).await.map_err(io(path))?;
+    disk.sync_dir(dir).await.map_err(io(dir))?;
+    Ok(())
 }
 
 /// Whether part `a` replaced part `b`: same partition, a higher level, and
@@ -707,21 +720,7 @@ impl MergeJob {
                 move || part::encode(&schema, &name, table_id, &batches, (min_lsn, max_lsn))
             })
             .await?;
-        let tmp = format!("{}.tmp", self.path);
-        match self.disk.remove_file(&tmp).await {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(io(&tmp)(e)),
-        }
-        let file = self.disk.create_new(&tmp).await.map_err(io(&tmp))?;
-        file.write_at(0, bytes).await.map_err(io(&tmp))?;
-        file.sync_data().await.map_err(io(&tmp))?;
-        drop(file);
-        self.disk
-            .rename(&tmp, &self.path)
-            .await
-            .map_err(io(&self.path))?;
-        self.disk.sync_dir(&self.dir).await.map_err(io(&self.dir))?;
+        write_durably(self.disk.as_ref(), &self.dir, &self.path, bytes).await?;
         Ok(meta)
     }
 }
