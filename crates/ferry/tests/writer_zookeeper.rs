@@ -31,29 +31,10 @@ name = "day"
 type = "Date"
 "#;
 
-/// Starts `ferry writer`; returns it and its HTTP base URL once it printed its
-/// first line.
-fn start_writer(addrs: &[String], zk: &str, cluster: &str) -> (Child, String) {
-    let mut child = Command::new(FERRY)
-        .args([
-            "writer",
-            "--cluster-id",
-            cluster,
-            "--safekeepers",
-            &addrs.join(","),
-        ])
-        .args([
-            "--segment-bytes",
-            &SEG.to_string(),
-            "--http",
-            "127.0.0.1:0",
-            "--zookeeper",
-            zk,
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn writer");
+/// Spawns `cmd` (its stderr set by the caller) and returns it with its HTTP
+/// base URL, read from the "status on http://.../status" of its first line.
+fn spawn_node(mut cmd: Command) -> (Child, String) {
+    let mut child = cmd.stdout(Stdio::piped()).spawn().expect("spawn ferry");
     let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
     let mut line = String::new();
     reader.read_line(&mut line).expect("read");
@@ -72,10 +53,33 @@ fn start_writer(addrs: &[String], zk: &str, cluster: &str) -> (Child, String) {
     (child, url)
 }
 
+/// Starts `ferry writer`; returns it and its HTTP base URL.
+fn start_writer(addrs: &[String], zk: &str, cluster: &str) -> (Child, String) {
+    let mut cmd = Command::new(FERRY);
+    cmd.args([
+        "writer",
+        "--cluster-id",
+        cluster,
+        "--safekeepers",
+        &addrs.join(","),
+    ])
+    .args([
+        "--segment-bytes",
+        &SEG.to_string(),
+        "--http",
+        "127.0.0.1:0",
+        "--zookeeper",
+        zk,
+    ]);
+    // Read at exit: a refusal is asserted on.
+    cmd.stderr(Stdio::piped());
+    spawn_node(cmd)
+}
+
 /// Starts `ferry replica` of `shard`; returns it and its HTTP base URL.
 fn start_replica(addrs: &[String], zk: &str, shard: u32, dir: &std::path::Path) -> (Child, String) {
-    let mut child = Command::new(FERRY)
-        .args(["replica", "--shard", &shard.to_string(), "--replica", "0"])
+    let mut cmd = Command::new(FERRY);
+    cmd.args(["replica", "--shard", &shard.to_string(), "--replica", "0"])
         .args([
             "--safekeepers",
             &addrs.join(","),
@@ -86,21 +90,8 @@ fn start_replica(addrs: &[String], zk: &str, shard: u32, dir: &std::path::Path) 
         ])
         .arg("--data-dir")
         .arg(dir)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn replica");
-    let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
-    let mut line = String::new();
-    reader.read_line(&mut line).expect("read");
-    std::thread::spawn(move || for _ in reader.lines().map_while(Result::ok) {});
-    let url = line
-        .split("status on ")
-        .nth(1)
-        .and_then(|r| r.split("/status").next())
-        .map(str::to_string)
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
-    (child, url)
+        .stderr(Stdio::null());
+    spawn_node(cmd)
 }
 
 /// Waits (at most 60 s) for `child` to exit; returns its success and stderr.
