@@ -603,6 +603,7 @@ impl Driver {
                 // Block numbers are the LSNs the records start at: known only now.
                 let mut at = self.proposer.end_lsn().0;
                 let mut numbers = Vec::with_capacity(inserts.len());
+                let mut ends = Vec::with_capacity(inserts.len());
                 let mut out = BytesMut::with_capacity(
                     inserts
                         .iter()
@@ -619,12 +620,25 @@ impl Driver {
                         arrow_ipc: i.arrow_ipc,
                     }
                     .encode(&mut out) as u64;
+                    ends.push(out.len());
                 }
                 let _ = blocks.send(numbers);
-                out.freeze()
+                let records = out.freeze();
+                let appended = self.proposer.append_encoded_unsent(&records, &ends);
+                return self.appended(appended, reply);
             }
         };
-        match self.proposer.append_unsent(&records) {
+        let appended = self.proposer.append_unsent(&records);
+        self.appended(appended, reply)
+    }
+
+    /// Queues the reply of an append the proposer took (or answers why not).
+    fn appended(
+        &mut self,
+        appended: Result<Lsn, ProposerError>,
+        reply: oneshot::Sender<Result<Lsn, WriterError>>,
+    ) -> Vec<Action> {
+        match appended {
             Ok(end) => {
                 self.waiters.push_back((end, reply));
                 if self.batching {

@@ -421,6 +421,29 @@ impl Proposer {
         Ok(self.end_lsn())
     }
 
+    /// Like [`Proposer::append_unsent`] for records this writer encoded itself,
+    /// whose record ends the encoder already knows: they are not checked again
+    /// (a second checksum pass over every byte of an insert), except in debug
+    /// builds.
+    pub fn append_encoded_unsent(
+        &mut self,
+        records: &Bytes,
+        ends: &[usize],
+    ) -> Result<Lsn, ProposerError> {
+        match self.phase {
+            Phase::Elected => {}
+            Phase::Stopped => return Err(ProposerError::Superseded(self.term)),
+            _ => return Err(ProposerError::NotElected),
+        }
+        debug_assert_eq!(
+            record_ends(records).ok().as_deref(),
+            Some(ends),
+            "the encoder's record ends"
+        );
+        self.buffer.push_back(records, ends);
+        Ok(self.end_lsn())
+    }
+
     /// Sends what [`Proposer::append_unsent`] added.
     pub fn send_pending(&mut self) -> Vec<Action> {
         let mut actions = Vec::new();
