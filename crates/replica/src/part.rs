@@ -96,6 +96,12 @@ pub enum PartError {
     Encode { name: String, detail: String },
     #[error("part file {name} is not a valid ferry part: {detail}")]
     Invalid { name: String, detail: String },
+    #[error("reading part file {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// A `std::io::Write` that only computes crc32c of what passes through.
@@ -114,40 +120,85 @@ impl std::io::Write for CrcWriter {
 /// Rows per batch of the checksum's canonical encoding.
 const CHECKSUM_CHUNK_ROWS: usize = 8192;
 
-/// The checksum of rows: crc32c of their Arrow IPC stream encoding in fresh
-/// batches of [`CHECKSUM_CHUNK_ROWS`] rows, so it depends on the rows alone,
-/// not on how they happen to be batched or sliced.
+/// The checksum of rows, fed in any batching: crc32c of their Arrow IPC
+/// stream encoding in fresh batches of [`CHECKSUM_CHUNK_ROWS`] rows, so it
+/// depends on the rows alone, not on how they happen to be batched or sliced.
+/// Holds at most one chunk of rows.
+pub struct RowsChecksum {
+    schema: SchemaRef,
+    writer: arrow::ipc::writer::StreamWriter<CrcWriter>,
+    pending: Vec<RecordBatch>,
+    pending_rows: usize,
+}
+
+impl RowsChecksum {
+    pub fn new(schema: &SchemaRef) -> Result<RowsChecksum, arrow::error::ArrowError> {
+        // Names, types and nullability only: the metadata a schema picks up on
+        // its way (a Parquet footer's, a field id) is not the rows.
+        let schema = Arc::new(arrow::datatypes::Schema::new(
+            schema
+                .fields()
+                .iter()
+                .map(|f| {
+                    arrow::datatypes::Field::new(f.name(), f.data_type().clone(), f.is_nullable())
+                })
+                .collect::<Vec<_>>(),
+        ));
+        Ok(RowsChecksum {
+            writer: arrow::ipc::writer::StreamWriter::try_new(CrcWriter(0), &schema)?,
+            schema,
+            pending: Vec::new(),
+            pending_rows: 0,
+        })
+    }
+
+    pub fn push(&mut self, batch: &RecordBatch) -> Result<(), arrow::error::ArrowError> {
+        if batch.num_columns() != self.schema.fields().len() {
+            return Err(arrow::error::ArrowError::SchemaError(format!(
+                "rows of {} columns for a schema of {}",
+                batch.num_columns(),
+                self.schema.fields().len()
+            )));
+        }
+        let mut at = 0;
+        while at < batch.num_rows() {
+            let take = (CHECKSUM_CHUNK_ROWS - self.pending_rows).min(batch.num_rows() - at);
+            self.pending.push(batch.slice(at, take));
+            self.pending_rows += take;
+            at += take;
+            if self.pending_rows == CHECKSUM_CHUNK_ROWS {
+                self.flush()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<(), arrow::error::ArrowError> {
+        let chunk = arrow::compute::concat_batches(&self.schema, self.pending.iter())?;
+        self.pending.clear();
+        self.pending_rows = 0;
+        self.writer.write(&chunk)
+    }
+
+    pub fn finish(mut self) -> Result<u32, arrow::error::ArrowError> {
+        if self.pending_rows > 0 {
+            self.flush()?;
+        }
+        self.writer.finish()?;
+        Ok(self.writer.into_inner()?.0)
+    }
+}
+
+/// The checksum of rows (see [`RowsChecksum`]).
 pub fn rows_checksum(
     schema: &SchemaRef,
     batches: &[RecordBatch],
 ) -> Result<u32, arrow::error::ArrowError> {
-    let mut w = arrow::ipc::writer::StreamWriter::try_new(CrcWriter(0), schema)?;
-    let mut pending: Vec<RecordBatch> = Vec::new();
-    let mut pending_rows = 0;
-    let flush = |pending: &mut Vec<RecordBatch>,
-                 w: &mut arrow::ipc::writer::StreamWriter<CrcWriter>| {
-        let chunk = arrow::compute::concat_batches(schema, pending.iter())?;
-        pending.clear();
-        w.write(&chunk)
-    };
+    let mut sum = RowsChecksum::new(schema)?;
     for b in batches {
-        let mut at = 0;
-        while at < b.num_rows() {
-            let take = (CHECKSUM_CHUNK_ROWS - pending_rows).min(b.num_rows() - at);
-            pending.push(b.slice(at, take));
-            pending_rows += take;
-            at += take;
-            if pending_rows == CHECKSUM_CHUNK_ROWS {
-                flush(&mut pending, &mut w)?;
-                pending_rows = 0;
-            }
-        }
+        sum.push(b)?;
     }
-    if pending_rows > 0 {
-        flush(&mut pending, &mut w)?;
-    }
-    w.finish()?;
-    Ok(w.into_inner()?.0)
+    sum.finish()
 }
 
 fn properties(kv: Vec<KeyValue>) -> WriterProperties {
@@ -161,8 +212,115 @@ fn properties(kv: Vec<KeyValue>) -> WriterProperties {
         .build()
 }
 
-/// Encodes a part: the Parquet bytes and the part's metadata. CPU-heavy: run it
-/// on the CPU seam.
+/// Encodes a part from rows fed a batch at a time, handing out the file's
+/// bytes as they are encoded, so a part of any size is written holding at most
+/// one row group. Pure CPU work: run each call on the CPU seam.
+///
+/// The bytes are a function of the rows and of how they are batched: callers
+/// that must agree (replicas of a shard) feed the same batches.
+pub struct PartEncoder {
+    name: PartName,
+    table_id: u64,
+    lsns: (Lsn, Lsn),
+    writer: ArrowWriter<Vec<u8>>,
+    checksum: RowsChecksum,
+    rows: u64,
+    bytes: u64,
+}
+
+impl PartEncoder {
+    pub fn new(
+        schema: &SchemaRef,
+        name: &PartName,
+        table_id: u64,
+        lsns: (Lsn, Lsn),
+    ) -> Result<PartEncoder, PartError> {
+        let err = |e: &dyn fmt::Display| encode_error(name, e);
+        let kv = vec![
+            KeyValue::new("ferry.table_id".into(), table_id.to_string()),
+            KeyValue::new("ferry.min_lsn".into(), lsns.0 .0.to_string()),
+            KeyValue::new("ferry.max_lsn".into(), lsns.1 .0.to_string()),
+        ];
+        Ok(PartEncoder {
+            name: name.clone(),
+            table_id,
+            lsns,
+            writer: ArrowWriter::try_new(Vec::new(), Arc::clone(schema), Some(properties(kv)))
+                .map_err(|e| err(&e))?,
+            checksum: RowsChecksum::new(schema).map_err(|e| err(&e))?,
+            rows: 0,
+            bytes: 0,
+        })
+    }
+
+    /// Encodes `batch`; returns the file's bytes that follow those returned
+    /// before (often none: a row group is written when full).
+    pub fn write(&mut self, batch: &RecordBatch) -> Result<Vec<u8>, PartError> {
+        let name = &self.name;
+        self.checksum
+            .push(batch)
+            .map_err(|e| encode_error(name, e))?;
+        self.writer
+            .write(batch)
+            .map_err(|e| encode_error(name, e))?;
+        self.rows += batch.num_rows() as u64;
+        Ok(self.take_output())
+    }
+
+    fn take_output(&mut self) -> Vec<u8> {
+        take_output(&mut self.writer, &mut self.bytes)
+    }
+
+    /// Writes the footer (with the rows and checksum); returns the file's last
+    /// bytes and the part's metadata.
+    pub fn finish(self) -> Result<(Vec<u8>, PartMeta), PartError> {
+        let PartEncoder {
+            name,
+            table_id,
+            lsns,
+            mut writer,
+            checksum,
+            rows,
+            mut bytes,
+        } = self;
+        let checksum = checksum.finish().map_err(|e| encode_error(&name, e))?;
+        writer.append_key_value_metadata(KeyValue::new("ferry.rows".into(), rows.to_string()));
+        writer.append_key_value_metadata(KeyValue::new(
+            "ferry.checksum".into(),
+            checksum.to_string(),
+        ));
+        writer.finish().map_err(|e| encode_error(&name, e))?;
+        let out = take_output(&mut writer, &mut bytes);
+        Ok((
+            out,
+            PartMeta {
+                name,
+                table_id,
+                rows,
+                min_lsn: lsns.0,
+                max_lsn: lsns.1,
+                checksum,
+                bytes,
+            },
+        ))
+    }
+}
+
+fn take_output(writer: &mut ArrowWriter<Vec<u8>>, written: &mut u64) -> Vec<u8> {
+    let out = std::mem::take(writer.inner_mut());
+    *written += out.len() as u64;
+    out
+}
+
+fn encode_error(name: &PartName, e: impl fmt::Display) -> PartError {
+    PartError::Encode {
+        name: name.to_string(),
+        detail: e.to_string(),
+    }
+}
+
+/// Encodes a part held in memory whole: the Parquet bytes and the part's
+/// metadata. CPU-heavy: run it on the CPU seam.
 pub fn encode(
     schema: &SchemaRef,
     name: &PartName,
@@ -170,52 +328,42 @@ pub fn encode(
     batches: &[RecordBatch],
     lsns: (Lsn, Lsn),
 ) -> Result<(Bytes, PartMeta), PartError> {
-    let err = |e: &dyn fmt::Display| PartError::Encode {
-        name: name.to_string(),
-        detail: e.to_string(),
-    };
-    let rows: u64 = batches.iter().map(|b| b.num_rows() as u64).sum();
-    let checksum = rows_checksum(schema, batches).map_err(|e| err(&e))?;
-    let kv = vec![
-        KeyValue::new("ferry.table_id".into(), table_id.to_string()),
-        KeyValue::new("ferry.rows".into(), rows.to_string()),
-        KeyValue::new("ferry.min_lsn".into(), lsns.0 .0.to_string()),
-        KeyValue::new("ferry.max_lsn".into(), lsns.1 .0.to_string()),
-        KeyValue::new("ferry.checksum".into(), checksum.to_string()),
-    ];
+    let mut enc = PartEncoder::new(schema, name, table_id, lsns)?;
     let mut out = Vec::new();
-    let mut w = ArrowWriter::try_new(&mut out, Arc::clone(schema), Some(properties(kv)))
-        .map_err(|e| err(&e))?;
     for b in batches {
-        w.write(b).map_err(|e| err(&e))?;
+        out.extend(enc.write(b)?);
     }
-    w.close().map_err(|e| err(&e))?;
-    let bytes = out.len() as u64;
-    Ok((
-        Bytes::from(out),
-        PartMeta {
-            name: name.clone(),
-            table_id,
-            rows,
-            min_lsn: lsns.0,
-            max_lsn: lsns.1,
-            checksum,
-            bytes,
-        },
-    ))
+    let (tail, meta) = enc.finish()?;
+    if out.is_empty() {
+        out = tail;
+    } else {
+        out.extend(tail);
+    }
+    Ok((Bytes::from(out), meta))
 }
 
 /// Reads a part file's metadata from its footer (and checks it names itself
 /// consistently).
 pub fn read_meta(name: &PartName, file: Bytes) -> Result<PartMeta, PartError> {
+    let bytes = file.len() as u64;
+    let builder =
+        ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| PartError::Invalid {
+            name: name.to_string(),
+            detail: e.to_string(),
+        })?;
+    meta_from_footer(name, bytes, builder.metadata())
+}
+
+fn meta_from_footer(
+    name: &PartName,
+    bytes: u64,
+    metadata: &parquet::file::metadata::ParquetMetaData,
+) -> Result<PartMeta, PartError> {
     let invalid = |detail: String| PartError::Invalid {
         name: name.to_string(),
         detail,
     };
-    let bytes = file.len() as u64;
-    let builder =
-        ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| invalid(e.to_string()))?;
-    let meta = builder.metadata().file_metadata();
+    let meta = metadata.file_metadata();
     let kv = meta.key_value_metadata().cloned().unwrap_or_default();
     let get = |key: &str| -> Result<u64, PartError> {
         kv.iter()
@@ -240,6 +388,168 @@ pub fn read_meta(name: &PartName, file: Bytes) -> Result<PartMeta, PartError> {
         checksum: u32::try_from(get("ferry.checksum")?).map_err(|e| invalid(e.to_string()))?,
         bytes,
     })
+}
+
+/// Rows read back per batch.
+const READ_BATCH_ROWS: usize = 8192;
+
+/// Reads a part file a row group at a time through the disk seam: the footer
+/// on open, then the column chunks of one row group per
+/// [`next_row_group`](Self::next_row_group), so reading a part of any size
+/// holds at most one row group.
+pub struct PartReader {
+    name: PartName,
+    path: String,
+    file: Box<dyn ferry_env::DiskFile>,
+    meta: PartMeta,
+    schema: SchemaRef,
+    decoder: parquet::arrow::push_decoder::ParquetPushDecoder,
+}
+
+impl PartReader {
+    /// Opens a part and reads its footer (checked as [`read_meta`] does).
+    pub async fn open(
+        disk: &dyn ferry_env::Disk,
+        path: &str,
+        name: &PartName,
+    ) -> Result<PartReader, PartError> {
+        let io = |source| PartError::Io {
+            path: path.to_string(),
+            source,
+        };
+        let invalid = |detail: String| PartError::Invalid {
+            name: name.to_string(),
+            detail,
+        };
+        let file = disk.open(path).await.map_err(io)?;
+        let len = file.size().await.map_err(io)?;
+        let mut footer = parquet::file::metadata::ParquetMetaDataPushDecoder::try_new(len)
+            .map_err(|e| invalid(e.to_string()))?;
+        let metadata = loop {
+            match footer.try_decode().map_err(|e| invalid(e.to_string()))? {
+                parquet::DecodeResult::NeedsData(ranges) => {
+                    let (ranges, data) = fetch(file.as_ref(), ranges).await.map_err(io)?;
+                    footer
+                        .push_ranges(ranges, data)
+                        .map_err(|e| invalid(e.to_string()))?;
+                }
+                parquet::DecodeResult::Data(m) => break Arc::new(m),
+                parquet::DecodeResult::Finished => {
+                    return Err(invalid("the file has no footer".into()))
+                }
+            }
+        };
+        let meta = meta_from_footer(name, len, &metadata)?;
+        let arrow = parquet::arrow::arrow_reader::ArrowReaderMetadata::try_new(
+            Arc::clone(&metadata),
+            Default::default(),
+        )
+        .map_err(|e| invalid(e.to_string()))?;
+        let schema = Arc::clone(arrow.schema());
+        let decoder =
+            parquet::arrow::push_decoder::ParquetPushDecoderBuilder::new_with_metadata(arrow)
+                .with_batch_size(READ_BATCH_ROWS)
+                .build()
+                .map_err(|e| invalid(e.to_string()))?;
+        Ok(PartReader {
+            name: name.clone(),
+            path: path.to_string(),
+            file,
+            meta,
+            schema,
+            decoder,
+        })
+    }
+
+    /// The part's metadata, from its footer.
+    pub fn meta(&self) -> &PartMeta {
+        &self.meta
+    }
+
+    pub fn schema(&self) -> &SchemaRef {
+        &self.schema
+    }
+
+    /// Reads the next row group's bytes; the returned reader decodes them
+    /// (CPU work: iterate it on the CPU seam). `None` after the last one.
+    pub async fn next_row_group(
+        &mut self,
+    ) -> Result<Option<parquet::arrow::arrow_reader::ParquetRecordBatchReader>, PartError> {
+        loop {
+            let step = self
+                .decoder
+                .try_next_reader()
+                .map_err(|e| self.invalid(e.to_string()))?;
+            match step {
+                parquet::DecodeResult::NeedsData(ranges) => {
+                    let (ranges, data) =
+                        fetch(self.file.as_ref(), ranges).await.map_err(|source| {
+                            PartError::Io {
+                                path: self.path.clone(),
+                                source,
+                            }
+                        })?;
+                    self.decoder
+                        .push_ranges(ranges, data)
+                        .map_err(|e| self.invalid(e.to_string()))?;
+                }
+                parquet::DecodeResult::Data(reader) => return Ok(Some(reader)),
+                parquet::DecodeResult::Finished => return Ok(None),
+            }
+        }
+    }
+
+    fn invalid(&self, detail: String) -> PartError {
+        PartError::Invalid {
+            name: self.name.to_string(),
+            detail,
+        }
+    }
+}
+
+/// Decodes one row group's batches (CPU work).
+pub fn decode_row_group(
+    name: &PartName,
+    reader: parquet::arrow::arrow_reader::ParquetRecordBatchReader,
+) -> Result<Vec<RecordBatch>, PartError> {
+    reader
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| PartError::Invalid {
+            name: name.to_string(),
+            detail: e.to_string(),
+        })
+}
+
+/// Reads the byte ranges a decoder asks for, in file order, adjacent or
+/// overlapping ones in one read (a row group's column chunks are one read).
+/// Returns them sorted, as pairs for `push_ranges`: the order a decoder lists
+/// ranges in is not specified, and reads in a varying order would make a run
+/// under the simulator depend on more than its seed.
+async fn fetch(
+    file: &dyn ferry_env::DiskFile,
+    ranges: Vec<std::ops::Range<u64>>,
+) -> std::io::Result<(Vec<std::ops::Range<u64>>, Vec<Bytes>)> {
+    let mut ranges = ranges;
+    ranges.sort_by_key(|r| (r.start, r.end));
+    let mut data = Vec::with_capacity(ranges.len());
+    let mut i = 0;
+    while i < ranges.len() {
+        let start = ranges[i].start;
+        let mut end = ranges[i].end;
+        let mut j = i + 1;
+        while j < ranges.len() && ranges[j].start <= end {
+            end = end.max(ranges[j].end);
+            j += 1;
+        }
+        let len = usize::try_from(end.saturating_sub(start))
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+        let read = Bytes::from(file.read_at(start, len).await?);
+        for r in &ranges[i..j] {
+            data.push(read.slice((r.start - start) as usize..(r.end - start) as usize));
+        }
+        i = j;
+    }
+    Ok((ranges, data))
 }
 
 /// Reads a part's rows.

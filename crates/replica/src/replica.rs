@@ -216,13 +216,10 @@ impl Replica {
                 let Some(name) = file.strip_suffix(".parquet").and_then(PartName::parse) else {
                     continue;
                 };
-                let bytes = Bytes::from(disk.read(&path).await.map_err(io(&path))?);
-                let meta = cpu
-                    .run({
-                        let name = name.clone();
-                        move || part::read_meta(&name, bytes)
-                    })
-                    .await?;
+                let meta = part::PartReader::open(disk.as_ref(), &path, &name)
+                    .await?
+                    .meta()
+                    .clone();
                 if meta.min_lsn >= state.disk_consistent_lsn && name.level == 0 {
                     // Written for a record past the recorded position: it is
                     // written again, identically, when the record is applied
@@ -646,19 +643,63 @@ async fn write_durably(
     path: &str,
     bytes: Bytes,
 ) -> Result<(), ReplicaError> {
-    let tmp = format!("{path}.tmp");
-    match disk.remove_file(&tmp).await {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(io(&tmp)(e)),
+    let mut file = DurableFile::create(disk, dir, path).await?;
+    file.append(bytes).await?;
+    file.commit(disk).await
+}
+
+/// A part file being written: appended under `<path>.tmp`, then made durable
+/// under its name by [`commit`](Self::commit).
+struct DurableFile {
+    file: Box<dyn ferry_env::DiskFile>,
+    dir: String,
+    path: String,
+    tmp: String,
+    len: u64,
+}
+
+impl DurableFile {
+    async fn create(disk: &dyn Disk, dir: &str, path: &str) -> Result<DurableFile, ReplicaError> {
+        let tmp = format!("{path}.tmp");
+        match disk.remove_file(&tmp).await {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io(&tmp)(e)),
+        }
+        let file = disk.create_new(&tmp).await.map_err(io(&tmp))?;
+        Ok(DurableFile {
+            file,
+            dir: dir.to_string(),
+            path: path.to_string(),
+            tmp,
+            len: 0,
+        })
     }
-    let file = disk.create_new(&tmp).await.map_err(io(&tmp))?;
-    file.write_at(0, bytes).await.map_err(io(&tmp))?;
-    file.sync_data().await.map_err(io(&tmp))?;
-    drop(file);
-    disk.rename(&tmp, path).await.map_err(io(path))?;
-    disk.sync_dir(dir).await.map_err(io(dir))?;
-    Ok(())
+
+    async fn append(&mut self, bytes: impl Into<Bytes>) -> Result<(), ReplicaError> {
+        let bytes = bytes.into();
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let n = bytes.len() as u64;
+        self.file
+            .write_at(self.len, bytes)
+            .await
+            .map_err(io(&self.tmp))?;
+        self.len += n;
+        Ok(())
+    }
+
+    /// fsync, rename to the part's name, fsync the directory.
+    async fn commit(self, disk: &dyn Disk) -> Result<(), ReplicaError> {
+        self.file.sync_data().await.map_err(io(&self.tmp))?;
+        drop(self.file);
+        disk.rename(&self.tmp, &self.path)
+            .await
+            .map_err(io(&self.path))?;
+        disk.sync_dir(&self.dir).await.map_err(io(&self.dir))?;
+        Ok(())
+    }
 }
 
 /// Whether part `a` replaced part `b`: same partition, a higher level, and
@@ -682,45 +723,90 @@ pub struct MergeJob {
 }
 
 impl MergeJob {
-    /// Reads the sources in block order, writes the merged part durably
-    /// (temporary name, fsync, rename, directory fsync) and returns its
-    /// metadata. The rows are the sources' rows in block order, so every
-    /// replica writes the same part. Holds the sources' rows in memory: merges
-    /// stop at [`MAX_MERGE_LEVEL`], which bounds a part's size.
+    /// Reads the sources in block order a row group at a time and writes
+    /// the merged part as it goes, durably (temporary name, fsync, rename,
+    /// directory fsync); returns its metadata. Holds at most one source row
+    /// group and the result's row group in progress, whatever the parts'
+    /// sizes. The rows are the sources' rows in block order, read and written
+    /// in the same batches everywhere, so every replica writes the same bytes.
     pub async fn run(self) -> Result<PartMeta, ReplicaError> {
-        let mut batches = Vec::new();
-        let min_lsn = self
-            .sources
-            .iter()
-            .map(|(_, m)| m.min_lsn)
-            .min()
-            .unwrap_or_default();
-        let max_lsn = self
-            .sources
-            .iter()
-            .map(|(_, m)| m.max_lsn)
-            .max()
-            .unwrap_or_default();
-        for (path, meta) in &self.sources {
-            let bytes = Bytes::from(self.disk.read(path).await.map_err(io(path))?);
-            let name = meta.name.clone();
-            batches.extend(self.cpu.run(move || part::read_rows(&name, bytes)).await?);
-        }
-        let table_id = self.merge.table_id;
-        let Some(schema) = batches.first().map(RecordBatch::schema) else {
+        let disk = self.disk.as_ref();
+        let min_lsn = self.sources.iter().map(|(_, m)| m.min_lsn).min();
+        let max_lsn = self.sources.iter().map(|(_, m)| m.max_lsn).max();
+        let (Some(min_lsn), Some(max_lsn)) = (min_lsn, max_lsn) else {
             return Err(ReplicaError::Damaged {
                 path: self.path.clone(),
-                detail: "a merge of parts without rows".into(),
+                detail: "a merge of no parts".into(),
             });
         };
-        let (bytes, meta) = self
-            .cpu
-            .run({
-                let name = self.merge.result.clone();
-                move || part::encode(&schema, &name, table_id, &batches, (min_lsn, max_lsn))
-            })
-            .await?;
-        write_durably(self.disk.as_ref(), &self.dir, &self.path, bytes).await?;
+        let table_id = self.merge.table_id;
+        let result = self.merge.result.clone();
+        let mut out = DurableFile::create(disk, &self.dir, &self.path).await?;
+        let mut encoder: Option<part::PartEncoder> = None;
+        let mut rows = 0u64;
+        for (path, meta) in &self.sources {
+            let mut reader = part::PartReader::open(disk, path, &meta.name).await?;
+            if reader.meta() != meta {
+                return Err(ReplicaError::Damaged {
+                    path: path.clone(),
+                    detail: format!(
+                        "the part's footer {:?} is not what the replica listed {meta:?}",
+                        reader.meta()
+                    ),
+                });
+            }
+            let mut enc = match encoder.take() {
+                Some(e) => e,
+                None => {
+                    let schema = Arc::clone(reader.schema());
+                    let name = result.clone();
+                    self.cpu
+                        .run(move || {
+                            part::PartEncoder::new(&schema, &name, table_id, (min_lsn, max_lsn))
+                        })
+                        .await?
+                }
+            };
+            while let Some(group) = reader.next_row_group().await? {
+                let name = meta.name.clone();
+                let (e, bytes, n) = self
+                    .cpu
+                    .run(move || {
+                        let mut out = Vec::new();
+                        let mut n = 0u64;
+                        for batch in group {
+                            let batch = batch.map_err(|e| part::PartError::Invalid {
+                                name: name.to_string(),
+                                detail: e.to_string(),
+                            })?;
+                            n += batch.num_rows() as u64;
+                            out.extend(enc.write(&batch)?);
+                        }
+                        Ok::<_, part::PartError>((enc, out, n))
+                    })
+                    .await?;
+                enc = e;
+                rows += n;
+                out.append(bytes).await?;
+            }
+            encoder = Some(enc);
+        }
+        let expected: u64 = self.sources.iter().map(|(_, m)| m.rows).sum();
+        let Some(enc) = encoder else {
+            return Err(ReplicaError::Damaged {
+                path: self.path.clone(),
+                detail: "a merge of no parts".into(),
+            });
+        };
+        if rows != expected {
+            return Err(ReplicaError::Damaged {
+                path: self.path.clone(),
+                detail: format!("the sources hold {rows} rows, their footers say {expected}"),
+            });
+        }
+        let (tail, meta) = self.cpu.run(move || enc.finish()).await?;
+        out.append(tail).await?;
+        out.commit(disk).await?;
         Ok(meta)
     }
 }

@@ -326,3 +326,197 @@ async fn merges_are_decided_by_the_wal_and_agree_across_replicas_and_crashes() {
         .count();
     assert_eq!(on_disk, 6, "only the active parts are left");
 }
+
+/// A disk that logs the reads and writes of part files.
+#[derive(Debug)]
+struct LoggingDisk {
+    inner: Arc<dyn Disk>,
+    log: Arc<std::sync::Mutex<Vec<Io>>>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Io {
+    ReadWhole(String),
+    ReadAt(String, usize),
+    WriteAt(String, usize),
+}
+
+#[derive(Debug)]
+struct LoggingFile {
+    path: String,
+    inner: Box<dyn ferry_env::DiskFile>,
+    log: Arc<std::sync::Mutex<Vec<Io>>>,
+}
+
+impl LoggingDisk {
+    fn file(
+        &self,
+        path: &str,
+        inner: Box<dyn ferry_env::DiskFile>,
+    ) -> Box<dyn ferry_env::DiskFile> {
+        Box::new(LoggingFile {
+            path: path.to_string(),
+            inner,
+            log: Arc::clone(&self.log),
+        })
+    }
+}
+
+#[async_trait]
+impl Disk for LoggingDisk {
+    async fn create_dir_all(&self, path: &str) -> std::io::Result<()> {
+        self.inner.create_dir_all(path).await
+    }
+    async fn remove_dir(&self, path: &str) -> std::io::Result<()> {
+        self.inner.remove_dir(path).await
+    }
+    async fn metadata(&self, path: &str) -> std::io::Result<ferry_env::Metadata> {
+        self.inner.metadata(path).await
+    }
+    async fn hard_link(&self, from: &str, to: &str) -> std::io::Result<()> {
+        self.inner.hard_link(from, to).await
+    }
+    async fn open(&self, path: &str) -> std::io::Result<Box<dyn ferry_env::DiskFile>> {
+        Ok(self.file(path, self.inner.open(path).await?))
+    }
+    async fn create_new(&self, path: &str) -> std::io::Result<Box<dyn ferry_env::DiskFile>> {
+        Ok(self.file(path, self.inner.create_new(path).await?))
+    }
+    async fn read(&self, path: &str) -> std::io::Result<Vec<u8>> {
+        self.log
+            .lock()
+            .expect("log")
+            .push(Io::ReadWhole(path.to_string()));
+        self.inner.read(path).await
+    }
+    async fn rename(&self, from: &str, to: &str) -> std::io::Result<()> {
+        self.inner.rename(from, to).await
+    }
+    async fn remove_file(&self, path: &str) -> std::io::Result<()> {
+        self.inner.remove_file(path).await
+    }
+    async fn list_dir(&self, path: &str) -> std::io::Result<Vec<String>> {
+        self.inner.list_dir(path).await
+    }
+    async fn sync_dir(&self, path: &str) -> std::io::Result<()> {
+        self.inner.sync_dir(path).await
+    }
+}
+
+#[async_trait]
+impl ferry_env::DiskFile for LoggingFile {
+    async fn read_at(&self, offset: u64, len: usize) -> std::io::Result<Vec<u8>> {
+        self.log
+            .lock()
+            .expect("log")
+            .push(Io::ReadAt(self.path.clone(), len));
+        self.inner.read_at(offset, len).await
+    }
+    async fn write_at(&self, offset: u64, data: Bytes) -> std::io::Result<()> {
+        self.log
+            .lock()
+            .expect("log")
+            .push(Io::WriteAt(self.path.clone(), data.len()));
+        self.inner.write_at(offset, data).await
+    }
+    async fn set_len(&self, len: u64) -> std::io::Result<()> {
+        self.inner.set_len(len).await
+    }
+    async fn sync_data(&self) -> std::io::Result<()> {
+        self.inner.sync_data().await
+    }
+    async fn size(&self) -> std::io::Result<u64> {
+        self.inner.size().await
+    }
+}
+
+#[tokio::test]
+async fn a_merge_streams_its_sources_a_row_group_at_a_time() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let disk: Arc<dyn Disk> = Arc::new(LoggingDisk {
+        inner: Arc::new(RealDisk::open_root(dir.path()).expect("disk")),
+        log: Arc::clone(&log),
+    });
+    // Eight inserts of 40,000 rows: one merge of 320,000 rows, more than two
+    // row groups of the result.
+    let mut wal = Wal::default();
+    let per_insert = 40_000i64;
+    for i in 0..ferry_replica::MERGE_FANIN as i64 {
+        wal.insert(1, 0, "", rows(i * per_insert..(i + 1) * per_insert, &["x"]));
+    }
+    let mut r = open(&disk, "r", 0).await;
+    r.receive(Lsn(0), &wal.bytes).await.expect("apply");
+    let sources = r.parts(1);
+    let source_bytes: Vec<u64> = sources.iter().map(|p| p.bytes).collect();
+    let expected_rows: Vec<RecordBatch> = {
+        let mut all = Vec::new();
+        for p in &sources {
+            let file = std::fs::read(dir.path().join(format!("r/parts/1/{}.parquet", p.name)))
+                .expect("source");
+            all.extend(ferry_replica::part::read_rows(&p.name, Bytes::from(file)).expect("rows"));
+        }
+        all
+    };
+    log.lock().expect("log").clear();
+
+    let job = r.next_merge().expect("a merge decided");
+    let merge = job.merge.clone();
+    let meta = job.run().await.expect("merge runs");
+    let ops = log.lock().expect("log").clone();
+
+    // The result: every row of the sources, in block order, and its checksum
+    // the checksum of those rows.
+    assert_eq!(meta.rows, 8 * per_insert as u64);
+    let schema = table().def.arrow_schema();
+    assert_eq!(
+        meta.checksum,
+        ferry_replica::part::rows_checksum(&schema, &expected_rows).expect("checksum")
+    );
+    let merged_file = dir
+        .path()
+        .join(format!("r/parts/1/{}.parquet", merge.result));
+    let merged = ferry_replica::part::read_rows(
+        &merge.result,
+        Bytes::from(std::fs::read(&merged_file).expect("merged part")),
+    )
+    .expect("merged rows");
+    assert_eq!(
+        arrow::compute::concat_batches(&schema, &merged).expect("concat"),
+        arrow::compute::concat_batches(&schema, &expected_rows).expect("concat")
+    );
+
+    // Streamed: no source read whole, no read larger than a source, and the
+    // result written in pieces, the first before the last source was read.
+    assert!(
+        !ops.iter().any(|o| matches!(o, Io::ReadWhole(_))),
+        "a part was read whole: {ops:?}"
+    );
+    let biggest = *source_bytes.iter().max().expect("sources") as usize;
+    for o in &ops {
+        if let Io::ReadAt(path, len) = o {
+            assert!(*len <= biggest, "{path}: a read of {len} bytes");
+        }
+    }
+    let writes: Vec<usize> = ops
+        .iter()
+        .enumerate()
+        .filter(|(_, o)| matches!(o, Io::WriteAt(p, _) if p.ends_with(".parquet.tmp")))
+        .map(|(i, _)| i)
+        .collect();
+    assert!(
+        writes.len() >= 3,
+        "the result in at least 3 writes: {ops:?}"
+    );
+    let last_source = sources.last().expect("sources").name.to_string();
+    let last_source_read = ops
+        .iter()
+        .position(|o| matches!(o, Io::ReadAt(p, _) if p.contains(&last_source)))
+        .expect("the last source was read");
+    assert!(
+        writes[0] < last_source_read,
+        "the result's first row group was written before the last source was read"
+    );
+    let replaced = r.finish_merge(&merge, meta).await.expect("finish");
+    assert_eq!(replaced.len(), ferry_replica::MERGE_FANIN);
+}
