@@ -203,6 +203,18 @@ async fn count(
     })))
 }
 
+#[derive(Debug, Clone, Copy)]
+enum RowsFormat {
+    Ndjson,
+    Arrow,
+}
+
+/// Chunks of a rows response in flight between the part reader and the
+/// connection.
+const ROWS_CHUNKS_IN_FLIGHT: usize = 4;
+
+/// Streams a partition's rows, part by part and row group by row group: the
+/// response holds about one row group whatever the partition's size.
 async fn rows(
     State(reads): State<Arc<Reads>>,
     Path(name): Path<String>,
@@ -212,65 +224,132 @@ async fn rows(
         .partition
         .clone()
         .ok_or_else(|| bad("?partition= is required"))?;
-    let id = table_id(&reads, &name).await?;
+    let format = match q.format.as_deref().unwrap_or("ndjson") {
+        "ndjson" | "json" => RowsFormat::Ndjson,
+        "arrow" => RowsFormat::Arrow,
+        other => return Err(bad(format!("unknown format {other:?} (ndjson, arrow)"))),
+    };
+    let table = match reads.catalog.get(&name).await? {
+        Some(t) => t,
+        None => return Err(ferry_ingest::CatalogError::NoSuchTable(name.clone()).into()),
+    };
     let replica = replica_at(&reads, &q).await?;
-    let (disk, paths) = {
+    let (disk, listed) = {
         let r = replica.lock().await;
-        let paths: Vec<(ferry_replica::PartName, String)> = r
-            .parts(id)
+        let listed: Vec<(ferry_replica::PartName, String)> = r
+            .parts(table.id)
             .into_iter()
             .filter(|p| p.name.partition_id == partition)
             .map(|p| {
-                let path = r.part_path(id, &p.name);
+                let path = r.part_path(table.id, &p.name);
                 (p.name, path)
             })
             .collect();
-        (Arc::clone(r.disk()), paths)
+        (Arc::clone(r.disk()), listed)
     };
-    let mut batches = Vec::new();
-    for (name, path) in paths {
-        // A part replaced meanwhile is still readable until it is removed.
-        let bytes = disk
-            .read(&path)
-            .await
-            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "io", e.to_string()))?;
-        let rows = ferry_env::Cpu::BlockingPool
-            .run(move || ferry_replica::part::read_rows(&name, bytes::Bytes::from(bytes)))
-            .await
-            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "part", e.to_string()))?;
-        batches.extend(rows);
+    // Every part is opened before the first byte goes out: an open part stays
+    // readable after a merge that replaced it removes its name.
+    let mut parts = Vec::with_capacity(listed.len());
+    for (name, path) in listed {
+        parts.push(
+            ferry_replica::part::PartReader::open(disk.as_ref(), &path, &name)
+                .await
+                .map_err(|e| {
+                    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "part", e.to_string())
+                })?,
+        );
     }
-    let internal = |e: arrow::error::ArrowError| {
-        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "encode", e.to_string())
+    let (tx, rx) = tokio::sync::mpsc::channel(ROWS_CHUNKS_IN_FLIGHT);
+    tokio::spawn(stream_rows(parts, table.def.arrow_schema(), format, tx));
+    let body = axum::body::Body::from_stream(futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|chunk| (chunk, rx))
+    }));
+    let content_type = match format {
+        RowsFormat::Ndjson => "application/x-ndjson",
+        RowsFormat::Arrow => "application/vnd.apache.arrow.stream",
     };
-    match q.format.as_deref().unwrap_or("ndjson") {
-        "ndjson" | "json" => {
-            let mut out = Vec::new();
-            {
+    Ok(([(header::CONTENT_TYPE, content_type)], body).into_response())
+}
+
+/// Feeds `tx` with the encoded rows of `parts`; an error ends the response
+/// early (the client sees it cut, never a wrong row).
+async fn stream_rows(
+    parts: Vec<ferry_replica::part::PartReader>,
+    schema: arrow::datatypes::SchemaRef,
+    format: RowsFormat,
+    tx: tokio::sync::mpsc::Sender<Result<bytes::Bytes, std::io::Error>>,
+) {
+    let cpu = ferry_env::Cpu::BlockingPool;
+    let fail = |e: &dyn std::fmt::Display| std::io::Error::other(e.to_string());
+    let mut ipc = match format {
+        RowsFormat::Arrow => match arrow::ipc::writer::StreamWriter::try_new(Vec::new(), &schema) {
+            Ok(w) => Some(w),
+            Err(e) => {
+                let _ = tx.send(Err(fail(&e))).await;
+                return;
+            }
+        },
+        RowsFormat::Ndjson => None,
+    };
+    for mut part in parts {
+        loop {
+            let group = match part.next_row_group().await {
+                Ok(Some(g)) => g,
+                Ok(None) => break,
+                Err(e) => {
+                    let _ = tx.send(Err(fail(&e))).await;
+                    return;
+                }
+            };
+            let schema = Arc::clone(&schema);
+            let writer = ipc.take();
+            let encoded = cpu
+                .run(move || encode_row_group(group, &schema, writer))
+                .await;
+            match encoded {
+                Ok((chunk, writer)) => {
+                    ipc = writer;
+                    if !chunk.is_empty() && tx.send(Ok(chunk.into())).await.is_err() {
+                        return; // the client went away
+                    }
+                }
+                Err(e) => {
+                    let _ = tx.send(Err(fail(&e))).await;
+                    return;
+                }
+            }
+        }
+    }
+    if let Some(mut w) = ipc {
+        let end = w.finish().map(|()| std::mem::take(w.get_mut()));
+        let _ = tx.send(end.map(Into::into).map_err(|e| fail(&e))).await;
+    }
+}
+
+type IpcWriter = arrow::ipc::writer::StreamWriter<Vec<u8>>;
+
+/// Decodes one row group and encodes its rows, as NDJSON or (with `ipc`) as
+/// the next messages of an Arrow IPC stream, under the table's schema.
+fn encode_row_group(
+    group: parquet::arrow::arrow_reader::ParquetRecordBatchReader,
+    schema: &arrow::datatypes::SchemaRef,
+    mut ipc: Option<IpcWriter>,
+) -> Result<(Vec<u8>, Option<IpcWriter>), arrow::error::ArrowError> {
+    let mut out = Vec::new();
+    for batch in group {
+        let batch =
+            arrow::array::RecordBatch::try_new(Arc::clone(schema), batch?.columns().to_vec())?;
+        match &mut ipc {
+            Some(w) => {
+                w.write(&batch)?;
+                out.extend(std::mem::take(w.get_mut()));
+            }
+            None => {
                 let mut w = arrow::json::LineDelimitedWriter::new(&mut out);
-                for b in &batches {
-                    w.write(b).map_err(internal)?;
-                }
-                w.finish().map_err(internal)?;
+                w.write(&batch)?;
+                w.finish()?;
             }
-            Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], out).into_response())
         }
-        "arrow" => {
-            let mut out = Vec::new();
-            if let Some(first) = batches.first() {
-                let mut w = arrow::ipc::writer::StreamWriter::try_new(&mut out, &first.schema())
-                    .map_err(internal)?;
-                for b in &batches {
-                    w.write(b).map_err(internal)?;
-                }
-                w.finish().map_err(internal)?;
-            }
-            Ok((
-                [(header::CONTENT_TYPE, "application/vnd.apache.arrow.stream")],
-                out,
-            )
-                .into_response())
-        }
-        other => Err(bad(format!("unknown format {other:?} (ndjson, arrow)"))),
     }
+    Ok((out, ipc))
 }

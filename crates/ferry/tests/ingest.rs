@@ -333,6 +333,20 @@ fn tables_and_inserts_in_every_format_are_committed_row_for_row() {
         4,
         "one March row per insert: {march}"
     );
+    // The same rows as an Arrow IPC stream, and an empty partition as a valid
+    // empty stream of the table's schema.
+    let read_ipc = |partition: &str| -> Vec<arrow::array::RecordBatch> {
+        let body = http_get_bytes(&format!(
+            "{url}/tables/events/rows?partition={partition}&format=arrow&replica=1"
+        ));
+        arrow::ipc::reader::StreamReader::try_new(std::io::Cursor::new(body), None)
+            .expect("an Arrow IPC stream")
+            .collect::<Result<Vec<_>, _>>()
+            .expect("batches")
+    };
+    let march_ipc = read_ipc("202403");
+    assert_eq!(march_ipc.iter().map(|b| b.num_rows()).sum::<usize>(), 4);
+    assert!(read_ipc("209912").is_empty());
 
     // The metrics count what happened.
     let metrics = http_get(&format!("{url}/metrics"));

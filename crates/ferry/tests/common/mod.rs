@@ -39,22 +39,30 @@ pub fn interrupt(child: &std::process::Child) {
 
 /// GET on a `http://host:port/path` URL, returning the body.
 pub fn http_get(url: &str) -> String {
+    String::from_utf8(http_get_bytes(url)).expect("a UTF-8 body")
+}
+
+/// GET over HTTP/1.0, so that a streamed body arrives as it is (no chunked
+/// framing), ended by the server closing the connection.
+pub fn http_get_bytes(url: &str) -> Vec<u8> {
     use std::io::{Read, Write};
     let rest = url.strip_prefix("http://").expect("http URL");
     let (host, path) = rest.split_once('/').expect("path");
     let mut conn = std::net::TcpStream::connect(host).expect("connect");
-    write!(
-        conn,
-        "GET /{path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
-    )
-    .expect("send");
-    let mut response = String::new();
-    conn.read_to_string(&mut response).expect("read");
-    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
-    response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default()
+    write!(conn, "GET /{path} HTTP/1.0\r\nHost: {host}\r\n\r\n").expect("send");
+    let mut response = Vec::new();
+    conn.read_to_end(&mut response).expect("read");
+    let head_end = response
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map_or(response.len(), |i| i + 4);
+    let head = String::from_utf8_lossy(&response[..head_end]).to_string();
+    assert!(
+        head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&response)
+    );
+    response.split_off(head_end)
 }
 
 pub fn ready_line(lines: &[String]) -> &str {
