@@ -138,6 +138,9 @@ pub struct ReplicaStatus {
     /// Merges decided and not yet done.
     pub pending_merges: usize,
     pub merges_done: u64,
+    /// Rows and bytes of the parts merges wrote.
+    pub merged_rows: u64,
+    pub merged_bytes: u64,
     /// Why the replica stopped, if it did.
     pub error: Option<String>,
 }
@@ -268,6 +271,8 @@ impl Replica {
             parts: parts.values().map(BTreeMap::len).sum(),
             pending_merges: state.merges.len(),
             merges_done: 0,
+            merged_rows: 0,
+            merged_bytes: 0,
             error: None,
         };
         let (status, _) = watch::channel(status);
@@ -333,27 +338,35 @@ impl Replica {
                 detail: format!("WAL arrived from {begin}, the stream is at {at}"),
             });
         }
+        // Until a record is complete, its pieces are only gathered: nothing
+        // is parsed or copied again per piece. A declared length out of
+        // bounds goes on to decoding, which refuses it.
+        let plausible =
+            |len: usize| (record::HEADER_BYTES..=record::MAX_RECORD_BYTES).contains(&len);
+        if self.pending.is_empty() {
+            if let Some(len) = record::declared_len(wal).filter(|l| plausible(*l)) {
+                self.pending.reserve(len.max(wal.len()));
+            }
+        }
         self.pending.extend_from_slice(wal);
         self.status
             .send_modify(|s| s.last_received_lsn = self.receive_from());
+        match record::declared_len(&self.pending) {
+            None => return Ok(self.state.disk_consistent_lsn),
+            Some(len) if plausible(len) && self.pending.len() < len => {
+                return Ok(self.state.disk_consistent_lsn)
+            }
+            Some(_) => {}
+        }
         let buf = Bytes::from(std::mem::take(&mut self.pending));
         let mut used = 0usize;
         let mut applied_any = false;
         let result = loop {
             let rest = buf.slice(used..);
-            match record::check(&rest) {
-                Ok(len) => {
+            match record::decode(&rest) {
+                Ok((rec, len)) => {
                     let lsn = Lsn(self.pending_start.0 + used as u64);
                     let end = Lsn(lsn.0 + len as u64);
-                    let rec = match record::decode(&rest) {
-                        Ok((r, _)) => r,
-                        Err(e) => {
-                            break Err(ReplicaError::BadRecord {
-                                lsn,
-                                detail: e.to_string(),
-                            })
-                        }
-                    };
                     if let Err(e) = self.apply(lsn, rec).await {
                         break Err(e);
                     }
@@ -602,9 +615,14 @@ impl Replica {
             parts.remove(s);
             replaced.push(format!("{}/parts/{}/{s}.parquet", self.dir, merge.table_id));
         }
+        let (rows, bytes) = (meta.rows, meta.bytes);
         parts.insert(merge.result.clone(), meta);
         self.persist().await?;
-        self.status.send_modify(|s| s.merges_done += 1);
+        self.status.send_modify(|s| {
+            s.merges_done += 1;
+            s.merged_rows += rows;
+            s.merged_bytes += bytes;
+        });
         Ok(replaced)
     }
 

@@ -127,6 +127,12 @@ async fn records_become_parts_identical_on_two_replicas_and_survive_restarts() {
             .expect("apply piece");
     }
     assert_eq!(r1.disk_consistent_lsn(), wal.end());
+    let mut r2 = open(&disk, "r2", 0).await;
+    for (i, byte) in all.chunks(1).enumerate() {
+        let applied = r2.receive(Lsn(i as u64), byte).await.expect("apply byte");
+        assert!(applied <= Lsn(i as u64 + 1));
+    }
+    assert_eq!(r2.disk_consistent_lsn(), wal.end());
     let expected = [
         (format!("x_{}_{}_0", a.0, a.0), 5, 0),
         (format!("y_{}_{}_0", a.0, a.0), 5, 0),
@@ -143,6 +149,7 @@ async fn records_become_parts_identical_on_two_replicas_and_survive_restarts() {
         names(&r1),
         "replicas agree on names, rows and checksums"
     );
+    assert_eq!(got0, names(&r2), "however the WAL was cut");
     let file = |r: &str, n: &str| {
         std::fs::read(dir.path().join(format!("{r}/parts/1/{n}.parquet"))).expect("part")
     };
@@ -245,6 +252,13 @@ async fn hostile_wal_stops_the_replica_without_writing_a_part() {
     let mut r = open(&disk, "d", 0).await;
     let e = r.receive(Lsn(0), &bytes).await.expect_err("block number");
     assert!(e.to_string().contains("block number"), "{e}");
+    // A header declaring a record longer than any record is refused at once,
+    // not waited for.
+    let mut r = open(&disk, "f", 0).await;
+    let mut huge = vec![0xff, 0xff, 0xff, 0x7f];
+    huge.extend([0u8; 12]);
+    let e = r.receive(Lsn(0), &huge).await.expect_err("a huge record");
+    assert!(matches!(e, ReplicaError::BadRecord { .. }), "{e}");
     // WAL that does not continue the stream.
     let mut r = open(&disk, "e", 0).await;
     assert!(r.receive(Lsn(10), &bytes).await.is_err());

@@ -122,6 +122,14 @@ impl Record {
     }
 }
 
+/// The length of the record starting `buf`, as its header declares it, once
+/// the header is there (nothing verified: [`check`] does that). Lets a reader
+/// that receives a record in pieces wait for all of it without re-reading.
+pub fn declared_len(buf: &[u8]) -> Option<usize> {
+    let header = buf.get(..4)?;
+    Some(u32::from_le_bytes([header[0], header[1], header[2], header[3]]) as usize)
+}
+
 /// Checks the record at the start of `buf` and returns its length, without
 /// decoding the payload.
 pub fn check(buf: &[u8]) -> Result<usize, RecordError> {
