@@ -123,6 +123,19 @@ fn to_ndjson(batch: &RecordBatch) -> anyhow::Result<Bytes> {
     Ok(Bytes::from(out))
 }
 
+/// CPU time this process used so far (user + system), from /proc (Linux);
+/// `None` where it cannot be read.
+fn process_cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which is in parentheses and may hold
+    // spaces): utime and stime are the 12th and 13th of those.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    // The kernel reports in USER_HZ, 100 on every Linux platform ferry runs on.
+    Some(ticks / 100.0)
+}
+
 fn mb_s(bytes: usize, d: Duration) -> f64 {
     bytes as f64 / 1e6 / d.as_secs_f64().max(1e-9)
 }
@@ -455,6 +468,7 @@ pub async fn ingest(args: IngestBenchArgs) -> anyhow::Result<()> {
     // Arrow IPC through HTTP (the same rows again, new keys) until both
     // replicas applied it.
     let e2e_started = Instant::now();
+    let e2e_cpu_started = process_cpu_seconds();
     insert_all(&client, Format::Arrow, &ipc, args.in_flight, "parts").await?;
     let after_ipc: ferry_wal::Lsn = quorum
         .writer
@@ -464,6 +478,9 @@ pub async fn ingest(args: IngestBenchArgs) -> anyhow::Result<()> {
         .map_err(|e: String| anyhow::anyhow!(e))?;
     wait_applied(replicas.clone(), after_ipc, false).await?;
     let to_parts = e2e_started.elapsed();
+    let e2e_cpu = e2e_cpu_started
+        .zip(process_cpu_seconds())
+        .map(|(a, b)| b - a);
     let settle_started = Instant::now();
     wait_applied(replicas.clone(), after_ipc, true).await?;
     let merge_settle = settle_started.elapsed();
@@ -576,6 +593,14 @@ pub async fn ingest(args: IngestBenchArgs) -> anyhow::Result<()> {
         "insert to applied parts on 2 replicas = {:.0}% of the raw Parquet write rate (goal at least 50%)",
         100.0 * rows_s(rows, to_parts) / raw_rate
     );
+    if let Some(cpu) = e2e_cpu {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        say!(
+            "  (that run kept {:.2} of this machine's {cores} cores busy: {cpu:.2} CPU-seconds in {:.2} s for the writer, 3 safekeepers and 2 replicas; the raw write used 1 core)",
+            cpu / to_parts.as_secs_f64(),
+            to_parts.as_secs_f64()
+        );
+    }
     say!(
         "replica apply = {:.0}% of the raw Parquet write rate (goal at least 80%)",
         100.0 * rows_s(2 * rows, apply_alone) / raw_rate

@@ -7,6 +7,7 @@
 //! `disk_consistent_lsn` before the parts below it are durable, or decide
 //! anything from time or from which safekeeper it streams from.
 
+pub mod checksum;
 pub mod part;
 pub mod replica;
 pub mod stream;

@@ -2,8 +2,8 @@
 //! `<partition_id>_<min_block>_<max_block>_<level>` (ClickHouse's convention).
 //!
 //! A part's bytes are a function of its rows alone (the same writer settings
-//! everywhere, no timestamps), and so is its checksum: crc32c of the rows
-//! encoded as an Arrow IPC stream. Two replicas that applied the same WAL hold
+//! everywhere, no timestamps), and so is its checksum (see [`crate::checksum`]).
+//! Two replicas that applied the same WAL hold
 //! parts with the same names, rows, checksums and bytes.
 //!
 //! ferry's own metadata travels in the Parquet footer's key-value metadata
@@ -104,102 +104,7 @@ pub enum PartError {
     },
 }
 
-/// A `std::io::Write` that only computes crc32c of what passes through.
-struct CrcWriter(u32);
-
-impl std::io::Write for CrcWriter {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0 = crc32c::crc32c_append(self.0, buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-/// Rows per batch of the checksum's canonical encoding.
-const CHECKSUM_CHUNK_ROWS: usize = 8192;
-
-/// The checksum of rows, fed in any batching: crc32c of their Arrow IPC
-/// stream encoding in fresh batches of [`CHECKSUM_CHUNK_ROWS`] rows, so it
-/// depends on the rows alone, not on how they happen to be batched or sliced.
-/// Holds at most one chunk of rows.
-pub struct RowsChecksum {
-    schema: SchemaRef,
-    writer: arrow::ipc::writer::StreamWriter<CrcWriter>,
-    pending: Vec<RecordBatch>,
-    pending_rows: usize,
-}
-
-impl RowsChecksum {
-    pub fn new(schema: &SchemaRef) -> Result<RowsChecksum, arrow::error::ArrowError> {
-        // Names, types and nullability only: the metadata a schema picks up on
-        // its way (a Parquet footer's, a field id) is not the rows.
-        let schema = Arc::new(arrow::datatypes::Schema::new(
-            schema
-                .fields()
-                .iter()
-                .map(|f| {
-                    arrow::datatypes::Field::new(f.name(), f.data_type().clone(), f.is_nullable())
-                })
-                .collect::<Vec<_>>(),
-        ));
-        Ok(RowsChecksum {
-            writer: arrow::ipc::writer::StreamWriter::try_new(CrcWriter(0), &schema)?,
-            schema,
-            pending: Vec::new(),
-            pending_rows: 0,
-        })
-    }
-
-    pub fn push(&mut self, batch: &RecordBatch) -> Result<(), arrow::error::ArrowError> {
-        if batch.num_columns() != self.schema.fields().len() {
-            return Err(arrow::error::ArrowError::SchemaError(format!(
-                "rows of {} columns for a schema of {}",
-                batch.num_columns(),
-                self.schema.fields().len()
-            )));
-        }
-        let mut at = 0;
-        while at < batch.num_rows() {
-            let take = (CHECKSUM_CHUNK_ROWS - self.pending_rows).min(batch.num_rows() - at);
-            self.pending.push(batch.slice(at, take));
-            self.pending_rows += take;
-            at += take;
-            if self.pending_rows == CHECKSUM_CHUNK_ROWS {
-                self.flush()?;
-            }
-        }
-        Ok(())
-    }
-
-    fn flush(&mut self) -> Result<(), arrow::error::ArrowError> {
-        let chunk = arrow::compute::concat_batches(&self.schema, self.pending.iter())?;
-        self.pending.clear();
-        self.pending_rows = 0;
-        self.writer.write(&chunk)
-    }
-
-    pub fn finish(mut self) -> Result<u32, arrow::error::ArrowError> {
-        if self.pending_rows > 0 {
-            self.flush()?;
-        }
-        self.writer.finish()?;
-        Ok(self.writer.into_inner()?.0)
-    }
-}
-
-/// The checksum of rows (see [`RowsChecksum`]).
-pub fn rows_checksum(
-    schema: &SchemaRef,
-    batches: &[RecordBatch],
-) -> Result<u32, arrow::error::ArrowError> {
-    let mut sum = RowsChecksum::new(schema)?;
-    for b in batches {
-        sum.push(b)?;
-    }
-    sum.finish()
-}
+pub use crate::checksum::{rows_checksum, RowsChecksum};
 
 fn properties(kv: Vec<KeyValue>) -> WriterProperties {
     WriterProperties::builder()

@@ -902,28 +902,45 @@ fn group_by_partition(
             ));
         }
     }
-    let all = arrow::compute::concat_batches(&schema, &batches).map_err(|e| e.to_string())?;
+    let all = match batches.as_slice() {
+        [one] => one.clone(),
+        _ => arrow::compute::concat_batches(&schema, &batches).map_err(|e| e.to_string())?,
+    };
     let pidx = def
         .column_index(&def.partition_by.column)
         .ok_or("no partition column")?;
     if all.column(pidx).null_count() > 0 {
         return Err("a null partition value".into());
     }
-    let ids = ferry_table::keys::partition_ids(def, all.column(pidx))
-        .map_err(|(row, e)| format!("row {}: {e}", row + 1))?;
-    let mut rows: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
-    for (i, id) in ids.iter().enumerate() {
-        rows.entry(id.as_str()).or_default().push(i as u32);
-    }
-    let mut out = Vec::with_capacity(rows.len());
-    for (id, idx) in rows {
+    // Rows by partition id, in row order; consecutive rows mostly share a
+    // partition, so the last group is tried first.
+    let mut groups: Vec<(String, Vec<u32>)> = Vec::new();
+    let mut index: std::collections::HashMap<String, usize> = Default::default();
+    let mut last = usize::MAX;
+    ferry_table::keys::for_each_partition_id(def, all.column(pidx), |row, id| {
+        if groups.get(last).is_none_or(|(g, _)| g != id) {
+            last = match index.get(id) {
+                Some(i) => *i,
+                None => {
+                    index.insert(id.to_string(), groups.len());
+                    groups.push((id.to_string(), Vec::new()));
+                    groups.len() - 1
+                }
+            };
+        }
+        groups[last].1.push(row as u32);
+    })
+    .map_err(|(row, e)| format!("row {}: {e}", row + 1))?;
+    groups.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut out = Vec::with_capacity(groups.len());
+    for (id, idx) in groups {
         let batch = if idx.len() == all.num_rows() {
             all.clone()
         } else {
             arrow::compute::take_record_batch(&all, &arrow::array::UInt32Array::from(idx))
                 .map_err(|e| e.to_string())?
         };
-        out.push((id.to_string(), batch));
+        out.push((id, batch));
     }
     Ok(out)
 }
