@@ -6,7 +6,9 @@
 //! they reach the world only through the seams of `ferry-env`, which the simulator
 //! fills with [`disk::SimDisk`] (loses unsynced writes on a crash) and
 //! [`net::SimNet`] (delays, broken connections, partitions). All choices come from
-//! one seed, so a seed replays the same run and the same event log.
+//! one seed, so a seed replays the same run and the same event log; that
+//! includes tokio's own random choices (the order a watch channel wakes its
+//! receivers in), seeded through [`runtime`].
 //!
 //! * [`world`]: nodes' disks, the network, coordination, object storage, the
 //!   clock and the event log of one run, drawn from its seed;
@@ -32,3 +34,16 @@ pub mod rogue;
 pub mod wal;
 pub mod walreceiver;
 pub mod world;
+
+/// The runtime one simulated run executes on: current-thread, clock paused,
+/// and tokio's internal random numbers drawn from `seed`. Without the seed,
+/// tokio picks, for instance, which of its shards a watch receiver waits in,
+/// so receivers woken by one change (walsenders of a safekeeper) would run in
+/// an order that changes from run to run.
+pub fn runtime(seed: u64) -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .rng_seed(tokio::runtime::RngSeed::from_bytes(&seed.to_le_bytes()))
+        .build()
+}

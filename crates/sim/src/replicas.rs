@@ -566,15 +566,11 @@ fn generate(rng: &mut SmallRng) -> Vec<(Duration, Event)> {
 }
 
 pub fn run_seed(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .start_paused(true)
-        .build()
-        .map_err(|e| Failure {
-            seed,
-            reason: format!("cannot build the runtime: {e}"),
-            log: Vec::new(),
-        })?;
+    let runtime = crate::runtime(seed).map_err(|e| Failure {
+        seed,
+        reason: format!("cannot build the runtime: {e}"),
+        log: Vec::new(),
+    })?;
     runtime.block_on(run_seed_async(seed, verbose))
 }
 

@@ -74,7 +74,12 @@ fn random_seeds() {
 
 #[test]
 fn same_seed_same_log() {
-    let a = run_seed(7, false).unwrap_or_else(|f| panic!("{}", explain(&f)));
-    let b = run_seed(7, false).unwrap_or_else(|f| panic!("{}", explain(&f)));
-    assert_eq!(a.log_hash, b.log_hash, "a seed gives one execution");
+    // Seed 11 told runs apart while tokio's own random choices were not
+    // seeded (walsenders of one safekeeper woke in a varying order).
+    for seed in [7, 11] {
+        let a = run_seed(seed, false).unwrap_or_else(|f| panic!("{}", explain(&f)));
+        let b = run_seed(seed, false).unwrap_or_else(|f| panic!("{}", explain(&f)));
+        assert_eq!(a.log, b.log, "seed {seed} gives one execution");
+        assert_eq!(a.log_hash, b.log_hash);
+    }
 }
