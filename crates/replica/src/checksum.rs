@@ -11,9 +11,10 @@
 //! bytes little-endian) followed by each column's validity crc and values crc
 //! (4 bytes little-endian each), in column order.
 //!
-//! Every stream is fed contiguous runs where it can (a slice of values without
-//! nulls is one crc32c call), so the checksum costs a pass over the data and no
-//! copy of it.
+//! Numeric columns without nulls are fed as they lie in memory (one crc32c call
+//! per column and batch); strings, booleans and columns with nulls go through a
+//! scratch buffer of at most 64 KiB. The checksum costs one pass over the data
+//! and never a copy of a whole batch.
 
 use arrow::array::{Array, AsArray, RecordBatch};
 use arrow::datatypes::{
@@ -74,7 +75,7 @@ impl RowsChecksum {
                     self.types[i]
                 )));
             }
-            self.validity[i] = validity(self.validity[i], column.as_ref());
+            self.validity[i] = self.validity(self.validity[i], column.as_ref());
             self.values[i] = self.column_values(self.values[i], column.as_ref());
         }
         self.rows += batch.num_rows() as u64;
@@ -83,72 +84,82 @@ impl RowsChecksum {
 
     fn column_values(&mut self, crc: u32, column: &dyn Array) -> u32 {
         fn primitive<T: arrow::datatypes::ArrowPrimitiveType>(
-            crc: u32,
+            mut feed: Feed<'_>,
             column: &dyn Array,
-            scratch: &mut Vec<u8>,
-            bytes: impl Fn(T::Native, &mut Vec<u8>),
+            bytes: impl Fn(T::Native, &mut Feed<'_>),
         ) -> u32 {
             let a = column.as_primitive::<T>();
-            scratch.clear();
             if a.null_count() == 0 && cfg!(target_endian = "little") {
                 // Native order is the canonical order: the values as they lie.
-                let raw = a.values().inner().as_slice();
-                return crc32c::crc32c_append(crc, raw);
+                feed.push(a.values().inner().as_slice());
+                return feed.finish();
             }
             for (i, v) in a.values().iter().enumerate() {
                 if a.is_valid(i) {
-                    bytes(*v, scratch);
+                    bytes(*v, &mut feed);
                 }
             }
-            crc32c::crc32c_append(crc, scratch)
+            feed.finish()
         }
-        let scratch = &mut self.scratch;
+        let feed = Feed::new(crc, &mut self.scratch);
         match column.data_type() {
-            DataType::Int32 => primitive::<Int32Type>(crc, column, scratch, |v, s| {
-                s.extend_from_slice(&v.to_le_bytes())
-            }),
-            DataType::Date32 => primitive::<Date32Type>(crc, column, scratch, |v, s| {
-                s.extend_from_slice(&v.to_le_bytes())
-            }),
-            DataType::Int64 => primitive::<Int64Type>(crc, column, scratch, |v, s| {
-                s.extend_from_slice(&v.to_le_bytes())
-            }),
-            DataType::Timestamp(TimeUnit::Microsecond, _) => {
-                primitive::<TimestampMicrosecondType>(crc, column, scratch, |v, s| {
-                    s.extend_from_slice(&v.to_le_bytes())
-                })
+            DataType::Int32 => {
+                primitive::<Int32Type>(feed, column, |v, f| f.push(&v.to_le_bytes()))
             }
-            DataType::Float64 => primitive::<Float64Type>(crc, column, scratch, |v, s| {
-                s.extend_from_slice(&v.to_bits().to_le_bytes())
-            }),
+            DataType::Date32 => {
+                primitive::<Date32Type>(feed, column, |v, f| f.push(&v.to_le_bytes()))
+            }
+            DataType::Int64 => {
+                primitive::<Int64Type>(feed, column, |v, f| f.push(&v.to_le_bytes()))
+            }
+            DataType::Timestamp(TimeUnit::Microsecond, _) => {
+                primitive::<TimestampMicrosecondType>(feed, column, |v, f| f.push(&v.to_le_bytes()))
+            }
+            DataType::Float64 => {
+                primitive::<Float64Type>(feed, column, |v, f| f.push(&v.to_bits().to_le_bytes()))
+            }
             DataType::Boolean => {
                 let a = column.as_boolean();
-                scratch.clear();
-                scratch.extend(
-                    (0..a.len())
-                        .filter(|&i| a.is_valid(i))
-                        .map(|i| u8::from(a.value(i))),
-                );
-                crc32c::crc32c_append(crc, scratch)
+                let mut feed = feed;
+                for i in (0..a.len()).filter(|&i| a.is_valid(i)) {
+                    feed.push(&[u8::from(a.value(i))]);
+                }
+                feed.finish()
             }
             DataType::Utf8 => {
                 let a = column.as_string::<i32>();
-                let mut crc = crc;
-                scratch.clear();
+                let mut feed = feed;
                 for i in (0..a.len()).filter(|&i| a.is_valid(i)) {
                     let v = a.value(i).as_bytes();
                     let len = u32::try_from(v.len()).expect("an Arrow Utf8 value is under 2 GiB");
-                    scratch.extend_from_slice(&len.to_le_bytes());
-                    scratch.extend_from_slice(v);
-                    if scratch.len() >= 1 << 16 {
-                        crc = crc32c::crc32c_append(crc, scratch);
-                        scratch.clear();
-                    }
+                    feed.push(&len.to_le_bytes());
+                    feed.push(v);
                 }
-                crc32c::crc32c_append(crc, scratch)
+                feed.finish()
             }
             other => unreachable!("type {other} was refused by RowsChecksum::new"),
         }
+    }
+
+    /// Feeds a column's validity bytes: runs of ones where there are no nulls.
+    fn validity(&mut self, crc: u32, column: &dyn Array) -> u32 {
+        let mut feed = Feed::new(crc, &mut self.scratch);
+        match column.logical_nulls() {
+            None => {
+                let mut left = column.len();
+                while left > 0 {
+                    let n = left.min(ONES.len());
+                    feed.push(&ONES[..n]);
+                    left -= n;
+                }
+            }
+            Some(nulls) => {
+                for valid in nulls.iter() {
+                    feed.push(&[u8::from(valid)]);
+                }
+            }
+        }
+        feed.finish()
     }
 
     pub fn finish(self) -> Result<u32, ArrowError> {
@@ -174,22 +185,37 @@ fn supported(t: &DataType) -> bool {
     )
 }
 
-/// Feeds a column's validity bytes: runs of ones where there are no nulls.
-fn validity(mut crc: u32, column: &dyn Array) -> u32 {
-    match column.logical_nulls() {
-        None => {
-            let mut left = column.len();
-            while left > 0 {
-                let n = left.min(ONES.len());
-                crc = crc32c::crc32c_append(crc, &ONES[..n]);
-                left -= n;
-            }
-            crc
+/// Bytes up to which a [`Feed`] gathers small pieces before a crc32c call.
+const FEED_BUFFER_BYTES: usize = 64 << 10;
+
+/// A crc32c stream fed in pieces: small ones are gathered in a bounded buffer
+/// (a crc32c call per value would cost more than the values), large ones go
+/// straight in.
+struct Feed<'a> {
+    crc: u32,
+    buffer: &'a mut Vec<u8>,
+}
+
+impl<'a> Feed<'a> {
+    fn new(crc: u32, buffer: &'a mut Vec<u8>) -> Feed<'a> {
+        buffer.clear();
+        Feed { crc, buffer }
+    }
+
+    fn push(&mut self, bytes: &[u8]) {
+        if self.buffer.len() + bytes.len() > FEED_BUFFER_BYTES {
+            self.crc = crc32c::crc32c_append(self.crc, self.buffer);
+            self.buffer.clear();
         }
-        Some(nulls) => {
-            let bytes: Vec<u8> = nulls.iter().map(u8::from).collect();
-            crc32c::crc32c_append(crc, &bytes)
+        if bytes.len() >= FEED_BUFFER_BYTES {
+            self.crc = crc32c::crc32c_append(self.crc, bytes);
+        } else {
+            self.buffer.extend_from_slice(bytes);
         }
+    }
+
+    fn finish(self) -> u32 {
+        crc32c::crc32c_append(self.crc, self.buffer)
     }
 }
 

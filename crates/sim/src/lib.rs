@@ -8,7 +8,7 @@
 //! [`net::SimNet`] (delays, broken connections, partitions). All choices come from
 //! one seed, so a seed replays the same run and the same event log; that
 //! includes tokio's own random choices (the order a watch channel wakes its
-//! receivers in), seeded through [`runtime`].
+//! receivers in), seeded through [`run_seeded`].
 //!
 //! * [`world`]: nodes' disks, the network, coordination, object storage, the
 //!   clock and the event log of one run, drawn from its seed;
@@ -35,15 +35,24 @@ pub mod wal;
 pub mod walreceiver;
 pub mod world;
 
-/// The runtime one simulated run executes on: current-thread, clock paused,
-/// and tokio's internal random numbers drawn from `seed`. Without the seed,
-/// tokio picks, for instance, which of its shards a watch receiver waits in,
-/// so receivers woken by one change (walsenders of a safekeeper) would run in
-/// an order that changes from run to run.
-pub fn runtime(seed: u64) -> std::io::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_current_thread()
+/// Runs one simulated run to its end on its own runtime: current-thread, clock
+/// paused, and tokio's internal random numbers drawn from `seed`. Without the
+/// seed, tokio picks, for instance, which of its shards a watch receiver waits
+/// in, so receivers woken by one change (walsenders of a safekeeper) would run
+/// in an order that changes from run to run.
+pub fn run_seeded<T>(
+    seed: u64,
+    run: impl std::future::Future<Output = Result<T, world::Failure>>,
+) -> Result<T, world::Failure> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
         .rng_seed(tokio::runtime::RngSeed::from_bytes(&seed.to_le_bytes()))
         .build()
+        .map_err(|e| world::Failure {
+            seed,
+            reason: format!("cannot build the runtime: {e}"),
+            log: Vec::new(),
+        })?;
+    runtime.block_on(run)
 }

@@ -1051,12 +1051,7 @@ impl Sim {
 /// Runs one seed of the WAL random test; `verbose` prints the event log as it
 /// happens.
 pub fn run_seed(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
-    let runtime = crate::runtime(seed).map_err(|e| Failure {
-        seed,
-        reason: format!("cannot build the runtime: {e}"),
-        log: Vec::new(),
-    })?;
-    runtime.block_on(run_seed_async(seed, verbose))
+    crate::run_seeded(seed, run_seed_async(seed, verbose))
 }
 
 async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
