@@ -412,19 +412,6 @@ impl PartReader {
     }
 }
 
-/// Decodes one row group's batches (CPU work).
-pub fn decode_row_group(
-    name: &PartName,
-    reader: parquet::arrow::arrow_reader::ParquetRecordBatchReader,
-) -> Result<Vec<RecordBatch>, PartError> {
-    reader
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| PartError::Invalid {
-            name: name.to_string(),
-            detail: e.to_string(),
-        })
-}
-
 /// Reads the byte ranges a decoder asks for, in file order, adjacent or
 /// overlapping ones in one read (a row group's column chunks are one read).
 /// Returns them sorted, as pairs for `push_ranges`: the order a decoder lists

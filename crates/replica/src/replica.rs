@@ -749,80 +749,80 @@ impl MergeJob {
     /// in the same batches everywhere, so every replica writes the same bytes.
     pub async fn run(self) -> Result<PartMeta, ReplicaError> {
         let disk = self.disk.as_ref();
-        let min_lsn = self.sources.iter().map(|(_, m)| m.min_lsn).min();
-        let max_lsn = self.sources.iter().map(|(_, m)| m.max_lsn).max();
-        let (Some(min_lsn), Some(max_lsn)) = (min_lsn, max_lsn) else {
-            return Err(ReplicaError::Damaged {
-                path: self.path.clone(),
-                detail: "a merge of no parts".into(),
-            });
+        let damaged = |path: &str, detail: String| ReplicaError::Damaged {
+            path: path.to_string(),
+            detail,
         };
-        let table_id = self.merge.table_id;
-        let result = self.merge.result.clone();
-        let mut out = DurableFile::create(disk, &self.dir, &self.path).await?;
-        let mut encoder: Option<part::PartEncoder> = None;
-        let mut rows = 0u64;
+        // Every source's footer first (the footers only): each must be the
+        // part the replica listed.
+        let mut readers = Vec::with_capacity(self.sources.len());
         for (path, meta) in &self.sources {
-            let mut reader = part::PartReader::open(disk, path, &meta.name).await?;
+            let reader = part::PartReader::open(disk, path, &meta.name).await?;
             if reader.meta() != meta {
-                return Err(ReplicaError::Damaged {
-                    path: path.clone(),
-                    detail: format!(
+                return Err(damaged(
+                    path,
+                    format!(
                         "the part's footer {:?} is not what the replica listed {meta:?}",
                         reader.meta()
                     ),
-                });
+                ));
             }
-            let mut enc = match encoder.take() {
-                Some(e) => e,
-                None => {
-                    let schema = Arc::clone(reader.schema());
-                    let name = result.clone();
-                    self.cpu
-                        .run(move || {
-                            part::PartEncoder::new(&schema, &name, table_id, (min_lsn, max_lsn))
-                        })
-                        .await?
-                }
-            };
+            readers.push(reader);
+        }
+        let Some(first) = readers.first() else {
+            return Err(damaged(&self.path, "a merge of no parts".into()));
+        };
+        let schema = Arc::clone(first.schema());
+        let lsns = (
+            readers
+                .iter()
+                .map(|r| r.meta().min_lsn)
+                .min()
+                .unwrap_or_default(),
+            readers
+                .iter()
+                .map(|r| r.meta().max_lsn)
+                .max()
+                .unwrap_or_default(),
+        );
+        let (table_id, result) = (self.merge.table_id, self.merge.result.clone());
+        let mut encoder = self
+            .cpu
+            .run(move || part::PartEncoder::new(&schema, &result, table_id, lsns))
+            .await?;
+        let mut out = DurableFile::create(disk, &self.dir, &self.path).await?;
+        for mut reader in readers {
             while let Some(group) = reader.next_row_group().await? {
-                let name = meta.name.clone();
-                let (e, bytes, n) = self
+                let name = reader.meta().name.clone();
+                let (e, bytes) = self
                     .cpu
                     .run(move || {
-                        let mut out = Vec::new();
-                        let mut n = 0u64;
+                        let mut bytes = Vec::new();
                         for batch in group {
                             let batch = batch.map_err(|e| part::PartError::Invalid {
                                 name: name.to_string(),
                                 detail: e.to_string(),
                             })?;
-                            n += batch.num_rows() as u64;
-                            out.extend(enc.write(&batch)?);
+                            bytes.extend(encoder.write(&batch)?);
                         }
-                        Ok::<_, part::PartError>((enc, out, n))
+                        Ok::<_, part::PartError>((encoder, bytes))
                     })
                     .await?;
-                enc = e;
-                rows += n;
+                encoder = e;
                 out.append(bytes).await?;
             }
-            encoder = Some(enc);
         }
+        let (tail, meta) = self.cpu.run(move || encoder.finish()).await?;
         let expected: u64 = self.sources.iter().map(|(_, m)| m.rows).sum();
-        let Some(enc) = encoder else {
-            return Err(ReplicaError::Damaged {
-                path: self.path.clone(),
-                detail: "a merge of no parts".into(),
-            });
-        };
-        if rows != expected {
-            return Err(ReplicaError::Damaged {
-                path: self.path.clone(),
-                detail: format!("the sources hold {rows} rows, their footers say {expected}"),
-            });
+        if meta.rows != expected {
+            return Err(damaged(
+                &self.path,
+                format!(
+                    "the sources hold {} rows, their footers say {expected}",
+                    meta.rows
+                ),
+            ));
         }
-        let (tail, meta) = self.cpu.run(move || enc.finish()).await?;
         out.append(tail).await?;
         out.commit(disk).await?;
         Ok(meta)

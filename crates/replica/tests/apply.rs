@@ -501,7 +501,8 @@ async fn a_merge_streams_its_sources_a_row_group_at_a_time() {
     );
 
     // Streamed: no source read whole, no read larger than a source, and the
-    // result written in pieces, the first before the last source was read.
+    // result written in pieces, the first before the last source's rows were
+    // read.
     assert!(
         !ops.iter().any(|o| matches!(o, Io::ReadWhole(_))),
         "a part was read whole: {ops:?}"
@@ -523,13 +524,14 @@ async fn a_merge_streams_its_sources_a_row_group_at_a_time() {
         "the result in at least 3 writes: {ops:?}"
     );
     let last_source = sources.last().expect("sources").name.to_string();
-    let last_source_read = ops
+    // Footers are read first; the last read of the last source is its rows.
+    let last_source_rows_read = ops
         .iter()
-        .position(|o| matches!(o, Io::ReadAt(p, _) if p.contains(&last_source)))
+        .rposition(|o| matches!(o, Io::ReadAt(p, _) if p.contains(&last_source)))
         .expect("the last source was read");
     assert!(
-        writes[0] < last_source_read,
-        "the result's first row group was written before the last source was read"
+        writes[0] < last_source_rows_read,
+        "the result's first row group was written before the last source's rows were read"
     );
     let replaced = r.finish_merge(&merge, meta).await.expect("finish");
     assert_eq!(replaced.len(), ferry_replica::MERGE_FANIN);
