@@ -141,9 +141,9 @@ async fn replica_at(reads: &Reads, q: &ReadQuery) -> Result<SharedReplica, ApiEr
     Ok(replica)
 }
 
-async fn table_id(reads: &Reads, name: &str) -> Result<u64, ApiError> {
+async fn table(reads: &Reads, name: &str) -> Result<ferry_table::Table, ApiError> {
     match reads.catalog.get(name).await? {
-        Some(t) => Ok(t.id),
+        Some(t) => Ok(t),
         None => Err(ferry_ingest::CatalogError::NoSuchTable(name.to_string()).into()),
     }
 }
@@ -171,7 +171,7 @@ async fn partitions(
     Path(name): Path<String>,
     Query(q): Query<ReadQuery>,
 ) -> Result<Json<Vec<Partition>>, ApiError> {
-    let id = table_id(&reads, &name).await?;
+    let id = table(&reads, &name).await?.id;
     let replica = replica_at(&reads, &q).await?;
     let parts = replica.lock().await.parts(id);
     Ok(Json(by_partition(parts)))
@@ -182,7 +182,7 @@ async fn count(
     Path(name): Path<String>,
     Query(q): Query<ReadQuery>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let id = table_id(&reads, &name).await?;
+    let id = table(&reads, &name).await?.id;
     let replica = replica_at(&reads, &q).await?;
     let r = replica.lock().await;
     let rows: u64 = r
@@ -229,10 +229,7 @@ async fn rows(
         "arrow" => RowsFormat::Arrow,
         other => return Err(bad(format!("unknown format {other:?} (ndjson, arrow)"))),
     };
-    let table = match reads.catalog.get(&name).await? {
-        Some(t) => t,
-        None => return Err(ferry_ingest::CatalogError::NoSuchTable(name.clone()).into()),
-    };
+    let table = table(&reads, &name).await?;
     let replica = replica_at(&reads, &q).await?;
     let (disk, listed) = {
         let r = replica.lock().await;
