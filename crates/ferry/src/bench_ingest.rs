@@ -379,9 +379,9 @@ pub async fn ingest(args: IngestBenchArgs) -> anyhow::Result<()> {
         .map_err(|e: String| anyhow::anyhow!(e))?;
 
     // Replica 0 starts now, alone, without its merge task: applying the WAL
-    // of both runs (2 x rows) is the apply rate. Then its merges run alone
-    // (the merge rate), then replica 1 catches up, and the third run goes
-    // from HTTP to parts on both.
+    // of both runs (2 x rows) is the apply rate. Then its merges start,
+    // replica 1 catches up, and the third run goes from HTTP to parts on both.
+    // The merge rate comes last, from a third replica.
     let safekeepers: Vec<String> = quorum.addrs.clone();
     let replica_disk: Arc<dyn ferry_env::Disk> =
         Arc::new(ferry_env::RealDisk::open_root(root.path())?);
