@@ -289,6 +289,15 @@ async fn stream_rows(
         RowsFormat::Ndjson => None,
     };
     for mut part in parts {
+        // Rows that are not what the part's footer describes cut the
+        // response at the part's end.
+        let mut check = match ferry_replica::part::PartCheck::new(&part) {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = tx.send(Err(fail(&e))).await;
+                return;
+            }
+        };
         loop {
             let group = match part.next_row_group().await {
                 Ok(Some(g)) => g,
@@ -300,12 +309,13 @@ async fn stream_rows(
             };
             let schema = Arc::clone(&schema);
             let writer = ipc.take();
+            let name = part.meta().name.clone();
             let encoded = cpu
-                .run(move || encode_row_group(group, &schema, writer))
+                .run(move || encode_row_group(&name, group, &schema, writer, check))
                 .await;
             match encoded {
-                Ok((chunk, writer)) => {
-                    ipc = writer;
+                Ok((chunk, writer, c)) => {
+                    (ipc, check) = (writer, c);
                     if !chunk.is_empty() && tx.send(Ok(chunk.into())).await.is_err() {
                         return; // the client went away
                     }
@@ -315,6 +325,10 @@ async fn stream_rows(
                     return;
                 }
             }
+        }
+        if let Err(e) = check.finish(part.meta()) {
+            let _ = tx.send(Err(fail(&e))).await;
+            return;
         }
     }
     if let Some(mut w) = ipc {
@@ -328,25 +342,30 @@ type IpcWriter = arrow::ipc::writer::StreamWriter<Vec<u8>>;
 /// Decodes one row group and encodes its rows, as NDJSON or (with `ipc`) as
 /// the next messages of an Arrow IPC stream, under the table's schema.
 fn encode_row_group(
+    name: &ferry_replica::PartName,
     group: parquet::arrow::arrow_reader::ParquetRecordBatchReader,
     schema: &arrow::datatypes::SchemaRef,
     mut ipc: Option<IpcWriter>,
-) -> Result<(Vec<u8>, Option<IpcWriter>), arrow::error::ArrowError> {
+    mut check: ferry_replica::part::PartCheck,
+) -> Result<(Vec<u8>, Option<IpcWriter>, ferry_replica::part::PartCheck), String> {
     let mut out = Vec::new();
     for batch in group {
+        let batch = batch.map_err(|e| e.to_string())?;
+        check.push(name, &batch).map_err(|e| e.to_string())?;
         let batch =
-            arrow::array::RecordBatch::try_new(Arc::clone(schema), batch?.columns().to_vec())?;
+            arrow::array::RecordBatch::try_new(Arc::clone(schema), batch.columns().to_vec())
+                .map_err(|e| e.to_string())?;
         match &mut ipc {
             Some(w) => {
-                w.write(&batch)?;
+                w.write(&batch).map_err(|e| e.to_string())?;
                 out.extend(std::mem::take(w.get_mut()));
             }
             None => {
                 let mut w = arrow::json::LineDelimitedWriter::new(&mut out);
-                w.write(&batch)?;
-                w.finish()?;
+                w.write(&batch).map_err(|e| e.to_string())?;
+                w.finish().map_err(|e| e.to_string())?;
             }
         }
     }
-    Ok((out, ipc))
+    Ok((out, ipc, check))
 }

@@ -333,7 +333,7 @@ impl PartReader {
         let metadata = loop {
             match footer.try_decode().map_err(|e| invalid(e.to_string()))? {
                 parquet::DecodeResult::NeedsData(ranges) => {
-                    let (ranges, data) = fetch(file.as_ref(), ranges).await.map_err(io)?;
+                    let (ranges, data) = fetch(file.as_ref(), len, ranges).await.map_err(io)?;
                     footer
                         .push_ranges(ranges, data)
                         .map_err(|e| invalid(e.to_string()))?;
@@ -387,13 +387,12 @@ impl PartReader {
                 .map_err(|e| self.invalid(e.to_string()))?;
             match step {
                 parquet::DecodeResult::NeedsData(ranges) => {
-                    let (ranges, data) =
-                        fetch(self.file.as_ref(), ranges).await.map_err(|source| {
-                            PartError::Io {
-                                path: self.path.clone(),
-                                source,
-                            }
-                        })?;
+                    let (ranges, data) = fetch(self.file.as_ref(), self.meta.bytes, ranges)
+                        .await
+                        .map_err(|source| PartError::Io {
+                        path: self.path.clone(),
+                        source,
+                    })?;
                     self.decoder
                         .push_ranges(ranges, data)
                         .map_err(|e| self.invalid(e.to_string()))?;
@@ -412,16 +411,68 @@ impl PartReader {
     }
 }
 
+/// Checks the rows read from a part against its footer: Parquet as ferry
+/// writes it has no checksum of its own, and a damaged byte can change values
+/// without making the file unreadable. Feed it every batch read, in order;
+/// [`finish`](Self::finish) compares the row count and the rows checksum.
+pub struct PartCheck {
+    sum: RowsChecksum,
+    rows: u64,
+}
+
+impl PartCheck {
+    pub fn new(reader: &PartReader) -> Result<PartCheck, PartError> {
+        Ok(PartCheck {
+            sum: RowsChecksum::new(reader.schema()).map_err(|e| reader.invalid(e.to_string()))?,
+            rows: 0,
+        })
+    }
+
+    pub fn push(&mut self, name: &PartName, batch: &RecordBatch) -> Result<(), PartError> {
+        self.rows += batch.num_rows() as u64;
+        self.sum.push(batch).map_err(|e| PartError::Invalid {
+            name: name.to_string(),
+            detail: e.to_string(),
+        })
+    }
+
+    /// Whether the rows read are the rows the footer describes.
+    pub fn finish(self, meta: &PartMeta) -> Result<(), PartError> {
+        let invalid = |detail: String| PartError::Invalid {
+            name: meta.name.to_string(),
+            detail,
+        };
+        let sum = self.sum.finish().map_err(|e| invalid(e.to_string()))?;
+        if self.rows != meta.rows || sum != meta.checksum {
+            return Err(invalid(format!(
+                "the rows read ({} rows, checksum {sum}) are not the rows its footer describes ({} rows, checksum {}): the file is damaged",
+                self.rows, meta.rows, meta.checksum
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// Reads the byte ranges a decoder asks for, in file order, adjacent or
 /// overlapping ones in one read (a row group's column chunks are one read).
 /// Returns them sorted, as pairs for `push_ranges`: the order a decoder lists
 /// ranges in is not specified, and reads in a varying order would make a run
 /// under the simulator depend on more than its seed.
+///
+/// A range past the end of the file (`file_len` bytes), which only a damaged
+/// footer can name, is an error before anything is allocated for it.
 async fn fetch(
     file: &dyn ferry_env::DiskFile,
+    file_len: u64,
     ranges: Vec<std::ops::Range<u64>>,
 ) -> std::io::Result<(Vec<std::ops::Range<u64>>, Vec<Bytes>)> {
     let mut ranges = ranges;
+    if let Some(bad) = ranges.iter().find(|r| r.start > r.end || r.end > file_len) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("the footer names bytes {bad:?} of a {file_len}-byte file"),
+        ));
+    }
     ranges.sort_by_key(|r| (r.start, r.end));
     let mut data = Vec::with_capacity(ranges.len());
     let mut i = 0;
@@ -515,5 +566,71 @@ mod tests {
         assert_eq!(meta2.checksum, meta.checksum);
         let torn = a.slice(..a.len() - 10);
         assert!(read_meta(&name, torn).is_err(), "a torn file is not a part");
+    }
+
+    /// A damaged part file (any byte of its footer changed) read and checked
+    /// as merges and reads do is an error or, where the change lands on a byte
+    /// that does not matter, still the same rows; never other rows, never a
+    /// panic, never a read past the file. (Without the check, some changes
+    /// give other values silently.)
+    #[tokio::test]
+    #[allow(clippy::disallowed_methods, clippy::disallowed_types)] // a real temp dir
+    async fn a_damaged_footer_is_an_error_not_a_panic() {
+        let schema = Arc::new(Schema::new(vec![Field::new("v", DataType::Int64, false)]));
+        let batch = RecordBatch::try_new(
+            Arc::clone(&schema),
+            vec![Arc::new(Int64Array::from_iter_values(0..2000))],
+        )
+        .expect("batch");
+        let name = PartName::parse("p_1_1_0").expect("name");
+        let (good, _) = encode(
+            &schema,
+            &name,
+            7,
+            std::slice::from_ref(&batch),
+            (Lsn(1), Lsn(1)),
+        )
+        .expect("encode");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let disk = ferry_env::RealDisk::open_root(dir.path()).expect("disk");
+        let footer_start = good.len().saturating_sub(600);
+        let (mut errors, mut same) = (0, 0);
+        for at in footer_start..good.len() {
+            let mut bad = good.to_vec();
+            bad[at] ^= 0xFF;
+            std::fs::write(dir.path().join("part"), &bad).expect("write");
+            let read = async {
+                let mut reader = PartReader::open(&disk, "part", &name).await?;
+                let mut check = PartCheck::new(&reader)?;
+                let mut rows = Vec::new();
+                while let Some(group) = reader.next_row_group().await? {
+                    for b in group {
+                        let b = b.map_err(|e| PartError::Invalid {
+                            name: name.to_string(),
+                            detail: e.to_string(),
+                        })?;
+                        check.push(&name, &b)?;
+                        rows.push(b);
+                    }
+                }
+                check.finish(reader.meta())?;
+                Ok::<_, PartError>(rows)
+            };
+            match read.await {
+                Err(_) => errors += 1,
+                Ok(rows) => {
+                    assert_eq!(
+                        rows,
+                        vec![batch.clone()],
+                        "byte {at} changed the rows unnoticed"
+                    );
+                    same += 1;
+                }
+            }
+        }
+        assert!(
+            errors > 0,
+            "damage was noticed ({errors} errors, {same} harmless)"
+        );
     }
 }

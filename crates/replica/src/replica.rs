@@ -746,7 +746,9 @@ impl MergeJob {
     /// directory fsync); returns its metadata. Holds at most one source row
     /// group and the result's row group in progress, whatever the parts'
     /// sizes. The rows are the sources' rows in block order, read and written
-    /// in the same batches everywhere, so every replica writes the same bytes.
+    /// in the same batches everywhere, so every replica writes the same bytes;
+    /// each source's rows are checked against its footer's checksum, so a
+    /// damaged source stops the merge instead of passing into the result.
     pub async fn run(self) -> Result<PartMeta, ReplicaError> {
         let disk = self.disk.as_ref();
         let damaged = |path: &str, detail: String| ReplicaError::Damaged {
@@ -792,9 +794,11 @@ impl MergeJob {
             .await?;
         let mut out = DurableFile::create(disk, &self.dir, &self.path).await?;
         for mut reader in readers {
+            // Each source's rows are checked against its footer as they pass.
+            let mut check = part::PartCheck::new(&reader)?;
             while let Some(group) = reader.next_row_group().await? {
                 let name = reader.meta().name.clone();
-                let (e, bytes) = self
+                let (e, c, bytes) = self
                     .cpu
                     .run(move || {
                         let mut bytes = Vec::new();
@@ -803,14 +807,16 @@ impl MergeJob {
                                 name: name.to_string(),
                                 detail: e.to_string(),
                             })?;
+                            check.push(&name, &batch)?;
                             bytes.extend(encoder.write(&batch)?);
                         }
-                        Ok::<_, part::PartError>((encoder, bytes))
+                        Ok::<_, part::PartError>((encoder, check, bytes))
                     })
                     .await?;
-                encoder = e;
+                (encoder, check) = (e, c);
                 out.append(bytes).await?;
             }
+            check.finish(reader.meta())?;
         }
         let (tail, meta) = self.cpu.run(move || encoder.finish()).await?;
         let expected: u64 = self.sources.iter().map(|(_, m)| m.rows).sum();
