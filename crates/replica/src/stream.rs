@@ -5,8 +5,15 @@
 //! (`disk_consistent_lsn`), so WAL received but not applied before a
 //! disconnect is simply received again. A connection that breaks or stays
 //! silent past [`StreamConfig::silence_timeout`] (a partition sends no reset)
-//! is dropped and the next safekeeper tried. It only moves bytes and timers:
-//! every decision about WAL is the replica's.
+//! is dropped and the next safekeeper tried. A safekeeper can also fall
+//! behind while it still talks (one cut off from the writer keeps sending
+//! keepalives with the commit position it last learned): every
+//! [`StreamConfig::lag_probe_interval`] the walreceiver asks the other
+//! safekeepers for their `commit_lsn` (a `START_REPLICATION` at its own
+//! position, whose first frame announces it) and moves to the one furthest
+//! ahead when that is more than [`StreamConfig::max_lag_bytes`] past what its
+//! own safekeeper announced. It only moves bytes and timers: every decision
+//! about WAL is the replica's.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,6 +32,15 @@ pub struct StreamConfig {
     /// connection is dead.
     pub silence_timeout: Duration,
     pub reconnect_delay: Duration,
+    /// How often the other safekeepers' `commit_lsn` is probed.
+    pub lag_probe_interval: Duration,
+    /// How long one probe may take (connect and first frame).
+    pub probe_timeout: Duration,
+    /// A safekeeper announcing a `commit_lsn` more than this many bytes past
+    /// the current one's makes the walreceiver move to it. Large enough that
+    /// frames waiting in the connection (which announce the commit position
+    /// of when they were sent) never look like lag.
+    pub max_lag_bytes: u64,
 }
 
 impl StreamConfig {
@@ -33,6 +49,9 @@ impl StreamConfig {
             safekeepers,
             silence_timeout: Duration::from_secs(3),
             reconnect_delay: Duration::from_millis(200),
+            lag_probe_interval: Duration::from_secs(5),
+            probe_timeout: Duration::from_secs(1),
+            max_lag_bytes: 16 << 20,
         }
     }
 }
@@ -61,6 +80,16 @@ pub async fn run(
             Err(StreamError::Connection(e)) => {
                 tracing::debug!(%addr, error = %e, "walreceiver connection ended");
             }
+            Err(StreamError::Lagging { ahead, commit_lsn }) => {
+                tracing::info!(
+                    %addr,
+                    to = %config.safekeepers[ahead],
+                    %commit_lsn,
+                    "walreceiver leaves a lagging safekeeper"
+                );
+                next = ahead;
+                continue;
+            }
         }
         tokio::time::sleep(config.reconnect_delay).await;
     }
@@ -69,6 +98,12 @@ pub async fn run(
 enum StreamError {
     Replica(ReplicaError),
     Connection(String),
+    /// Safekeeper `ahead` (an index into the configured list) announced
+    /// `commit_lsn`, further than the lag allowed past the current one.
+    Lagging {
+        ahead: usize,
+        commit_lsn: Lsn,
+    },
 }
 
 impl From<proto::FrameError> for StreamError {
@@ -109,15 +144,43 @@ async fn stream_from(
     )
     .await?;
     write.flush().await?;
+    let mut probes = tokio::time::interval(config.lag_probe_interval);
+    probes.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    probes.tick().await; // the first tick is immediate
+                         // The newest commit_lsn this safekeeper announced.
+    let mut announced = Lsn(0);
+    // Silence is measured from the last frame, whatever else the loop did
+    // meanwhile (a probe must not restart it).
+    let silence = tokio::time::sleep(config.silence_timeout);
+    tokio::pin!(silence);
     loop {
-        let msg =
-            match tokio::time::timeout(config.silence_timeout, reader.next::<FromSafekeeper>())
-                .await
-            {
-                Ok(msg) => msg?,
-                Err(_) => return Err(StreamError::Connection("silent walsender".into())),
-            };
+        // `biased`, and `FrameReader::next` is cancel-safe: a probe tick
+        // between two frames loses nothing.
+        let msg = tokio::select! {
+            biased;
+            msg = reader.next::<FromSafekeeper>() => {
+                silence
+                    .as_mut()
+                    .reset(tokio::time::Instant::now() + config.silence_timeout);
+                msg?
+            }
+            () = &mut silence => return Err(StreamError::Connection("silent walsender".into())),
+            _ = probes.tick(), if config.safekeepers.len() > 1 => {
+                let at = replica.lock().await.receive_from();
+                if let Some((ahead, commit_lsn)) =
+                    furthest_ahead(network, addr, shard, at, announced, config).await
+                {
+                    return Err(StreamError::Lagging { ahead, commit_lsn });
+                }
+                continue;
+            }
+        };
         let Some(msg) = msg else { return Ok(()) };
+        if let FromSafekeeper::Wal { commit_lsn, .. } | FromSafekeeper::Keepalive { commit_lsn } =
+            &msg
+        {
+            announced = announced.max(*commit_lsn);
+        }
         let (received, applied) = match msg {
             FromSafekeeper::Wal {
                 begin_lsn,
@@ -157,5 +220,60 @@ async fn stream_from(
         };
         proto::write_frame(&mut write, &ToSafekeeper::Feedback(feedback)).await?;
         write.flush().await?;
+    }
+}
+
+/// The safekeeper (other than `current`) whose `commit_lsn` is furthest past
+/// `announced`, if one is more than [`StreamConfig::max_lag_bytes`] past it.
+/// Safekeepers that do not answer within the probe timeout are skipped.
+async fn furthest_ahead(
+    network: &dyn Network,
+    current: &str,
+    shard: u32,
+    at: Lsn,
+    announced: Lsn,
+    config: &StreamConfig,
+) -> Option<(usize, Lsn)> {
+    let mut best: Option<(usize, Lsn)> = None;
+    for (i, addr) in config.safekeepers.iter().enumerate() {
+        if addr == current {
+            continue;
+        }
+        let probed =
+            tokio::time::timeout(config.probe_timeout, probe_commit(network, addr, shard, at))
+                .await;
+        let Ok(Some(commit_lsn)) = probed else {
+            continue;
+        };
+        let ahead = commit_lsn.0.saturating_sub(announced.0) > config.max_lag_bytes;
+        if ahead && best.is_none_or(|(_, b)| commit_lsn > b) {
+            best = Some((i, commit_lsn));
+        }
+    }
+    best
+}
+
+/// The `commit_lsn` a safekeeper announces in the first frame of a stream
+/// opened at `at` (a walsender announces it at once: with WAL, or in a
+/// keepalive when it has none past `at`).
+async fn probe_commit(network: &dyn Network, addr: &str, shard: u32, at: Lsn) -> Option<Lsn> {
+    let conn = network.connect(addr).await.ok()?;
+    let (read, mut write) = tokio::io::split(conn);
+    let mut reader = FrameReader::new(read);
+    proto::write_frame(
+        &mut write,
+        &ToSafekeeper::StartReplication {
+            shard_number: shard,
+            start_lsn: at,
+        },
+    )
+    .await
+    .ok()?;
+    write.flush().await.ok()?;
+    match reader.next::<FromSafekeeper>().await.ok()?? {
+        FromSafekeeper::Wal { commit_lsn, .. } | FromSafekeeper::Keepalive { commit_lsn } => {
+            Some(commit_lsn)
+        }
+        _ => None,
     }
 }

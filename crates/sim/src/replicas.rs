@@ -3,7 +3,10 @@
 //! `Replica`, walreceiver and merge task) streaming from them, under replica
 //! crashes that land between writes and fsyncs (unsynced data lost, torn
 //! files), safekeeper crashes under a streaming replica, partitions between
-//! replicas and safekeepers, and retried inserts with their idempotency keys.
+//! replicas and safekeepers and between the writer and a safekeeper (which
+//! then lags while its walsenders still talk), and retried inserts with their
+//! idempotency keys. [`run_lagging_safekeeper`] is a fixed scenario: the
+//! replicas on a lagging safekeeper must leave it while the partition lasts.
 //!
 //! Checked at every step: a replica's `disk_consistent_lsn` never goes back,
 //! not within an incarnation and not across a crash (what it reported was
@@ -46,6 +49,8 @@ const REPLICAS_PER_SHARD: u32 = 2;
 const SEGMENT_BYTES: u64 = 256 << 10;
 const TABLE_ID: u64 = 1;
 const PARTITIONS: [&str; 3] = ["p0", "p1", "p2"];
+/// Bytes a replica's safekeeper may fall behind another before it moves.
+const LAG_BYTES: u64 = 4 << 10;
 
 fn table() -> Table {
     Table {
@@ -104,6 +109,9 @@ enum Event {
     CrashReplica(usize),
     CrashSafekeeper(usize),
     PartitionReplica(usize, usize),
+    /// The writer cut off from a safekeeper, which falls behind while its
+    /// walsenders still talk.
+    PartitionWriter(usize),
     Repair,
 }
 
@@ -257,6 +265,8 @@ impl Sim {
         let shared: SharedReplica = Arc::new(tokio::sync::Mutex::new(replica));
         let mut config = StreamConfig::new((0..SAFEKEEPERS).map(sk_name).collect());
         config.reconnect_delay = Duration::from_millis(100);
+        config.lag_probe_interval = Duration::from_secs(1);
+        config.max_lag_bytes = LAG_BYTES;
         // Each replica starts on another safekeeper.
         config.safekeepers.rotate_left(i % SAFEKEEPERS);
         let stream = tokio::spawn({
@@ -381,6 +391,7 @@ impl Sim {
                 let (a, b) = (replica_name(*r), sk_name(*s));
                 self.world.partition(&a, &b);
             }
+            Event::PartitionWriter(s) => self.world.partition("writer", &sk_name(*s)),
             Event::Repair => self.world.repair_all(),
         }
         self.collect_results();
@@ -554,15 +565,136 @@ fn generate(rng: &mut SmallRng) -> Vec<(Duration, Event)> {
             60..=69 => Event::Retry,
             70..=81 => Event::CrashReplica(rng.random_range(0..replicas())),
             82..=89 => Event::CrashSafekeeper(rng.random_range(0..SAFEKEEPERS)),
-            90..=95 => Event::PartitionReplica(
+            90..=93 => Event::PartitionReplica(
                 rng.random_range(0..replicas()),
                 rng.random_range(0..SAFEKEEPERS),
             ),
+            94..=96 => Event::PartitionWriter(rng.random_range(0..SAFEKEEPERS)),
             _ => Event::Repair,
         };
         events.push((at, event));
     }
     events
+}
+
+impl Sim {
+    /// A world with three safekeepers, the writer and every replica running.
+    async fn start(seed: u64, rng: &mut SmallRng, verbose: bool) -> Result<Sim, Failure> {
+        let mut world = World::new(
+            seed,
+            rng,
+            NetOptions::default(),
+            CoordFaults::default(),
+            ObjectFaults::default(),
+            verbose,
+        )
+        .await?;
+        let sk_disks = (0..SAFEKEEPERS).map(|i| world.disk(&sk_name(i))).collect();
+        let mut config = WriterConfig::new(
+            (0..SAFEKEEPERS).map(sk_name).collect(),
+            ProposerConfig::new(
+                ClusterId::new("replica-sim").expect("id"),
+                SAFEKEEPERS,
+                1,
+                SEGMENT_BYTES,
+                1,
+            ),
+        );
+        config.reconnect_delay = Duration::from_millis(50);
+        config.peer_timeout = Duration::from_secs(1);
+        config.reelect_when_superseded = true;
+        let writer = Arc::new(Writer::start(world.net.node("writer"), config));
+        let mut sim = Sim {
+            world,
+            sk_disks,
+            servers: vec![None, None, None],
+            writer,
+            replicas: (0..replicas()).map(|_| None).collect(),
+            reported: Arc::new(Mutex::new(vec![Lsn(0); replicas()])),
+            violations: Arc::new(Mutex::new(Vec::new())),
+            acked: BTreeMap::new(),
+            unknown: Vec::new(),
+            results: mpsc::unbounded_channel(),
+            in_flight: 0,
+            next_request: 0,
+            next_id: 0,
+            replica_crashes: 0,
+        };
+        for i in 0..SAFEKEEPERS {
+            sim.start_safekeeper(i, true).await?;
+        }
+        for i in 0..replicas() {
+            sim.start_replica(i).await?;
+        }
+        Ok(sim)
+    }
+}
+
+/// A safekeeper cut off from the writer falls behind while its walsenders
+/// still send keepalives: the replicas streaming from it must move to a
+/// safekeeper that is ahead and apply every acknowledged insert while the
+/// partition lasts. Returns how long (simulated) the last replica took to
+/// apply them once they were acknowledged.
+pub fn run_lagging_safekeeper(seed: u64) -> Result<Duration, Failure> {
+    crate::run_seeded(seed, async move {
+        let mut rng = SmallRng::seed_from_u64(seed ^ 0x6c61_6767_696e_6721);
+        let mut sim = Sim::start(seed, &mut rng, false).await?;
+        // Replicas start on safekeeper i % 3: r00 and r11 stream from sk0.
+        sim.world.partition("writer", &sk_name(0));
+        for _ in 0..40 {
+            sim.apply(&Event::Insert(30)).await?;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while sim.in_flight > 0 || !sim.unknown.is_empty() {
+            for req in std::mem::take(&mut sim.unknown) {
+                sim.send(req);
+            }
+            if Instant::now() > deadline {
+                return Err(sim.fail("inserts did not complete with sk0 cut off"));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            sim.collect_results();
+        }
+        let end: Lsn = sim
+            .writer
+            .status()
+            .commit_lsn
+            .parse()
+            .map_err(|e| sim.fail(format!("writer commit_lsn: {e}")))?;
+        let acknowledged = Instant::now();
+        // The partition still holds: sk0 stays behind.
+        for i in 0..replicas() {
+            let Some(node) = &sim.replicas[i] else {
+                continue;
+            };
+            let mut status = node.shared.lock().await.subscribe();
+            let reached = tokio::time::timeout(
+                Duration::from_secs(30),
+                status.wait_for(|s| s.disk_consistent_lsn >= end || s.error.is_some()),
+            )
+            .await
+            .is_ok();
+            let s = status.borrow().clone();
+            if !reached || s.error.is_some() {
+                return Err(sim.fail(format!(
+                    "{} applied up to {} of {end} within 30 s while sk0 lagged ({:?})",
+                    replica_name(i),
+                    s.disk_consistent_lsn,
+                    s.error
+                )));
+            }
+        }
+        let took = acknowledged.elapsed();
+        sim.settle().await?;
+        sim.check_replicas().await?;
+        for node in sim.replicas.iter_mut().filter_map(Option::take) {
+            for t in node.tasks {
+                t.abort();
+            }
+        }
+        Ok(took)
+    })
 }
 
 pub fn run_seed(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
@@ -572,53 +704,8 @@ pub fn run_seed(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
 async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
     let mut rng = SmallRng::seed_from_u64(seed ^ 0x7265_706c_6963_6173);
     let events = generate(&mut rng);
-    let mut world = World::new(
-        seed,
-        &mut rng,
-        NetOptions::default(),
-        CoordFaults::default(),
-        ObjectFaults::default(),
-        verbose,
-    )
-    .await?;
-    let sk_disks = (0..SAFEKEEPERS).map(|i| world.disk(&sk_name(i))).collect();
-    let mut config = WriterConfig::new(
-        (0..SAFEKEEPERS).map(sk_name).collect(),
-        ProposerConfig::new(
-            ClusterId::new("replica-sim").expect("id"),
-            SAFEKEEPERS,
-            1,
-            SEGMENT_BYTES,
-            1,
-        ),
-    );
-    config.reconnect_delay = Duration::from_millis(50);
-    config.peer_timeout = Duration::from_secs(1);
-    config.reelect_when_superseded = true;
-    let writer = Arc::new(Writer::start(world.net.node("writer"), config));
-    let mut sim = Sim {
-        world,
-        sk_disks,
-        servers: vec![None, None, None],
-        writer,
-        replicas: (0..replicas()).map(|_| None).collect(),
-        reported: Arc::new(Mutex::new(vec![Lsn(0); replicas()])),
-        violations: Arc::new(Mutex::new(Vec::new())),
-        acked: BTreeMap::new(),
-        unknown: Vec::new(),
-        results: mpsc::unbounded_channel(),
-        in_flight: 0,
-        next_request: 0,
-        next_id: 0,
-        replica_crashes: 0,
-    };
+    let mut sim = Sim::start(seed, &mut rng, verbose).await?;
     sim.log(format!("seed {seed}: {} events", events.len()));
-    for i in 0..SAFEKEEPERS {
-        sim.start_safekeeper(i, true).await?;
-    }
-    for i in 0..replicas() {
-        sim.start_replica(i).await?;
-    }
     for (at, event) in &events {
         tokio::time::sleep_until(sim.world.start + *at).await;
         sim.log(format!("{event:?}"));

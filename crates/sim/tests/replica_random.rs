@@ -2,7 +2,7 @@
 //! that moves every day, and a determinism check. A failure prints the seed
 //! and the command that replays it.
 
-use ferry_sim::replicas::run_seed;
+use ferry_sim::replicas::{run_lagging_safekeeper, run_seed};
 use ferry_sim::world::Failure;
 
 fn explain(f: &Failure) -> String {
@@ -81,5 +81,17 @@ fn same_seed_same_log() {
         let b = run_seed(seed, false).unwrap_or_else(|f| panic!("{}", explain(&f)));
         assert_eq!(a.log, b.log, "seed {seed} gives one execution");
         assert_eq!(a.log_hash, b.log_hash);
+    }
+}
+
+/// A safekeeper cut off from the writer keeps its walsenders talking; the
+/// replicas on it must leave it and catch up while the partition lasts.
+#[test]
+fn replicas_leave_a_lagging_safekeeper() {
+    for seed in 0..5 {
+        match run_lagging_safekeeper(seed) {
+            Ok(took) => eprintln!("seed {seed}: every replica applied every insert {took:?} after it was acknowledged"),
+            Err(f) => panic!("{}", explain(&f)),
+        }
     }
 }
