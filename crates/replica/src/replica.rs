@@ -16,7 +16,13 @@
 //!   at any instant leaves every part of a record below `disk_consistent_lsn`
 //!   in place, and at most the parts of records after it, which re-applying
 //!   finds already there (a part of the same name, or a part covering the
-//!   block) and does not write again: nothing lost, nothing twice.
+//!   block) and does not write again: nothing lost, nothing twice. The syncs
+//!   are batched: while the replica is behind its safekeeper's `commit_lsn`,
+//!   parts wait under their temporary names (not active, not counted by
+//!   reads) and are synced, renamed and their directory synced once per
+//!   [`PERSIST_EVERY_BYTES`] of applied WAL, just before the state is
+//!   written; once it has everything committed, at once. The kernel writes
+//!   them back meanwhile, so the syncs overlap applying.
 //! * **A function of the WAL alone.** Which records are applied (own shard,
 //!   known table, key not in the window), the parts they become (one per
 //!   partition, rows in record order) and their names depend only on the
@@ -51,6 +57,10 @@ pub const ALL_SHARDS: u32 = u32::MAX;
 pub const MERGE_FANIN: usize = 8;
 /// Parts of this level are not merged further.
 pub const MAX_MERGE_LEVEL: u32 = 4;
+
+/// Applied WAL after which parts are synced and the position persisted even
+/// while the replica is behind.
+pub const PERSIST_EVERY_BYTES: u64 = 16 << 20;
 
 /// Keyed inserts of a shard remembered for deduplication.
 pub const DEDUP_WINDOW: usize = 4096;
@@ -155,6 +165,15 @@ pub struct Replica {
     /// Active parts by table.
     parts: BTreeMap<u64, BTreeMap<PartName, PartMeta>>,
     table_cache: BTreeMap<u64, TableRef>,
+    /// Parts of applied records written under their temporary names and not
+    /// yet synced: made durable, renamed and listed by the next
+    /// [`persist`](Self::persist), which must precede any state written.
+    unsynced: Vec<UnsyncedPart>,
+    /// WAL bytes applied since the state was last written.
+    unpersisted_bytes: u64,
+    /// `disk_consistent_lsn` as the state file holds it; the state in memory
+    /// is ahead of it by the records applied since.
+    persisted_lsn: Lsn,
     status: watch::Sender<ReplicaStatus>,
     /// Received WAL not yet applied (an incomplete record at its end).
     pending: Vec<u8>,
@@ -276,22 +295,28 @@ impl Replica {
             error: None,
         };
         let (status, _) = watch::channel(status);
+        let pending_start = state.disk_consistent_lsn;
         Ok(Replica {
             disk,
             dir: dir.to_string(),
             cpu,
             tables,
-            pending_start: state.disk_consistent_lsn,
+            pending_start,
             state,
             parts,
             table_cache: BTreeMap::new(),
+            unsynced: Vec::new(),
+            unpersisted_bytes: 0,
+            persisted_lsn: pending_start,
             status,
             pending: Vec::new(),
         })
     }
 
+    /// The position the state file holds: every record below it is applied
+    /// and its parts are durable, across any crash.
     pub fn disk_consistent_lsn(&self) -> Lsn {
-        self.state.disk_consistent_lsn
+        self.persisted_lsn
     }
 
     /// Where the stream must resume: the end of the WAL received and kept.
@@ -327,10 +352,24 @@ impl Replica {
         &self.disk
     }
 
-    /// Takes WAL received from a walsender (it must continue the stream) and
-    /// applies every complete record in it; returns the new
-    /// `disk_consistent_lsn`, persisted.
+    /// Takes WAL received from a walsender (it must continue the stream),
+    /// applies every complete record in it and persists the position; returns
+    /// the new `disk_consistent_lsn`.
     pub async fn receive(&mut self, begin: Lsn, wal: &[u8]) -> Result<Lsn, ReplicaError> {
+        self.receive_until(begin, wal, Lsn(0)).await
+    }
+
+    /// Like [`receive`](Self::receive), for a stream whose safekeeper
+    /// announced `commit_lsn`: while the replica is behind it, parts are
+    /// synced and the position persisted only every
+    /// [`PERSIST_EVERY_BYTES`] of applied WAL, so that syncing overlaps
+    /// applying; once it has received everything committed, at once.
+    pub async fn receive_until(
+        &mut self,
+        begin: Lsn,
+        wal: &[u8],
+        commit_lsn: Lsn,
+    ) -> Result<Lsn, ReplicaError> {
         let at = self.receive_from();
         if begin != at {
             return Err(ReplicaError::BadRecord {
@@ -352,9 +391,9 @@ impl Replica {
         self.status
             .send_modify(|s| s.last_received_lsn = self.receive_from());
         match record::declared_len(&self.pending) {
-            None => return Ok(self.state.disk_consistent_lsn),
+            None => return Ok(self.persisted_lsn),
             Some(len) if plausible(len) && self.pending.len() < len => {
-                return Ok(self.state.disk_consistent_lsn)
+                return Ok(self.persisted_lsn)
             }
             Some(_) => {}
         }
@@ -371,6 +410,7 @@ impl Replica {
                         break Err(e);
                     }
                     self.state.disk_consistent_lsn = end;
+                    self.unpersisted_bytes += len as u64;
                     used += len;
                     applied_any = true;
                 }
@@ -385,17 +425,32 @@ impl Replica {
         };
         self.pending = buf[used..].to_vec();
         self.pending_start = Lsn(self.pending_start.0 + used as u64);
-        if applied_any {
+        let caught_up = self.receive_from() >= commit_lsn;
+        if applied_any
+            && (caught_up || result.is_err() || self.unpersisted_bytes >= PERSIST_EVERY_BYTES)
+        {
             self.persist().await?;
         }
         if let Err(e) = &result {
             self.status.send_modify(|s| s.error = Some(e.to_string()));
         }
         result?;
-        Ok(self.state.disk_consistent_lsn)
+        Ok(self.persisted_lsn)
     }
 
+    /// Persists what was applied and not yet persisted (a stream that went
+    /// quiet); returns `disk_consistent_lsn`.
+    pub async fn flush(&mut self) -> Result<Lsn, ReplicaError> {
+        if self.persisted_lsn < self.state.disk_consistent_lsn || !self.unsynced.is_empty() {
+            self.persist().await?;
+        }
+        Ok(self.persisted_lsn)
+    }
+
+    /// Makes the applied records durable: their parts synced, renamed and
+    /// their directories synced first, then the state written atomically.
     async fn persist(&mut self) -> Result<(), ReplicaError> {
+        self.sync_parts().await?;
         let path = format!("{}/state", self.dir);
         let data = serde_json::to_vec(&self.state).expect("state serialises");
         self.disk
@@ -403,6 +458,8 @@ impl Replica {
             .await
             .map_err(io(&path))?;
         let lsn = self.state.disk_consistent_lsn;
+        self.persisted_lsn = lsn;
+        self.unpersisted_bytes = 0;
         let n = self.parts.values().map(BTreeMap::len).sum();
         let pending = self.state.merges.len();
         self.status.send_modify(|s| {
@@ -410,6 +467,24 @@ impl Replica {
             s.parts = n;
             s.pending_merges = pending;
         });
+        Ok(())
+    }
+
+    /// Syncs and renames every unsynced part, then syncs their directories
+    /// once each; the parts become active.
+    async fn sync_parts(&mut self) -> Result<(), ReplicaError> {
+        let mut dirs = std::collections::BTreeSet::new();
+        for part in std::mem::take(&mut self.unsynced) {
+            dirs.insert(part.file.dir.clone());
+            part.file.sync_and_rename(self.disk.as_ref()).await?;
+            self.parts
+                .entry(part.table_id)
+                .or_default()
+                .insert(part.meta.name.clone(), part.meta);
+        }
+        for dir in dirs {
+            self.disk.sync_dir(&dir).await.map_err(io(&dir))?;
+        }
         Ok(())
     }
 
@@ -480,7 +555,11 @@ impl Replica {
         let covered = self
             .parts
             .get(&table_id)
-            .is_some_and(|p| p.keys().any(|n| n.covers(block_number)));
+            .is_some_and(|p| p.keys().any(|n| n.covers(block_number)))
+            || self
+                .unsynced
+                .iter()
+                .any(|u| u.table_id == table_id && u.meta.name.covers(block_number));
         if !covered {
             let def = table.def.clone();
             let grouped = self
@@ -496,12 +575,11 @@ impl Replica {
                     max_block: block_number,
                     level: 0,
                 };
-                let meta = self
-                    .write_part(table_id, &schema, &name, vec![batch], (lsn, lsn))
+                let part = self
+                    .write_part(table_id, &schema, &name, batch, (lsn, lsn))
                     .await?;
-                let partition = name.partition_id.clone();
-                self.parts.entry(table_id).or_default().insert(name, meta);
-                self.decide_merges(table_id, &partition);
+                self.unsynced.push(part);
+                self.decide_merges(table_id, &name.partition_id);
             }
         }
         if let Some(key) = key {
@@ -524,6 +602,12 @@ impl Replica {
             .get(&table_id)
             .into_iter()
             .flat_map(|p| p.keys())
+            .chain(
+                self.unsynced
+                    .iter()
+                    .filter(|u| u.table_id == table_id)
+                    .map(|u| &u.meta.name),
+            )
             .filter(|n| n.partition_id == partition)
             .cloned()
             .collect();
@@ -626,44 +710,42 @@ impl Replica {
         Ok(replaced)
     }
 
-    /// Encodes and writes one part durably: temporary name, fsync, rename,
-    /// directory fsync.
+    /// Encodes one part and writes it under its temporary name, not synced
+    /// ([`sync_parts`](Self::sync_parts) finishes it).
     async fn write_part(
         &self,
         table_id: u64,
         schema: &arrow::datatypes::SchemaRef,
         name: &PartName,
-        batches: Vec<RecordBatch>,
+        batch: RecordBatch,
         lsns: (Lsn, Lsn),
-    ) -> Result<PartMeta, ReplicaError> {
+    ) -> Result<UnsyncedPart, ReplicaError> {
         let (bytes, meta) = self
             .cpu
             .run({
                 let schema = Arc::clone(schema);
                 let name = name.clone();
-                move || part::encode(&schema, &name, table_id, &batches, lsns)
+                move || part::encode(&schema, &name, table_id, &[batch], lsns)
             })
             .await?;
         let tdir = format!("{}/parts/{table_id}", self.dir);
         self.disk.create_dir_all(&tdir).await.map_err(io(&tdir))?;
         let path = self.part_path(table_id, name);
-        write_durably(self.disk.as_ref(), &tdir, &path, bytes).await?;
-        Ok(meta)
+        let mut file = DurableFile::create(self.disk.as_ref(), &tdir, &path).await?;
+        file.append(bytes).await?;
+        Ok(UnsyncedPart {
+            table_id,
+            file,
+            meta,
+        })
     }
 }
 
-/// Writes a part file so that it exists whole or not at all: under
-/// `<path>.tmp` (a leftover of an earlier attempt removed first), fsynced,
-/// renamed to `path`, and the directory `dir` fsynced.
-async fn write_durably(
-    disk: &dyn Disk,
-    dir: &str,
-    path: &str,
-    bytes: Bytes,
-) -> Result<(), ReplicaError> {
-    let mut file = DurableFile::create(disk, dir, path).await?;
-    file.append(bytes).await?;
-    file.commit(disk).await
+/// A part written under its temporary name, waiting for its sync.
+struct UnsyncedPart {
+    table_id: u64,
+    file: DurableFile,
+    meta: PartMeta,
 }
 
 /// A part file being written: appended under `<path>.tmp`, then made durable
@@ -708,14 +790,22 @@ impl DurableFile {
         Ok(())
     }
 
-    /// fsync, rename to the part's name, fsync the directory.
-    async fn commit(self, disk: &dyn Disk) -> Result<(), ReplicaError> {
+    /// fsync, rename to the part's name (durable once the directory is
+    /// synced).
+    async fn sync_and_rename(self, disk: &dyn Disk) -> Result<(), ReplicaError> {
         self.file.sync_data().await.map_err(io(&self.tmp))?;
         drop(self.file);
         disk.rename(&self.tmp, &self.path)
             .await
             .map_err(io(&self.path))?;
-        disk.sync_dir(&self.dir).await.map_err(io(&self.dir))?;
+        Ok(())
+    }
+
+    /// fsync, rename to the part's name, fsync the directory.
+    async fn commit(self, disk: &dyn Disk) -> Result<(), ReplicaError> {
+        let dir = self.dir.clone();
+        self.sync_and_rename(disk).await?;
+        disk.sync_dir(&dir).await.map_err(io(&dir))?;
         Ok(())
     }
 }

@@ -195,14 +195,17 @@ async fn stream_from(
                 }
                 let mut r = replica.lock().await;
                 let applied = r
-                    .receive(begin_lsn, &wal)
+                    .receive_until(begin_lsn, &wal, commit_lsn)
                     .await
                     .map_err(StreamError::Replica)?;
                 (end, applied)
             }
             FromSafekeeper::Keepalive { .. } => {
-                let r = replica.lock().await;
-                (r.receive_from(), r.disk_consistent_lsn())
+                // Nothing more is coming for now: what was applied is
+                // persisted.
+                let mut r = replica.lock().await;
+                let applied = r.flush().await.map_err(StreamError::Replica)?;
+                (r.receive_from(), applied)
             }
             FromSafekeeper::Refused { reason, .. } => {
                 return Err(StreamError::Connection(format!("{addr} refused: {reason}")))

@@ -536,3 +536,66 @@ async fn a_merge_streams_its_sources_a_row_group_at_a_time() {
     let replaced = r.finish_merge(&merge, meta).await.expect("finish");
     assert_eq!(replaced.len(), ferry_replica::MERGE_FANIN);
 }
+
+#[tokio::test]
+async fn a_replica_behind_syncs_in_batches_and_a_crash_in_between_loses_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let mut wal = Wal::default();
+    for i in 0..3i64 {
+        wal.insert(
+            1,
+            0,
+            &format!("k{i}"),
+            rows(i * 10..i * 10 + 10, &["x", "y"]),
+        );
+    }
+    let all = wal.bytes.clone().freeze();
+    // The reference: everything applied and persisted at once.
+    let mut reference = open(&disk, "ref", 0).await;
+    reference.receive(Lsn(0), &all).await.expect("apply");
+
+    // Behind its safekeeper's commit_lsn, a replica applies without syncing:
+    // nothing is active and the position stays until it syncs.
+    let far = Lsn(1 << 40);
+    let mut r = open(&disk, "r", 0).await;
+    let at = r.receive_until(Lsn(0), &all, far).await.expect("apply");
+    assert_eq!(at, Lsn(0), "the position waits for the sync");
+    assert_eq!(r.disk_consistent_lsn(), Lsn(0));
+    assert!(r.parts(1).is_empty(), "unsynced parts are not active");
+    assert_eq!(r.receive_from(), wal.end(), "but the WAL was taken");
+    // A crash now: the next start removes the half-done parts and applies
+    // the records again.
+    drop(r);
+    let tmp = std::fs::read_dir(dir.path().join("r/parts/1"))
+        .expect("dir")
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+        .count();
+    assert_eq!(
+        tmp, 6,
+        "three records of two partitions left as temporary files"
+    );
+    let mut r = open(&disk, "r", 0).await;
+    assert_eq!(r.disk_consistent_lsn(), Lsn(0));
+    let at = r
+        .receive_until(Lsn(0), &all, far)
+        .await
+        .expect("apply again");
+    assert_eq!(at, Lsn(0));
+    // Once the stream goes quiet, everything is synced and persisted.
+    assert_eq!(r.flush().await.expect("flush"), wal.end());
+    assert_eq!(names(&r), names(&reference), "the same parts, once");
+    drop(r);
+    let r = open(&disk, "r", 0).await;
+    assert_eq!(r.disk_consistent_lsn(), wal.end());
+    assert_eq!(names(&r), names(&reference));
+    // Caught up with the commit_lsn, it persists at once.
+    let mut c = open(&disk, "c", 0).await;
+    assert_eq!(
+        c.receive_until(Lsn(0), &all, wal.end())
+            .await
+            .expect("apply"),
+        wal.end()
+    );
+}
