@@ -410,6 +410,30 @@ impl Sim {
         }
     }
 
+    /// Retries inserts of unknown outcome until every insert sent is
+    /// acknowledged (by `deadline`, or the run fails saying `when`); returns
+    /// the writer's commit_lsn then.
+    async fn complete_inserts(&mut self, deadline: Instant, when: &str) -> Result<Lsn, Failure> {
+        loop {
+            self.collect_results();
+            for req in std::mem::take(&mut self.unknown) {
+                self.send(req);
+            }
+            if self.in_flight == 0 && self.unknown.is_empty() {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(self.fail(format!("inserts did not complete {when}")));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        self.writer
+            .status()
+            .commit_lsn
+            .parse()
+            .map_err(|e| self.fail(format!("writer commit_lsn: {e}")))
+    }
+
     /// Faults stop: every safekeeper up, partitions repaired, unknown outcomes
     /// retried until acknowledged, every replica caught up and merges settled.
     async fn settle(&mut self) -> Result<Lsn, Failure> {
@@ -420,25 +444,9 @@ impl Sim {
             }
         }
         let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            self.collect_results();
-            for req in std::mem::take(&mut self.unknown) {
-                self.send(req);
-            }
-            if self.in_flight == 0 && self.unknown.is_empty() {
-                break;
-            }
-            if Instant::now() > deadline {
-                return Err(self.fail("inserts did not complete after faults stopped"));
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let end: Lsn = self
-            .writer
-            .status()
-            .commit_lsn
-            .parse()
-            .map_err(|e| self.fail(format!("writer commit_lsn: {e}")))?;
+        let end = self
+            .complete_inserts(deadline, "after faults stopped")
+            .await?;
         for i in 0..replicas() {
             let Some(node) = &self.replicas[i] else {
                 continue;
@@ -645,23 +653,9 @@ pub fn run_lagging_safekeeper(seed: u64) -> Result<Duration, Failure> {
             sim.apply(&Event::Insert(30)).await?;
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while sim.in_flight > 0 || !sim.unknown.is_empty() {
-            for req in std::mem::take(&mut sim.unknown) {
-                sim.send(req);
-            }
-            if Instant::now() > deadline {
-                return Err(sim.fail("inserts did not complete with sk0 cut off"));
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            sim.collect_results();
-        }
-        let end: Lsn = sim
-            .writer
-            .status()
-            .commit_lsn
-            .parse()
-            .map_err(|e| sim.fail(format!("writer commit_lsn: {e}")))?;
+        let end = sim
+            .complete_inserts(Instant::now() + Duration::from_secs(60), "with sk0 cut off")
+            .await?;
         let acknowledged = Instant::now();
         // The partition still holds: sk0 stays behind.
         for i in 0..replicas() {
