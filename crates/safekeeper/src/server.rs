@@ -227,7 +227,9 @@ where
     let mut committed = shared.acceptor.lock().await.committed_wal();
     let mut pos = start;
     let mut announced = Lsn(0);
-    tracing::info!(shard_number, %start, "walsender started");
+    // Debug: walreceivers open short walsenders to probe for lag every few
+    // seconds; the replica logs its real streams at info.
+    tracing::debug!(shard_number, %start, "walsender started");
     loop {
         let commit = *committed.commit.borrow_and_update();
         while pos < commit {
