@@ -122,6 +122,10 @@ struct State {
     /// Merges decided and not yet done, in the order decided.
     #[serde(default)]
     merges: Vec<Merge>,
+    /// Parts that pending exports still need, by the export's transaction
+    /// id: a merge that replaces one keeps its file (see [`Replica::pin`]).
+    #[serde(default)]
+    pins: BTreeMap<String, Vec<(u64, PartName)>>,
 }
 
 /// A merge: `sources` (consecutive parts of one partition, same level, in block
@@ -164,6 +168,14 @@ pub struct Replica {
     state: State,
     /// Active parts by table.
     parts: BTreeMap<u64, BTreeMap<PartName, PartMeta>>,
+    /// Parts a merge replaced that a pin keeps on disk (readable by the
+    /// export that pinned them, never listed as active).
+    kept: BTreeMap<u64, BTreeMap<PartName, PartMeta>>,
+    /// Kept parts no pin names any more (replaced parts found at open, or
+    /// unpinned), for the merge task to remove after the grace period unless
+    /// pinned again by then: an export this replica learns of after a
+    /// restart may still need them.
+    unpinned: Vec<(u64, PartName)>,
     table_cache: BTreeMap<u64, TableRef>,
     /// Parts of applied records written under their temporary names and not
     /// yet synced: made durable, renamed and listed by the next
@@ -222,6 +234,8 @@ impl Replica {
             Err(e) => return Err(io(&state_path)(e)),
         };
         let mut parts: BTreeMap<u64, BTreeMap<PartName, PartMeta>> = BTreeMap::new();
+        let mut kept: BTreeMap<u64, BTreeMap<PartName, PartMeta>> = BTreeMap::new();
+        let mut unpinned = Vec::new();
         let parts_dir = format!("{dir}/parts");
         for table in disk.list_dir(&parts_dir).await.map_err(io(&parts_dir))? {
             let Ok(table_id) = table.parse::<u64>() else {
@@ -264,11 +278,18 @@ impl Replica {
                 })
                 .unwrap_or_default();
             for name in covered {
-                let path = format!("{tdir}/{name}.parquet");
-                tracing::info!(%path, "removing a part a merge replaced");
-                disk.remove_file(&path).await.map_err(io(&path))?;
-                if let Some(p) = parts.get_mut(&table_id) {
-                    p.remove(&name);
+                // Not removed here: a pin may name it, or an export this
+                // replica has not yet seen since the restart may need it.
+                if let Some(meta) = parts.get_mut(&table_id).and_then(|p| p.remove(&name)) {
+                    let pinned = state
+                        .pins
+                        .values()
+                        .flatten()
+                        .any(|(t, n)| *t == table_id && *n == name);
+                    if !pinned {
+                        unpinned.push((table_id, name.clone()));
+                    }
+                    kept.entry(table_id).or_default().insert(name, meta);
                 }
             }
             disk.sync_dir(&tdir).await.map_err(io(&tdir))?;
@@ -304,6 +325,8 @@ impl Replica {
             pending_start,
             state,
             parts,
+            kept,
+            unpinned,
             table_cache: BTreeMap::new(),
             unsynced: Vec::new(),
             unpersisted_bytes: 0,
@@ -341,6 +364,91 @@ impl Replica {
             .get(&table_id)
             .map(|p| p.values().cloned().collect())
             .unwrap_or_default()
+    }
+
+    /// Pins parts for an export (its transaction id): while pinned, a part
+    /// a merge replaces stays on disk and readable through
+    /// [`export_part`](Self::export_part), across restarts. Persisted before
+    /// it returns. Pinning again under the same id replaces the list.
+    pub async fn pin(
+        &mut self,
+        export: &str,
+        table_id: u64,
+        names: &[PartName],
+    ) -> Result<(), ReplicaError> {
+        let list: Vec<(u64, PartName)> = names.iter().map(|n| (table_id, n.clone())).collect();
+        if self.state.pins.get(export) == Some(&list) {
+            return Ok(());
+        }
+        self.state.pins.insert(export.to_string(), list);
+        self.persist().await
+    }
+
+    /// Releases an export's pins; kept parts no other pin names go to the
+    /// merge task for removal after the grace period.
+    pub async fn unpin(&mut self, export: &str) -> Result<(), ReplicaError> {
+        if self.state.pins.remove(export).is_none() {
+            return Ok(());
+        }
+        self.persist().await?;
+        let freed: Vec<(u64, PartName)> = self
+            .kept
+            .iter()
+            .flat_map(|(t, p)| p.keys().map(move |n| (*t, n.clone())))
+            .filter(|(t, n)| !self.is_pinned(*t, n) && !self.unpinned.contains(&(*t, n.clone())))
+            .collect();
+        if !freed.is_empty() {
+            self.unpinned.extend(freed);
+            // Wakes the merge task.
+            self.status.send_modify(|_| {});
+        }
+        Ok(())
+    }
+
+    /// Transaction ids of the exports holding pins.
+    pub fn pinned_exports(&self) -> Vec<String> {
+        self.state.pins.keys().cloned().collect()
+    }
+
+    fn is_pinned(&self, table_id: u64, name: &PartName) -> bool {
+        self.state
+            .pins
+            .values()
+            .flatten()
+            .any(|(t, n)| *t == table_id && n == name)
+    }
+
+    /// A part to export: active, or replaced and kept by a pin. Its path
+    /// and metadata.
+    pub fn export_part(&self, table_id: u64, name: &PartName) -> Option<(String, PartMeta)> {
+        let meta = self
+            .parts
+            .get(&table_id)
+            .and_then(|p| p.get(name))
+            .or_else(|| self.kept.get(&table_id).and_then(|p| p.get(name)))?;
+        Some((self.part_path(table_id, name), meta.clone()))
+    }
+
+    /// Replaced parts waiting for removal (the merge task's to take).
+    pub fn take_replaced(&mut self) -> Vec<(u64, PartName)> {
+        std::mem::take(&mut self.unpinned)
+    }
+
+    /// Forgets replaced parts whose grace period is over, except those a pin
+    /// names now; returns the paths of the files to remove.
+    pub fn release_replaced(&mut self, parts: &[(u64, PartName)]) -> Vec<String> {
+        let mut paths = Vec::new();
+        for (t, n) in parts {
+            if self.is_pinned(*t, n) {
+                continue;
+            }
+            if let Some(kept) = self.kept.get_mut(t) {
+                if kept.remove(n).is_some() {
+                    paths.push(self.part_path(*t, n));
+                }
+            }
+        }
+        paths
     }
 
     /// Path of a part's file under the disk root.
@@ -682,22 +790,27 @@ impl Replica {
     }
 
     /// Records a merge done by [`MergeJob::run`]: the result becomes active,
-    /// the sources replaced (their files are the caller's to remove, after
-    /// readers had time to finish); persisted before it returns.
+    /// the sources replaced and kept until the caller, after readers had
+    /// time to finish, hands them to
+    /// [`release_replaced`](Self::release_replaced) (which keeps pinned
+    /// ones); persisted before it returns.
     pub async fn finish_merge(
         &mut self,
         merge: &Merge,
         meta: PartMeta,
-    ) -> Result<Vec<String>, ReplicaError> {
+    ) -> Result<Vec<(u64, PartName)>, ReplicaError> {
         if self.state.merges.first() != Some(merge) {
             return Ok(Vec::new());
         }
         self.state.merges.remove(0);
         let parts = self.parts.entry(merge.table_id).or_default();
+        let kept = self.kept.entry(merge.table_id).or_default();
         let mut replaced = Vec::new();
         for s in &merge.sources {
-            parts.remove(s);
-            replaced.push(format!("{}/parts/{}/{s}.parquet", self.dir, merge.table_id));
+            if let Some(m) = parts.remove(s) {
+                kept.insert(s.clone(), m);
+            }
+            replaced.push((merge.table_id, s.clone()));
         }
         let (rows, bytes) = (meta.rows, meta.bytes);
         parts.insert(merge.result.clone(), meta);
@@ -928,10 +1041,11 @@ impl MergeJob {
 /// Runs a replica's merges as they are decided, one at a time, without
 /// holding the replica while a merge reads and writes; removes the parts a
 /// merge replaced after `grace` (readers that listed them may still read
-/// them). Returns only if a merge fails.
+/// them), unless an export pinned them by then. Returns only if a merge
+/// fails.
 pub async fn run_merges(replica: SharedReplica, grace: std::time::Duration) -> ReplicaError {
     let mut status = replica.lock().await.subscribe();
-    let mut doomed: VecDeque<(tokio::time::Instant, Vec<String>)> = VecDeque::new();
+    let mut doomed: VecDeque<(tokio::time::Instant, Vec<(u64, PartName)>)> = VecDeque::new();
     loop {
         let job = replica.lock().await.next_merge();
         if let Some(job) = job {
@@ -947,12 +1061,19 @@ pub async fn run_merges(replica: SharedReplica, grace: std::time::Duration) -> R
             doomed.push_back((tokio::time::Instant::now() + grace, replaced));
             continue;
         }
-        let disk = Arc::clone(replica.lock().await.disk());
+        let (disk, freed) = {
+            let mut r = replica.lock().await;
+            (Arc::clone(r.disk()), r.take_replaced())
+        };
+        if !freed.is_empty() {
+            doomed.push_back((tokio::time::Instant::now() + grace, freed));
+        }
         while doomed
             .front()
             .is_some_and(|(at, _)| *at <= tokio::time::Instant::now())
         {
-            if let Some((_, paths)) = doomed.pop_front() {
+            if let Some((_, parts)) = doomed.pop_front() {
+                let paths = replica.lock().await.release_replaced(&parts);
                 for p in paths {
                     if let Err(e) = disk.remove_file(&p).await {
                         if e.kind() != std::io::ErrorKind::NotFound {

@@ -265,7 +265,7 @@ async fn hostile_wal_stops_the_replica_without_writing_a_part() {
 }
 
 /// Runs every decided merge of `r` to the end, as the merge task does.
-async fn merge_all(r: &mut Replica) -> Vec<String> {
+async fn merge_all(r: &mut Replica) -> Vec<(u64, ferry_replica::PartName)> {
     let mut replaced = Vec::new();
     while let Some(job) = r.next_merge() {
         let merge = job.merge.clone();
@@ -331,14 +331,65 @@ async fn merges_are_decided_by_the_wal_and_agree_across_replicas_and_crashes() {
         };
         assert_eq!(file("a"), file("b"), "{}: same bytes", p.name);
     }
-    // Replaced parts are gone after a restart, and the merged ones stay.
+    // Replaced parts are not active after a restart; the merge task removes
+    // them after the grace period.
     drop(b);
-    let b = open(&disk, "b", 0).await;
+    let mut b = open(&disk, "b", 0).await;
     assert_eq!(names(&b), names(&a));
+    let replaced = b.take_replaced();
+    for p in b.release_replaced(&replaced) {
+        std::fs::remove_file(dir.path().join(p)).expect("remove");
+    }
     let on_disk = std::fs::read_dir(dir.path().join("b/parts/1"))
         .expect("dir")
         .count();
     assert_eq!(on_disk, 6, "only the active parts are left");
+}
+
+#[tokio::test]
+async fn a_pinned_part_outlives_its_merge_and_a_restart_until_unpinned() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let mut wal = Wal::default();
+    for i in 0..8i64 {
+        wal.insert(1, 0, "", rows(i * 10..i * 10 + 10, &["x"]));
+    }
+    let all = wal.bytes.clone().freeze();
+    let mut r = open(&disk, "p", 0).await;
+    r.receive(Lsn(0), &all).await.expect("apply");
+    let snapshot: Vec<ferry_replica::PartName> =
+        r.parts(1).iter().map(|p| p.name.clone()).collect();
+    assert_eq!(snapshot.len(), 8);
+    r.pin("tx1", 1, &snapshot[..3]).await.expect("pin");
+    let replaced = merge_all(&mut r).await;
+    assert_eq!(replaced.len(), 8);
+    assert_eq!(r.parts(1).len(), 1, "the merged part alone is active");
+    // The grace period is over: unpinned sources go, pinned ones stay.
+    let removed = r.release_replaced(&replaced);
+    assert_eq!(removed.len(), 5);
+    for p in removed {
+        std::fs::remove_file(dir.path().join(p)).expect("remove");
+    }
+    for name in &snapshot[..3] {
+        let (path, meta) = r.export_part(1, name).expect("kept for the export");
+        assert_eq!(&meta.name, name);
+        assert!(dir.path().join(path).exists());
+    }
+    assert!(r.export_part(1, &snapshot[5]).is_none());
+    // A restart keeps pins and the parts they name.
+    drop(r);
+    let mut r = open(&disk, "p", 0).await;
+    assert_eq!(r.pinned_exports(), vec!["tx1".to_string()]);
+    assert!(r.take_replaced().is_empty(), "pinned parts are not for removal");
+    assert!(r.export_part(1, &snapshot[0]).is_some());
+    assert_eq!(r.parts(1).len(), 1);
+    // Unpinned: handed to the merge task for removal.
+    r.unpin("tx1").await.expect("unpin");
+    let freed = r.take_replaced();
+    assert_eq!(freed.len(), 3);
+    assert_eq!(r.release_replaced(&freed).len(), 3);
+    assert!(r.export_part(1, &snapshot[0]).is_none());
+    assert!(r.pinned_exports().is_empty());
 }
 
 /// A disk that logs the reads and writes of part files.
