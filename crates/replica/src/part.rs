@@ -25,7 +25,8 @@ use parquet::file::properties::WriterProperties;
 use serde::{Deserialize, Serialize};
 
 /// Rows per Parquet row group.
-const ROW_GROUP_ROWS: usize = 128 * 1024;
+/// Rows per row group of parts.
+pub const ROW_GROUP_ROWS: usize = 128 * 1024;
 
 /// A part's name.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -106,12 +107,27 @@ pub enum PartError {
 
 pub use crate::checksum::{rows_checksum, RowsChecksum};
 
-fn properties(kv: Vec<KeyValue>) -> WriterProperties {
+/// How a file's rows are laid out: parts use [`FileLayout::default`];
+/// exports may ask for another compression or row-group size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileLayout {
+    pub compression: Compression,
+    pub row_group_rows: usize,
+}
+
+impl Default for FileLayout {
+    fn default() -> Self {
+        FileLayout {
+            compression: Compression::ZSTD(ZstdLevel::try_new(1).expect("valid level")),
+            row_group_rows: ROW_GROUP_ROWS,
+        }
+    }
+}
+
+fn properties(kv: Vec<KeyValue>, layout: FileLayout) -> WriterProperties {
     WriterProperties::builder()
-        .set_compression(Compression::ZSTD(
-            ZstdLevel::try_new(1).expect("valid level"),
-        ))
-        .set_max_row_group_row_count(Some(ROW_GROUP_ROWS))
+        .set_compression(layout.compression)
+        .set_max_row_group_row_count(Some(layout.row_group_rows.max(1)))
         .set_created_by("ferry".into())
         .set_key_value_metadata(Some(kv))
         .build()
@@ -140,6 +156,18 @@ impl PartEncoder {
         table_id: u64,
         lsns: (Lsn, Lsn),
     ) -> Result<PartEncoder, PartError> {
+        PartEncoder::with_layout(schema, name, table_id, lsns, FileLayout::default())
+    }
+
+    /// An encoder of the same rows and footer in another layout (an export
+    /// that asked for other compression or row groups).
+    pub fn with_layout(
+        schema: &SchemaRef,
+        name: &PartName,
+        table_id: u64,
+        lsns: (Lsn, Lsn),
+        layout: FileLayout,
+    ) -> Result<PartEncoder, PartError> {
         let err = |e: &dyn fmt::Display| encode_error(name, e);
         let kv = vec![
             KeyValue::new("ferry.table_id".into(), table_id.to_string()),
@@ -150,8 +178,12 @@ impl PartEncoder {
             name: name.clone(),
             table_id,
             lsns,
-            writer: ArrowWriter::try_new(Vec::new(), Arc::clone(schema), Some(properties(kv)))
-                .map_err(|e| err(&e))?,
+            writer: ArrowWriter::try_new(
+                Vec::new(),
+                Arc::clone(schema),
+                Some(properties(kv, layout)),
+            )
+            .map_err(|e| err(&e))?,
             checksum: RowsChecksum::new(schema).map_err(|e| err(&e))?,
             rows: 0,
             bytes: 0,
@@ -259,7 +291,7 @@ pub fn read_meta(name: &PartName, file: Bytes) -> Result<PartMeta, PartError> {
     meta_from_footer(name, bytes, builder.metadata())
 }
 
-fn meta_from_footer(
+pub fn meta_from_footer(
     name: &PartName,
     bytes: u64,
     metadata: &parquet::file::metadata::ParquetMetaData,

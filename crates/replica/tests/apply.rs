@@ -380,7 +380,10 @@ async fn a_pinned_part_outlives_its_merge_and_a_restart_until_unpinned() {
     drop(r);
     let mut r = open(&disk, "p", 0).await;
     assert_eq!(r.pinned_exports(), vec!["tx1".to_string()]);
-    assert!(r.take_replaced().is_empty(), "pinned parts are not for removal");
+    assert!(
+        r.take_replaced().is_empty(),
+        "pinned parts are not for removal"
+    );
     assert!(r.export_part(1, &snapshot[0]).is_some());
     assert_eq!(r.parts(1).len(), 1);
     // Unpinned: handed to the merge task for removal.

@@ -1,0 +1,301 @@
+//! The destination: a Hive-layout folder of Parquet files with commit files,
+//! on any `ferry_storage::Location` (a local folder or S3).
+//!
+//! The commit step is behind [`Destination::commit`] so that another table
+//! format (Iceberg: manifests and a new metadata version written
+//! create-only) can take the Hive commit file's place; every data file's
+//! rows, bytes and checksum are recorded in coordination, so a commit never
+//! needs the source parts again.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use ferry_env::{Cpu, Disk};
+use ferry_replica::part::{FileLayout, PartCheck, PartEncoder, PartReader};
+use ferry_replica::{PartMeta, PartName};
+use ferry_storage::{Location, StorageError, UploadBudget};
+
+use crate::model::{
+    commit_key, CommitFile, Compression, DataFile, ExportSettings, FileExistsPolicy,
+};
+
+/// Bytes read from a part file per disk read when a part is copied as is.
+pub const COPY_CHUNK_BYTES: usize = 8 << 20;
+
+/// Why one part could not be exported.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PartFailure {
+    /// Network, storage outage, a damaged local copy: retried after a
+    /// back-off on this replica, by any replica.
+    #[error("{0}")]
+    Retryable(String),
+    /// Cannot succeed however often tried: the task becomes FAILED.
+    #[error("{0}")]
+    Fatal(String),
+}
+
+impl PartFailure {
+    pub fn class(&self) -> &'static str {
+        match self {
+            PartFailure::Retryable(_) => "retryable",
+            PartFailure::Fatal(_) => "fatal",
+        }
+    }
+}
+
+/// Classifies a storage error of a data-file or commit write.
+pub fn classify(e: &StorageError) -> PartFailure {
+    match e {
+        StorageError::InvalidUrl { .. }
+        | StorageError::UnsupportedScheme { .. }
+        | StorageError::InvalidKey { .. } => PartFailure::Fatal(e.to_string()),
+        StorageError::ObjectStore(
+            object_store::Error::NotImplemented { .. }
+            | object_store::Error::NotSupported { .. }
+            | object_store::Error::InvalidPath { .. },
+        ) => PartFailure::Fatal(e.to_string()),
+        _ => PartFailure::Retryable(e.to_string()),
+    }
+}
+
+/// A part on a local disk to export.
+pub struct SourcePart {
+    pub disk: Arc<dyn Disk>,
+    pub path: String,
+    pub meta: PartMeta,
+}
+
+/// An export destination (Hive layout).
+#[derive(Clone)]
+pub struct Destination {
+    location: Location,
+}
+
+impl Destination {
+    pub fn new(location: Location) -> Destination {
+        Destination { location }
+    }
+
+    pub fn url(&self) -> &str {
+        self.location.url()
+    }
+
+    pub fn location(&self) -> &Location {
+        &self.location
+    }
+
+    /// Checks that the destination is reachable and writable: a probe object
+    /// written create-only and deleted.
+    pub async fn probe(&self, transaction_id: &str) -> Result<(), StorageError> {
+        let key = format!("_ferry_probe_{transaction_id}");
+        self.location
+            .put_create(&key, Bytes::from_static(b"ferry export probe"))
+            .await?;
+        self.location.delete(&key).await
+    }
+
+    /// `<partition_dir>/<part_name>_<checksum>.parquet`: the name says which
+    /// rows the file holds, so writing it again never makes a second copy.
+    pub fn data_key(partition_dir: &str, part: &PartName, checksum: u32) -> String {
+        format!("{partition_dir}/{part}_{checksum:08x}.parquet")
+    }
+
+    /// Writes one part's file, streaming it with bounded memory: the part's
+    /// own bytes when the settings match how parts are written, otherwise
+    /// re-encoded a row group at a time (rows checked against the part's
+    /// checksum as they pass). Small files are written create-only in one
+    /// request; larger ones by a multipart upload, which S3 cannot make
+    /// create-only, so the key is checked first (a racing writer of the
+    /// same key writes the same rows).
+    pub async fn write_part(
+        &self,
+        partition_dir: &str,
+        source: &SourcePart,
+        settings: &ExportSettings,
+        cpu: Cpu,
+        budget: UploadBudget,
+    ) -> Result<DataFile, PartFailure> {
+        let meta = &source.meta;
+        let key = Self::data_key(partition_dir, &meta.name, meta.checksum);
+        let file = |bytes| DataFile {
+            path: key.clone(),
+            rows: meta.rows,
+            bytes,
+            checksum: meta.checksum,
+        };
+        if settings.file_exists != FileExistsPolicy::Overwrite {
+            match self.location.size(&key).await {
+                Ok(Some(size)) => return self.exists(settings, &key, size).map(file),
+                Ok(None) => {}
+                Err(e) => return Err(classify(&e)),
+            }
+        }
+        let local = |e: &dyn std::fmt::Display| {
+            PartFailure::Retryable(format!("reading local part {}: {e}", source.path))
+        };
+        if settings.copies_parts() {
+            let len = meta.bytes;
+            if len <= budget.part_bytes as u64 {
+                let data = source
+                    .disk
+                    .read_range(&source.path, 0, len as usize)
+                    .await
+                    .map_err(|e| local(&e))?;
+                self.put_small(&key, Bytes::from(data), settings).await?;
+                return Ok(file(len));
+            }
+            let mut upload = self
+                .location
+                .upload(&key, budget)
+                .await
+                .map_err(|e| classify(&e))?;
+            let mut at = 0u64;
+            while at < len {
+                let n = (len - at).min(COPY_CHUNK_BYTES as u64) as usize;
+                let chunk = source
+                    .disk
+                    .read_range(&source.path, at, n)
+                    .await
+                    .map_err(|e| local(&e))?;
+                if chunk.len() != n {
+                    return Err(local(&"the file is shorter than its footer says"));
+                }
+                upload
+                    .write(Bytes::from(chunk))
+                    .await
+                    .map_err(|e| classify(&e))?;
+                at += n as u64;
+            }
+            upload.finish().await.map_err(|e| classify(&e))?;
+            return Ok(file(len));
+        }
+        // Re-encoded: one row group of the source and one of the output at
+        // a time; the output goes out in pieces as it is produced.
+        let layout = FileLayout {
+            compression: match settings.compression {
+                Compression::Zstd => FileLayout::default().compression,
+                Compression::Snappy => parquet::basic::Compression::SNAPPY,
+                Compression::Lz4 => parquet::basic::Compression::LZ4_RAW,
+                Compression::None => parquet::basic::Compression::UNCOMPRESSED,
+            },
+            row_group_rows: settings.row_group_rows as usize,
+        };
+        let mut reader = PartReader::open(source.disk.as_ref(), &source.path, &meta.name)
+            .await
+            .map_err(|e| local(&e))?;
+        let schema = Arc::clone(reader.schema());
+        let (name, table_id, lsns) = (
+            meta.name.clone(),
+            meta.table_id,
+            (meta.min_lsn, meta.max_lsn),
+        );
+        let mut encoder = cpu
+            .run(move || PartEncoder::with_layout(&schema, &name, table_id, lsns, layout))
+            .await
+            .map_err(|e| local(&e))?;
+        let mut check = PartCheck::new(&reader).map_err(|e| local(&e))?;
+        let mut upload = self
+            .location
+            .upload(&key, budget)
+            .await
+            .map_err(|e| classify(&e))?;
+        while let Some(group) = reader.next_row_group().await.map_err(|e| local(&e))? {
+            let name = meta.name.clone();
+            let (e, c, bytes) = cpu
+                .run(move || {
+                    let mut bytes = Vec::new();
+                    for batch in group {
+                        let batch = batch.map_err(|e| e.to_string())?;
+                        check.push(&name, &batch).map_err(|e| e.to_string())?;
+                        bytes.extend(encoder.write(&batch).map_err(|e| e.to_string())?);
+                    }
+                    Ok::<_, String>((encoder, check, bytes))
+                })
+                .await
+                .map_err(|e| local(&e))?;
+            (encoder, check) = (e, c);
+            if !bytes.is_empty() {
+                upload
+                    .write(Bytes::from(bytes))
+                    .await
+                    .map_err(|e| classify(&e))?;
+            }
+        }
+        check.finish(meta).map_err(|e| local(&e))?;
+        let (tail, out) = cpu
+            .run(move || encoder.finish())
+            .await
+            .map_err(|e| local(&e))?;
+        upload
+            .write(Bytes::from(tail))
+            .await
+            .map_err(|e| classify(&e))?;
+        upload.finish().await.map_err(|e| classify(&e))?;
+        Ok(file(out.bytes))
+    }
+
+    async fn put_small(
+        &self,
+        key: &str,
+        data: Bytes,
+        settings: &ExportSettings,
+    ) -> Result<(), PartFailure> {
+        let result = if settings.file_exists == FileExistsPolicy::Overwrite {
+            self.location.put(key, data).await
+        } else {
+            self.location.put_create(key, data).await
+        };
+        match result {
+            Ok(()) => Ok(()),
+            Err(StorageError::AlreadyExists { .. }) => {
+                let size = self.location.size(key).await.map_err(|e| classify(&e))?;
+                self.exists(settings, key, size.unwrap_or(0)).map(drop)
+            }
+            Err(e) => Err(classify(&e)),
+        }
+    }
+
+    fn exists(&self, settings: &ExportSettings, key: &str, size: u64) -> Result<u64, PartFailure> {
+        match settings.file_exists {
+            FileExistsPolicy::Error => Err(PartFailure::Fatal(format!(
+                "data file {key} already exists in {} (file-exists policy: error)",
+                self.url()
+            ))),
+            _ => Ok(size),
+        }
+    }
+
+    /// Writes the commit file create-only. Written already (a commit that
+    /// crashed before COMPLETED, or a second committer): fine if it lists
+    /// the same files, an error otherwise.
+    pub async fn commit(&self, commit: &CommitFile) -> Result<String, PartFailure> {
+        let key = commit_key(&commit.partition_id, &commit.transaction_id);
+        let body = serde_json::to_vec_pretty(commit).expect("commit file serialises");
+        match self.location.put_create(&key, Bytes::from(body)).await {
+            Ok(()) => Ok(key),
+            Err(StorageError::AlreadyExists { .. }) => {
+                let existing = self.location.get(&key).await.map_err(|e| classify(&e))?;
+                match serde_json::from_slice::<CommitFile>(&existing) {
+                    Ok(c) if c == *commit => Ok(key),
+                    _ => Err(PartFailure::Fatal(format!(
+                        "commit file {key} exists with other contents"
+                    ))),
+                }
+            }
+            Err(e) => Err(classify(&e)),
+        }
+    }
+
+    /// Whether the commit file of an export exists.
+    pub async fn committed(
+        &self,
+        partition_id: &str,
+        transaction_id: &str,
+    ) -> Result<bool, StorageError> {
+        Ok(self
+            .location
+            .size(&commit_key(partition_id, transaction_id))
+            .await?
+            .is_some())
+    }
+}

@@ -1,0 +1,30 @@
+//! Partition export: a partition's parts written exactly once to an object
+//! store as Parquet, shared by every replica that holds them, coordinated
+//! only through the ZooKeeper data model (SPEC.md section 5).
+//!
+//! * `model`: the task's layout in coordination, metadata, statuses, ids;
+//! * `request`: EXPORT PARTITION (checks, snapshot, the task's creation);
+//! * `task`: commit, kill and removal, which any replica may run;
+//! * `worker`: a node's exporter (mirror, scheduling, uploads, cleanup);
+//! * `dest`: the Hive-layout destination and its commit file;
+//! * `verify`: a destination checked against its commit files;
+//! * `local`: what a node holds (its replicas' parts) and how it opens
+//!   destinations.
+//!
+//! Must never: write a commit file for a task that is not PENDING under its
+//! commit lock, move a part to processed without holding its lock, or hold
+//! a whole part in memory.
+
+pub mod dest;
+pub mod local;
+pub mod model;
+pub mod request;
+pub mod task;
+pub mod verify;
+pub mod worker;
+
+pub use dest::{Destination, PartFailure};
+pub use local::{Destinations, LocalParts, ReplicaSet, StorageDestinations};
+pub use model::{ExportSettings, FileExistsPolicy, TaskKey, TaskStatus};
+pub use request::{Created, ExportRequest, RequestError, Requester};
+pub use worker::{Exporter, ExporterConfig, ExportsView, TaskView};

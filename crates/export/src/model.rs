@@ -1,0 +1,499 @@
+//! What an export task is in coordination: its layout, its immutable
+//! metadata, its status and the entries replicas write while they work.
+//!
+//! Layout under a table's node (`/ferry/tables/<table>`):
+//!
+//! ```text
+//! exports_cleanup_lock              ephemeral: the replica that commits leftovers, kills
+//!                                   timed-out tasks and removes expired ones
+//! exports/<partition>_<dest id>/    one task per (partition, destination); data = transaction id
+//!     metadata.json                 immutable: identity, parts summary, every setting
+//!     parts/<nnnnnn>                the snapshot's parts, in chunks of at most PARTS_CHUNK_BYTES
+//!     status                        PENDING | COMPLETED | FAILED | KILLED, version 0 while PENDING
+//!     processing                    data bumped by every finished part (progress watches)
+//!     processing/<part>             a part not yet exported (empty; a claim sets it, so a
+//!                                   claim of a part already exported fails at once)
+//!     retries/<part>                {retry_count}: retryable failures of the part, all replicas
+//!     processed/<part>              an exported part: {path, rows, bytes, checksum, finished_by}
+//!     locks/<part>                  ephemeral claim, data = replica name
+//!     commit_lock                   ephemeral: serialises commit, kill and timeout
+//!     commit_info                   written with COMPLETED: the commit file's key
+//!     exceptions                    data bumped by every exception recorded
+//!     exceptions/<replica>          {part, message, time, count}
+//! ```
+//!
+//! `status` is created at version 0 holding PENDING and is set exactly once,
+//! to a terminal state, with a version check on 0: whoever sets it first
+//! decides, and terminal states never change.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Where tables live in coordination (the catalog's root).
+pub const TABLES: &str = "/ferry/tables";
+
+/// Largest `parts/<n>` chunk of the snapshot (ZooKeeper's default node limit
+/// is 1 MiB; a chunk leaves room for the rest of a multi).
+pub const PARTS_CHUNK_BYTES: usize = 256 << 10;
+
+/// Most parts one export may name (a bound on every per-task structure).
+pub const MAX_PARTS: usize = 1_000_000;
+
+/// A request's fields that name places: refused unless they are plain.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IdError {
+    #[error("{what} {value:?} is not allowed: {reason}")]
+    Bad {
+        what: &'static str,
+        value: String,
+        reason: &'static str,
+    },
+}
+
+/// Partition ids, table names and replica names reach coordination paths
+/// and object keys: 1 to 128 characters of `[A-Za-z0-9_.-]`, not `.` or
+/// `..` (partition ids as tables produce them are a subset).
+pub fn check_name(what: &'static str, value: &str) -> Result<(), IdError> {
+    let bad = |reason| IdError::Bad {
+        what,
+        value: value.chars().take(200).collect(),
+        reason,
+    };
+    if value.is_empty() || value.len() > 128 {
+        return Err(bad("must be 1 to 128 characters"));
+    }
+    if value == "." || value == ".." {
+        return Err(bad("a relative path segment"));
+    }
+    if !value
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+    {
+        return Err(bad("only letters, digits, '_', '.' and '-'"));
+    }
+    Ok(())
+}
+
+/// A transaction id: 13 digits of Unix milliseconds, '-', 16 hex digits of
+/// randomness (sortable by time, unique without coordination).
+pub fn transaction_id(unix_millis: u64, random: u64) -> String {
+    format!("{unix_millis:013}-{random:016x}")
+}
+
+pub fn check_transaction_id(id: &str) -> Result<(), IdError> {
+    let ok = id.len() == 30
+        && id.as_bytes()[13] == b'-'
+        && id[..13].bytes().all(|b| b.is_ascii_digit())
+        && id[14..].bytes().all(|b| b.is_ascii_hexdigit());
+    if ok {
+        Ok(())
+    } else {
+        Err(IdError::Bad {
+            what: "transaction id",
+            value: id.chars().take(200).collect(),
+            reason: "expected 13 digits, '-', 16 hex digits",
+        })
+    }
+}
+
+/// A destination's id in task keys: 16 hex digits derived from its URL, so
+/// one partition exported to two destinations gives two tasks.
+pub fn destination_id(url: &str) -> String {
+    let a = crc32c::crc32c(url.as_bytes());
+    let b = crc32c::crc32c_append(a ^ 0x9e37_79b9, url.as_bytes());
+    format!("{a:08x}{b:08x}")
+}
+
+/// The task of a (table, partition, destination).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct TaskKey {
+    pub table: String,
+    /// `<partition_id>_<destination id>`.
+    pub key: String,
+}
+
+impl TaskKey {
+    pub fn new(table: &str, partition_id: &str, destination_url: &str) -> TaskKey {
+        TaskKey {
+            table: table.to_string(),
+            key: format!("{partition_id}_{}", destination_id(destination_url)),
+        }
+    }
+
+    pub fn path(&self) -> String {
+        format!("{}/{}", exports_path(&self.table), self.key)
+    }
+}
+
+impl std::fmt::Display for TaskKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.table, self.key)
+    }
+}
+
+pub fn table_path(table: &str) -> String {
+    format!("{TABLES}/{table}")
+}
+
+pub fn exports_path(table: &str) -> String {
+    format!("{TABLES}/{table}/exports")
+}
+
+pub fn cleanup_lock_path(table: &str) -> String {
+    format!("{TABLES}/{table}/exports_cleanup_lock")
+}
+
+/// What a data file already at its key means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FileExistsPolicy {
+    /// Keep it: its name holds the rows checksum, so it holds the same rows.
+    #[default]
+    Skip,
+    /// Fail the task (non-retryable).
+    Error,
+    /// Write the file again.
+    Overwrite,
+}
+
+impl std::str::FromStr for FileExistsPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "skip" => Ok(FileExistsPolicy::Skip),
+            "error" => Ok(FileExistsPolicy::Error),
+            "overwrite" => Ok(FileExistsPolicy::Overwrite),
+            other => Err(format!(
+                "file-exists policy {other:?}: expected skip, error or overwrite"
+            )),
+        }
+    }
+}
+
+/// Parquet compression of exported files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Compression {
+    /// zstd level 1, as parts are written: parts are copied byte for byte.
+    #[default]
+    Zstd,
+    Snappy,
+    Lz4,
+    None,
+}
+
+impl std::str::FromStr for Compression {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "zstd" => Ok(Compression::Zstd),
+            "snappy" => Ok(Compression::Snappy),
+            "lz4" => Ok(Compression::Lz4),
+            "none" => Ok(Compression::None),
+            other => Err(format!(
+                "compression {other:?}: expected zstd, snappy, lz4 or none"
+            )),
+        }
+    }
+}
+
+/// Every setting that shapes an export, captured at request time in
+/// metadata.json and used by every replica that works on the task.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExportSettings {
+    /// From create_time; past it the cleanup holder KILLs the task (0: never).
+    pub task_timeout_seconds: u64,
+    /// A terminal task is removed this long after create_time.
+    pub ttl_seconds: u64,
+    /// Per-replica back-off of a part after a retryable error.
+    pub retry_initial_backoff_ms: u64,
+    pub retry_max_backoff_ms: u64,
+    /// Retryable failures of one part (over all replicas) before the task is
+    /// FAILED; 0: unlimited (the task timeout is then the bound).
+    pub max_retries: u32,
+    /// Parts one replica exports at once for this task.
+    pub parallelism: u32,
+    pub compression: Compression,
+    /// Rows per row group of exported files.
+    pub row_group_rows: u64,
+    pub file_exists: FileExistsPolicy,
+}
+
+impl Default for ExportSettings {
+    fn default() -> Self {
+        ExportSettings {
+            task_timeout_seconds: 3600,
+            ttl_seconds: 180,
+            retry_initial_backoff_ms: 5_000,
+            retry_max_backoff_ms: 300_000,
+            max_retries: 0,
+            parallelism: 2,
+            compression: Compression::Zstd,
+            row_group_rows: ferry_replica::part::ROW_GROUP_ROWS as u64,
+            file_exists: FileExistsPolicy::Skip,
+        }
+    }
+}
+
+/// Settings out of their bounds, refused before anything is created.
+pub const MAX_PARALLELISM: u32 = 64;
+
+impl ExportSettings {
+    pub fn check(&self) -> Result<(), String> {
+        if self.parallelism == 0 || self.parallelism > MAX_PARALLELISM {
+            return Err(format!("parallelism must be 1 to {MAX_PARALLELISM}"));
+        }
+        if self.retry_initial_backoff_ms == 0
+            || self.retry_max_backoff_ms < self.retry_initial_backoff_ms
+        {
+            return Err("back-off bounds: 0 < initial <= max".into());
+        }
+        if !(1024..=(1 << 24)).contains(&self.row_group_rows) {
+            return Err("row_group_rows must be 1024 to 16777216".into());
+        }
+        if self.ttl_seconds == 0 {
+            return Err("ttl_seconds must be positive".into());
+        }
+        Ok(())
+    }
+
+    /// Whether exported files are the parts' own bytes.
+    pub fn copies_parts(&self) -> bool {
+        self.compression == Compression::Zstd
+            && self.row_group_rows == ferry_replica::part::ROW_GROUP_ROWS as u64
+    }
+
+    pub fn backoff(&self, attempts: u32) -> Duration {
+        let ms = self
+            .retry_initial_backoff_ms
+            .saturating_mul(1u64 << attempts.saturating_sub(1).min(30))
+            .min(self.retry_max_backoff_ms);
+        Duration::from_millis(ms)
+    }
+}
+
+/// A part of the snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct SnapshotPart {
+    pub name: String,
+    pub rows: u64,
+    pub checksum: u32,
+}
+
+/// metadata.json: immutable once the task exists.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Metadata {
+    pub format: u32,
+    pub transaction_id: String,
+    pub table: String,
+    pub table_id: u64,
+    pub partition_id: String,
+    /// The Hive directory of the partition: `<column>=<id>`.
+    pub partition_dir: String,
+    pub destination: String,
+    pub source_replica: String,
+    /// Unix seconds.
+    pub create_time: u64,
+    /// The commit position every acknowledged insert was below when the
+    /// request arrived; the snapshot includes all of it.
+    pub snapshot_lsn: u64,
+    pub parts_count: u64,
+    pub rows: u64,
+    /// `parts/<n>` chunks holding the snapshot.
+    pub parts_chunks: u32,
+    pub settings: ExportSettings,
+}
+
+pub const METADATA_FORMAT: u32 = 1;
+
+/// A task's state; terminal ones never change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum TaskStatus {
+    Pending,
+    Completed,
+    Failed,
+    Killed,
+}
+
+impl TaskStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TaskStatus::Pending => "PENDING",
+            TaskStatus::Completed => "COMPLETED",
+            TaskStatus::Failed => "FAILED",
+            TaskStatus::Killed => "KILLED",
+        }
+    }
+
+    pub fn parse(s: &[u8]) -> Option<TaskStatus> {
+        match s {
+            b"PENDING" => Some(TaskStatus::Pending),
+            b"COMPLETED" => Some(TaskStatus::Completed),
+            b"FAILED" => Some(TaskStatus::Failed),
+            b"KILLED" => Some(TaskStatus::Killed),
+            _ => None,
+        }
+    }
+
+    pub fn is_terminal(self) -> bool {
+        self != TaskStatus::Pending
+    }
+}
+
+impl std::fmt::Display for TaskStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// `retries/<part>`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Retries {
+    pub retry_count: u32,
+}
+
+/// A data file in the destination, as `processed/<part>` and the commit file
+/// list it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct DataFile {
+    /// Key relative to the destination.
+    pub path: String,
+    pub rows: u64,
+    pub bytes: u64,
+    /// The rows checksum (ferry_replica::checksum), as in the file's footer.
+    pub checksum: u32,
+}
+
+/// `processed/<part>`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Processed {
+    pub file: DataFile,
+    pub finished_by: String,
+}
+
+/// `exceptions/<replica>`: the last one and how many.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExceptionRecord {
+    pub part: String,
+    pub message: String,
+    /// Unix seconds.
+    pub time: u64,
+    pub count: u64,
+}
+
+/// The commit file `commit_<partition>_<transaction>`: every data file of
+/// the export. A reader trusts a data file only if a commit file lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommitFile {
+    pub format: u32,
+    pub transaction_id: String,
+    pub table: String,
+    pub partition_id: String,
+    pub create_time: u64,
+    pub rows: u64,
+    /// Sorted by path.
+    pub files: Vec<DataFile>,
+}
+
+pub const COMMIT_FORMAT: u32 = 1;
+
+pub fn commit_key(partition_id: &str, transaction_id: &str) -> String {
+    format!("commit_{partition_id}_{transaction_id}")
+}
+
+/// Splits the snapshot into `parts/<n>` chunks of at most
+/// [`PARTS_CHUNK_BYTES`] of JSON each.
+pub fn chunk_parts(parts: &[SnapshotPart]) -> Vec<Vec<u8>> {
+    let mut chunks = Vec::new();
+    let mut current: Vec<&SnapshotPart> = Vec::new();
+    let mut bytes = 2usize;
+    for p in parts {
+        // name, rows and checksum in JSON, with room for the quoting.
+        let size = p.name.len() + 64;
+        if !current.is_empty() && bytes + size > PARTS_CHUNK_BYTES {
+            chunks.push(serde_json::to_vec(&current).expect("parts serialise"));
+            current.clear();
+            bytes = 2;
+        }
+        current.push(p);
+        bytes += size;
+    }
+    if !current.is_empty() || chunks.is_empty() {
+        chunks.push(serde_json::to_vec(&current).expect("parts serialise"));
+    }
+    chunks
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_that_could_escape_are_refused() {
+        for bad in [
+            "",
+            ".",
+            "..",
+            "a/b",
+            "a\\b",
+            "a b",
+            "x\0",
+            "é",
+            &"a".repeat(129),
+        ] {
+            assert!(check_name("partition id", bad).is_err(), "{bad:?}");
+        }
+        for good in ["2024", "x", "-5", "a.b_c-d", "20240105"] {
+            check_name("partition id", good).expect(good);
+        }
+        let tx = transaction_id(1_700_000_000_000, 0xdead_beef);
+        check_transaction_id(&tx).expect("well formed");
+        for bad in [
+            "",
+            "../x",
+            "1700000000000_00000000deadbeef",
+            &format!("{tx}0"),
+        ] {
+            assert!(check_transaction_id(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn destination_ids_differ_by_url() {
+        assert_ne!(destination_id("s3://a/x"), destination_id("s3://a/y"));
+        assert_eq!(destination_id("s3://a/x").len(), 16);
+    }
+
+    #[test]
+    fn snapshot_chunks_stay_under_the_bound() {
+        let parts: Vec<SnapshotPart> = (0..20_000)
+            .map(|i| SnapshotPart {
+                name: format!("2024_{i}_{i}_0"),
+                rows: 1,
+                checksum: i,
+            })
+            .collect();
+        let chunks = chunk_parts(&parts);
+        assert!(chunks.len() > 1);
+        let mut back = Vec::new();
+        for c in &chunks {
+            assert!(c.len() <= PARTS_CHUNK_BYTES, "{}", c.len());
+            back.extend(serde_json::from_slice::<Vec<SnapshotPart>>(c).expect("json"));
+        }
+        assert_eq!(back, parts);
+    }
+
+    #[test]
+    fn backoff_doubles_within_bounds() {
+        let s = ExportSettings {
+            retry_initial_backoff_ms: 100,
+            retry_max_backoff_ms: 1000,
+            ..ExportSettings::default()
+        };
+        let b: Vec<u64> = (1..7).map(|a| s.backoff(a).as_millis() as u64).collect();
+        assert_eq!(b, vec![100, 200, 400, 800, 1000, 1000]);
+    }
+}

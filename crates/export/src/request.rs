@@ -1,0 +1,350 @@
+//! EXPORT PARTITION: checks, the snapshot and the task's creation. No data
+//! moves here; replicas pick the task up from coordination.
+
+use std::time::Duration;
+
+use ferry_coord::{CoordError, CreateMode, Op, Session};
+use ferry_replica::PartName;
+use ferry_table::Table;
+use ferry_wal::Lsn;
+use serde::{Deserialize, Serialize};
+
+use crate::dest::Destination;
+use crate::local::{Destinations, LocalParts};
+use crate::model::{
+    check_name, check_transaction_id, chunk_parts, exports_path, table_path, ExportSettings,
+    Metadata, SnapshotPart, TaskKey, TaskStatus, MAX_PARTS, METADATA_FORMAT,
+};
+use crate::task;
+
+/// An export as asked for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExportRequest {
+    pub table: String,
+    pub partition_id: String,
+    pub destination: String,
+    #[serde(default)]
+    pub force: bool,
+    #[serde(default)]
+    pub settings: ExportSettings,
+}
+
+/// A task created.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Created {
+    pub transaction_id: String,
+    pub key: TaskKey,
+    pub parts_count: u64,
+    pub rows: u64,
+    pub snapshot_lsn: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    #[error("bad request: {0}")]
+    BadRequest(String),
+    #[error("no table {0:?}")]
+    NoSuchTable(String),
+    #[error("partition {partition:?} of table {table:?} has no rows: nothing to export")]
+    EmptyPartition { table: String, partition: String },
+    #[error("destination {url} is not usable: {detail}")]
+    Destination { url: String, detail: String },
+    #[error(
+        "partition {partition:?} of {table:?} already has an export to {destination} \
+         (transaction {transaction_id}, {status}) that has not expired; use force to replace it"
+    )]
+    AlreadyExists {
+        table: String,
+        partition: String,
+        destination: String,
+        transaction_id: String,
+        status: String,
+    },
+    #[error(
+        "this node's replicas reached {reached} but inserts acknowledged before the request \
+         reach {needed}; they did not catch up within {waited:?} (retry, or ask another node)"
+    )]
+    Behind {
+        reached: Lsn,
+        needed: Lsn,
+        waited: Duration,
+    },
+    #[error("{0}")]
+    NotHeld(String),
+    #[error("coordination: {0}")]
+    Coordination(#[from] CoordError),
+}
+
+/// What a node needs to create tasks.
+pub struct Requester<'a> {
+    pub session: &'a Session,
+    pub parts: &'a dyn LocalParts,
+    pub destinations: &'a dyn Destinations,
+    /// This node's name (source_replica).
+    pub replica_name: &'a str,
+    /// Unix seconds and a random number for the transaction id.
+    pub now_unix_millis: u64,
+    pub random: u64,
+    /// The commit position when the request arrived.
+    pub commit_lsn: Lsn,
+    /// How long to wait for the replicas to apply it.
+    pub wait: Duration,
+}
+
+impl Requester<'_> {
+    /// Reads a table from the catalog.
+    pub async fn table(&self, name: &str) -> Result<Table, RequestError> {
+        check_name("table name", name).map_err(|e| RequestError::BadRequest(e.to_string()))?;
+        match self.session.get(&table_path(name)).await {
+            Ok((data, _)) => serde_json::from_slice(&data).map_err(|e| {
+                RequestError::Coordination(CoordError::Backend(format!(
+                    "table {name}: damaged definition: {e}"
+                )))
+            }),
+            Err(CoordError::NoNode { .. }) => Err(RequestError::NoSuchTable(name.to_string())),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Checks, waits, snapshots and creates the task.
+    pub async fn export(&self, req: &ExportRequest) -> Result<Created, RequestError> {
+        let bad = |e: String| RequestError::BadRequest(e);
+        check_name("partition id", &req.partition_id).map_err(|e| bad(e.to_string()))?;
+        req.settings.check().map_err(bad)?;
+        check_name("replica name", self.replica_name).map_err(|e| bad(e.to_string()))?;
+        let location = self
+            .destinations
+            .open(&req.destination)
+            .map_err(|e| bad(e.to_string()))?;
+        let destination = Destination::new(location);
+        let table = self.table(&req.table).await?;
+        let key = TaskKey::new(&req.table, &req.partition_id, destination.url());
+
+        // Everything acknowledged before the request is applied here.
+        self.parts
+            .wait_applied(&table, self.commit_lsn, self.wait)
+            .await
+            .map_err(|reached| RequestError::Behind {
+                reached,
+                needed: self.commit_lsn,
+                waited: self.wait,
+            })?;
+        let snapshot = self
+            .parts
+            .snapshot(&table, &req.partition_id)
+            .await
+            .map_err(RequestError::NotHeld)?;
+        let rows: u64 = snapshot.iter().map(|p| p.rows).sum();
+        if rows == 0 {
+            return Err(RequestError::EmptyPartition {
+                table: req.table.clone(),
+                partition: req.partition_id.clone(),
+            });
+        }
+        if snapshot.len() > MAX_PARTS {
+            return Err(bad(format!(
+                "the partition has {} parts, more than an export takes ({MAX_PARTS})",
+                snapshot.len()
+            )));
+        }
+
+        // An existing task for the key.
+        if let Some(existing) = task::read_head(self.session, &key).await? {
+            let expired = existing.metadata.as_ref().is_some_and(|m| {
+                m.create_time + m.settings.ttl_seconds < self.now_unix_millis / 1000
+            });
+            if !req.force && !expired && existing.metadata.is_some() {
+                return Err(RequestError::AlreadyExists {
+                    table: req.table.clone(),
+                    partition: req.partition_id.clone(),
+                    destination: destination.url().to_string(),
+                    transaction_id: existing.transaction_id.clone(),
+                    status: existing
+                        .status
+                        .map(|s| s.to_string())
+                        .unwrap_or_else(|| "being created".into()),
+                });
+            }
+            // Replaced: a pending one is killed first (under its commit
+            // lock, so no commit file appears for it afterwards), then the
+            // task is removed.
+            if existing.status == Some(TaskStatus::Pending) {
+                task::kill(
+                    self.session,
+                    &key,
+                    Some(&existing.transaction_id),
+                    &destination,
+                    "replaced by a forced export",
+                )
+                .await
+                .map_err(|e| match e {
+                    task::KillError::Coordination(c) => RequestError::Coordination(c),
+                    other => bad(other.to_string()),
+                })?;
+            }
+            task::remove(self.session, &key).await?;
+        }
+
+        let transaction_id = crate::model::transaction_id(self.now_unix_millis, self.random);
+        check_transaction_id(&transaction_id).map_err(|e| bad(e.to_string()))?;
+        destination
+            .probe(&transaction_id)
+            .await
+            .map_err(|e| RequestError::Destination {
+                url: destination.url().to_string(),
+                detail: e.to_string(),
+            })?;
+
+        let parts: Vec<SnapshotPart> = snapshot
+            .iter()
+            .map(|p| SnapshotPart {
+                name: p.name.to_string(),
+                rows: p.rows,
+                checksum: p.checksum,
+            })
+            .collect();
+        let names: Vec<PartName> = snapshot.iter().map(|p| p.name.clone()).collect();
+        let chunks = chunk_parts(&parts);
+        let partition_dir = partition_dir(&table, &req.partition_id);
+        let metadata = Metadata {
+            format: METADATA_FORMAT,
+            transaction_id: transaction_id.clone(),
+            table: req.table.clone(),
+            table_id: table.id,
+            partition_id: req.partition_id.clone(),
+            partition_dir,
+            destination: destination.url().to_string(),
+            source_replica: self.replica_name.to_string(),
+            create_time: self.now_unix_millis / 1000,
+            snapshot_lsn: self.commit_lsn.0,
+            parts_count: parts.len() as u64,
+            rows,
+            parts_chunks: chunks.len() as u32,
+            settings: req.settings.clone(),
+        };
+        // Pinned before the task exists, so no merge here removes a part it
+        // names; released if the task is not created.
+        self.parts
+            .pin(&transaction_id, table.id, &names)
+            .await
+            .map_err(|e| RequestError::NotHeld(format!("pinning the snapshot's parts: {e}")))?;
+        ferry_coord::create_all(self.session.as_ref(), &exports_path(&req.table)).await?;
+        match create(self.session, &key, &metadata, &parts, chunks).await {
+            Ok(()) => {}
+            Err(e) => {
+                let _ = self.parts.unpin(&transaction_id).await;
+                return Err(match e {
+                    CoordError::NodeExists { .. } => RequestError::AlreadyExists {
+                        table: req.table.clone(),
+                        partition: req.partition_id.clone(),
+                        destination: destination.url().to_string(),
+                        transaction_id: "(created concurrently)".into(),
+                        status: "PENDING".into(),
+                    },
+                    other => other.into(),
+                });
+            }
+        }
+        tracing::info!(task = %key, %transaction_id, parts = parts.len(), rows, "export created");
+        Ok(Created {
+            transaction_id,
+            key,
+            parts_count: parts.len() as u64,
+            rows,
+            snapshot_lsn: self.commit_lsn.0,
+        })
+    }
+}
+
+/// The Hive directory of a partition: `<column>=<id>`, or
+/// `<column>_<year|month|day>=<id>` for a partition by date part.
+pub fn partition_dir(table: &Table, partition_id: &str) -> String {
+    use ferry_table::def::PartitionTransform;
+    let column = &table.def.partition_by.column;
+    match table.def.partition_by.transform {
+        PartitionTransform::Identity => format!("{column}={partition_id}"),
+        PartitionTransform::Year => format!("{column}_year={partition_id}"),
+        PartitionTransform::Month => format!("{column}_month={partition_id}"),
+        PartitionTransform::Day => format!("{column}_day={partition_id}"),
+    }
+}
+
+/// Creates the task: in one multi when it fits the request limit; else the
+/// task's node and metadata first, the snapshot and processing entries in
+/// chunks, and `status` last, which is what makes the task visible to
+/// workers (a task without status is one being created; cleanup removes it
+/// if its creator died).
+async fn create(
+    session: &Session,
+    key: &TaskKey,
+    metadata: &Metadata,
+    parts: &[SnapshotPart],
+    chunks: Vec<Vec<u8>>,
+) -> Result<(), CoordError> {
+    let base = key.path();
+    let p = |s: &str| format!("{base}/{s}");
+    let persistent = CreateMode::Persistent;
+    let mut head = vec![
+        Op::create(base.clone(), metadata.transaction_id.as_bytes(), persistent),
+        Op::create(
+            p("metadata.json"),
+            serde_json::to_vec(metadata).expect("metadata serialises"),
+            persistent,
+        ),
+        Op::create(p("parts"), Vec::new(), persistent),
+        Op::create(p("processing"), Vec::new(), persistent),
+        Op::create(p("processed"), Vec::new(), persistent),
+        Op::create(p("locks"), Vec::new(), persistent),
+        Op::create(p("exceptions"), Vec::new(), persistent),
+        Op::create(p("retries"), Vec::new(), persistent),
+    ];
+    let mut body: Vec<Op> = chunks
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| Op::create(p(&format!("parts/{i:06}")), c, persistent))
+        .collect();
+    body.extend(parts.iter().map(|part| {
+        Op::create(
+            p(&format!("processing/{}", part.name)),
+            Vec::new(),
+            persistent,
+        )
+    }));
+    let status = Op::create(p("status"), TaskStatus::Pending.as_str(), persistent);
+    let limit = ferry_coord::path::MAX_REQUEST_BYTES;
+    let prefix = session.path_prefix_bytes();
+    let mut all = head.clone();
+    all.extend(body.iter().cloned());
+    all.push(status.clone());
+    if ferry_coord::multi_request_bytes(&all, prefix) <= limit {
+        session.multi(all).await?;
+        return Ok(());
+    }
+    session.multi(std::mem::take(&mut head)).await?;
+    let mut batch: Vec<Op> = Vec::new();
+    for op in body {
+        batch.push(op);
+        if ferry_coord::multi_request_bytes(&batch, prefix) > limit {
+            let last = batch.pop().expect("just pushed");
+            if let Err(e) = session.multi(std::mem::take(&mut batch)).await {
+                let _ = task::remove(session, key).await;
+                return Err(e);
+            }
+            batch.push(last);
+        }
+    }
+    let mut last = batch.clone();
+    last.push(status.clone());
+    if ferry_coord::multi_request_bytes(&last, prefix) > limit {
+        if let Err(e) = session.multi(std::mem::take(&mut batch)).await {
+            let _ = task::remove(session, key).await;
+            return Err(e);
+        }
+    }
+    batch.push(status);
+    if let Err(e) = session.multi(batch).await {
+        let _ = task::remove(session, key).await;
+        return Err(e);
+    }
+    Ok(())
+}

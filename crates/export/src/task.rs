@@ -1,0 +1,443 @@
+//! Operations on one task in coordination that any replica may run: reading
+//! it, the commit, kill, and removal.
+//!
+//! Commit, kill and the timeout kill all run under the task's ephemeral
+//! `commit_lock`, and every status change is a set of `status` checked
+//! against version 0 (PENDING): so a kill cannot slip between a committer's
+//! status check and its commit file, and of two committers only the first
+//! writes; a second finds the commit file (create-only) identical or the
+//! status terminal. A kill that finds the commit file already written (a
+//! committer died between the commit file and COMPLETED) completes the task
+//! instead: a commit file never belongs to a KILLED or FAILED task.
+
+use ferry_coord::{CoordError, CreateMode, Op, Session};
+
+use crate::dest::{Destination, PartFailure};
+use crate::model::{
+    commit_key, CommitFile, DataFile, Metadata, Processed, SnapshotPart, TaskKey, TaskStatus,
+    COMMIT_FORMAT,
+};
+
+/// A task's identity and state.
+#[derive(Debug, Clone)]
+pub struct Head {
+    pub transaction_id: String,
+    /// None while the task is being created (or its creator died).
+    pub metadata: Option<Metadata>,
+    pub status: Option<TaskStatus>,
+}
+
+fn damaged(path: &str, detail: impl std::fmt::Display) -> CoordError {
+    CoordError::Backend(format!("export task node {path} is damaged: {detail}"))
+}
+
+/// Reads a task's node, metadata and status; None if there is no task.
+pub async fn read_head(session: &Session, key: &TaskKey) -> Result<Option<Head>, CoordError> {
+    let base = key.path();
+    let transaction_id = match session.get(&base).await {
+        Ok((data, _)) => String::from_utf8_lossy(&data).into_owned(),
+        Err(CoordError::NoNode { .. }) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let metadata = match session.get(&format!("{base}/metadata.json")).await {
+        Ok((data, _)) => Some(
+            serde_json::from_slice::<Metadata>(&data)
+                .map_err(|e| damaged(&format!("{base}/metadata.json"), e))?,
+        ),
+        Err(CoordError::NoNode { .. }) => None,
+        Err(e) => return Err(e),
+    };
+    let status = read_status(session, key).await?;
+    Ok(Some(Head {
+        transaction_id,
+        metadata,
+        status,
+    }))
+}
+
+pub async fn read_status(
+    session: &Session,
+    key: &TaskKey,
+) -> Result<Option<TaskStatus>, CoordError> {
+    let path = format!("{}/status", key.path());
+    match session.get(&path).await {
+        Ok((data, _)) => TaskStatus::parse(&data)
+            .map(Some)
+            .ok_or_else(|| damaged(&path, "unknown status")),
+        Err(CoordError::NoNode { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// The snapshot's parts, from the `parts/` chunks.
+pub async fn read_parts(
+    session: &Session,
+    key: &TaskKey,
+    metadata: &Metadata,
+) -> Result<Vec<SnapshotPart>, CoordError> {
+    let mut parts = Vec::with_capacity(metadata.parts_count as usize);
+    for i in 0..metadata.parts_chunks {
+        let path = format!("{}/parts/{i:06}", key.path());
+        let (data, _) = session.get(&path).await?;
+        parts.extend(
+            serde_json::from_slice::<Vec<SnapshotPart>>(&data).map_err(|e| damaged(&path, e))?,
+        );
+    }
+    if parts.len() as u64 != metadata.parts_count {
+        return Err(damaged(
+            &key.path(),
+            format!(
+                "{} parts listed, metadata says {}",
+                parts.len(),
+                metadata.parts_count
+            ),
+        ));
+    }
+    Ok(parts)
+}
+
+/// Removes a task and everything under it (chunked deletes; nodes already
+/// gone are fine).
+pub async fn remove(session: &Session, key: &TaskKey) -> Result<(), CoordError> {
+    let base = key.path();
+    let subs = match session.children(&base).await {
+        Ok((c, _)) => c,
+        Err(CoordError::NoNode { .. }) => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    let mut deletes = Vec::new();
+    for sub in &subs {
+        let path = format!("{base}/{sub}");
+        match session.children(&path).await {
+            Ok((children, _)) => {
+                deletes.extend(children.iter().map(|c| format!("{path}/{c}")));
+            }
+            Err(CoordError::NoNode { .. }) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    deletes.extend(subs.iter().map(|s| format!("{base}/{s}")));
+    deletes.push(base.clone());
+    delete_all(session, deletes).await
+}
+
+/// Deletes nodes in order, in multis within the request limit; a node
+/// already gone is skipped (the batch it failed is retried one by one).
+async fn delete_all(session: &Session, paths: Vec<String>) -> Result<(), CoordError> {
+    let limit = ferry_coord::path::MAX_REQUEST_BYTES;
+    let prefix = session.path_prefix_bytes();
+    let mut batch: Vec<Op> = Vec::new();
+    let flush = |batch: Vec<Op>| async move {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        match session.multi(batch.clone()).await {
+            Ok(_) => Ok(()),
+            Err(CoordError::MultiFailed { .. }) => {
+                for op in batch {
+                    match session.delete(op.path(), None).await {
+                        Ok(()) | Err(CoordError::NoNode { .. }) => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    };
+    for p in paths {
+        batch.push(Op::delete(p, None));
+        if ferry_coord::multi_request_bytes(&batch, prefix) > limit / 2 {
+            flush(std::mem::take(&mut batch)).await?;
+        }
+    }
+    flush(batch).await
+}
+
+/// An ephemeral lock node held by this session.
+pub struct HeldLock {
+    path: String,
+}
+
+/// Takes an ephemeral lock (data = `owner`). A create whose outcome is
+/// unknown is read back: the node's ephemeral owner says whether it is ours,
+/// so a lost answer never leaves a lock nobody knows it holds.
+pub async fn try_lock(
+    session: &Session,
+    path: &str,
+    owner: &str,
+) -> Result<Option<HeldLock>, CoordError> {
+    match session
+        .create(path, owner.as_bytes(), CreateMode::Ephemeral)
+        .await
+    {
+        Ok(_) => Ok(Some(HeldLock {
+            path: path.to_string(),
+        })),
+        Err(CoordError::NodeExists { .. }) => Ok(None),
+        Err(CoordError::ConnectionLoss { .. }) => match session.exists(path).await? {
+            Some(stat) if stat.ephemeral_owner == session.session_id() => Ok(Some(HeldLock {
+                path: path.to_string(),
+            })),
+            _ => Ok(None),
+        },
+        Err(e) => Err(e),
+    }
+}
+
+impl HeldLock {
+    pub async fn release(self, session: &Session) {
+        match session.delete(&self.path, None).await {
+            Ok(()) | Err(CoordError::NoNode { .. }) => {}
+            // The session's end removes it.
+            Err(e) => tracing::debug!(path = %self.path, error = %e, "could not release a lock"),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum KillError {
+    #[error("no export task {0}")]
+    NotFound(String),
+    #[error("export {key} is for transaction {found}, not {expected}")]
+    OtherTransaction {
+        key: String,
+        found: String,
+        expected: String,
+    },
+    #[error("export {0} is being committed or killed by another replica right now; try again")]
+    Busy(String),
+    #[error("checking the destination's commit file: {0}")]
+    Destination(String),
+    #[error(transparent)]
+    Coordination(#[from] CoordError),
+}
+
+/// Sets a PENDING task KILLED, under its commit lock; returns the status it
+/// ends in (already terminal: unchanged; its commit file already written:
+/// COMPLETED).
+pub async fn kill(
+    session: &Session,
+    key: &TaskKey,
+    expect_transaction: Option<&str>,
+    destination: &Destination,
+    reason: &str,
+) -> Result<TaskStatus, KillError> {
+    let Some(head) = read_head(session, key).await? else {
+        return Err(KillError::NotFound(key.to_string()));
+    };
+    if let Some(tx) = expect_transaction {
+        if head.transaction_id != tx {
+            return Err(KillError::OtherTransaction {
+                key: key.to_string(),
+                found: head.transaction_id,
+                expected: tx.to_string(),
+            });
+        }
+    }
+    let Some(metadata) = head.metadata else {
+        return Err(KillError::NotFound(key.to_string()));
+    };
+    let Some(lock) = try_lock(session, &format!("{}/commit_lock", key.path()), "kill").await?
+    else {
+        return Err(KillError::Busy(key.to_string()));
+    };
+    let result = kill_locked(session, key, &metadata, destination, reason).await;
+    lock.release(session).await;
+    result
+}
+
+async fn kill_locked(
+    session: &Session,
+    key: &TaskKey,
+    metadata: &Metadata,
+    destination: &Destination,
+    reason: &str,
+) -> Result<TaskStatus, KillError> {
+    match read_status(session, key).await? {
+        Some(TaskStatus::Pending) => {}
+        Some(done) => return Ok(done),
+        None => return Err(KillError::NotFound(key.to_string())),
+    }
+    let committed = destination
+        .committed(&metadata.partition_id, &metadata.transaction_id)
+        .await
+        .map_err(|e| KillError::Destination(e.to_string()))?;
+    let status_path = format!("{}/status", key.path());
+    if committed {
+        // The commit file is there: the export is complete whatever the kill
+        // says.
+        set_completed(session, key, metadata).await?;
+        return Ok(TaskStatus::Completed);
+    }
+    match session
+        .set(
+            &status_path,
+            TaskStatus::Killed.as_str().as_bytes(),
+            Some(0),
+        )
+        .await
+    {
+        Ok(_) => {
+            tracing::info!(task = %key, transaction_id = %metadata.transaction_id, reason, "export killed");
+            Ok(TaskStatus::Killed)
+        }
+        Err(CoordError::BadVersion { .. }) => Ok(read_status(session, key)
+            .await?
+            .unwrap_or(TaskStatus::Killed)),
+        Err(e) => Err(e.into()),
+    }
+}
+
+async fn set_completed(
+    session: &Session,
+    key: &TaskKey,
+    metadata: &Metadata,
+) -> Result<(), CoordError> {
+    let base = key.path();
+    let info = commit_key(&metadata.partition_id, &metadata.transaction_id);
+    let ops = vec![
+        Op::set(
+            format!("{base}/status"),
+            TaskStatus::Completed.as_str(),
+            Some(0),
+        ),
+        Op::create(format!("{base}/commit_info"), info, CreateMode::Persistent),
+    ];
+    match session.multi(ops).await {
+        Ok(_) => Ok(()),
+        Err(e @ CoordError::ConnectionLoss { .. }) => {
+            // Read back.
+            if read_status(session, key).await? == Some(TaskStatus::Completed) {
+                Ok(())
+            } else {
+                Err(e)
+            }
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// What a commit attempt did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CommitOutcome {
+    /// The commit file is written and the task COMPLETED (by this call or
+    /// an earlier one).
+    Completed(String),
+    /// Parts are left, or another replica holds the commit lock.
+    NotNow,
+    /// The task is terminal already.
+    Terminal(TaskStatus),
+    /// The commit failed for good: the task is FAILED.
+    Failed(String),
+}
+
+/// Commits a task whose parts are all processed: writes the commit file,
+/// then sets COMPLETED, under the commit lock.
+pub async fn commit(
+    session: &Session,
+    key: &TaskKey,
+    metadata: &Metadata,
+    destination: &Destination,
+    replica: &str,
+) -> Result<CommitOutcome, CommitError> {
+    let Some(lock) = try_lock(session, &format!("{}/commit_lock", key.path()), replica).await?
+    else {
+        return Ok(CommitOutcome::NotNow);
+    };
+    let result = commit_locked(session, key, metadata, destination).await;
+    lock.release(session).await;
+    result
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CommitError {
+    #[error(transparent)]
+    Coordination(#[from] CoordError),
+    #[error("writing the commit file: {0}")]
+    Destination(String),
+}
+
+async fn commit_locked(
+    session: &Session,
+    key: &TaskKey,
+    metadata: &Metadata,
+    destination: &Destination,
+) -> Result<CommitOutcome, CommitError> {
+    let base = key.path();
+    match read_status(session, key).await? {
+        Some(TaskStatus::Pending) => {}
+        Some(done) => return Ok(CommitOutcome::Terminal(done)),
+        None => return Ok(CommitOutcome::Terminal(TaskStatus::Killed)),
+    }
+    let Some(stat) = session.exists(&format!("{base}/processing")).await? else {
+        return Ok(CommitOutcome::Terminal(TaskStatus::Killed));
+    };
+    if stat.num_children > 0 {
+        return Ok(CommitOutcome::NotNow);
+    }
+    let (names, _) = session.children(&format!("{base}/processed")).await?;
+    if names.len() as u64 != metadata.parts_count {
+        let msg = format!(
+            "{} parts processed, the snapshot has {}",
+            names.len(),
+            metadata.parts_count
+        );
+        fail(session, key, &msg).await?;
+        return Ok(CommitOutcome::Failed(msg));
+    }
+    // The processed entries, read a bounded number at a time.
+    let mut files: Vec<DataFile> = Vec::with_capacity(names.len());
+    for chunk in names.chunks(64) {
+        let reads = chunk.iter().map(|n| {
+            let path = format!("{base}/processed/{n}");
+            async move {
+                let (data, _) = session.get(&path).await?;
+                serde_json::from_slice::<Processed>(&data).map_err(|e| damaged(&path, e))
+            }
+        });
+        for p in futures::future::try_join_all(reads).await? {
+            files.push(p.file);
+        }
+    }
+    files.sort();
+    let commit = CommitFile {
+        format: COMMIT_FORMAT,
+        transaction_id: metadata.transaction_id.clone(),
+        table: metadata.table.clone(),
+        partition_id: metadata.partition_id.clone(),
+        create_time: metadata.create_time,
+        rows: files.iter().map(|f| f.rows).sum(),
+        files,
+    };
+    let key_written = match destination.commit(&commit).await {
+        Ok(k) => k,
+        Err(PartFailure::Retryable(e)) => return Err(CommitError::Destination(e)),
+        Err(PartFailure::Fatal(e)) => {
+            fail(session, key, &e).await?;
+            return Ok(CommitOutcome::Failed(e));
+        }
+    };
+    set_completed(session, key, metadata).await?;
+    tracing::info!(task = %key, transaction_id = %metadata.transaction_id, commit_file = %key_written, "export committed");
+    Ok(CommitOutcome::Completed(key_written))
+}
+
+/// Sets a PENDING task FAILED (version-checked).
+pub async fn fail(session: &Session, key: &TaskKey, reason: &str) -> Result<bool, CoordError> {
+    match session
+        .set(
+            &format!("{}/status", key.path()),
+            TaskStatus::Failed.as_str().as_bytes(),
+            Some(0),
+        )
+        .await
+    {
+        Ok(_) => {
+            tracing::warn!(task = %key, reason, "export failed");
+            Ok(true)
+        }
+        Err(CoordError::BadVersion { .. } | CoordError::NoNode { .. }) => Ok(false),
+        Err(e) => Err(e),
+    }
+}

@@ -1,0 +1,169 @@
+//! `ferry verify`: a destination checked against its commit files. Every
+//! file a commit file lists must be there with its size, and its footer must
+//! hold the rows and rows checksum listed (with `deep`, the rows themselves
+//! are read and checksummed); data files no commit file lists are orphans,
+//! which readers must not trust (an upload whose export never committed).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use bytes::Bytes;
+use ferry_replica::PartName;
+use ferry_storage::{Location, StorageError};
+use serde::Serialize;
+
+use crate::model::{CommitFile, DataFile};
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct VerifyReport {
+    /// Commit files read, with the number of files each lists.
+    pub commits: Vec<(String, usize)>,
+    /// Data files checked (listed by some commit and found).
+    pub files_checked: usize,
+    pub rows: u64,
+    /// Every mismatch found; empty means the destination is consistent.
+    pub problems: Vec<String>,
+    /// Data files no commit file lists.
+    pub orphans: Vec<String>,
+}
+
+impl VerifyReport {
+    pub fn ok(&self) -> bool {
+        self.problems.is_empty()
+    }
+}
+
+/// Bytes fetched from the end of a file to find its footer at once.
+const TAIL_BYTES: u64 = 64 << 10;
+
+pub async fn verify(location: &Location, deep: bool) -> Result<VerifyReport, StorageError> {
+    let listing: BTreeMap<String, u64> = location.list("").await?.into_iter().collect();
+    let mut report = VerifyReport::default();
+    let mut listed: BTreeSet<String> = BTreeSet::new();
+    for (key, _) in listing
+        .iter()
+        .filter(|(k, _)| k.starts_with("commit_") && !k.contains('/'))
+    {
+        let commit = match serde_json::from_slice::<CommitFile>(&location.get(key).await?) {
+            Ok(c) => c,
+            Err(e) => {
+                report
+                    .problems
+                    .push(format!("{key}: not a commit file: {e}"));
+                continue;
+            }
+        };
+        report.commits.push((key.clone(), commit.files.len()));
+        let rows: u64 = commit.files.iter().map(|f| f.rows).sum();
+        if rows != commit.rows {
+            report.problems.push(format!(
+                "{key}: lists {rows} rows in its files but says {}",
+                commit.rows
+            ));
+        }
+        for f in &commit.files {
+            if !listed.insert(f.path.clone()) {
+                report
+                    .problems
+                    .push(format!("{}: listed by more than one commit file", f.path));
+            }
+            match listing.get(&f.path) {
+                None => report
+                    .problems
+                    .push(format!("{}: listed by {key} but missing", f.path)),
+                Some(&size) if size != f.bytes => report
+                    .problems
+                    .push(format!("{}: {size} bytes, {key} says {}", f.path, f.bytes)),
+                Some(&size) => {
+                    if let Err(p) = check_file(location, f, size, deep).await? {
+                        report.problems.push(format!("{}: {p}", f.path));
+                    } else {
+                        report.files_checked += 1;
+                        report.rows += f.rows;
+                    }
+                }
+            }
+        }
+    }
+    report.orphans = listing
+        .keys()
+        .filter(|k| k.ends_with(".parquet") && !listed.contains(*k))
+        .cloned()
+        .collect();
+    Ok(report)
+}
+
+/// The part a data file holds, from its name `<part>_<checksum>.parquet`.
+fn part_of(path: &str) -> Option<PartName> {
+    let file = path.rsplit('/').next()?.strip_suffix(".parquet")?;
+    let (part, _) = file.rsplit_once('_')?;
+    PartName::parse(part)
+}
+
+async fn check_file(
+    location: &Location,
+    f: &DataFile,
+    size: u64,
+    deep: bool,
+) -> Result<Result<(), String>, StorageError> {
+    let Some(name) = part_of(&f.path) else {
+        return Ok(Err("not a ferry data file name".into()));
+    };
+    if size < 12 {
+        return Ok(Err("too short for Parquet".into()));
+    }
+    let tail = location
+        .get_range(&f.path, size.saturating_sub(TAIL_BYTES)..size)
+        .await?;
+    let n = tail.len();
+    if &tail[n - 4..] != b"PAR1" {
+        return Ok(Err("no Parquet footer".into()));
+    }
+    let footer_len =
+        u32::from_le_bytes([tail[n - 8], tail[n - 7], tail[n - 6], tail[n - 5]]) as u64;
+    if footer_len + 8 > size {
+        return Ok(Err("footer longer than the file".into()));
+    }
+    let footer: Bytes = if footer_len + 8 <= n as u64 {
+        tail.slice(n - 8 - footer_len as usize..n - 8)
+    } else {
+        location
+            .get_range(&f.path, size - 8 - footer_len..size - 8)
+            .await?
+    };
+    let metadata = match parquet::file::metadata::ParquetMetaDataReader::decode_metadata(&footer) {
+        Ok(m) => m,
+        Err(e) => return Ok(Err(format!("footer does not decode: {e}"))),
+    };
+    let meta = match ferry_replica::part::meta_from_footer(&name, size, &metadata) {
+        Ok(m) => m,
+        Err(e) => return Ok(Err(e.to_string())),
+    };
+    if meta.rows != f.rows || meta.checksum != f.checksum {
+        return Ok(Err(format!(
+            "footer says {} rows, checksum {:08x}; the commit file {} rows, {:08x}",
+            meta.rows, meta.checksum, f.rows, f.checksum
+        )));
+    }
+    if deep {
+        let data = location.get(&f.path).await?;
+        let rows = match ferry_replica::part::read_rows(&name, data) {
+            Ok(r) => r,
+            Err(e) => return Ok(Err(e.to_string())),
+        };
+        let Some(first) = rows.first() else {
+            return Ok(Err("no rows".into()));
+        };
+        let schema = first.schema();
+        match ferry_replica::part::rows_checksum(&schema, &rows) {
+            Ok(sum) if sum == f.checksum => {}
+            Ok(sum) => {
+                return Ok(Err(format!(
+                    "rows checksum {sum:08x}, expected {:08x}",
+                    f.checksum
+                )))
+            }
+            Err(e) => return Ok(Err(e.to_string())),
+        }
+    }
+    Ok(Ok(()))
+}

@@ -1,0 +1,1237 @@
+//! The exporter of one node: a mirror of every export task kept current by
+//! watches, the scheduling of the parts this node holds, uploads, the
+//! success and failure transactions, commits, and cleanup.
+//!
+//! Invariants (each one relied on by the exactly-once argument in
+//! ARCHITECTURE.md):
+//! * A part is uploaded only under its `locks/<part>` ephemeral, taken by a
+//!   multi that also sets `processing/<part>`: a part already exported (its
+//!   processing entry gone) cannot be claimed, so the claim alone tells a
+//!   replica that another finished it.
+//! * The success multi deletes `processing/<part>`, creates
+//!   `processed/<part>`, deletes the lock (checked at version 0) and checks
+//!   `status` at version 0 (still PENDING): after a kill no part moves.
+//! * Uploads of a task stop when it leaves PENDING, when it disappears, and
+//!   when the session that held their locks ends.
+//! * Back-off is per replica and in memory; it never holds a lock, so
+//!   another replica may take the part meanwhile.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_coord::{CoordError, CreateMode, Op, Session, SessionFactory, Watch};
+use ferry_env::{Clock, Cpu};
+use ferry_replica::PartName;
+use ferry_storage::UploadBudget;
+use serde::Serialize;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use crate::dest::{Destination, PartFailure};
+use crate::local::{Destinations, LocalParts};
+use crate::model::{
+    cleanup_lock_path, exports_path, DataFile, ExceptionRecord, Metadata, Processed, Retries,
+    TaskKey, TaskStatus, TABLES,
+};
+use crate::task::{self, CommitOutcome, HeldLock};
+
+/// How an exporter behaves; the defaults suit production.
+#[derive(Debug, Clone)]
+pub struct ExporterConfig {
+    /// This node's name: lock owner, `finished_by`, exception records.
+    pub replica_name: String,
+    /// How often parts are scheduled and due refreshes run.
+    pub tick: Duration,
+    /// How often the cleanup lock is tried and its duties done.
+    pub cleanup_interval: Duration,
+    /// A full re-read of every table's task list, in case a watch was lost.
+    pub safety_poll: Duration,
+    /// Uploads this node runs at once over all tasks.
+    pub max_uploads: usize,
+    pub upload_budget: UploadBudget,
+    /// A task without `status` (its creator died mid-way) older than this is
+    /// removed by cleanup.
+    pub creating_grace: Duration,
+    /// Most tasks mirrored (further ones are seen once others are removed).
+    pub max_tasks: usize,
+}
+
+impl ExporterConfig {
+    pub fn new(replica_name: impl Into<String>) -> ExporterConfig {
+        ExporterConfig {
+            replica_name: replica_name.into(),
+            tick: Duration::from_millis(500),
+            cleanup_interval: Duration::from_secs(5),
+            safety_poll: Duration::from_secs(30),
+            max_uploads: 8,
+            upload_budget: UploadBudget::default(),
+            creating_grace: Duration::from_secs(600),
+            max_tasks: 10_000,
+        }
+    }
+}
+
+/// One row of the status listing (SPEC.md section 5), served from the
+/// mirror.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct TaskView {
+    pub table: String,
+    pub key: String,
+    pub partition_id: String,
+    pub destination: String,
+    pub transaction_id: String,
+    pub create_time: u64,
+    pub source_replica: String,
+    /// The first parts of the snapshot (at most [`VIEW_PARTS`]).
+    pub parts: Vec<String>,
+    pub parts_count: u64,
+    pub parts_to_do: u64,
+    pub rows: u64,
+    pub status: TaskStatus,
+    pub last_exception: Option<ViewException>,
+    pub exception_count: u64,
+    /// This node's back-off per part.
+    pub backoff: Vec<ViewBackoff>,
+    /// Parts this node is exporting now.
+    pub running: Vec<String>,
+    /// The commit file, once COMPLETED.
+    pub commit_file: Option<String>,
+}
+
+pub const VIEW_PARTS: usize = 100;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct ViewException {
+    pub replica: String,
+    pub part: String,
+    pub message: String,
+    pub time: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct ViewBackoff {
+    pub part: String,
+    pub attempts: u32,
+    pub retry_in_ms: u64,
+}
+
+/// Counters of a node's exporter.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct ExporterCounters {
+    pub parts_exported: u64,
+    pub bytes_exported: u64,
+    pub failures_retryable: u64,
+    pub failures_fatal: u64,
+    pub commits: u64,
+    pub claims_lost: u64,
+    pub sessions: u64,
+}
+
+/// What the exporter shows: every task it mirrors, ordered by create_time.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct ExportsView {
+    pub tasks: Vec<TaskView>,
+    pub counters: ExporterCounters,
+}
+
+enum Event {
+    Tables,
+    /// The status of a task being created appeared (or the task went).
+    Created(TaskKey),
+    Exports(String),
+    Status(TaskKey),
+    Progress(TaskKey),
+}
+
+struct Backoff {
+    attempts: u32,
+    until: Instant,
+}
+
+struct Task {
+    key: TaskKey,
+    metadata: Metadata,
+    status: TaskStatus,
+    destination: Option<Destination>,
+    /// Parts to try here, in this node's order (a hash of node and part, so
+    /// that replicas start at different places).
+    todo: BTreeMap<u64, String>,
+    snapshot_names: Vec<String>,
+    running: BTreeMap<String, tokio::task::AbortHandle>,
+    backoff: BTreeMap<String, Backoff>,
+    /// Parts another replica held a lock on at the last try.
+    busy: BTreeMap<String, Instant>,
+    parts_to_do: u64,
+    exceptions: BTreeMap<String, ExceptionRecord>,
+    commit_file: Option<String>,
+    progress_due: bool,
+    /// Commit to try at the next tick (this node finished its parts).
+    commit_due: bool,
+}
+
+struct Done {
+    key: TaskKey,
+    part: String,
+    result: Result<DataFile, PartFailure>,
+}
+
+/// The exporter of a node.
+pub struct Exporter {
+    config: ExporterConfig,
+    sessions: Arc<dyn SessionFactory>,
+    clock: Arc<dyn Clock>,
+    cpu: Cpu,
+    parts: Arc<dyn LocalParts>,
+    destinations: Arc<dyn Destinations>,
+    view: watch::Sender<ExportsView>,
+}
+
+impl Exporter {
+    pub fn new(
+        config: ExporterConfig,
+        sessions: Arc<dyn SessionFactory>,
+        clock: Arc<dyn Clock>,
+        cpu: Cpu,
+        parts: Arc<dyn LocalParts>,
+        destinations: Arc<dyn Destinations>,
+    ) -> Exporter {
+        Exporter {
+            config,
+            sessions,
+            clock,
+            cpu,
+            parts,
+            destinations,
+            view: watch::channel(ExportsView::default()).0,
+        }
+    }
+
+    /// The status listing, kept current by [`run`](Self::run).
+    pub fn subscribe(&self) -> watch::Receiver<ExportsView> {
+        self.view.subscribe()
+    }
+
+    /// Runs until the task is dropped: a session at a time, each one
+    /// rebuilding the mirror from coordination.
+    pub async fn run(self) {
+        let mut counters = ExporterCounters::default();
+        loop {
+            let session = match self.sessions.open().await {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(error = %e, "exporter: no coordination session; retrying");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue;
+                }
+            };
+            counters.sessions += 1;
+            let (events_tx, events_rx) = mpsc::channel::<Event>(EVENT_QUEUE);
+            let mut run = Run {
+                ex: &self,
+                session: Arc::clone(&session),
+                tasks: BTreeMap::new(),
+                tables: BTreeSet::new(),
+                uploads: JoinSet::new(),
+                cleanup_locks: BTreeMap::new(),
+                counters: std::mem::take(&mut counters),
+                pins_reconciled: false,
+                creating: BTreeSet::new(),
+                events: events_tx,
+                events_rx: Some(events_rx),
+            };
+            let reason = run.serve().await;
+            tracing::info!(reason = %reason, "exporter session ended; starting again with a new one");
+            run.uploads.abort_all();
+            counters = std::mem::take(&mut run.counters);
+            drop(run);
+            session.close().await;
+        }
+    }
+}
+
+struct Run<'a> {
+    ex: &'a Exporter,
+    session: Session,
+    tasks: BTreeMap<TaskKey, Task>,
+    tables: BTreeSet<String>,
+    uploads: JoinSet<Done>,
+    cleanup_locks: BTreeMap<String, HeldLock>,
+    counters: ExporterCounters,
+    pins_reconciled: bool,
+    /// Tasks without status yet whose status creation is watched.
+    creating: BTreeSet<TaskKey>,
+    events: mpsc::Sender<Event>,
+    events_rx: Option<mpsc::Receiver<Event>>,
+}
+
+/// Events waiting at once (watches fire at most once each; this bounds the
+/// forwarding tasks' sends, not their number).
+const EVENT_QUEUE: usize = 4096;
+
+fn forward(tx: &mpsc::Sender<Event>, watch: Watch, event: Event) {
+    let tx = tx.clone();
+    tokio::spawn(async move {
+        let _ = watch.changed().await;
+        let _ = tx.send(event).await;
+    });
+}
+
+fn order(replica: &str, part: &str) -> u64 {
+    let h = crc32c::crc32c(replica.as_bytes());
+    let p = crc32c::crc32c_append(h, part.as_bytes());
+    (u64::from(p) << 32) | u64::from(crc32c::crc32c(part.as_bytes()))
+}
+
+fn is_session_end(e: &CoordError) -> bool {
+    matches!(
+        e.root(),
+        CoordError::SessionExpired | CoordError::SessionClosed
+    )
+}
+
+impl Run<'_> {
+    fn name(&self) -> &str {
+        &self.ex.config.replica_name
+    }
+
+    async fn serve(&mut self) -> String {
+        let mut rx = match self.events_rx.take() {
+            Some(rx) => rx,
+            None => return "no event queue".into(),
+        };
+        let mut state = self.session.session_state();
+        if let Err(e) = self.load_tables().await {
+            return format!("loading export tasks: {e}");
+        }
+        let mut tick = tokio::time::interval(self.ex.config.tick);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut next_cleanup = Instant::now();
+        let mut next_poll = Instant::now() + self.ex.config.safety_poll;
+        loop {
+            self.publish();
+            let result: Result<(), CoordError> = tokio::select! {
+                biased;
+                changed = state.changed() => {
+                    let now = *state.borrow_and_update();
+                    if changed.is_err() || now.is_terminal() {
+                        return format!("session {now:?}");
+                    }
+                    Ok(())
+                }
+                Some(done) = self.uploads.join_next(), if !self.uploads.is_empty() => {
+                    match done {
+                        Ok(done) => self.finish(done).await,
+                        Err(e) if e.is_cancelled() => Ok(()),
+                        Err(e) => {
+                            tracing::error!(error = %e, "an export upload panicked");
+                            Ok(())
+                        }
+                    }
+                }
+                Some(event) = rx.recv() => self.handle(event).await,
+                _ = tick.tick() => {
+                    let now = Instant::now();
+                    let mut r = self.tick().await;
+                    if r.is_ok() && now >= next_cleanup {
+                        next_cleanup = now + self.ex.config.cleanup_interval;
+                        r = self.cleanup().await;
+                    }
+                    if r.is_ok() && now >= next_poll {
+                        next_poll = now + self.ex.config.safety_poll;
+                        r = self.load_tables().await;
+                    }
+                    r
+                }
+            };
+            if let Err(e) = result {
+                if is_session_end(&e) {
+                    return e.to_string();
+                }
+                tracing::debug!(error = %e, "exporter step failed; retried at the next tick");
+            }
+        }
+    }
+
+    async fn handle(&mut self, event: Event) -> Result<(), CoordError> {
+        match event {
+            Event::Tables => self.load_tables().await,
+            Event::Exports(table) => self.load_exports(&table).await,
+            Event::Created(key) => {
+                self.creating.remove(&key);
+                self.load_exports(&key.table).await
+            }
+            Event::Status(key) => self.refresh_status(&key).await,
+            Event::Progress(key) => {
+                if let Some(t) = self.tasks.get_mut(&key) {
+                    t.progress_due = true;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    async fn load_tables(&mut self) -> Result<(), CoordError> {
+        let tx = &self.events.clone();
+        let (tables, _, watch) = match self.session.children_watch(TABLES).await {
+            Ok(r) => r,
+            Err(CoordError::NoNode { .. }) => {
+                let (_, w) = self.session.exists_watch(TABLES).await?;
+                forward(tx, w, Event::Tables);
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        };
+        forward(tx, watch, Event::Tables);
+        self.tables = tables.iter().cloned().collect();
+        for t in tables {
+            self.load_exports(&t).await?;
+        }
+        // Tasks of dropped tables.
+        let gone: Vec<TaskKey> = self
+            .tasks
+            .keys()
+            .filter(|k| !self.tables.contains(&k.table))
+            .cloned()
+            .collect();
+        for k in gone {
+            self.forget(&k).await;
+        }
+        if !self.pins_reconciled {
+            // Pins of exports that no longer exist (removed while this node
+            // was down) are released once the mirror is complete.
+            let live: BTreeSet<String> = self
+                .tasks
+                .values()
+                .filter(|t| t.status == TaskStatus::Pending)
+                .map(|t| t.metadata.transaction_id.clone())
+                .collect();
+            for tx_id in self.ex.parts.pinned().await {
+                if !live.contains(&tx_id) {
+                    if let Err(e) = self.ex.parts.unpin(&tx_id).await {
+                        tracing::warn!(transaction_id = %tx_id, error = %e, "could not release pins");
+                    }
+                }
+            }
+            self.pins_reconciled = true;
+        }
+        Ok(())
+    }
+
+    async fn load_exports(&mut self, table: &str) -> Result<(), CoordError> {
+        let tx = &self.events.clone();
+        let path = exports_path(table);
+        let keys = match self.session.children_watch(&path).await {
+            Ok((keys, _, watch)) => {
+                forward(tx, watch, Event::Exports(table.to_string()));
+                keys
+            }
+            Err(CoordError::NoNode { .. }) => {
+                // No export yet: watch for the first.
+                match self.session.exists_watch(&path).await {
+                    Ok((None, w)) => forward(tx, w, Event::Exports(table.to_string())),
+                    Ok((Some(_), w)) => {
+                        drop(w);
+                        let _ = tx.try_send(Event::Exports(table.to_string()));
+                    }
+                    Err(CoordError::NoNode { .. }) => {}
+                    Err(e) => return Err(e),
+                }
+                Vec::new()
+            }
+            Err(e) => return Err(e),
+        };
+        let present: BTreeSet<&String> = keys.iter().collect();
+        let gone: Vec<TaskKey> = self
+            .tasks
+            .keys()
+            .filter(|k| k.table == table && !present.contains(&k.key))
+            .cloned()
+            .collect();
+        for k in gone {
+            self.forget(&k).await;
+        }
+        for key in keys {
+            let key = TaskKey {
+                table: table.to_string(),
+                key,
+            };
+            // A task replaced by a forced export is forgotten when its status
+            // node goes (its watch fires), and then read again here.
+            if self.tasks.contains_key(&key) || self.creating.contains(&key) {
+                continue;
+            }
+            if self.tasks.len() >= self.ex.config.max_tasks {
+                break;
+            }
+            self.add(key).await?;
+        }
+        Ok(())
+    }
+
+    /// Loads a task into the mirror (a task still being created is left for
+    /// its status watch... or cleanup).
+    async fn add(&mut self, key: TaskKey) -> Result<(), CoordError> {
+        let tx = self.events.clone();
+        let tx = &tx;
+        let status_path = format!("{}/status", key.path());
+        let (status, watch) = match self.session.get_watch(&status_path).await {
+            Ok((data, _, w)) => (TaskStatus::parse(&data), w),
+            Err(CoordError::NoNode { .. }) => {
+                // Being created: the status's creation fires this.
+                if let Ok((_, w)) = self.session.exists_watch(&status_path).await {
+                    forward(tx, w, Event::Created(key.clone()));
+                    self.creating.insert(key);
+                }
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        };
+        let Some(status) = status else {
+            tracing::warn!(task = %key, "export task with an unknown status; ignored");
+            return Ok(());
+        };
+        let Some(head) = task::read_head(&self.session, &key).await? else {
+            return Ok(());
+        };
+        let Some(metadata) = head.metadata else {
+            return Ok(());
+        };
+        forward(tx, watch, Event::Status(key.clone()));
+        let mut t = Task {
+            key: key.clone(),
+            status,
+            destination: None,
+            todo: BTreeMap::new(),
+            snapshot_names: Vec::new(),
+            running: BTreeMap::new(),
+            backoff: BTreeMap::new(),
+            busy: BTreeMap::new(),
+            parts_to_do: metadata.parts_count,
+            exceptions: BTreeMap::new(),
+            commit_file: None,
+            progress_due: true,
+            commit_due: false,
+            metadata,
+        };
+        let parts = task::read_parts(&self.session, &key, &t.metadata).await?;
+        t.snapshot_names = parts.iter().map(|p| p.name.clone()).collect();
+        if status == TaskStatus::Pending {
+            match self.ex.destinations.open(&t.metadata.destination) {
+                Ok(l) => t.destination = Some(Destination::new(l)),
+                Err(e) => {
+                    tracing::warn!(task = %key, error = %e, "export destination cannot be opened here");
+                }
+            }
+            // Parts held here and not yet exported.
+            let (left, _) = self
+                .session
+                .children(&format!("{}/processing", key.path()))
+                .await?;
+            let left: BTreeSet<String> = left.into_iter().collect();
+            let mut held = Vec::new();
+            for p in &parts {
+                if !left.contains(&p.name) {
+                    continue;
+                }
+                let Some(name) = PartName::parse(&p.name) else {
+                    continue;
+                };
+                if self
+                    .ex
+                    .parts
+                    .find(t.metadata.table_id, &name)
+                    .await
+                    .is_some()
+                {
+                    t.todo.insert(order(self.name(), &p.name), p.name.clone());
+                    held.push(name);
+                }
+            }
+            if !held.is_empty() {
+                if let Err(e) = self
+                    .ex
+                    .parts
+                    .pin(&t.metadata.transaction_id, t.metadata.table_id, &held)
+                    .await
+                {
+                    tracing::warn!(task = %key, error = %e, "could not pin an export's parts");
+                }
+            }
+            t.commit_due = left.is_empty();
+        } else {
+            self.settle(&mut t).await;
+        }
+        tracing::debug!(task = %key, status = %t.status, todo = t.todo.len(), "export task mirrored");
+        self.tasks.insert(key, t);
+        Ok(())
+    }
+
+    /// A task left PENDING: its uploads stop and its pins go.
+    async fn settle(&self, t: &mut Task) {
+        for (_, h) in std::mem::take(&mut t.running) {
+            h.abort();
+        }
+        t.todo.clear();
+        t.backoff.clear();
+        if t.status == TaskStatus::Completed && t.commit_file.is_none() {
+            if let Ok((data, _)) = self
+                .session
+                .get(&format!("{}/commit_info", t.key.path()))
+                .await
+            {
+                t.commit_file = Some(String::from_utf8_lossy(&data).into_owned());
+            }
+        }
+        if let Err(e) = self.ex.parts.unpin(&t.metadata.transaction_id).await {
+            tracing::warn!(task = %t.key, error = %e, "could not release an export's pins");
+        }
+    }
+
+    async fn forget(&mut self, key: &TaskKey) {
+        if let Some(mut t) = self.tasks.remove(key) {
+            t.status = if t.status == TaskStatus::Pending {
+                TaskStatus::Killed
+            } else {
+                t.status
+            };
+            self.settle(&mut t).await;
+            tracing::debug!(task = %key, "export task removed");
+        }
+    }
+
+    async fn refresh_status(&mut self, key: &TaskKey) -> Result<(), CoordError> {
+        let tx = &self.events.clone();
+        let path = format!("{}/status", key.path());
+        let status = match self.session.get_watch(&path).await {
+            Ok((data, _, w)) => {
+                forward(tx, w, Event::Status(key.clone()));
+                TaskStatus::parse(&data)
+            }
+            Err(CoordError::NoNode { .. }) => {
+                // Removed (TTL, or replaced by a forced export).
+                self.forget(key).await;
+                return self.load_exports(&key.table).await;
+            }
+            Err(e) => return Err(e),
+        };
+        let Some(mut t) = self.tasks.remove(key) else {
+            return Ok(());
+        };
+        match status {
+            Some(s) if s != t.status => {
+                t.status = s;
+                if s.is_terminal() {
+                    self.settle(&mut t).await;
+                    t.progress_due = true;
+                }
+                tracing::info!(task = %key, status = %s, "export task status");
+            }
+            _ => {}
+        }
+        self.tasks.insert(key.clone(), t);
+        Ok(())
+    }
+
+    /// Scheduling and the refreshes that are due.
+    async fn tick(&mut self) -> Result<(), CoordError> {
+        let keys: Vec<TaskKey> = {
+            let mut v: Vec<(&TaskKey, u64)> = self
+                .tasks
+                .iter()
+                .map(|(k, t)| (k, t.metadata.create_time))
+                .collect();
+            v.sort_by_key(|(k, c)| (*c, (*k).clone()));
+            v.into_iter().map(|(k, _)| k.clone()).collect()
+        };
+        for key in &keys {
+            self.refresh_progress(key).await?;
+        }
+        for key in &keys {
+            self.commit_if_due(key).await?;
+        }
+        let mut running: usize = self.tasks.values().map(|t| t.running.len()).sum();
+        let now = Instant::now();
+        for key in keys {
+            if running >= self.ex.config.max_uploads {
+                break;
+            }
+            let Some(t) = self.tasks.get_mut(&key) else {
+                continue;
+            };
+            if t.status != TaskStatus::Pending || t.destination.is_none() {
+                continue;
+            }
+            t.busy.retain(|_, until| *until > now);
+            let slots = (t.metadata.settings.parallelism as usize).saturating_sub(t.running.len());
+            let candidates: Vec<(u64, String)> = t
+                .todo
+                .iter()
+                .filter(|(_, p)| {
+                    !t.running.contains_key(*p)
+                        && !t.busy.contains_key(*p)
+                        && t.backoff.get(*p).is_none_or(|b| b.until <= now)
+                })
+                .take(slots.min(self.ex.config.max_uploads - running))
+                .map(|(o, p)| (*o, p.clone()))
+                .collect();
+            for (o, part) in candidates {
+                match self.claim(&key, &part).await? {
+                    Claim::Ours => {
+                        self.start_upload(&key, &part).await;
+                        running += 1;
+                    }
+                    Claim::Done => {
+                        if let Some(t) = self.tasks.get_mut(&key) {
+                            t.todo.remove(&o);
+                            t.backoff.remove(&part);
+                            if t.todo.is_empty() {
+                                t.commit_due = true;
+                            }
+                        }
+                    }
+                    Claim::Busy => {
+                        self.counters.claims_lost += 1;
+                        if let Some(t) = self.tasks.get_mut(&key) {
+                            t.busy.insert(part, now + self.ex.config.tick * 4);
+                        }
+                    }
+                    Claim::Gone => {
+                        self.forget(&key).await;
+                        break;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Claims a part: its lock, created together with a set of its
+    /// processing entry (which fails if the part was exported already).
+    async fn claim(&self, key: &TaskKey, part: &str) -> Result<Claim, CoordError> {
+        let base = key.path();
+        let lock = format!("{base}/locks/{part}");
+        let ops = vec![
+            Op::create(lock.clone(), self.name().as_bytes(), CreateMode::Ephemeral),
+            Op::set(format!("{base}/processing/{part}"), Vec::new(), None),
+            Op::check(format!("{base}/status"), 0),
+        ];
+        match self.session.multi(ops).await {
+            Ok(_) => Ok(Claim::Ours),
+            Err(CoordError::MultiFailed { index, source }) => match (index, *source) {
+                (0, CoordError::NodeExists { .. }) => Ok(Claim::Busy),
+                (0, CoordError::NoNode { .. }) => Ok(Claim::Gone),
+                (1, CoordError::NoNode { .. }) => Ok(Claim::Done),
+                (2, _) => Ok(Claim::Gone),
+                (_, e) => Err(e),
+            },
+            Err(CoordError::ConnectionLoss { .. }) => {
+                // Outcome unknown: the lock's owner says.
+                match self.session.exists(&lock).await? {
+                    Some(stat) if stat.ephemeral_owner == self.session.session_id() => {
+                        Ok(Claim::Ours)
+                    }
+                    Some(_) => Ok(Claim::Busy),
+                    None => Ok(Claim::Busy),
+                }
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn start_upload(&mut self, key: &TaskKey, part: &str) {
+        let Some(t) = self.tasks.get(key) else {
+            return;
+        };
+        let Some(destination) = t.destination.clone() else {
+            return;
+        };
+        let (settings, dir, table_id) = (
+            t.metadata.settings.clone(),
+            t.metadata.partition_dir.clone(),
+            t.metadata.table_id,
+        );
+        let parts = Arc::clone(&self.ex.parts);
+        let cpu = self.ex.cpu;
+        let budget = self.ex.config.upload_budget;
+        let (key2, part2) = (key.clone(), part.to_string());
+        let handle = self.uploads.spawn(async move {
+            let result = async {
+                let name = PartName::parse(&part2)
+                    .ok_or_else(|| PartFailure::Fatal(format!("{part2} is not a part name")))?;
+                let source = parts.find(table_id, &name).await.ok_or_else(|| {
+                    PartFailure::Retryable(format!("part {part2} is no longer on this node"))
+                })?;
+                destination
+                    .write_part(&dir, &source, &settings, cpu, budget)
+                    .await
+            }
+            .await;
+            Done {
+                key: key2,
+                part: part2,
+                result,
+            }
+        });
+        if let Some(t) = self.tasks.get_mut(key) {
+            t.running.insert(part.to_string(), handle);
+        }
+    }
+
+    /// An upload ended.
+    async fn finish(&mut self, done: Done) -> Result<(), CoordError> {
+        let Some(t) = self.tasks.get_mut(&done.key) else {
+            return Ok(());
+        };
+        if t.running.remove(&done.part).is_none() {
+            return Ok(());
+        }
+        match done.result {
+            Ok(file) => self.succeed(&done.key, &done.part, file).await,
+            Err(failure) => self.fail_part(&done.key, &done.part, failure).await,
+        }
+    }
+
+    async fn succeed(
+        &mut self,
+        key: &TaskKey,
+        part: &str,
+        file: DataFile,
+    ) -> Result<(), CoordError> {
+        let base = key.path();
+        let processed = Processed {
+            file: file.clone(),
+            finished_by: self.name().to_string(),
+        };
+        let ops = vec![
+            Op::check(format!("{base}/status"), 0),
+            Op::delete(format!("{base}/processing/{part}"), None),
+            Op::create(
+                format!("{base}/processed/{part}"),
+                serde_json::to_vec(&processed).expect("json"),
+                CreateMode::Persistent,
+            ),
+            Op::delete(format!("{base}/locks/{part}"), Some(0)),
+            // Progress watchers see the processing node change.
+            Op::set(format!("{base}/processing"), Vec::new(), None),
+        ];
+        let mut outcome = self.session.multi(ops.clone()).await;
+        if let Err(CoordError::ConnectionLoss { .. }) = outcome {
+            // Read back: done if the processed entry is there; else the
+            // lock is still ours (same session) and the multi is repeated.
+            outcome = match self
+                .session
+                .exists(&format!("{base}/processed/{part}"))
+                .await?
+            {
+                Some(_) => Ok(Vec::new()),
+                None => self.session.multi(ops).await,
+            };
+        }
+        let t = self.tasks.get_mut(key);
+        match outcome {
+            Ok(_) => {
+                self.counters.parts_exported += 1;
+                self.counters.bytes_exported += file.bytes;
+                if let Some(t) = t {
+                    t.todo.retain(|_, p| p != part);
+                    t.backoff.remove(part);
+                    t.parts_to_do = t.parts_to_do.saturating_sub(1);
+                    if t.todo.is_empty() {
+                        t.commit_due = true;
+                    }
+                }
+                tracing::debug!(task = %key, part, bytes = file.bytes, "part exported");
+                Ok(())
+            }
+            Err(CoordError::MultiFailed { index, .. }) => {
+                // 0: no longer PENDING (the status watch settles it);
+                // 1..: someone else's claim or a lost lock; the part is not
+                // ours to finish.
+                if index == 0 {
+                    if let Some(t) = t {
+                        t.status = TaskStatus::Killed;
+                        t.progress_due = true;
+                    }
+                }
+                let _ = self
+                    .session
+                    .delete(&format!("{base}/locks/{part}"), Some(0))
+                    .await;
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn fail_part(
+        &mut self,
+        key: &TaskKey,
+        part: &str,
+        failure: PartFailure,
+    ) -> Result<(), CoordError> {
+        let base = key.path();
+        let name = self.name().to_string();
+        let now_s = self.ex.clock.unix_seconds();
+        let Some(t) = self.tasks.get_mut(key) else {
+            return Ok(());
+        };
+        match &failure {
+            PartFailure::Retryable(_) => self.counters.failures_retryable += 1,
+            PartFailure::Fatal(_) => self.counters.failures_fatal += 1,
+        }
+        tracing::warn!(task = %key, part, class = failure.class(), error = %failure, "part export failed");
+        let count = t.exceptions.get(&name).map_or(0, |e| e.count) + 1;
+        let record = ExceptionRecord {
+            part: part.to_string(),
+            message: failure.to_string(),
+            time: now_s,
+            count,
+        };
+        let mut ops = Vec::new();
+        let exception_path = format!("{base}/exceptions/{name}");
+        let exists = self.session.exists(&exception_path).await?.is_some();
+        let data = serde_json::to_vec(&record).expect("json");
+        ops.push(if exists {
+            Op::set(exception_path, data, None)
+        } else {
+            Op::create(exception_path, data, CreateMode::Persistent)
+        });
+        ops.push(Op::set(format!("{base}/exceptions"), Vec::new(), None));
+        let mut fail_task = matches!(failure, PartFailure::Fatal(_));
+        if let PartFailure::Retryable(_) = failure {
+            let retries_path = format!("{base}/retries/{part}");
+            let (retries, version) = match self.session.get(&retries_path).await {
+                Ok((d, stat)) => (
+                    serde_json::from_slice::<Retries>(&d).unwrap_or_default(),
+                    Some(stat.version),
+                ),
+                Err(CoordError::NoNode { .. }) => (Retries::default(), None),
+                Err(e) => return Err(e),
+            };
+            let next = Retries {
+                retry_count: retries.retry_count + 1,
+            };
+            let data = serde_json::to_vec(&next).expect("json");
+            ops.push(match version {
+                Some(v) => Op::set(retries_path, data, Some(v)),
+                None => Op::create(retries_path, data, CreateMode::Persistent),
+            });
+            let max = t.metadata.settings.max_retries;
+            if max > 0 && next.retry_count >= max {
+                fail_task = true;
+            }
+            let attempts = t.backoff.get(part).map_or(0, |b| b.attempts) + 1;
+            let wait = t.metadata.settings.backoff(attempts);
+            t.backoff.insert(
+                part.to_string(),
+                Backoff {
+                    attempts,
+                    until: Instant::now() + wait,
+                },
+            );
+        }
+        if fail_task {
+            ops.push(Op::set(
+                format!("{base}/status"),
+                TaskStatus::Failed.as_str(),
+                Some(0),
+            ));
+        }
+        ops.push(Op::delete(format!("{base}/locks/{part}"), Some(0)));
+        t.exceptions.insert(name, record);
+        match self.session.multi(ops).await {
+            Ok(_) => {
+                if fail_task {
+                    tracing::warn!(task = %key, part, "export failed");
+                }
+                Ok(())
+            }
+            Err(CoordError::MultiFailed { .. }) => {
+                // Lost a race (retry counter, status); the lock goes anyway.
+                let _ = self
+                    .session
+                    .delete(&format!("{base}/locks/{part}"), Some(0))
+                    .await;
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// parts_to_do and exceptions of a task whose progress watch fired, at
+    /// most once per tick.
+    async fn refresh_progress(&mut self, key: &TaskKey) -> Result<(), CoordError> {
+        let Some(t) = self.tasks.get_mut(key) else {
+            return Ok(());
+        };
+        if !t.progress_due {
+            return Ok(());
+        }
+        t.progress_due = false;
+        let base = key.path();
+        let (stat, watch) = self
+            .session
+            .exists_watch(&format!("{base}/processing"))
+            .await?;
+        let Some(stat) = stat else {
+            self.forget(key).await;
+            return Ok(());
+        };
+        let (replicas, _, ewatch) = match self
+            .session
+            .children_watch(&format!("{base}/exceptions"))
+            .await
+        {
+            Ok(r) => r,
+            Err(CoordError::NoNode { .. }) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let mut exceptions = BTreeMap::new();
+        for r in replicas {
+            if let Ok((d, _)) = self.session.get(&format!("{base}/exceptions/{r}")).await {
+                if let Ok(rec) = serde_json::from_slice::<ExceptionRecord>(&d) {
+                    exceptions.insert(r, rec);
+                }
+            }
+        }
+        let pending = {
+            let Some(t) = self.tasks.get_mut(key) else {
+                return Ok(());
+            };
+            t.parts_to_do = stat.num_children as u64;
+            t.exceptions = exceptions;
+            if t.parts_to_do == 0 && t.status == TaskStatus::Pending {
+                t.commit_due = true;
+            }
+            t.status == TaskStatus::Pending
+        };
+        if pending {
+            // Re-armed only while there is progress to see; a change marks
+            // the task due and the next tick reads it.
+            forward(&self.events, watch, Event::Progress(key.clone()));
+            forward(&self.events, ewatch, Event::Progress(key.clone()));
+        }
+        Ok(())
+    }
+
+    async fn commit_if_due(&mut self, key: &TaskKey) -> Result<(), CoordError> {
+        let Some(t) = self.tasks.get_mut(key) else {
+            return Ok(());
+        };
+        if !t.commit_due || t.status != TaskStatus::Pending || !t.running.is_empty() {
+            return Ok(());
+        }
+        t.commit_due = false;
+        self.try_commit(key).await
+    }
+
+    async fn try_commit(&mut self, key: &TaskKey) -> Result<(), CoordError> {
+        let Some(t) = self.tasks.get(key) else {
+            return Ok(());
+        };
+        let Some(destination) = t.destination.clone() else {
+            return Ok(());
+        };
+        let metadata = t.metadata.clone();
+        match task::commit(&self.session, key, &metadata, &destination, self.name()).await {
+            Ok(CommitOutcome::Completed(file)) => {
+                self.counters.commits += 1;
+                if let Some(t) = self.tasks.get_mut(key) {
+                    t.status = TaskStatus::Completed;
+                    t.commit_file = Some(file);
+                    t.parts_to_do = 0;
+                }
+                if let Err(e) = self.ex.parts.unpin(&metadata.transaction_id).await {
+                    tracing::warn!(task = %key, error = %e, "could not release an export's pins");
+                }
+                Ok(())
+            }
+            Ok(CommitOutcome::NotNow) => Ok(()),
+            Ok(CommitOutcome::Terminal(_)) | Ok(CommitOutcome::Failed(_)) => {
+                if let Some(t) = self.tasks.get_mut(key) {
+                    t.progress_due = true;
+                }
+                Ok(())
+            }
+            Err(task::CommitError::Coordination(e)) => Err(e),
+            Err(task::CommitError::Destination(e)) => {
+                tracing::warn!(task = %key, error = %e, "commit file not written; retried");
+                if let Some(t) = self.tasks.get_mut(key) {
+                    t.commit_due = true;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// The cleanup holder's duties, per table.
+    async fn cleanup(&mut self) -> Result<(), CoordError> {
+        let now_s = self.ex.clock.unix_seconds();
+        let tables: Vec<String> = self.tables.iter().cloned().collect();
+        for table in tables {
+            if !self.tasks.keys().any(|k| k.table == table) {
+                continue;
+            }
+            if !self.cleanup_locks.contains_key(&table) {
+                match task::try_lock(&self.session, &cleanup_lock_path(&table), self.name()).await {
+                    Ok(Some(lock)) => {
+                        self.cleanup_locks.insert(table.clone(), lock);
+                    }
+                    Ok(None) => continue,
+                    Err(CoordError::NoNode { .. }) => continue,
+                    Err(e) => return Err(e),
+                }
+            }
+            let keys: Vec<TaskKey> = self
+                .tasks
+                .keys()
+                .filter(|k| k.table == table)
+                .cloned()
+                .collect();
+            for key in keys {
+                let Some(t) = self.tasks.get(&key) else {
+                    continue;
+                };
+                let (status, create_time) = (t.status, t.metadata.create_time);
+                let settings = t.metadata.settings.clone();
+                if status.is_terminal() {
+                    if create_time + settings.ttl_seconds < now_s {
+                        tracing::info!(task = %key, "removing an export task past its TTL");
+                        task::remove(&self.session, &key).await?;
+                        self.forget(&key).await;
+                    }
+                    continue;
+                }
+                if settings.task_timeout_seconds > 0
+                    && create_time + settings.task_timeout_seconds < now_s
+                {
+                    if let Some(d) = t.destination.clone() {
+                        match task::kill(&self.session, &key, None, &d, "task timeout").await {
+                            Ok(_)
+                            | Err(task::KillError::Busy(_))
+                            | Err(task::KillError::NotFound(_)) => {}
+                            Err(task::KillError::Coordination(e)) => return Err(e),
+                            Err(e) => {
+                                tracing::warn!(task = %key, error = %e, "timeout kill failed")
+                            }
+                        }
+                        if let Some(t) = self.tasks.get_mut(&key) {
+                            t.progress_due = true;
+                        }
+                    }
+                    continue;
+                }
+                // Parts all processed but nobody committed (its replica
+                // died in between).
+                let left = self
+                    .session
+                    .exists(&format!("{}/processing", key.path()))
+                    .await?
+                    .map(|s| s.num_children);
+                if left == Some(0) {
+                    self.try_commit(&key).await?;
+                }
+            }
+            // Tasks whose creator died before `status`.
+            let (keys, _) = match self.session.children(&exports_path(&table)).await {
+                Ok(r) => r,
+                Err(CoordError::NoNode { .. }) => continue,
+                Err(e) => return Err(e),
+            };
+            for k in keys {
+                let key = TaskKey {
+                    table: table.clone(),
+                    key: k,
+                };
+                if self.tasks.contains_key(&key) {
+                    continue;
+                }
+                if let Some(head) = task::read_head(&self.session, &key).await? {
+                    let old = head.metadata.as_ref().is_none_or(|m| {
+                        m.create_time + self.ex.config.creating_grace.as_secs() < now_s
+                    });
+                    if head.status.is_none() && old {
+                        tracing::info!(task = %key, "removing an export task whose creation never finished");
+                        task::remove(&self.session, &key).await?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn publish(&self) {
+        let now = Instant::now();
+        let mut tasks: Vec<TaskView> = self
+            .tasks
+            .values()
+            .map(|t| {
+                let last = t
+                    .exceptions
+                    .iter()
+                    .max_by_key(|(_, e)| e.time)
+                    .map(|(r, e)| ViewException {
+                        replica: r.clone(),
+                        part: e.part.clone(),
+                        message: e.message.clone(),
+                        time: e.time,
+                    });
+                TaskView {
+                    table: t.key.table.clone(),
+                    key: t.key.key.clone(),
+                    partition_id: t.metadata.partition_id.clone(),
+                    destination: t.metadata.destination.clone(),
+                    transaction_id: t.metadata.transaction_id.clone(),
+                    create_time: t.metadata.create_time,
+                    source_replica: t.metadata.source_replica.clone(),
+                    parts: t.snapshot_names.iter().take(VIEW_PARTS).cloned().collect(),
+                    parts_count: t.metadata.parts_count,
+                    parts_to_do: if t.status == TaskStatus::Completed {
+                        0
+                    } else {
+                        t.parts_to_do
+                    },
+                    rows: t.metadata.rows,
+                    status: t.status,
+                    last_exception: last,
+                    exception_count: t.exceptions.values().map(|e| e.count).sum(),
+                    backoff: t
+                        .backoff
+                        .iter()
+                        .map(|(p, b)| ViewBackoff {
+                            part: p.clone(),
+                            attempts: b.attempts,
+                            retry_in_ms: b.until.saturating_duration_since(now).as_millis() as u64,
+                        })
+                        .collect(),
+                    running: t.running.keys().cloned().collect(),
+                    commit_file: t.commit_file.clone(),
+                }
+            })
+            .collect();
+        tasks.sort_by(|a, b| {
+            (a.create_time, &a.table, &a.key).cmp(&(b.create_time, &b.table, &b.key))
+        });
+        let view = ExportsView {
+            tasks,
+            counters: self.counters.clone(),
+        };
+        self.ex.view.send_if_modified(|v| {
+            if *v == view {
+                false
+            } else {
+                *v = view;
+                true
+            }
+        });
+    }
+}
+
+enum Claim {
+    Ours,
+    Busy,
+    Done,
+    Gone,
+}
