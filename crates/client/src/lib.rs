@@ -171,6 +171,27 @@ impl Client {
         }
     }
 
+    /// POSTs `body` as JSON to `path` and decodes the JSON answer.
+    pub async fn post_json<B: serde::Serialize, T: serde::de::DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &B,
+    ) -> Result<T, ClientError> {
+        let (_, v) = self
+            .send(self.request(reqwest::Method::POST, path).json(body))
+            .await?;
+        Ok(v)
+    }
+
+    /// GETs `path` and decodes the JSON answer.
+    pub async fn get_typed<T: serde::de::DeserializeOwned>(
+        &self,
+        path: &str,
+    ) -> Result<T, ClientError> {
+        let (_, v) = self.send(self.request(reqwest::Method::GET, path)).await?;
+        Ok(v)
+    }
+
     /// Creates a table (TOML definition); returns it and whether it was new.
     pub async fn create_table_toml(&self, toml: &str) -> Result<(Table, bool), ClientError> {
         let (status, table) = self

@@ -23,6 +23,20 @@ pub trait LocalParts: Send + Sync {
     /// The active parts of a partition across all of the table's shards.
     async fn snapshot(&self, table: &Table, partition_id: &str) -> Result<Vec<PartMeta>, String>;
 
+    /// The table's partitions with active parts, across its shards.
+    async fn partitions(&self, table: &Table) -> Result<Vec<String>, String> {
+        let mut ids = std::collections::BTreeSet::new();
+        for p in self.all_parts(table).await? {
+            if p.rows > 0 {
+                ids.insert(p.name.partition_id);
+            }
+        }
+        Ok(ids.into_iter().collect())
+    }
+
+    /// Every active part of a table across its shards.
+    async fn all_parts(&self, table: &Table) -> Result<Vec<PartMeta>, String>;
+
     /// A part to export, active or kept by a pin, if a replica here holds it.
     async fn find(&self, table_id: u64, name: &PartName) -> Option<SourcePart>;
 
@@ -104,15 +118,15 @@ impl LocalParts for ReplicaSet {
     }
 
     async fn snapshot(&self, table: &Table, partition_id: &str) -> Result<Vec<PartMeta>, String> {
+        let mut parts = self.all_parts(table).await?;
+        parts.retain(|p| p.name.partition_id == partition_id);
+        Ok(parts)
+    }
+
+    async fn all_parts(&self, table: &Table) -> Result<Vec<PartMeta>, String> {
         let mut parts = Vec::new();
         for r in self.covering(table).await? {
-            parts.extend(
-                r.lock()
-                    .await
-                    .parts(table.id)
-                    .into_iter()
-                    .filter(|p| p.name.partition_id == partition_id),
-            );
+            parts.extend(r.lock().await.parts(table.id));
         }
         parts.sort_by(|a, b| a.name.cmp(&b.name));
         parts.dedup_by(|a, b| a.name == b.name);

@@ -33,7 +33,7 @@ pub struct ClientArgs {
 }
 
 impl ClientArgs {
-    fn client(&self) -> anyhow::Result<Client> {
+    pub fn client(&self) -> anyhow::Result<Client> {
         let token = self.api_token.clone().filter(|t| !t.is_empty());
         Ok(Client::new(
             &self.url,

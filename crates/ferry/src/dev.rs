@@ -198,7 +198,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         quorum.writer.subscribe(),
     ));
 
-    let catalog = ferry_ingest::Catalog::open(sessions)
+    let catalog = ferry_ingest::Catalog::open(Arc::clone(&sessions) as _)
         .await
         .context("opening the table catalog")?;
     let mut registry = prometheus_client::registry::Registry::default();
@@ -253,6 +253,44 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         )));
         replicas.push(shared);
     }
+    // Every replica exports as its own node; requests go through the first.
+    let destinations: Arc<dyn ferry_export::Destinations> = Arc::new(
+        ferry_export::StorageDestinations::new(ferry_storage::S3Settings::default()),
+    );
+    let mut export_views = Vec::new();
+    let mut export_tasks = Vec::new();
+    let mut request_parts: Option<Arc<dyn ferry_export::LocalParts>> = None;
+    for (r, shared) in replicas.iter().enumerate() {
+        let parts: Arc<dyn ferry_export::LocalParts> =
+            Arc::new(ferry_export::ReplicaSet::new(vec![Arc::clone(shared)]));
+        let exporter = ferry_export::Exporter::new(
+            ferry_export::ExporterConfig::new(format!("dev-r{r}")),
+            Arc::clone(&sessions) as Arc<dyn ferry_coord::SessionFactory>,
+            Arc::new(ferry_env::SystemClock),
+            ferry_env::Cpu::BlockingPool,
+            Arc::clone(&parts),
+            Arc::clone(&destinations),
+        );
+        export_views.push(exporter.subscribe());
+        export_tasks.push(tokio::spawn(exporter.run()));
+        request_parts.get_or_insert(parts);
+    }
+    let commit_writer = Arc::clone(&quorum.writer);
+    let export_api = Arc::new(crate::exports::ExportApi {
+        session: Arc::clone(&session),
+        parts: request_parts.context("no replica")?,
+        destinations: Arc::clone(&destinations),
+        replica_name: "dev-r0".into(),
+        clock: Arc::new(ferry_env::SystemClock),
+        commit_lsn: Arc::new(move || {
+            commit_writer
+                .status()
+                .commit_lsn
+                .parse()
+                .unwrap_or_default()
+        }),
+        view: export_views[0].clone(),
+    });
     let reads = Arc::new(crate::reads::Reads {
         catalog: catalog.clone(),
         replicas: replicas.clone(),
@@ -286,6 +324,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     };
     let router = ferry_ingest::api::router(api)
         .merge(crate::reads::router(reads))
+        .merge(crate::exports::router(export_api))
         .merge(crate::http::node_routes(status, Arc::new(metrics)));
     let server = crate::http::serve(http_listener, router, token)?;
     let http = server.addr.clone();
@@ -314,7 +353,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         quorum.servers().map(|s| s.addr().to_string()).collect::<Vec<_>>().join(", "),
         quorum.writer.status().term,
     );
-    say!("tables and inserts on http://{http}/tables, {DEV_REPLICAS} replicas holding every shard (GET /replicas); partition export is not implemented yet; press Ctrl-C to stop");
+    say!("tables and inserts on http://{http}/tables, {DEV_REPLICAS} replicas holding every shard (GET /replicas), partition export (POST /exports, GET /exports); press Ctrl-C to stop");
 
     let demo_result = if args.demo {
         let result = crate::demo::run(&format!("http://{http}"), args.demo_rows).await;
@@ -330,6 +369,13 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     // Inserts in progress finish (or time out) before the writer stops.
     server.stop().await;
     // A replica is consistent at any instant: stopping its stream is safe.
+    // Exporters stop first: their uploads are abandoned (a part's upload
+    // leaves nothing visible unless it finished) and their locks go with
+    // their sessions.
+    for t in export_tasks {
+        t.abort();
+        let _ = t.await;
+    }
     for t in replica_tasks {
         t.abort();
         let _ = t.await;

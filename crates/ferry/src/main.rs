@@ -17,6 +17,8 @@ mod cluster;
 mod config;
 mod demo;
 mod dev;
+mod export_cmd;
+mod exports;
 mod http;
 mod local;
 mod lockfile;
@@ -66,6 +68,14 @@ enum Command {
     /// Inserts a file (NDJSON, CSV, Arrow IPC or Parquet) into a table, in
     /// chunks with bounded memory, retrying with the same idempotency key.
     Insert(client_cmd::InsertArgs),
+    /// Exports a partition (or every partition) of a table to object storage,
+    /// exactly once, shared by the replicas; `ferry export kill` kills one.
+    Export(Box<export_cmd::ExportArgs>),
+    /// Lists export tasks with their status (from a node's mirror).
+    Exports(export_cmd::ExportsArgs),
+    /// Checks a destination against its commit files (exit code non-zero on
+    /// any mismatch; orphan files are reported).
+    Verify(export_cmd::VerifyArgs),
     /// Reads from a node's replicas: row counts, partitions and parts.
     Query {
         #[command(subcommand)]
@@ -183,6 +193,9 @@ fn main() -> anyhow::Result<()> {
             Command::Table { command } => client_cmd::table(command).await,
             Command::Insert(args) => client_cmd::insert(args).await,
             Command::Query { command } => client_cmd::query(command).await,
+            Command::Export(args) => export_cmd::export(*args).await,
+            Command::Exports(args) => export_cmd::exports(args).await,
+            Command::Verify(args) => export_cmd::verify(args).await,
             Command::Sim { .. } | Command::Config { .. } => {
                 unreachable!("handled before the runtime starts")
             }

@@ -1,0 +1,298 @@
+//! The export API of a node that holds replicas:
+//!
+//! ```text
+//! POST /exports        {table, partition_id | all_partitions, destination, force, settings}
+//!                      → 201 {created: [{transaction_id, key, parts_count, rows, snapshot_lsn}]}
+//! GET  /exports        the status listing, from the node's mirror (no coordination read)
+//! POST /exports/kill   {transaction_id} or {table, partition_id, destination}
+//!                      → {status}
+//! ```
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use ferry_coord::Session;
+use ferry_env::Clock;
+use ferry_export::model::{check_name, check_transaction_id, ExportSettings, TaskKey};
+use ferry_export::{
+    Destination, Destinations, ExportRequest, ExportsView, LocalParts, RequestError, Requester,
+};
+use ferry_ingest::api::ApiError;
+use ferry_wal::Lsn;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+/// How long a request waits for its replicas to apply what was committed
+/// when it arrived.
+pub const APPLY_WAIT: Duration = Duration::from_secs(30);
+
+pub struct ExportApi {
+    pub session: Session,
+    pub parts: Arc<dyn LocalParts>,
+    pub destinations: Arc<dyn Destinations>,
+    pub replica_name: String,
+    pub clock: Arc<dyn Clock>,
+    /// The commit position now (everything acknowledged is below it).
+    pub commit_lsn: Arc<dyn Fn() -> Lsn + Send + Sync>,
+    pub view: watch::Receiver<ExportsView>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExportBody {
+    pub table: String,
+    #[serde(default)]
+    pub partition_id: Option<String>,
+    #[serde(default)]
+    pub all_partitions: bool,
+    pub destination: String,
+    #[serde(default)]
+    pub force: bool,
+    #[serde(default)]
+    pub settings: ExportSettings,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct CreatedBody {
+    pub created: Vec<ferry_export::Created>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KillBody {
+    #[serde(default)]
+    pub transaction_id: Option<String>,
+    #[serde(default)]
+    pub table: Option<String>,
+    #[serde(default)]
+    pub partition_id: Option<String>,
+    #[serde(default)]
+    pub destination: Option<String>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct KillResult {
+    pub key: String,
+    pub transaction_id: String,
+    pub status: String,
+}
+
+pub fn router(api: Arc<ExportApi>) -> Router {
+    Router::new()
+        .route("/exports", get(list).post(create))
+        .route("/exports/kill", post(kill))
+        .with_state(api)
+}
+
+async fn list(State(api): State<Arc<ExportApi>>) -> Json<ExportsView> {
+    Json(api.view.borrow().clone())
+}
+
+fn request_error(e: RequestError) -> ApiError {
+    let (status, kind) = match &e {
+        RequestError::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
+        RequestError::NoSuchTable(_) => (StatusCode::NOT_FOUND, "no_such_table"),
+        RequestError::EmptyPartition { .. } => (StatusCode::BAD_REQUEST, "empty_partition"),
+        RequestError::Destination { .. } => (StatusCode::BAD_GATEWAY, "destination"),
+        RequestError::AlreadyExists { .. } => (StatusCode::CONFLICT, "export_exists"),
+        RequestError::Behind { .. } => (StatusCode::SERVICE_UNAVAILABLE, "replica_behind"),
+        RequestError::NotHeld(_) => (StatusCode::NOT_IMPLEMENTED, "shards_not_held"),
+        RequestError::Coordination(_) => (StatusCode::SERVICE_UNAVAILABLE, "coordination"),
+    };
+    ApiError::new(status, kind, e.to_string())
+}
+
+async fn create(
+    State(api): State<Arc<ExportApi>>,
+    body: Result<Json<ExportBody>, axum::extract::rejection::JsonRejection>,
+) -> Result<(StatusCode, Json<CreatedBody>), ApiError> {
+    let Json(body) =
+        body.map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", e.body_text()))?;
+    let commit_lsn = (api.commit_lsn)();
+    let requester = Requester {
+        session: &api.session,
+        parts: api.parts.as_ref(),
+        destinations: api.destinations.as_ref(),
+        replica_name: &api.replica_name,
+        now_unix_millis: api.clock.unix_micros() / 1000,
+        random: rand::random(),
+        commit_lsn,
+        wait: APPLY_WAIT,
+    };
+    let partitions = match (&body.partition_id, body.all_partitions) {
+        (Some(p), false) => vec![p.clone()],
+        (None, true) => {
+            let table = requester.table(&body.table).await.map_err(request_error)?;
+            let mut ids: Vec<String> = Vec::new();
+            api.parts
+                .wait_applied(&table, commit_lsn, APPLY_WAIT)
+                .await
+                .map_err(|reached| {
+                    request_error(RequestError::Behind {
+                        reached,
+                        needed: commit_lsn,
+                        waited: APPLY_WAIT,
+                    })
+                })?;
+            for p in api
+                .parts
+                .partitions(&table)
+                .await
+                .map_err(|e| request_error(RequestError::NotHeld(e)))?
+            {
+                ids.push(p);
+            }
+            if ids.is_empty() {
+                return Err(ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "empty_partition",
+                    format!("table {} has no active partitions", body.table),
+                ));
+            }
+            ids
+        }
+        _ => {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                "give either partition_id or all_partitions",
+            ))
+        }
+    };
+    let mut created = Vec::new();
+    for partition_id in partitions {
+        let req = ExportRequest {
+            table: body.table.clone(),
+            partition_id,
+            destination: body.destination.clone(),
+            force: body.force,
+            settings: body.settings.clone(),
+        };
+        // Partitions exported before the error stay exported; the error
+        // names the one that failed.
+        created.push(requester.export(&req).await.map_err(request_error)?);
+    }
+    Ok((StatusCode::CREATED, Json(CreatedBody { created })))
+}
+
+async fn kill(
+    State(api): State<Arc<ExportApi>>,
+    body: Result<Json<KillBody>, axum::extract::rejection::JsonRejection>,
+) -> Result<Json<KillResult>, ApiError> {
+    let bad = |m: String| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", m);
+    let Json(body) = body.map_err(|e| bad(e.body_text()))?;
+    let (key, destination_url, expect) = match (
+        &body.transaction_id,
+        &body.table,
+        &body.partition_id,
+        &body.destination,
+    ) {
+        (Some(tx), None, None, None) => {
+            check_transaction_id(tx).map_err(|e| bad(e.to_string()))?;
+            let found = api
+                .view
+                .borrow()
+                .tasks
+                .iter()
+                .find(|t| &t.transaction_id == tx)
+                .map(|t| {
+                    (
+                        TaskKey {
+                            table: t.table.clone(),
+                            key: t.key.clone(),
+                        },
+                        t.destination.clone(),
+                    )
+                });
+            let Some((key, dest)) = found else {
+                return Err(ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    "no_such_export",
+                    format!("no export with transaction id {tx}"),
+                ));
+            };
+            (key, dest, Some(tx.clone()))
+        }
+        (None, Some(table), Some(partition), Some(dest)) => {
+            check_name("table name", table).map_err(|e| bad(e.to_string()))?;
+            check_name("partition id", partition).map_err(|e| bad(e.to_string()))?;
+            let location = api
+                .destinations
+                .open(dest)
+                .map_err(|e| bad(e.to_string()))?;
+            (
+                TaskKey::new(table, partition, location.url()),
+                location.url().to_string(),
+                None,
+            )
+        }
+        _ => {
+            return Err(bad(
+                "give transaction_id, or table, partition_id and destination".into(),
+            ))
+        }
+    };
+    let location = api
+        .destinations
+        .open(&destination_url)
+        .map_err(|e| bad(e.to_string()))?;
+    let destination = Destination::new(location);
+    // The commit lock may be held for a moment by a committer.
+    let mut attempt = 0;
+    let status = loop {
+        match ferry_export::task::kill(
+            &api.session,
+            &key,
+            expect.as_deref(),
+            &destination,
+            "killed by request",
+        )
+        .await
+        {
+            Ok(s) => break s,
+            Err(ferry_export::task::KillError::Busy(_)) if attempt < 50 => {
+                attempt += 1;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e @ ferry_export::task::KillError::NotFound(_)) => {
+                return Err(ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    "no_such_export",
+                    e.to_string(),
+                ))
+            }
+            Err(e @ ferry_export::task::KillError::OtherTransaction { .. }) => {
+                return Err(ApiError::new(
+                    StatusCode::CONFLICT,
+                    "other_transaction",
+                    e.to_string(),
+                ))
+            }
+            Err(e) => {
+                return Err(ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "coordination",
+                    e.to_string(),
+                ))
+            }
+        }
+    };
+    let tx = match expect {
+        Some(tx) => tx,
+        None => ferry_export::task::read_head(&api.session, &key)
+            .await
+            .ok()
+            .flatten()
+            .map(|h| h.transaction_id)
+            .unwrap_or_default(),
+    };
+    Ok(Json(KillResult {
+        key: key.to_string(),
+        transaction_id: tx,
+        status: status.to_string(),
+    }))
+}
