@@ -389,3 +389,167 @@ async fn malformed_requests_are_refused_and_change_nothing() {
     );
     a.task.abort();
 }
+
+/// Every URL opens one in-memory store behind a fault injector.
+struct Faulty(ferry_sim::objstore::FaultyObjectStore);
+
+impl Destinations for Faulty {
+    fn open(&self, url: &str) -> Result<ferry_storage::Location, ferry_storage::StorageError> {
+        ferry_storage::Location::from_store(url, Arc::new(self.0.clone()), "")
+    }
+}
+
+const MEM: &str = "s3://lake/x";
+
+impl World {
+    async fn export_to(
+        &self,
+        node: &Node,
+        dest: &dyn Destinations,
+        req: &ExportRequest,
+    ) -> ferry_export::Created {
+        Requester {
+            session: &self.session,
+            parts: node.parts.as_ref(),
+            destinations: dest,
+            replica_name: "r0",
+            now_unix_millis: ferry_env::Clock::unix_micros(&SystemClock) / 1000,
+            random: rand_suffix(),
+            commit_lsn: self.end,
+            wait: Duration::from_secs(5),
+        }
+        .export(req)
+        .await
+        .expect("export created")
+    }
+}
+
+async fn keys(store: &ferry_sim::objstore::FaultyObjectStore) -> Vec<String> {
+    use futures::TryStreamExt;
+    use object_store::ObjectStore;
+    let mut keys: Vec<String> = store
+        .truth()
+        .list(None)
+        .map_ok(|m| m.location.to_string())
+        .try_collect()
+        .await
+        .expect("list");
+    keys.sort();
+    keys
+}
+
+#[tokio::test]
+async fn storage_failures_that_heal_end_with_one_commit_file_and_no_duplicates() {
+    use ferry_sim::objstore::{FaultyObjectStore, ObjectFaults};
+    let w = world(30, 200).await;
+    let store = FaultyObjectStore::new(7, ObjectFaults::default());
+    let dest = Arc::new(Faulty(store.clone()));
+    let mut a = w.node("r0", dest.clone()).await;
+    let b = w.node("r1", dest.clone()).await;
+    let created = w.export_to(&a, dest.as_ref(), &request(MEM, "a")).await;
+    // Requests fail, and writes fail after they were applied.
+    store.set_faults(ObjectFaults {
+        fail_prob: 0.3,
+        fail_after_write_prob: 0.3,
+        ..ObjectFaults::default()
+    });
+    let done = wait_terminal(&mut a.view, &created.transaction_id).await;
+    assert_eq!(done.status, TaskStatus::Completed, "{done:?}");
+    assert!(store.injected_faults() > 0);
+    store.set_faults(ObjectFaults::default());
+    let loc = dest.open(MEM).expect("location");
+    let report = ferry_export::verify::verify(&loc, true)
+        .await
+        .expect("verify");
+    assert!(report.ok(), "{report:?}");
+    assert!(
+        report.orphans.is_empty(),
+        "no data file under another name: {report:?}"
+    );
+    assert_eq!(report.commits.len(), 1);
+    assert_eq!(report.files_checked as u64, created.parts_count);
+    let all = keys(&store).await;
+    assert_eq!(all.len() as u64, created.parts_count + 1, "{all:?}");
+    a.task.abort();
+    b.task.abort();
+}
+
+#[tokio::test]
+async fn storage_failures_that_do_not_heal_fail_the_task_without_a_commit_file() {
+    use ferry_sim::objstore::{FaultyObjectStore, ObjectFaults};
+    let w = world(10, 100).await;
+    let store = FaultyObjectStore::new(8, ObjectFaults::default());
+    let dest = Arc::new(Faulty(store.clone()));
+    let mut a = w.node("r0", dest.clone()).await;
+    let mut req = request(MEM, "a");
+    req.settings.max_retries = 3;
+    let created = w.export_to(&a, dest.as_ref(), &req).await;
+    store.set_faults(ObjectFaults {
+        fail_prob: 1.0,
+        ..ObjectFaults::default()
+    });
+    let done = wait_terminal(&mut a.view, &created.transaction_id).await;
+    assert_eq!(done.status, TaskStatus::Failed, "{done:?}");
+    let e = done
+        .last_exception
+        .clone()
+        .expect("the exception is recorded");
+    assert!(e.message.contains("injected"), "{e:?}");
+    assert!(done.exception_count >= 3, "{done:?}");
+    store.set_faults(ObjectFaults::default());
+    assert!(
+        !keys(&store).await.iter().any(|k| k.contains("commit_")),
+        "a FAILED task has no commit file"
+    );
+    a.task.abort();
+}
+
+#[tokio::test]
+async fn a_killed_export_stops_and_never_gets_a_commit_file() {
+    use ferry_sim::objstore::{FaultyObjectStore, ObjectFaults};
+    let w = world(20, 100).await;
+    let store = FaultyObjectStore::new(9, ObjectFaults::default());
+    let dest = Arc::new(Faulty(store.clone()));
+    let mut a = w.node("r0", dest.clone()).await;
+    let created = w.export_to(&a, dest.as_ref(), &request(MEM, "a")).await;
+    // Uploads hang (slow storage) while the kill comes.
+    store.set_faults(ObjectFaults {
+        min_latency: Duration::from_secs(3600),
+        max_latency: Duration::from_secs(3600),
+        ..ObjectFaults::default()
+    });
+    let key = ferry_export::TaskKey::new("t", "a", MEM);
+    // The killer sees the storage without the faults.
+    let destination = ferry_export::Destination::new(
+        ferry_storage::Location::from_store(MEM, store.truth(), "").expect("open"),
+    );
+    let status = loop {
+        match ferry_export::task::kill(
+            &w.session,
+            &key,
+            Some(&created.transaction_id),
+            &destination,
+            "test",
+        )
+        .await
+        {
+            Ok(s) => break s,
+            Err(ferry_export::task::KillError::Busy(_)) => {
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
+            Err(e) => panic!("kill: {e}"),
+        }
+    };
+    assert_eq!(status, TaskStatus::Killed);
+    let done = wait_terminal(&mut a.view, &created.transaction_id).await;
+    assert_eq!(done.status, TaskStatus::Killed);
+    assert!(done.running.is_empty(), "uploads cancelled: {done:?}");
+    store.set_faults(ObjectFaults::default());
+    assert!(!keys(&store).await.iter().any(|k| k.contains("commit_")));
+    // A second kill changes nothing.
+    let again = ferry_export::task::kill(&w.session, &key, None, &destination, "again")
+        .await
+        .expect("kill");
+    assert_eq!(again, TaskStatus::Killed);
+    a.task.abort();
+}
