@@ -18,7 +18,9 @@
 //!   reader sees a table without `refs` (or the reverse);
 //! * drop deletes `refs` and the table in one multi: a holder registered under
 //!   `refs` makes the delete fail as a whole (ZooKeeper deletes only childless
-//!   nodes), so a drop can never race a new holder.
+//!   nodes), so a drop can never race a new holder. Export tasks live under
+//!   the table (`exports/`): a PENDING one holds the table; finished ones are
+//!   deleted first, and an export created meanwhile makes the multi fail.
 
 use std::sync::Arc;
 
@@ -267,17 +269,50 @@ impl Catalog {
         }
     }
 
-    /// Drops a table nothing holds.
+    /// Drops a table nothing holds. Finished export tasks under the table go
+    /// with it; a PENDING one (or one being created) holds the table.
     pub async fn drop_table(&self, name: &str) -> Result<Table, CatalogError> {
         let Some(table) = self.get(name).await? else {
             return Err(CatalogError::NoSuchTable(name.to_string()));
         };
         let path = table_path(name);
-        let ops = vec![
-            Op::delete(format!("{path}/refs"), None),
-            Op::delete(path.clone(), None),
-        ];
         let session = self.session().await?;
+        let exports = format!("{path}/exports");
+        let tasks = match session.children(&exports).await {
+            Ok((c, _)) => c,
+            Err(CoordError::NoNode { .. }) => Vec::new(),
+            Err(e) => return Err(e.into()),
+        };
+        let mut live = Vec::new();
+        for t in &tasks {
+            match session.get(&format!("{exports}/{t}/status")).await {
+                Ok((status, _)) if status != b"PENDING" => {}
+                Ok(_) | Err(CoordError::NoNode { .. }) => live.push(format!("export {t}")),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if !live.is_empty() {
+            return Err(CatalogError::InUse {
+                name: name.to_string(),
+                holders: live,
+            });
+        }
+        for t in &tasks {
+            delete_tree(&session, &format!("{exports}/{t}")).await?;
+        }
+        let mut ops = Vec::new();
+        if !tasks.is_empty() || session.exists(&exports).await?.is_some() {
+            ops.push(Op::delete(exports.clone(), None));
+        }
+        if session
+            .exists(&format!("{path}/exports_cleanup_lock"))
+            .await?
+            .is_some()
+        {
+            ops.push(Op::delete(format!("{path}/exports_cleanup_lock"), None));
+        }
+        ops.push(Op::delete(format!("{path}/refs"), None));
+        ops.push(Op::delete(path.clone(), None));
         match session.multi(ops).await {
             Ok(_) => {
                 tracing::info!(table = %name, id = table.id, "table dropped");
@@ -300,6 +335,29 @@ impl Catalog {
             Err(e) => Err(e.into()),
         }
     }
+}
+
+/// Deletes a node and everything under it, deepest first (nodes already
+/// gone are fine).
+async fn delete_tree(session: &Session, path: &str) -> Result<(), CoordError> {
+    let mut stack = vec![(path.to_string(), false)];
+    while let Some((node, expanded)) = stack.pop() {
+        if expanded {
+            match session.delete(&node, None).await {
+                Ok(()) | Err(CoordError::NoNode { .. }) => {}
+                Err(e) => return Err(e),
+            }
+            continue;
+        }
+        let children = match session.children(&node).await {
+            Ok((c, _)) => c,
+            Err(CoordError::NoNode { .. }) => continue,
+            Err(e) => return Err(e),
+        };
+        stack.push((node.clone(), true));
+        stack.extend(children.into_iter().map(|c| (format!("{node}/{c}"), false)));
+    }
+    Ok(())
 }
 
 fn parse_id(created: &str) -> Result<u64, CatalogError> {

@@ -111,3 +111,58 @@ async fn tables_are_created_once_held_and_dropped() {
     catalog.close().await;
     store.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_pending_export_holds_its_table_and_finished_ones_go_with_it() {
+    use ferry_coord::{CreateMode, SessionFactory};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, catalog) = catalog(dir.path()).await;
+    catalog.create(&def(2)).await.expect("create");
+    let sessions = EmbeddedSessions {
+        store: store.clone(),
+        timeout: Duration::from_secs(10),
+        metrics: Default::default(),
+    };
+    let s = sessions.open().await.expect("session");
+    let task = "/ferry/tables/t/exports/x_0123456789abcdef";
+    ferry_coord::create_all(s.as_ref(), &format!("{task}/processed"))
+        .await
+        .expect("task");
+    s.create(
+        &format!("{task}/processed/x_1_1_0"),
+        b"{}",
+        CreateMode::Persistent,
+    )
+    .await
+    .expect("entry");
+    s.create(
+        &format!("{task}/status"),
+        b"PENDING",
+        CreateMode::Persistent,
+    )
+    .await
+    .expect("status");
+    s.create(
+        "/ferry/tables/t/exports_cleanup_lock",
+        b"r0",
+        CreateMode::Ephemeral,
+    )
+    .await
+    .expect("cleanup lock");
+    match catalog.drop_table("t").await {
+        Err(CatalogError::InUse { holders, .. }) => {
+            assert_eq!(holders, ["export x_0123456789abcdef"])
+        }
+        other => panic!("drop with a pending export: {other:?}"),
+    }
+    assert!(
+        catalog.get("t").await.expect("get").is_some(),
+        "nothing changed"
+    );
+    s.set(&format!("{task}/status"), b"COMPLETED", Some(0))
+        .await
+        .expect("completed");
+    catalog.drop_table("t").await.expect("drop");
+    assert!(catalog.get("t").await.expect("get").is_none());
+    assert!(s.exists(task).await.expect("exists").is_none());
+}
