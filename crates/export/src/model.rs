@@ -8,6 +8,9 @@
 //!                                   timed-out tasks and removes expired ones
 //! exports/<partition>_<dest id>/    one task per (partition, destination); data = transaction id
 //!     metadata.json                 immutable: identity, parts summary, every setting
+//!     tx-<transaction id>           empty; every transaction of a worker checks it, so a
+//!                                   worker acting on a task that a forced export replaced
+//!                                   (same key, new transaction) changes nothing
 //!     parts/<nnnnnn>                the snapshot's parts, in chunks of at most PARTS_CHUNK_BYTES
 //!     status                        PENDING | COMPLETED | FAILED | KILLED, version 0 while PENDING
 //!     processing                    data bumped by every finished part (progress watches)
@@ -130,6 +133,11 @@ impl std::fmt::Display for TaskKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}/{}", self.table, self.key)
     }
+}
+
+/// The node that fences a task's transaction (see the layout).
+pub fn fence_path(task_path: &str, transaction_id: &str) -> String {
+    format!("{task_path}/tx-{transaction_id}")
 }
 
 pub fn table_path(table: &str) -> String {

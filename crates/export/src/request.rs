@@ -78,6 +78,9 @@ pub enum RequestError {
 /// What a node needs to create tasks.
 pub struct Requester<'a> {
     pub session: &'a Session,
+    /// For the kill of a task a forced export replaces (in a session of its
+    /// own, see `task::kill_in_own_session`).
+    pub sessions: &'a dyn ferry_coord::SessionFactory,
     pub parts: &'a dyn LocalParts,
     pub destinations: &'a dyn Destinations,
     /// This node's name (source_replica).
@@ -169,8 +172,8 @@ impl Requester<'_> {
             // lock, so no commit file appears for it afterwards), then the
             // task is removed.
             if existing.status == Some(TaskStatus::Pending) {
-                task::kill(
-                    self.session,
+                task::kill_in_own_session(
+                    self.sessions,
                     &key,
                     Some(&existing.transaction_id),
                     &destination,
@@ -297,6 +300,11 @@ async fn create(
         Op::create(p("locks"), Vec::new(), persistent),
         Op::create(p("exceptions"), Vec::new(), persistent),
         Op::create(p("retries"), Vec::new(), persistent),
+        Op::create(
+            crate::model::fence_path(&base, &metadata.transaction_id),
+            Vec::new(),
+            persistent,
+        ),
     ];
     let mut body: Vec<Op> = chunks
         .into_iter()

@@ -105,6 +105,17 @@ pub async fn remove(session: &Session, key: &TaskKey) -> Result<(), CoordError> 
         Err(CoordError::NoNode { .. }) => return Ok(()),
         Err(e) => return Err(e),
     };
+    // First what makes the task visible and what fences its transaction:
+    // a half-removed task is then one without status (ignored by workers,
+    // removed by cleanup), never one with a status and missing parts.
+    let (first, subs): (Vec<String>, Vec<String>) = subs
+        .into_iter()
+        .partition(|s| s == "status" || s.starts_with("tx-"));
+    delete_all(
+        session,
+        first.iter().map(|s| format!("{base}/{s}")).collect(),
+    )
+    .await?;
     let mut deletes = Vec::new();
     for sub in &subs {
         let path = format!("{base}/{sub}");
@@ -174,24 +185,34 @@ pub async fn try_lock(
         Ok(_) => Ok(Some(HeldLock {
             path: path.to_string(),
         })),
-        Err(CoordError::NodeExists { .. }) => Ok(None),
-        Err(CoordError::ConnectionLoss { .. }) => match session.exists(path).await? {
-            Some(stat) if stat.ephemeral_owner == session.session_id() => Ok(Some(HeldLock {
-                path: path.to_string(),
-            })),
-            _ => Ok(None),
-        },
+        // Ours already: a release whose answer was lost left it.
+        Err(CoordError::NodeExists { .. } | CoordError::ConnectionLoss { .. }) => {
+            match session.exists(path).await? {
+                Some(stat) if stat.ephemeral_owner == session.session_id() => Ok(Some(HeldLock {
+                    path: path.to_string(),
+                })),
+                _ => Ok(None),
+            }
+        }
         Err(e) => Err(e),
     }
 }
 
 impl HeldLock {
+    /// Deletes the lock, retrying lost answers a few times; a lock left
+    /// behind is still this session's, and [`try_lock`] takes it again.
     pub async fn release(self, session: &Session) {
-        match session.delete(&self.path, None).await {
-            Ok(()) | Err(CoordError::NoNode { .. }) => {}
-            // The session's end removes it.
-            Err(e) => tracing::debug!(path = %self.path, error = %e, "could not release a lock"),
+        for _ in 0..3 {
+            match session.delete(&self.path, None).await {
+                Ok(()) | Err(CoordError::NoNode { .. }) => return,
+                Err(CoordError::ConnectionLoss { .. }) => continue,
+                Err(e) => {
+                    tracing::debug!(path = %self.path, error = %e, "could not release a lock");
+                    return;
+                }
+            }
         }
+        tracing::debug!(path = %self.path, "lock release unanswered; the lock stays this session's");
     }
 }
 
@@ -211,6 +232,23 @@ pub enum KillError {
     Destination(String),
     #[error(transparent)]
     Coordination(#[from] CoordError),
+}
+
+/// [`kill`] in a session of its own, closed when it returns: for callers
+/// that are not exporters (requests, the HTTP API), so that a commit lock
+/// whose release was lost cannot outlive the kill (an exporter takes its own
+/// lock again at its next try; a one-off caller never would).
+pub async fn kill_in_own_session(
+    sessions: &dyn ferry_coord::SessionFactory,
+    key: &TaskKey,
+    expect_transaction: Option<&str>,
+    destination: &Destination,
+    reason: &str,
+) -> Result<TaskStatus, KillError> {
+    let session = sessions.open().await?;
+    let result = kill(&session, key, expect_transaction, destination, reason).await;
+    session.close().await;
+    result
 }
 
 /// Sets a PENDING task KILLED, under its commit lock; returns the status it
@@ -270,19 +308,20 @@ async fn kill_locked(
         set_completed(session, key, metadata).await?;
         return Ok(TaskStatus::Completed);
     }
-    match session
-        .set(
-            &status_path,
-            TaskStatus::Killed.as_str().as_bytes(),
-            Some(0),
-        )
-        .await
-    {
+    let ops = vec![
+        Op::check(
+            crate::model::fence_path(&key.path(), &metadata.transaction_id),
+            0,
+        ),
+        Op::set(status_path, TaskStatus::Killed.as_str(), Some(0)),
+    ];
+    match session.multi(ops).await {
         Ok(_) => {
             tracing::info!(task = %key, transaction_id = %metadata.transaction_id, reason, "export killed");
             Ok(TaskStatus::Killed)
         }
-        Err(CoordError::BadVersion { .. }) => Ok(read_status(session, key)
+        Err(CoordError::MultiFailed { index: 0, .. }) => Err(KillError::NotFound(key.to_string())),
+        Err(CoordError::MultiFailed { .. }) => Ok(read_status(session, key)
             .await?
             .unwrap_or(TaskStatus::Killed)),
         Err(e) => Err(e.into()),
@@ -297,6 +336,7 @@ async fn set_completed(
     let base = key.path();
     let info = commit_key(&metadata.partition_id, &metadata.transaction_id);
     let ops = vec![
+        Op::check(crate::model::fence_path(&base, &metadata.transaction_id), 0),
         Op::set(
             format!("{base}/status"),
             TaskStatus::Completed.as_str(),
@@ -365,6 +405,14 @@ async fn commit_locked(
     destination: &Destination,
 ) -> Result<CommitOutcome, CommitError> {
     let base = key.path();
+    // The task this node knows may have been replaced by a forced export.
+    if session
+        .exists(&crate::model::fence_path(&base, &metadata.transaction_id))
+        .await?
+        .is_none()
+    {
+        return Ok(CommitOutcome::Terminal(TaskStatus::Killed));
+    }
     match read_status(session, key).await? {
         Some(TaskStatus::Pending) => {}
         Some(done) => return Ok(CommitOutcome::Terminal(done)),
@@ -383,7 +431,7 @@ async fn commit_locked(
             names.len(),
             metadata.parts_count
         );
-        fail(session, key, &msg).await?;
+        fail(session, key, &metadata.transaction_id, &msg).await?;
         return Ok(CommitOutcome::Failed(msg));
     }
     // The processed entries, read a bounded number at a time.
@@ -414,7 +462,7 @@ async fn commit_locked(
         Ok(k) => k,
         Err(PartFailure::Retryable(e)) => return Err(CommitError::Destination(e)),
         Err(PartFailure::Fatal(e)) => {
-            fail(session, key, &e).await?;
+            fail(session, key, &metadata.transaction_id, &e).await?;
             return Ok(CommitOutcome::Failed(e));
         }
     };
@@ -423,21 +471,27 @@ async fn commit_locked(
     Ok(CommitOutcome::Completed(key_written))
 }
 
-/// Sets a PENDING task FAILED (version-checked).
-pub async fn fail(session: &Session, key: &TaskKey, reason: &str) -> Result<bool, CoordError> {
-    match session
-        .set(
-            &format!("{}/status", key.path()),
-            TaskStatus::Failed.as_str().as_bytes(),
+/// Sets a PENDING task FAILED (version-checked, fenced by its transaction).
+pub async fn fail(
+    session: &Session,
+    key: &TaskKey,
+    transaction_id: &str,
+    reason: &str,
+) -> Result<bool, CoordError> {
+    let ops = vec![
+        Op::check(crate::model::fence_path(&key.path(), transaction_id), 0),
+        Op::set(
+            format!("{}/status", key.path()),
+            TaskStatus::Failed.as_str(),
             Some(0),
-        )
-        .await
-    {
+        ),
+    ];
+    match session.multi(ops).await {
         Ok(_) => {
             tracing::warn!(task = %key, reason, "export failed");
             Ok(true)
         }
-        Err(CoordError::BadVersion { .. } | CoordError::NoNode { .. }) => Ok(false),
+        Err(CoordError::MultiFailed { .. }) => Ok(false),
         Err(e) => Err(e),
     }
 }

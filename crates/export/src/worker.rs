@@ -136,6 +136,7 @@ pub struct ExportsView {
     pub counters: ExporterCounters,
 }
 
+#[derive(Clone)]
 enum Event {
     Tables,
     /// The status of a task being created appeared (or the task went).
@@ -238,6 +239,7 @@ impl Exporter {
                 counters: std::mem::take(&mut counters),
                 pins_reconciled: false,
                 creating: BTreeSet::new(),
+                retry_events: Vec::new(),
                 events: events_tx,
                 events_rx: Some(events_rx),
             };
@@ -262,6 +264,8 @@ struct Run<'a> {
     pins_reconciled: bool,
     /// Tasks without status yet whose status creation is watched.
     creating: BTreeSet<TaskKey>,
+    /// Events whose handling failed, handled again at the next tick.
+    retry_events: Vec<Event>,
     events: mpsc::Sender<Event>,
     events_rx: Option<mpsc::Receiver<Event>>,
 }
@@ -302,9 +306,14 @@ impl Run<'_> {
             None => return "no event queue".into(),
         };
         let mut state = self.session.session_state();
-        if let Err(e) = self.load_tables().await {
-            return format!("loading export tasks: {e}");
-        }
+        let mut loaded = match self.load_tables().await {
+            Ok(()) => true,
+            Err(e) if is_session_end(&e) => return format!("loading export tasks: {e}"),
+            Err(e) => {
+                tracing::debug!(error = %e, "loading export tasks failed; retried at the next tick");
+                false
+            }
+        };
         let mut tick = tokio::time::interval(self.ex.config.tick);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut next_cleanup = Instant::now();
@@ -330,17 +339,40 @@ impl Run<'_> {
                         }
                     }
                 }
-                Some(event) = rx.recv() => self.handle(event).await,
+                Some(event) = rx.recv() => {
+                    // A watch fires once: an event whose reads failed is
+                    // handled again at the next tick, or the mirror would
+                    // keep a task that changed or went.
+                    let r = self.handle(event.clone()).await;
+                    if r.is_err() && self.retry_events.len() < EVENT_QUEUE {
+                        self.retry_events.push(event);
+                    }
+                    r
+                }
                 _ = tick.tick() => {
                     let now = Instant::now();
-                    let mut r = self.tick().await;
+                    let mut r = Ok(());
+                    for event in std::mem::take(&mut self.retry_events) {
+                        if r.is_ok() {
+                            r = self.handle(event).await;
+                        } else {
+                            self.retry_events.push(event);
+                        }
+                    }
+                    if r.is_ok() {
+                        r = self.tick().await;
+                    }
                     if r.is_ok() && now >= next_cleanup {
                         next_cleanup = now + self.ex.config.cleanup_interval;
                         r = self.cleanup().await;
                     }
-                    if r.is_ok() && now >= next_poll {
+                    if r.is_ok() && (now >= next_poll || !loaded) {
                         next_poll = now + self.ex.config.safety_poll;
                         r = self.load_tables().await;
+                        if r.is_ok() {
+                            r = self.verify_mirror().await;
+                        }
+                        loaded = r.is_ok();
                     }
                     r
                 }
@@ -419,6 +451,29 @@ impl Run<'_> {
         Ok(())
     }
 
+    /// The safety poll's check of every mirrored task: one whose fence is
+    /// gone (removed or replaced while a watch event was lost) is forgotten
+    /// and its key read again.
+    async fn verify_mirror(&mut self) -> Result<(), CoordError> {
+        let keys: Vec<(TaskKey, String)> = self
+            .tasks
+            .iter()
+            .map(|(k, t)| {
+                (
+                    k.clone(),
+                    crate::model::fence_path(&k.path(), &t.metadata.transaction_id),
+                )
+            })
+            .collect();
+        for (key, fence) in keys {
+            if self.session.exists(&fence).await?.is_none() {
+                self.forget(&key).await;
+                self.load_exports(&key.table).await?;
+            }
+        }
+        Ok(())
+    }
+
     async fn load_exports(&mut self, table: &str) -> Result<(), CoordError> {
         let tx = &self.events.clone();
         let path = exports_path(table);
@@ -465,7 +520,15 @@ impl Run<'_> {
             if self.tasks.len() >= self.ex.config.max_tasks {
                 break;
             }
-            self.add(key).await?;
+            // One task that cannot be read (being removed, damaged) does not
+            // keep the others from loading.
+            match self.add(key.clone()).await {
+                Ok(()) => {}
+                Err(e) if is_session_end(&e) || matches!(e, CoordError::ConnectionLoss { .. }) => {
+                    return Err(e)
+                }
+                Err(e) => tracing::debug!(task = %key, error = %e, "export task not loaded"),
+            }
         }
         Ok(())
     }
@@ -646,7 +709,12 @@ impl Run<'_> {
             v.into_iter().map(|(k, _)| k.clone()).collect()
         };
         for key in &keys {
-            self.refresh_progress(key).await?;
+            if let Err(e) = self.refresh_progress(key).await {
+                if let Some(t) = self.tasks.get_mut(key) {
+                    t.progress_due = true;
+                }
+                return Err(e);
+            }
         }
         for key in &keys {
             self.commit_if_due(key).await?;
@@ -712,18 +780,31 @@ impl Run<'_> {
     async fn claim(&self, key: &TaskKey, part: &str) -> Result<Claim, CoordError> {
         let base = key.path();
         let lock = format!("{base}/locks/{part}");
+        let Some(fence) = self.fence(key) else {
+            return Ok(Claim::Gone);
+        };
         let ops = vec![
             Op::create(lock.clone(), self.name().as_bytes(), CreateMode::Ephemeral),
             Op::set(format!("{base}/processing/{part}"), Vec::new(), None),
             Op::check(format!("{base}/status"), 0),
+            Op::check(fence, 0),
         ];
         match self.session.multi(ops).await {
             Ok(_) => Ok(Claim::Ours),
             Err(CoordError::MultiFailed { index, source }) => match (index, *source) {
-                (0, CoordError::NodeExists { .. }) => Ok(Claim::Busy),
+                (0, CoordError::NodeExists { .. }) => {
+                    // Ours already (a release or a move whose answer was
+                    // lost)? Then this session holds it and goes on.
+                    match self.session.exists(&lock).await? {
+                        Some(stat) if stat.ephemeral_owner == self.session.session_id() => {
+                            Ok(Claim::Ours)
+                        }
+                        _ => Ok(Claim::Busy),
+                    }
+                }
                 (0, CoordError::NoNode { .. }) => Ok(Claim::Gone),
                 (1, CoordError::NoNode { .. }) => Ok(Claim::Done),
-                (2, _) => Ok(Claim::Gone),
+                (2 | 3, _) => Ok(Claim::Gone),
                 (_, e) => Err(e),
             },
             Err(CoordError::ConnectionLoss { .. }) => {
@@ -738,6 +819,13 @@ impl Run<'_> {
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// The fence node of the task as this node mirrors it.
+    fn fence(&self, key: &TaskKey) -> Option<String> {
+        self.tasks
+            .get(key)
+            .map(|t| crate::model::fence_path(&key.path(), &t.metadata.transaction_id))
     }
 
     async fn start_upload(&mut self, key: &TaskKey, part: &str) {
@@ -804,8 +892,12 @@ impl Run<'_> {
             file: file.clone(),
             finished_by: self.name().to_string(),
         };
+        let Some(fence) = self.fence(key) else {
+            return Ok(());
+        };
         let ops = vec![
             Op::check(format!("{base}/status"), 0),
+            Op::check(fence, 0),
             Op::delete(format!("{base}/processing/{part}"), None),
             Op::create(
                 format!("{base}/processed/{part}"),
@@ -846,10 +938,10 @@ impl Run<'_> {
                 Ok(())
             }
             Err(CoordError::MultiFailed { index, .. }) => {
-                // 0: no longer PENDING (the status watch settles it);
-                // 1..: someone else's claim or a lost lock; the part is not
-                // ours to finish.
-                if index == 0 {
+                // 0, 1: no longer PENDING, or replaced (the status watch
+                // settles it); 2..: someone else's claim or a lost lock; the
+                // part is not ours to finish.
+                if index <= 1 {
                     if let Some(t) = t {
                         t.status = TaskStatus::Killed;
                         t.progress_due = true;
@@ -889,7 +981,10 @@ impl Run<'_> {
             time: now_s,
             count,
         };
-        let mut ops = Vec::new();
+        let mut ops = vec![Op::check(
+            crate::model::fence_path(&base, &t.metadata.transaction_id),
+            0,
+        )];
         let exception_path = format!("{base}/exceptions/{name}");
         let exists = self.session.exists(&exception_path).await?.is_some();
         let data = serde_json::to_vec(&record).expect("json");
@@ -1055,7 +1150,14 @@ impl Run<'_> {
                 }
                 Ok(())
             }
-            Err(task::CommitError::Coordination(e)) => Err(e),
+            Err(task::CommitError::Coordination(e)) => {
+                // Tried again at the next tick (this session may still hold
+                // the commit lock, which only it can use).
+                if let Some(t) = self.tasks.get_mut(key) {
+                    t.commit_due = true;
+                }
+                Err(e)
+            }
             Err(task::CommitError::Destination(e)) => {
                 tracing::warn!(task = %key, error = %e, "commit file not written; retried");
                 if let Some(t) = self.tasks.get_mut(key) {
@@ -1071,7 +1173,11 @@ impl Run<'_> {
         let now_s = self.ex.clock.unix_seconds();
         let tables: Vec<String> = self.tables.iter().cloned().collect();
         for table in tables {
-            if !self.tasks.keys().any(|k| k.table == table) {
+            // The holder does its duties whatever its own mirror shows.
+            if !self.tasks.keys().any(|k| k.table == table)
+                && !self.creating.iter().any(|k| k.table == table)
+                && !self.cleanup_locks.contains_key(&table)
+            {
                 continue;
             }
             if !self.cleanup_locks.contains_key(&table) {

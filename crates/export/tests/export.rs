@@ -190,6 +190,7 @@ impl World {
         let destinations = StorageDestinations::new(Default::default());
         Requester {
             session: &self.session,
+            sessions: self.sessions.as_ref(),
             parts: node.parts.as_ref(),
             destinations: &destinations,
             replica_name: "r0",
@@ -410,6 +411,7 @@ impl World {
     ) -> ferry_export::Created {
         Requester {
             session: &self.session,
+            sessions: self.sessions.as_ref(),
             parts: node.parts.as_ref(),
             destinations: dest,
             replica_name: "r0",

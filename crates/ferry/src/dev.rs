@@ -278,6 +278,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let commit_writer = Arc::clone(&quorum.writer);
     let export_api = Arc::new(crate::exports::ExportApi {
         session: Arc::clone(&session),
+        sessions: Arc::clone(&sessions) as Arc<dyn ferry_coord::SessionFactory>,
         parts: request_parts.context("no replica")?,
         destinations: Arc::clone(&destinations),
         replica_name: "dev-r0".into(),

@@ -32,6 +32,8 @@ pub const APPLY_WAIT: Duration = Duration::from_secs(30);
 
 pub struct ExportApi {
     pub session: Session,
+    /// Kills run in sessions of their own.
+    pub sessions: Arc<dyn ferry_coord::SessionFactory>,
     pub parts: Arc<dyn LocalParts>,
     pub destinations: Arc<dyn Destinations>,
     pub replica_name: String,
@@ -115,6 +117,7 @@ async fn create(
     let commit_lsn = (api.commit_lsn)();
     let requester = Requester {
         session: &api.session,
+        sessions: api.sessions.as_ref(),
         parts: api.parts.as_ref(),
         destinations: api.destinations.as_ref(),
         replica_name: &api.replica_name,
@@ -244,8 +247,8 @@ async fn kill(
     // The commit lock may be held for a moment by a committer.
     let mut attempt = 0;
     let status = loop {
-        match ferry_export::task::kill(
-            &api.session,
+        match ferry_export::task::kill_in_own_session(
+            api.sessions.as_ref(),
             &key,
             expect.as_deref(),
             &destination,

@@ -172,6 +172,18 @@ impl SimCoordination {
         }
     }
 
+    /// Expires every live session of `node` now (as a long partition or a
+    /// stalled process would); returns how many.
+    pub async fn expire_node(&self, node: &str) -> Result<usize> {
+        let mut n = 0;
+        for s in self.sessions_of(node) {
+            if s.current().is_some() && self.store.expire_session(s.id).await? {
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
     /// Expires a session now.
     pub async fn expire(&self, session_id: i64) -> Result<bool> {
         self.store.expire_session(session_id).await

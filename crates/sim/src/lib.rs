@@ -26,6 +26,7 @@
 pub mod clock;
 pub mod coord;
 pub mod disk;
+pub mod export;
 pub mod faults;
 pub mod net;
 pub mod objstore;

@@ -37,6 +37,9 @@ enum SimCommand {
     /// replicas streaming from 3 safekeepers, under replica and safekeeper
     /// crashes, partitions and retried inserts.
     Replicas(WalSimArgs),
+    /// The export random test: three nodes share exports under crashes,
+    /// session expiries, lost coordination answers and object-store faults.
+    Export(WalSimArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -176,6 +179,65 @@ fn replicas(args: WalSimArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn export(args: WalSimArgs) -> anyhow::Result<()> {
+    let show = |o: &ferry_sim::export::Outcome| {
+        format!(
+            "{} events, {:.1} simulated s, {} exports asked, {} commit files checked, {} killed, {} crashes, {} object faults, log hash {:08x}",
+            o.events,
+            o.simulated.as_secs_f64(),
+            o.exports,
+            o.completed,
+            o.killed,
+            o.crashes,
+            o.injected_object_faults,
+            o.log_hash
+        )
+    };
+    if let Some(seed) = args.seed {
+        return match ferry_sim::export::run_seed(seed, args.log) {
+            Ok(o) => {
+                say!("seed {seed}: ok, {}", show(&o));
+                Ok(())
+            }
+            Err(f) => {
+                if !args.log {
+                    for line in &f.log {
+                        say!("{line}");
+                    }
+                }
+                anyhow::bail!("{f}")
+            }
+        };
+    }
+    let started = Instant::now();
+    let mut failures = Vec::new();
+    let (mut exports, mut completed, mut killed, mut crashes) = (0, 0, 0, 0);
+    for seed in args.start_seed..args.start_seed + args.seeds {
+        match ferry_sim::export::run_seed(seed, false) {
+            Ok(o) => {
+                exports += o.exports;
+                completed += o.completed;
+                killed += o.killed;
+                crashes += o.crashes;
+            }
+            Err(f) => {
+                say!("FAILED {f}");
+                say!("  replay: ferry-sim export --seed {} --log", f.seed);
+                failures.push(f.seed);
+            }
+        }
+    }
+    let wall = started.elapsed().as_secs_f64();
+    say!(
+        "{} seeds in {wall:.2} s: {:.1} seeds/s, {exports} exports asked, {completed} commit files checked, {killed} killed, {crashes} crashes, {} failed",
+        args.seeds,
+        args.seeds as f64 / wall.max(1e-9),
+        failures.len()
+    );
+    anyhow::ensure!(failures.is_empty(), "failing seeds: {failures:?}");
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     // Node logs would drown the event log; RUST_LOG turns them on.
@@ -191,5 +253,6 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         SimCommand::Wal(args) => wal(args),
         SimCommand::Replicas(args) => replicas(args),
+        SimCommand::Export(args) => export(args),
     }
 }
