@@ -448,7 +448,7 @@ impl Sim {
         let live: Vec<(&String, &Asked)> = self
             .asked
             .iter()
-            .filter(|(_, a)| !a.refused || pick % 4 == 0)
+            .filter(|(_, a)| !a.refused || pick.is_multiple_of(4))
             .collect();
         if live.is_empty() {
             return;

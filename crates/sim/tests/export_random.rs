@@ -31,8 +31,15 @@ fn env(name: &str) -> Option<u64> {
 /// committed), a stale mirror committing a task a forced export had replaced
 /// (157: FAILED), a half-removed task that kept every other task from loading
 /// (1190, 1911), a lock left by a lost release that blocked its part (0).
-/// They must stay green.
-const REGRESSION_SEEDS: &[u64] = &[0, 2, 9, 157, 1190, 1911];
+/// Planted bugs, caught (seeds of 0..300 unless said): a commit that does
+/// not check that every part is processed (142: a commit file listing 3 of
+/// 8 parts), a request that snapshots without waiting for its replica to
+/// apply the acknowledged inserts (75 of 200, e.g. 1, 4, 5, 6: rows
+/// missing), merges that remove parts a pending export pinned (59, 118, 142,
+/// 161: the task never completes). Not reached: a kill that ignores a commit
+/// file already written (1000 seeds; the window between a commit file and
+/// COMPLETED is one tick). They must stay green.
+const REGRESSION_SEEDS: &[u64] = &[0, 1, 2, 4, 9, 59, 142, 157, 1190, 1911];
 
 #[test]
 fn regression_seeds() {
