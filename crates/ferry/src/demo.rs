@@ -1,7 +1,9 @@
 //! `ferry dev --demo`: what ferry does, shown on a running `ferry dev` through
 //! its own HTTP API: a table partitioned by month, generated rows over 12
-//! months inserted in batches, both replicas applying them, and their
-//! partitions and parts compared.
+//! months inserted in batches, both replicas applying them, their
+//! partitions and parts compared, and one partition exported to the lake
+//! folder, with the status table and one-liners that read exactly the
+//! committed files.
 
 use std::io::IsTerminal;
 use std::sync::Arc;
@@ -68,7 +70,7 @@ fn batch(def: &TableDef, start: usize, n: usize) -> anyhow::Result<RecordBatch> 
     )?)
 }
 
-pub async fn run(url: &str, rows: usize) -> anyhow::Result<()> {
+pub async fn run(url: &str, rows: usize, lake_url: &str) -> anyhow::Result<()> {
     let client = Client::new(url, None, Duration::from_secs(120))?;
     let def = TableDef::from_toml(TABLE)?;
     let (table, created) = client.create_table(&def).await?;
@@ -193,8 +195,86 @@ pub async fn run(url: &str, rows: usize) -> anyhow::Result<()> {
         "demo: merges settled; both replicas hold the same {} parts, name for name and checksum for checksum",
         a.len()
     );
+    // One partition to the lake, exactly once, shared by both replicas.
+    let partition = listings[0]
+        .as_array()
+        .and_then(|ps| ps.first())
+        .and_then(|p| p["partition_id"].as_str())
+        .context("no partition to export")?
+        .to_string();
+    let created: crate::exports::CreatedBody = client
+        .post_json(
+            "/exports",
+            &serde_json::json!({
+                "table": def.name,
+                "partition_id": partition,
+                "destination": lake_url,
+                "force": true,
+            }),
+        )
+        .await
+        .context("exporting a partition")?;
+    let tx = created
+        .created
+        .first()
+        .context("no export created")?
+        .transaction_id
+        .clone();
+    say!("demo: export of partition {partition} to {lake_url} created (transaction {tx})");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let task = loop {
+        let view: ferry_export::ExportsView = client.get_typed("/exports").await?;
+        if let Some(t) = view
+            .tasks
+            .iter()
+            .find(|t| t.transaction_id == tx && t.status.is_terminal())
+        {
+            break t.clone();
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the export did not end in 120 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    for line in crate::export_cmd::table_of(std::slice::from_ref(&task)).lines() {
+        say!("{line}");
+    }
+    anyhow::ensure!(
+        task.status == ferry_export::TaskStatus::Completed,
+        "the export ended {}",
+        task.status
+    );
+    let lake = ferry_storage::open(lake_url, &Default::default())?;
+    let commit_key = task.commit_file.context("no commit file")?;
+    let commit: ferry_export::model::CommitFile =
+        serde_json::from_slice(&lake.get(&commit_key).await?)?;
+    let dir = lake_url.trim_start_matches("file://");
+    let files: Vec<String> = commit
+        .files
+        .iter()
+        .map(|f| format!("'{dir}/{}'", f.path))
+        .collect();
+    let report = ferry_export::verify::verify(&lake, false).await?;
     say!(
-        "demo: done in {:.1} s. Next: `ferry dev` (without --demo) and `ferry query partitions demo_events`; exporting a partition to the lake comes with partition export",
+        "demo: the lake holds {} commit files; verify: {} files checked, {} mismatches, {} orphans",
+        report.commits.len(),
+        report.files_checked,
+        report.problems.len(),
+        report.orphans.len()
+    );
+    say!(
+        "demo: {} rows of partition {partition} in {} files listed by {dir}/{commit_key}; read exactly those:",
+        commit.rows,
+        files.len()
+    );
+    say!(
+        "  duckdb -c \"SELECT count(*) FROM read_parquet([{}], hive_partitioning = false)\"",
+        files.join(", ")
+    );
+    say!(
+        "  python3 -c \"import pandas as pd; print(len(pd.concat(pd.read_parquet(f) for f in [{}])))\"",
+        files.join(", ")
+    );
+    say!(
+        "demo: done in {:.1} s. Next: `ferry dev` (without --demo), `ferry query partitions demo_events`, `ferry export demo_events <partition> --to file:///tmp/lake --wait`",
         started.elapsed().as_secs_f64()
     );
     Ok(())

@@ -206,15 +206,33 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let elections = crate::metrics::count_elections(&mut registry, quorum.writer.subscribe());
     let sampled_quorum = Arc::clone(&quorum);
     let sampled_coord = Arc::clone(&coord_metrics);
+    // The exporters' listings, filled once they run.
+    type ExportViews = Vec<(
+        String,
+        tokio::sync::watch::Receiver<ferry_export::ExportsView>,
+    )>;
+    let sampled_exports: Arc<std::sync::Mutex<ExportViews>> = Default::default();
+    let exports_for_metrics = Arc::clone(&sampled_exports);
     let metrics = crate::metrics::NodeMetrics::new(registry, move || {
         let q = Arc::clone(&sampled_quorum);
         let coord = Arc::clone(&sampled_coord);
+        let exports: Vec<(String, ferry_export::ExportsView)> = exports_for_metrics
+            .lock()
+            .map(|v| {
+                v.iter()
+                    .map(|(n, rx)| (n.clone(), rx.borrow().clone()))
+                    .collect()
+            })
+            .unwrap_or_default();
         Box::pin(async move {
             let mut out = crate::metrics::writer(&q.writer.status());
             for s in q.servers() {
                 out.extend(crate::metrics::safekeeper(&s.status().await));
             }
             out.extend(crate::metrics::coordination(&coord));
+            for (node, view) in &exports {
+                out.extend(crate::metrics::exporter(node, view));
+            }
             out
         })
     });
@@ -272,6 +290,9 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
             Arc::clone(&destinations),
         );
         export_views.push(exporter.subscribe());
+        if let Ok(mut v) = sampled_exports.lock() {
+            v.push((format!("dev-r{r}"), exporter.subscribe()));
+        }
         export_tasks.push(tokio::spawn(exporter.run()));
         request_parts.get_or_insert(parts);
     }
@@ -357,7 +378,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     say!("tables and inserts on http://{http}/tables, {DEV_REPLICAS} replicas holding every shard (GET /replicas), partition export (POST /exports, GET /exports); press Ctrl-C to stop");
 
     let demo_result = if args.demo {
-        let result = crate::demo::run(&format!("http://{http}"), args.demo_rows).await;
+        let result = crate::demo::run(&format!("http://{http}"), args.demo_rows, lake.url()).await;
         if let Err(e) = &result {
             say!("the demo failed: {e:#}");
         }

@@ -211,6 +211,65 @@ pub fn replica(status: &ferry_replica::ReplicaStatus) -> Vec<Sample> {
     ]
 }
 
+/// A node exporter's counters and its tasks by status (from its mirror).
+pub fn exporter(node: &str, view: &ferry_export::ExportsView) -> Vec<Sample> {
+    let labels = [("exporter", node)];
+    let c = &view.counters;
+    let mut out = vec![
+        counter(
+            "ferry_export_parts_exported",
+            "Parts this exporter wrote to a destination and moved to processed",
+            &labels,
+            c.parts_exported as f64,
+        ),
+        counter(
+            "ferry_export_bytes_exported",
+            "Bytes of the data files this exporter wrote",
+            &labels,
+            c.bytes_exported as f64,
+        ),
+        counter(
+            "ferry_export_part_failures",
+            "Part exports that failed, by class (retryable: backed off; fatal: task FAILED)",
+            &[("exporter", node), ("class", "retryable")],
+            c.failures_retryable as f64,
+        ),
+        counter(
+            "ferry_export_part_failures",
+            "Part exports that failed, by class (retryable: backed off; fatal: task FAILED)",
+            &[("exporter", node), ("class", "fatal")],
+            c.failures_fatal as f64,
+        ),
+        counter(
+            "ferry_export_commits",
+            "Commit files this exporter wrote (tasks it COMPLETED)",
+            &labels,
+            c.commits as f64,
+        ),
+        counter(
+            "ferry_export_claims_lost",
+            "Part claims another replica held first",
+            &labels,
+            c.claims_lost as f64,
+        ),
+    ];
+    for status in [
+        ferry_export::TaskStatus::Pending,
+        ferry_export::TaskStatus::Completed,
+        ferry_export::TaskStatus::Failed,
+        ferry_export::TaskStatus::Killed,
+    ] {
+        let n = view.tasks.iter().filter(|t| t.status == status).count();
+        out.push(gauge(
+            "ferry_export_tasks",
+            "Export tasks this exporter mirrors, by status",
+            &[("exporter", node), ("status", status.as_str())],
+            n as f64,
+        ));
+    }
+    out
+}
+
 /// Counts elections won by a writer: a task following its status.
 pub fn count_elections(
     registry: &mut Registry,

@@ -389,6 +389,59 @@ fn tables_and_inserts_in_every_format_are_committed_row_for_row() {
     let (ok, out, _) = ferry(&["query", "partitions", "events"], &url);
     assert!(ok && out.starts_with("202401\t4 rows"), "{out}");
 
+    // Export through the command line: created, waited for, listed, verified.
+    let lake = format!("file://{}", dir.path().join("lake").display());
+    let (ok, out, err) = ferry(
+        &["export", "events", "202403", "--to", &lake, "--wait"],
+        &url,
+    );
+    assert!(
+        ok && out.contains("COMPLETED") && out.contains("commit file: commit_202403_"),
+        "{out}{err}"
+    );
+    let (ok, out, err) = ferry(&["export", "events", "202403", "--to", &lake], &url);
+    assert!(!ok && err.contains("already has an export"), "{out}{err}");
+    let (ok, out, err) = ferry(&["export", "events", "../x", "--to", &lake], &url);
+    assert!(!ok && err.contains("partition id"), "{out}{err}");
+    let (ok, out, err) = ferry(&["exports"], &url);
+    assert!(
+        ok && out.contains("202403") && out.contains("COMPLETED"),
+        "{out}{err}"
+    );
+    let (ok, out, err) = ferry(&["verify", &lake, "--deep"], &url);
+    assert!(
+        ok && out.contains("1 commit files") && out.contains("4 rows"),
+        "{out}{err}"
+    );
+    // A stray file is an orphan (reported, not a mismatch); a changed file is
+    // a mismatch.
+    std::fs::write(dir.path().join("lake/stray.parquet"), b"x").expect("stray");
+    let (ok, out, err) = ferry(&["verify", &lake], &url);
+    assert!(
+        ok && out.contains("orphan") && out.contains("stray.parquet"),
+        "{out}{err}"
+    );
+    let data_file = std::fs::read_dir(dir.path().join("lake/ts_month=202403"))
+        .expect("partition dir")
+        .next()
+        .expect("a file")
+        .expect("entry")
+        .path();
+    let mut bytes = std::fs::read(&data_file).expect("data file");
+    bytes.push(0);
+    std::fs::write(&data_file, bytes).expect("damage");
+    let (ok, out, err) = ferry(&["verify", &lake], &url);
+    assert!(!ok && out.contains("MISMATCH"), "{out}{err}");
+    let metrics = http_get(&format!("{url}/metrics"));
+    assert!(
+        metrics.contains("ferry_export_tasks{exporter=\"dev-r0\",status=\"COMPLETED\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("ferry_export_parts_exported_total"),
+        "{metrics}"
+    );
+
     // A restart: the replicas resume from their parts and position.
     interrupt(&child);
     assert_clean_exit(&mut child, &data);
@@ -920,7 +973,8 @@ fn a_configuration_file_applies_under_the_flags() {
     assert_clean_exit(&mut child, &data);
 }
 
-/// `ferry dev --demo`: inserts, both replicas apply, identical parts, exit 0.
+/// `ferry dev --demo`: inserts, both replicas apply, identical parts, one
+/// partition exported and committed once, exit 0.
 #[test]
 fn the_demo_runs_and_exits_cleanly() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -953,5 +1007,38 @@ fn the_demo_runs_and_exits_cleanly() {
         "12 monthly partitions: {stdout}"
     );
     assert!(stdout.contains("both replicas hold the same"), "{stdout}");
+    // One partition exported to the lake folder, committed once, verified.
+    assert!(stdout.contains("COMPLETED"), "{stdout}");
+    assert!(stdout.contains("0 mismatches, 0 orphans"), "{stdout}");
+    assert!(stdout.contains("duckdb -c"), "{stdout}");
+    assert!(stdout.contains("pd.read_parquet"), "{stdout}");
+    let lake = dir.path().join("data/lake");
+    let commits: Vec<std::path::PathBuf> = std::fs::read_dir(&lake)
+        .expect("lake")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("commit_"))
+        })
+        .collect();
+    assert_eq!(commits.len(), 1, "{commits:?}");
+    let commit: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&commits[0]).expect("commit file")).expect("json");
+    let files = commit["files"].as_array().expect("files");
+    assert!(!files.is_empty());
+    let mut rows = 0;
+    for f in files {
+        let path = lake.join(f["path"].as_str().expect("path"));
+        assert_eq!(
+            std::fs::metadata(&path).expect("listed file").len(),
+            f["bytes"].as_u64().expect("bytes")
+        );
+        rows += f["rows"].as_u64().expect("rows");
+    }
+    assert_eq!(rows, commit["rows"].as_u64().expect("rows"));
+    assert!(
+        stdout.contains(&format!("{rows} rows of partition")),
+        "{stdout}"
+    );
     assert!(stdout.contains("stopped cleanly"), "{stdout}");
 }
