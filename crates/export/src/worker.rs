@@ -143,7 +143,10 @@ enum Event {
     Created(TaskKey),
     Exports(String),
     Status(TaskKey),
+    /// The task's `processing` node changed (a part finished).
     Progress(TaskKey),
+    /// An exception was recorded.
+    Exceptions(TaskKey),
 }
 
 struct Backoff {
@@ -168,6 +171,10 @@ struct Task {
     exceptions: BTreeMap<String, ExceptionRecord>,
     commit_file: Option<String>,
     progress_due: bool,
+    exceptions_due: bool,
+    /// Watches set and not yet fired (one of each per task and session).
+    progress_armed: bool,
+    exceptions_armed: bool,
     /// Commit to try at the next tick (this node finished its parts).
     commit_due: bool,
 }
@@ -398,6 +405,14 @@ impl Run<'_> {
             Event::Progress(key) => {
                 if let Some(t) = self.tasks.get_mut(&key) {
                     t.progress_due = true;
+                    t.progress_armed = false;
+                }
+                Ok(())
+            }
+            Event::Exceptions(key) => {
+                if let Some(t) = self.tasks.get_mut(&key) {
+                    t.exceptions_due = true;
+                    t.exceptions_armed = false;
                 }
                 Ok(())
             }
@@ -575,6 +590,9 @@ impl Run<'_> {
             exceptions: BTreeMap::new(),
             commit_file: None,
             progress_due: true,
+            exceptions_due: true,
+            progress_armed: false,
+            exceptions_armed: false,
             commit_due: false,
             metadata,
         };
@@ -698,16 +716,19 @@ impl Run<'_> {
     }
 
     /// Scheduling and the refreshes that are due.
+    /// Tasks in create_time order (the order they are served in).
+    fn ordered_keys(&self) -> Vec<TaskKey> {
+        let mut v: Vec<(&TaskKey, u64)> = self
+            .tasks
+            .iter()
+            .map(|(k, t)| (k, t.metadata.create_time))
+            .collect();
+        v.sort_by_key(|(k, c)| (*c, (*k).clone()));
+        v.into_iter().map(|(k, _)| k.clone()).collect()
+    }
+
     async fn tick(&mut self) -> Result<(), CoordError> {
-        let keys: Vec<TaskKey> = {
-            let mut v: Vec<(&TaskKey, u64)> = self
-                .tasks
-                .iter()
-                .map(|(k, t)| (k, t.metadata.create_time))
-                .collect();
-            v.sort_by_key(|(k, c)| (*c, (*k).clone()));
-            v.into_iter().map(|(k, _)| k.clone()).collect()
-        };
+        let keys = self.ordered_keys();
         for key in &keys {
             if let Err(e) = self.refresh_progress(key).await {
                 if let Some(t) = self.tasks.get_mut(key) {
@@ -719,6 +740,13 @@ impl Run<'_> {
         for key in &keys {
             self.commit_if_due(key).await?;
         }
+        self.schedule().await
+    }
+
+    /// Claims and starts parts within the slots: at every tick, and as soon
+    /// as an upload ends (so a slot never waits for the tick).
+    async fn schedule(&mut self) -> Result<(), CoordError> {
+        let keys = self.ordered_keys();
         let mut running: usize = self.tasks.values().map(|t| t.running.len()).sum();
         let now = Instant::now();
         for key in keys {
@@ -741,14 +769,20 @@ impl Run<'_> {
                         && !t.busy.contains_key(*p)
                         && t.backoff.get(*p).is_none_or(|b| b.until <= now)
                 })
-                .take(slots.min(self.ex.config.max_uploads - running))
                 .map(|(o, p)| (*o, p.clone()))
                 .collect();
+            // Claims go down this node's order until the slots are full: a
+            // part another node holds or finished is passed over at once.
+            let mut want = slots.min(self.ex.config.max_uploads - running);
             for (o, part) in candidates {
+                if want == 0 {
+                    break;
+                }
                 match self.claim(&key, &part).await? {
                     Claim::Ours => {
                         self.start_upload(&key, &part).await;
                         running += 1;
+                        want -= 1;
                     }
                     Claim::Done => {
                         if let Some(t) = self.tasks.get_mut(&key) {
@@ -764,6 +798,12 @@ impl Run<'_> {
                         if let Some(t) = self.tasks.get_mut(&key) {
                             t.busy.insert(part, now + self.ex.config.tick * 4);
                         }
+                    }
+                    Claim::NotPending => {
+                        if let Some(t) = self.tasks.get_mut(&key) {
+                            t.todo.clear();
+                        }
+                        break;
                     }
                     Claim::Gone => {
                         self.forget(&key).await;
@@ -804,7 +844,9 @@ impl Run<'_> {
                 }
                 (0, CoordError::NoNode { .. }) => Ok(Claim::Gone),
                 (1, CoordError::NoNode { .. }) => Ok(Claim::Done),
-                (2 | 3, _) => Ok(Claim::Gone),
+                // No longer PENDING: the status watch settles it.
+                (2, _) => Ok(Claim::NotPending),
+                (3, _) => Ok(Claim::Gone),
                 (_, e) => Err(e),
             },
             Err(CoordError::ConnectionLoss { .. }) => {
@@ -876,9 +918,11 @@ impl Run<'_> {
             return Ok(());
         }
         match done.result {
-            Ok(file) => self.succeed(&done.key, &done.part, file).await,
-            Err(failure) => self.fail_part(&done.key, &done.part, failure).await,
+            Ok(file) => self.succeed(&done.key, &done.part, file).await?,
+            Err(failure) => self.fail_part(&done.key, &done.part, failure).await?,
         }
+        self.commit_if_due(&done.key).await?;
+        self.schedule().await
     }
 
     async fn succeed(
@@ -1061,52 +1105,70 @@ impl Run<'_> {
         let Some(t) = self.tasks.get_mut(key) else {
             return Ok(());
         };
-        if !t.progress_due {
-            return Ok(());
-        }
-        t.progress_due = false;
+        let (progress, exceptions) = (t.progress_due, t.exceptions_due);
+        let (progress_armed, exceptions_armed) = (t.progress_armed, t.exceptions_armed);
         let base = key.path();
-        let (stat, watch) = self
-            .session
-            .exists_watch(&format!("{base}/processing"))
-            .await?;
-        let Some(stat) = stat else {
-            self.forget(key).await;
-            return Ok(());
-        };
-        let (replicas, _, ewatch) = match self
-            .session
-            .children_watch(&format!("{base}/exceptions"))
-            .await
-        {
-            Ok(r) => r,
-            Err(CoordError::NoNode { .. }) => return Ok(()),
-            Err(e) => return Err(e),
-        };
-        let mut exceptions = BTreeMap::new();
-        for r in replicas {
-            if let Ok((d, _)) = self.session.get(&format!("{base}/exceptions/{r}")).await {
-                if let Ok(rec) = serde_json::from_slice::<ExceptionRecord>(&d) {
-                    exceptions.insert(r, rec);
+        if progress {
+            // A watch is set only when none is armed: each one fires once,
+            // and one per node is enough.
+            let path = format!("{base}/processing");
+            let stat = if progress_armed {
+                self.session.exists(&path).await?
+            } else {
+                let (stat, watch) = self.session.exists_watch(&path).await?;
+                forward(&self.events, watch, Event::Progress(key.clone()));
+                if let Some(t) = self.tasks.get_mut(key) {
+                    t.progress_armed = true;
+                }
+                stat
+            };
+            let Some(stat) = stat else {
+                self.forget(key).await;
+                return Ok(());
+            };
+            if let Some(t) = self.tasks.get_mut(key) {
+                t.progress_due = false;
+                t.parts_to_do = stat.num_children as u64;
+                if t.parts_to_do == 0 && t.status == TaskStatus::Pending {
+                    t.commit_due = true;
                 }
             }
         }
-        let pending = {
-            let Some(t) = self.tasks.get_mut(key) else {
-                return Ok(());
+        if exceptions {
+            let path = format!("{base}/exceptions");
+            let replicas = if exceptions_armed {
+                self.session.children(&path).await.map(|(c, _)| c)
+            } else {
+                self.session
+                    .children_watch(&path)
+                    .await
+                    .map(|(c, _, watch)| {
+                        forward(&self.events, watch, Event::Exceptions(key.clone()));
+                        c
+                    })
             };
-            t.parts_to_do = stat.num_children as u64;
-            t.exceptions = exceptions;
-            if t.parts_to_do == 0 && t.status == TaskStatus::Pending {
-                t.commit_due = true;
+            let replicas = match replicas {
+                Ok(r) => r,
+                Err(CoordError::NoNode { .. }) => return Ok(()),
+                Err(e) => return Err(e),
+            };
+            if !exceptions_armed {
+                if let Some(t) = self.tasks.get_mut(key) {
+                    t.exceptions_armed = true;
+                }
             }
-            t.status == TaskStatus::Pending
-        };
-        if pending {
-            // Re-armed only while there is progress to see; a change marks
-            // the task due and the next tick reads it.
-            forward(&self.events, watch, Event::Progress(key.clone()));
-            forward(&self.events, ewatch, Event::Progress(key.clone()));
+            let mut found = BTreeMap::new();
+            for r in replicas {
+                if let Ok((d, _)) = self.session.get(&format!("{base}/exceptions/{r}")).await {
+                    if let Ok(rec) = serde_json::from_slice::<ExceptionRecord>(&d) {
+                        found.insert(r, rec);
+                    }
+                }
+            }
+            if let Some(t) = self.tasks.get_mut(key) {
+                t.exceptions_due = false;
+                t.exceptions = found;
+            }
         }
         Ok(())
     }
@@ -1339,5 +1401,8 @@ enum Claim {
     Ours,
     Busy,
     Done,
+    /// The task left PENDING.
+    NotPending,
+    /// The task was removed or replaced.
     Gone,
 }

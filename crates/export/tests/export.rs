@@ -495,7 +495,7 @@ async fn storage_failures_that_do_not_heal_fail_the_task_without_a_commit_file()
     let e = done
         .last_exception
         .clone()
-        .expect("the exception is recorded");
+        .unwrap_or_else(|| panic!("the exception is recorded: {done:?}"));
     assert!(e.message.contains("injected"), "{e:?}");
     assert!(done.exception_count >= 3, "{done:?}");
     store.set_faults(ObjectFaults::default());

@@ -11,6 +11,7 @@ macro_rules! say {
 
 mod api;
 mod bench;
+mod bench_export;
 mod bench_ingest;
 mod client_cmd;
 mod cluster;
@@ -120,6 +121,10 @@ enum BenchCommand {
     /// Arrow IPC), next to arrow-json's and arrow-ipc's own decode rates and
     /// the WAL's throughput for the same bytes.
     Ingest(bench_ingest::IngestBenchArgs),
+    /// Partition export: MB/s to a local folder (and S3 with --s3-endpoint)
+    /// by 1 and 2 nodes next to raw object_store writes of the same files,
+    /// and coordination round trips per part.
+    Export(bench_export::ExportBenchArgs),
 }
 
 /// Runs `ferry-sim` from beside this binary with `args`, in place of this
@@ -203,6 +208,7 @@ fn main() -> anyhow::Result<()> {
                 BenchCommand::Coord(args) => bench::coord(args).await,
                 BenchCommand::Wal(args) => bench::wal(args).await,
                 BenchCommand::Ingest(args) => bench_ingest::ingest(args).await,
+                BenchCommand::Export(args) => bench_export::export(args).await,
             },
         }
     })

@@ -1,0 +1,372 @@
+//! `ferry bench export`: one partition of `--parts` parts (about `--mib`
+//! MiB in all) exported by 1 and by 2 nodes to a local folder, and to an S3
+//! server when `--s3-endpoint` is given, each time next to the same run's raw
+//! object_store writes of the same bytes at the same concurrency; with the
+//! coordination round trips per part.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use arrow::array::{Int64Array, RecordBatch, StringArray};
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use ferry_coord::{CoordMetrics, CreateMode, EmbeddedSessions, SessionFactory};
+use ferry_env::{Cpu, Disk, RealDisk, SystemClock};
+use ferry_export::model::ExportSettings;
+use ferry_export::{
+    Destinations, ExportRequest, Exporter, ExporterConfig, LocalParts, ReplicaSet, Requester,
+    StorageDestinations, TaskStatus,
+};
+use ferry_replica::{Replica, SharedReplica, TableRef, Tables, ALL_SHARDS};
+use ferry_storage::S3Settings;
+use ferry_table::{Table, TableDef};
+use ferry_wal::record::Record;
+
+#[derive(Debug, clap::Args)]
+pub struct ExportBenchArgs {
+    /// Directory for the data; a temporary directory inside the working
+    /// folder by default (so the figures are for this disk).
+    #[arg(long)]
+    dir: Option<std::path::PathBuf>,
+    /// Size of the partition, MiB (about).
+    #[arg(long, default_value_t = 1024)]
+    mib: usize,
+    /// Parts of the partition.
+    #[arg(long, default_value_t = 100)]
+    parts: usize,
+    /// Parts each node exports at once.
+    #[arg(long, default_value_t = 2)]
+    parallelism: u32,
+    /// An S3 endpoint (moto) for the S3 half: a bucket is created there.
+    #[arg(long, env = "FERRY_TEST_S3_ENDPOINT")]
+    s3_endpoint: Option<String>,
+}
+
+fn table() -> Table {
+    Table {
+        id: 1,
+        def: TableDef::from_toml(
+            r#"name = "bench"
+partition_by = { column = "p", transform = "identity" }
+shard_by = { column = "id", shards = 1 }
+[[columns]]
+name = "id"
+type = "Int64"
+[[columns]]
+name = "p"
+type = "Utf8"
+[[columns]]
+name = "payload"
+type = "Utf8"
+"#,
+        )
+        .expect("the bench table is valid"),
+    }
+}
+
+struct OneTable;
+
+#[async_trait]
+impl Tables for OneTable {
+    async fn by_id(&self, id: u64) -> Result<TableRef, String> {
+        Ok(if id == 1 {
+            TableRef::Known(table())
+        } else {
+            TableRef::Unknown
+        })
+    }
+}
+
+/// Rows that compress about as well as real data: 48 hex characters from a
+/// xorshift per row.
+fn batch(first: i64, rows: usize, state: &mut u64) -> anyhow::Result<RecordBatch> {
+    let mut payload = Vec::with_capacity(rows);
+    for _ in 0..rows {
+        let mut s = String::with_capacity(48);
+        for _ in 0..3 {
+            *state ^= *state << 13;
+            *state ^= *state >> 7;
+            *state ^= *state << 17;
+            s.push_str(&format!("{:016x}", *state));
+        }
+        payload.push(s);
+    }
+    Ok(RecordBatch::try_new(
+        table().def.arrow_schema(),
+        vec![
+            Arc::new(Int64Array::from_iter_values(first..first + rows as i64)),
+            Arc::new(StringArray::from_iter_values((0..rows).map(|_| "x"))),
+            Arc::new(StringArray::from(payload)),
+        ],
+    )?)
+}
+
+/// Creates a bucket with a plain unsigned request (moto accepts it).
+async fn create_bucket(endpoint: &str, bucket: &str) -> anyhow::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let host = endpoint.trim_start_matches("http://").trim_end_matches('/');
+    let mut conn = tokio::net::TcpStream::connect(host).await?;
+    let request = format!(
+        "PUT /{bucket} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    conn.write_all(request.as_bytes()).await?;
+    let mut response = String::new();
+    conn.read_to_string(&mut response).await?;
+    anyhow::ensure!(
+        response.starts_with("HTTP/1.1 200"),
+        "create bucket: {response}"
+    );
+    Ok(())
+}
+
+pub async fn export(args: ExportBenchArgs) -> anyhow::Result<()> {
+    let dir = match &args.dir {
+        Some(d) => tempfile::Builder::new()
+            .prefix("ferry-bench-export-")
+            .tempdir_in(d)?,
+        None => tempfile::Builder::new()
+            .prefix("ferry-bench-export-")
+            .tempdir_in(".")?,
+    };
+    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path())?);
+    // The partition: one insert per part, written once and copied to the
+    // second node's replica (the same parts, as replicas of a shard hold).
+    // zstd Parquet of these rows takes about 30 bytes per row.
+    let bytes_per_row = 30;
+    let rows_per_part = (args.mib << 20) / args.parts.max(1) / bytes_per_row;
+    say!(
+        "bench export: writing a partition of {} parts x {rows_per_part} rows ...",
+        args.parts
+    );
+    let mut wal = BytesMut::new();
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut replicas: Vec<SharedReplica> = Vec::new();
+    for n in 0..2u32 {
+        let r = Replica::open(
+            Arc::clone(&disk),
+            &format!("replica{n}"),
+            ALL_SHARDS,
+            n,
+            Cpu::BlockingPool,
+            Arc::new(OneTable),
+        )
+        .await?;
+        replicas.push(Arc::new(tokio::sync::Mutex::new(r)));
+    }
+    for i in 0..args.parts {
+        wal.clear();
+        let b = batch((i * rows_per_part) as i64, rows_per_part, &mut state)?;
+        let ipc = ferry_table::rows::to_ipc(&b)?;
+        for r in &replicas {
+            let mut r = r.lock().await;
+            let at = r.receive_from();
+            wal.clear();
+            Record::Insert {
+                table_id: 1,
+                shard: 0,
+                block_number: at.0,
+                idempotency_key: Bytes::new(),
+                arrow_ipc: ipc.clone(),
+            }
+            .encode(&mut wal);
+            r.receive(at, &wal).await?;
+        }
+    }
+    let end = replicas[0].lock().await.disk_consistent_lsn();
+    let part_files: Vec<(String, u64)> = {
+        let r = replicas[0].lock().await;
+        r.parts(1)
+            .iter()
+            .map(|p| (r.part_path(1, &p.name), p.bytes))
+            .collect()
+    };
+    let total: u64 = part_files.iter().map(|(_, b)| b).sum();
+    say!(
+        "bench export: {} parts, {:.1} MiB in all",
+        part_files.len(),
+        total as f64 / 1048576.0
+    );
+
+    let mut destinations: Vec<(String, String, S3Settings)> = vec![(
+        "local folder".into(),
+        format!(
+            "file://{}",
+            std::path::absolute(dir.path())?.join("lake").display()
+        ),
+        S3Settings::default(),
+    )];
+    if let Some(endpoint) = &args.s3_endpoint {
+        let bucket = format!(
+            "ferry-bench-{}",
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_millis())
+                .unwrap_or_default()
+        );
+        create_bucket(endpoint, &bucket).await?;
+        destinations.push((
+            "S3 (moto)".into(),
+            format!("s3://{bucket}/lake"),
+            S3Settings {
+                endpoint: Some(endpoint.clone()),
+                region: Some("us-east-1".into()),
+                access_key_id: Some("test".into()),
+                secret_access_key: Some("test".into()),
+                session_token: None,
+            },
+        ));
+    } else {
+        say!(
+            "bench export: no --s3-endpoint (or FERRY_TEST_S3_ENDPOINT): the S3 half does not run"
+        );
+    }
+
+    let store =
+        ferry_coord::embedded::EmbeddedStore::open(Arc::clone(&disk), "coord", Default::default())
+            .await?;
+    let metrics = Arc::new(CoordMetrics::default());
+    let sessions: Arc<dyn SessionFactory> = Arc::new(EmbeddedSessions {
+        store: store.clone(),
+        timeout: Duration::from_secs(10),
+        metrics: Arc::clone(&metrics),
+    });
+    let session = sessions.open().await?;
+    ferry_coord::create_all(session.as_ref(), "/ferry/tables").await?;
+    session
+        .create(
+            "/ferry/tables/bench",
+            &serde_json::to_vec(&table())?,
+            CreateMode::Persistent,
+        )
+        .await?;
+
+    for (what, base_url, s3) in &destinations {
+        for nodes in [1usize, 2] {
+            let concurrency = nodes * args.parallelism as usize;
+            // Raw: the same files read and written through object_store at
+            // the same concurrency.
+            let raw_url = format!("{base_url}/raw{nodes}");
+            let raw = ferry_storage::open(&raw_url, s3)?;
+            let started = Instant::now();
+            let queue = Arc::new(std::sync::Mutex::new(part_files.clone()));
+            let mut workers = Vec::new();
+            for _ in 0..concurrency {
+                let (queue, raw, disk) = (Arc::clone(&queue), raw.clone(), Arc::clone(&disk));
+                workers.push(tokio::spawn(async move {
+                    loop {
+                        let next = queue.lock().ok().and_then(|mut q| q.pop());
+                        let Some((path, len)) = next else {
+                            return Ok::<_, anyhow::Error>(());
+                        };
+                        let key = path.rsplit('/').next().unwrap_or("part").to_string();
+                        let mut upload = raw.upload(&key, Default::default()).await?;
+                        let mut at = 0u64;
+                        while at < len {
+                            let n = (len - at).min(8 << 20) as usize;
+                            let chunk = disk.read_range(&path, at, n).await?;
+                            upload.write(Bytes::from(chunk)).await?;
+                            at += n as u64;
+                        }
+                        upload.finish().await?;
+                    }
+                }));
+            }
+            for w in workers {
+                w.await??;
+            }
+            let raw_secs = started.elapsed().as_secs_f64();
+
+            // The export.
+            let url = format!("{base_url}/export{nodes}");
+            let dests: Arc<dyn Destinations> = Arc::new(StorageDestinations::new(s3.clone()));
+            let mut views = Vec::new();
+            let mut tasks = Vec::new();
+            for (n, replica) in replicas.iter().take(nodes).enumerate() {
+                let parts: Arc<dyn LocalParts> =
+                    Arc::new(ReplicaSet::new(vec![Arc::clone(replica)]));
+                let config = ExporterConfig::new(format!("bench{n}"));
+                let exporter = Exporter::new(
+                    config,
+                    Arc::clone(&sessions),
+                    Arc::new(SystemClock),
+                    Cpu::BlockingPool,
+                    parts,
+                    Arc::clone(&dests),
+                );
+                views.push(exporter.subscribe());
+                tasks.push(tokio::spawn(exporter.run()));
+            }
+            // Mirrors loaded before the clock starts.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let requester_parts = ReplicaSet::new(vec![Arc::clone(&replicas[0])]);
+            let before = metrics.snapshot().total_round_trips();
+            let started = Instant::now();
+            let created = Requester {
+                session: &session,
+                sessions: sessions.as_ref(),
+                parts: &requester_parts,
+                destinations: dests.as_ref(),
+                replica_name: "bench0",
+                now_unix_millis: ferry_env::Clock::unix_micros(&SystemClock) / 1000,
+                random: nodes as u64,
+                commit_lsn: end,
+                wait: Duration::from_secs(30),
+            }
+            .export(&ExportRequest {
+                table: "bench".into(),
+                partition_id: "x".into(),
+                destination: url.clone(),
+                force: true,
+                settings: ExportSettings {
+                    parallelism: args.parallelism,
+                    ..ExportSettings::default()
+                },
+            })
+            .await
+            .with_context(|| format!("exporting to {url}"))?;
+            let view = &mut views[0];
+            let done =
+                loop {
+                    if let Some(t) = view.borrow_and_update().tasks.iter().find(|t| {
+                        t.transaction_id == created.transaction_id && t.status.is_terminal()
+                    }) {
+                        break t.clone();
+                    }
+                    tokio::time::timeout(Duration::from_secs(600), view.changed())
+                        .await
+                        .context("the export took over 10 minutes")??;
+                };
+            let secs = started.elapsed().as_secs_f64();
+            let trips = metrics.snapshot().total_round_trips() - before;
+            anyhow::ensure!(
+                done.status == TaskStatus::Completed,
+                "the export ended {}",
+                done.status
+            );
+            let shares: Vec<u64> = views
+                .iter()
+                .map(|v| v.borrow().counters.parts_exported)
+                .collect();
+            for t in tasks {
+                t.abort();
+            }
+            let mb = total as f64 / 1e6;
+            say!(
+                "bench export: {what}, {nodes} node(s) x {} parts at once: export {:.2} s = {:.0} MB/s; raw object_store writes of the same files {:.2} s = {:.0} MB/s; ratio {:.0}%; {:.2} coordination round trips per part (all nodes, request and commit included); parts per node {shares:?}",
+                args.parallelism,
+                secs,
+                mb / secs,
+                raw_secs,
+                mb / raw_secs,
+                100.0 * raw_secs / secs,
+                trips as f64 / created.parts_count as f64
+            );
+            // The counters are per exporter run: restart them per row.
+            let _ = shares;
+        }
+    }
+    session.close().await;
+    store.shutdown().await;
+    Ok(())
+}
