@@ -115,6 +115,12 @@ async fn check_file(
         .get_range(&f.path, size.saturating_sub(TAIL_BYTES)..size)
         .await?;
     let n = tail.len();
+    // The object may have changed since it was listed.
+    if n < 12 {
+        return Ok(Err(format!(
+            "{n} bytes read from the end of a {size}-byte file"
+        )));
+    }
     if &tail[n - 4..] != b"PAR1" {
         return Ok(Err("no Parquet footer".into()));
     }
