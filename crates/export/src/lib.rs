@@ -24,7 +24,10 @@ pub mod verify;
 pub mod worker;
 
 pub use dest::{Destination, PartFailure};
-pub use local::{Destinations, LocalParts, ReplicaSet, StorageDestinations};
+pub use local::{
+    Destinations, LocalParts, RemoteShards, ReplicaSet, SnapshotError, SnapshotRequest,
+    StorageDestinations,
+};
 pub use model::{ExportSettings, FileExistsPolicy, TaskKey, TaskStatus};
 pub use request::{Created, ExportRequest, RequestError, Requester};
 pub use worker::{Exporter, ExporterConfig, ExportsView, TaskView};

@@ -1,5 +1,6 @@
 //! What an exporting node has locally: its replicas' parts, and how it
-//! opens destinations.
+//! opens destinations. Shards this node holds no replica of are asked of
+//! a replica of that shard elsewhere, through [`RemoteShards`].
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -10,32 +11,71 @@ use ferry_replica::{PartMeta, PartName, SharedReplica, ALL_SHARDS};
 use ferry_storage::{Location, S3Settings, StorageError};
 use ferry_table::Table;
 use ferry_wal::Lsn;
+use serde::{Deserialize, Serialize};
 
 use crate::dest::SourcePart;
+
+/// What a snapshot reads, and the pin it takes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotRequest {
+    pub table: Table,
+    /// One partition's active parts, or every active part of the table.
+    pub partition_id: Option<String>,
+    /// Every record below this position is applied before the parts are listed.
+    pub at: Lsn,
+    /// How long the wait for `at` may take.
+    pub wait_ms: u64,
+    /// The export whose pin keeps the listed parts alive across merges.
+    pub pin: Option<String>,
+}
+
+impl SnapshotRequest {
+    pub fn wait(&self) -> Duration {
+        Duration::from_millis(self.wait_ms)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+pub enum SnapshotError {
+    /// The replicas did not apply `at` in time; the position one reached.
+    #[error("a replica reached {reached} only")]
+    Behind { reached: Lsn },
+    /// No replica of some shard could answer.
+    #[error("{0}")]
+    NotHeld(String),
+}
 
 /// The parts a node holds, through its replicas.
 #[async_trait]
 pub trait LocalParts: Send + Sync {
-    /// Waits until the replicas a snapshot of `table` reads have applied
-    /// everything below `lsn`; on timeout, the position they reached.
-    async fn wait_applied(&self, table: &Table, lsn: Lsn, timeout: Duration) -> Result<(), Lsn>;
+    /// Waits until replicas of every shard of the table have applied
+    /// `req.at`, then lists the active parts (across all shards) and pins
+    /// them under `req.pin` where they are held.
+    async fn snapshot(&self, req: &SnapshotRequest) -> Result<Vec<PartMeta>, SnapshotError>;
 
-    /// The active parts of a partition across all of the table's shards.
-    async fn snapshot(&self, table: &Table, partition_id: &str) -> Result<Vec<PartMeta>, String>;
-
-    /// The table's partitions with active parts, across its shards.
-    async fn partitions(&self, table: &Table) -> Result<Vec<String>, String> {
-        let mut ids = std::collections::BTreeSet::new();
-        for p in self.all_parts(table).await? {
-            if p.rows > 0 {
-                ids.insert(p.name.partition_id);
-            }
-        }
+    /// The table's partitions with rows, across its shards, as of `at`.
+    async fn partitions(
+        &self,
+        table: &Table,
+        at: Lsn,
+        wait: Duration,
+    ) -> Result<Vec<String>, SnapshotError> {
+        let parts = self
+            .snapshot(&SnapshotRequest {
+                table: table.clone(),
+                partition_id: None,
+                at,
+                wait_ms: wait.as_millis() as u64,
+                pin: None,
+            })
+            .await?;
+        let ids: std::collections::BTreeSet<String> = parts
+            .into_iter()
+            .filter(|p| p.rows > 0)
+            .map(|p| p.name.partition_id)
+            .collect();
         Ok(ids.into_iter().collect())
     }
-
-    /// Every active part of a table across its shards.
-    async fn all_parts(&self, table: &Table) -> Result<Vec<PartMeta>, String>;
 
     /// A part to export, active or kept by a pin, if a replica here holds it.
     async fn find(&self, table_id: u64, name: &PartName) -> Option<SourcePart>;
@@ -48,89 +88,189 @@ pub trait LocalParts: Send + Sync {
         names: &[PartName],
     ) -> Result<(), String>;
 
+    /// Releases an export's pins on the replicas here.
     async fn unpin(&self, transaction_id: &str) -> Result<(), String>;
+
+    /// Releases the pins a snapshot took, here and on the nodes it asked
+    /// (a request whose task was not created).
+    async fn release_snapshot(&self, transaction_id: &str) -> Result<(), String> {
+        self.unpin(transaction_id).await
+    }
 
     /// Exports holding pins on some replica here.
     async fn pinned(&self) -> Vec<String>;
 }
 
-/// The replicas of a node.
+/// Replicas of shards a node does not hold, elsewhere in the cluster.
+#[async_trait]
+pub trait RemoteShards: Send + Sync {
+    /// A snapshot of one shard taken by a live replica of it.
+    async fn snapshot(
+        &self,
+        shard: u32,
+        req: &SnapshotRequest,
+    ) -> Result<Vec<PartMeta>, SnapshotError>;
+
+    /// Releases an export's pins on every replica of the cluster that answers.
+    async fn unpin(&self, transaction_id: &str) -> Result<(), String>;
+}
+
+/// The replicas of a node, and where the shards it lacks are asked.
 pub struct ReplicaSet {
     replicas: Vec<SharedReplica>,
+    remote: Option<Arc<dyn RemoteShards>>,
 }
 
 impl ReplicaSet {
     pub fn new(replicas: Vec<SharedReplica>) -> ReplicaSet {
-        ReplicaSet { replicas }
+        ReplicaSet {
+            replicas,
+            remote: None,
+        }
     }
 
-    /// One replica per shard of the table: a replica of every shard if
-    /// there is one, else the first replica of each shard.
-    async fn covering(&self, table: &Table) -> Result<Vec<SharedReplica>, String> {
+    /// Shards held by no replica here are snapshotted through `remote`.
+    pub fn with_remote(mut self, remote: Arc<dyn RemoteShards>) -> ReplicaSet {
+        self.remote = Some(remote);
+        self
+    }
+
+    /// The replicas here by shard of a table with `shards` shards.
+    async fn held(&self, shards: u32) -> Held {
         let mut by_shard: BTreeMap<u32, SharedReplica> = BTreeMap::new();
         for r in &self.replicas {
             let shard = r.lock().await.subscribe().borrow().shard;
             if shard == ALL_SHARDS {
-                return Ok(vec![Arc::clone(r)]);
+                return Held::All(Arc::clone(r));
             }
-            by_shard.entry(shard).or_insert_with(|| Arc::clone(r));
-        }
-        let shards = table.def.shard_by.shards;
-        let mut out = Vec::new();
-        for s in 0..shards {
-            match by_shard.get(&s) {
-                Some(r) => out.push(Arc::clone(r)),
-                None => {
-                    return Err(format!(
-                        "table {} has {shards} shards and this node holds no replica of shard {s}; \
-                         send the export to a node that holds every shard (exports from single-shard \
-                         replicas are not implemented yet)",
-                        table.def.name
-                    ))
-                }
+            if shard < shards {
+                by_shard.entry(shard).or_insert_with(|| Arc::clone(r));
             }
         }
-        Ok(out)
+        Held::Shards(by_shard)
     }
-}
 
-#[async_trait]
-impl LocalParts for ReplicaSet {
-    async fn wait_applied(&self, table: &Table, lsn: Lsn, timeout: Duration) -> Result<(), Lsn> {
-        let Ok(replicas) = self.covering(table).await else {
-            return Err(Lsn(0));
+    /// A snapshot of the given shards from the replicas here only (what a
+    /// node answers for another node's request).
+    pub async fn snapshot_local(
+        &self,
+        req: &SnapshotRequest,
+        shards: &[u32],
+    ) -> Result<Vec<PartMeta>, SnapshotError> {
+        let all = req.table.def.shard_by.shards;
+        let replicas: Vec<SharedReplica> = match self.held(all).await {
+            // A replica of every shard mixes their rows in its parts: it
+            // answers for the whole table only.
+            Held::All(r) if (0..all).all(|s| shards.contains(&s)) => vec![r],
+            Held::All(_) => {
+                return Err(SnapshotError::NotHeld(format!(
+                    "this node's replica holds every shard of table {} in common parts; \
+                     it cannot list some shards alone",
+                    req.table.def.name
+                )))
+            }
+            Held::Shards(held) => {
+                let mut out = Vec::new();
+                for s in shards {
+                    let Some(r) = held.get(s) else {
+                        return Err(SnapshotError::NotHeld(format!(
+                            "this node holds no replica of shard {s} of table {}",
+                            req.table.def.name
+                        )));
+                    };
+                    out.push(Arc::clone(r));
+                }
+                out
+            }
         };
-        let deadline = tokio::time::Instant::now() + timeout;
-        for r in replicas {
+        let deadline = tokio::time::Instant::now() + req.wait();
+        for r in &replicas {
             let mut status = r.lock().await.subscribe();
             loop {
                 let at = status.borrow_and_update().disk_consistent_lsn;
-                if at >= lsn {
+                if at >= req.at {
                     break;
                 }
                 match tokio::time::timeout_at(deadline, status.changed()).await {
                     Ok(Ok(())) => {}
-                    _ => return Err(at),
+                    _ => return Err(SnapshotError::Behind { reached: at }),
                 }
             }
         }
-        Ok(())
-    }
-
-    async fn snapshot(&self, table: &Table, partition_id: &str) -> Result<Vec<PartMeta>, String> {
-        let mut parts = self.all_parts(table).await?;
-        parts.retain(|p| p.name.partition_id == partition_id);
+        let mut parts = Vec::new();
+        for r in &replicas {
+            parts.extend(r.lock().await.parts(req.table.id).into_iter().filter(|p| {
+                req.partition_id
+                    .as_deref()
+                    .is_none_or(|id| p.name.partition_id == id)
+            }));
+        }
+        parts.sort_by(|a, b| a.name.cmp(&b.name));
+        parts.dedup_by(|a, b| a.name == b.name);
+        if let Some(tx) = &req.pin {
+            let names: Vec<PartName> = parts.iter().map(|p| p.name.clone()).collect();
+            self.pin(tx, req.table.id, &names).await.map_err(|e| {
+                SnapshotError::NotHeld(format!("pinning the snapshot's parts: {e}"))
+            })?;
+        }
         Ok(parts)
     }
+}
 
-    async fn all_parts(&self, table: &Table) -> Result<Vec<PartMeta>, String> {
-        let mut parts = Vec::new();
-        for r in self.covering(table).await? {
-            parts.extend(r.lock().await.parts(table.id));
+enum Held {
+    /// A replica of every shard (`ferry dev`).
+    All(SharedReplica),
+    /// One replica per shard held.
+    Shards(BTreeMap<u32, SharedReplica>),
+}
+
+#[async_trait]
+impl LocalParts for ReplicaSet {
+    async fn snapshot(&self, req: &SnapshotRequest) -> Result<Vec<PartMeta>, SnapshotError> {
+        let all = req.table.def.shard_by.shards;
+        let held: Vec<u32> = match self.held(all).await {
+            Held::All(_) => (0..all).collect(),
+            Held::Shards(h) => h.keys().copied().collect(),
+        };
+        let missing: Vec<u32> = (0..all).filter(|s| !held.contains(s)).collect();
+        if !missing.is_empty() && self.remote.is_none() {
+            return Err(SnapshotError::NotHeld(format!(
+                "table {} has {all} shards and this node holds no replica of shard {}; \
+                 send the export to a node that holds every shard",
+                req.table.def.name, missing[0]
+            )));
+        }
+        let mut parts = if held.is_empty() {
+            Vec::new()
+        } else {
+            self.snapshot_local(req, &held).await?
+        };
+        if let Some(remote) = &self.remote {
+            for s in missing {
+                match remote.snapshot(s, req).await {
+                    Ok(p) => parts.extend(p),
+                    Err(e) => {
+                        if let Some(tx) = &req.pin {
+                            if let Err(u) = self.release_snapshot(tx).await {
+                                tracing::warn!(transaction_id = %tx, error = %u, "could not release a failed snapshot's pins");
+                            }
+                        }
+                        return Err(e);
+                    }
+                }
+            }
         }
         parts.sort_by(|a, b| a.name.cmp(&b.name));
         parts.dedup_by(|a, b| a.name == b.name);
         Ok(parts)
+    }
+
+    async fn release_snapshot(&self, transaction_id: &str) -> Result<(), String> {
+        self.unpin(transaction_id).await?;
+        match &self.remote {
+            Some(remote) => remote.unpin(transaction_id).await,
+            None => Ok(()),
+        }
     }
 
     async fn find(&self, table_id: u64, name: &PartName) -> Option<SourcePart> {

@@ -84,6 +84,12 @@ pub fn transaction_id(unix_millis: u64, random: u64) -> String {
     format!("{unix_millis:013}-{random:016x}")
 }
 
+/// When a transaction was made (Unix milliseconds), if the id is well formed.
+pub fn transaction_millis(id: &str) -> Option<u64> {
+    check_transaction_id(id).ok()?;
+    id[..13].parse().ok()
+}
+
 pub fn check_transaction_id(id: &str) -> Result<(), IdError> {
     let ok = id.len() == 30
         && id.as_bytes()[13] == b'-'

@@ -4,13 +4,12 @@
 use std::time::Duration;
 
 use ferry_coord::{CoordError, CreateMode, Op, Session};
-use ferry_replica::PartName;
 use ferry_table::Table;
 use ferry_wal::Lsn;
 use serde::{Deserialize, Serialize};
 
 use crate::dest::Destination;
-use crate::local::{Destinations, LocalParts};
+use crate::local::{Destinations, LocalParts, SnapshotError, SnapshotRequest};
 use crate::model::{
     check_name, check_transaction_id, chunk_parts, exports_path, table_path, ExportSettings,
     Metadata, SnapshotPart, TaskKey, TaskStatus, MAX_PARTS, METADATA_FORMAT,
@@ -123,20 +122,58 @@ impl Requester<'_> {
         let table = self.table(&req.table).await?;
         let key = TaskKey::new(&req.table, &req.partition_id, destination.url());
 
-        // Everything acknowledged before the request is applied here.
-        self.parts
-            .wait_applied(&table, self.commit_lsn, self.wait)
+        // Everything acknowledged before the request is applied by the
+        // replicas the snapshot reads, which pin the parts they list.
+        let transaction_id = crate::model::transaction_id(self.now_unix_millis, self.random);
+        check_transaction_id(&transaction_id).map_err(|e| bad(e.to_string()))?;
+        let snapshot = self
+            .parts
+            .snapshot(&SnapshotRequest {
+                table: table.clone(),
+                partition_id: Some(req.partition_id.clone()),
+                at: self.commit_lsn,
+                wait_ms: self.wait.as_millis() as u64,
+                pin: Some(transaction_id.clone()),
+            })
             .await
-            .map_err(|reached| RequestError::Behind {
+            .map_err(|e| self.snapshot_error(e))?;
+        match self
+            .create_task(req, &table, &destination, key, &transaction_id, &snapshot)
+            .await
+        {
+            Ok(created) => Ok(created),
+            Err(e) => {
+                // Pins of a task that does not exist; a node that misses
+                // this releases them once they are old (worker).
+                if let Err(u) = self.parts.release_snapshot(&transaction_id).await {
+                    tracing::warn!(%transaction_id, error = %u, "could not release the snapshot's pins");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn snapshot_error(&self, e: SnapshotError) -> RequestError {
+        match e {
+            SnapshotError::Behind { reached } => RequestError::Behind {
                 reached,
                 needed: self.commit_lsn,
                 waited: self.wait,
-            })?;
-        let snapshot = self
-            .parts
-            .snapshot(&table, &req.partition_id)
-            .await
-            .map_err(RequestError::NotHeld)?;
+            },
+            SnapshotError::NotHeld(m) => RequestError::NotHeld(m),
+        }
+    }
+
+    async fn create_task(
+        &self,
+        req: &ExportRequest,
+        table: &Table,
+        destination: &Destination,
+        key: TaskKey,
+        transaction_id: &str,
+        snapshot: &[ferry_replica::PartMeta],
+    ) -> Result<Created, RequestError> {
+        let bad = |e: String| RequestError::BadRequest(e);
         let rows: u64 = snapshot.iter().map(|p| p.rows).sum();
         if rows == 0 {
             return Err(RequestError::EmptyPartition {
@@ -176,7 +213,7 @@ impl Requester<'_> {
                     self.sessions,
                     &key,
                     Some(&existing.transaction_id),
-                    &destination,
+                    destination,
                     "replaced by a forced export",
                 )
                 .await
@@ -188,10 +225,8 @@ impl Requester<'_> {
             task::remove(self.session, &key).await?;
         }
 
-        let transaction_id = crate::model::transaction_id(self.now_unix_millis, self.random);
-        check_transaction_id(&transaction_id).map_err(|e| bad(e.to_string()))?;
         destination
-            .probe(&transaction_id)
+            .probe(transaction_id)
             .await
             .map_err(|e| RequestError::Destination {
                 url: destination.url().to_string(),
@@ -206,12 +241,11 @@ impl Requester<'_> {
                 checksum: p.checksum,
             })
             .collect();
-        let names: Vec<PartName> = snapshot.iter().map(|p| p.name.clone()).collect();
         let chunks = chunk_parts(&parts);
-        let partition_dir = partition_dir(&table, &req.partition_id);
+        let partition_dir = partition_dir(table, &req.partition_id);
         let metadata = Metadata {
             format: METADATA_FORMAT,
-            transaction_id: transaction_id.clone(),
+            transaction_id: transaction_id.to_string(),
             table: req.table.clone(),
             table_id: table.id,
             partition_id: req.partition_id.clone(),
@@ -225,17 +259,10 @@ impl Requester<'_> {
             parts_chunks: chunks.len() as u32,
             settings: req.settings.clone(),
         };
-        // Pinned before the task exists, so no merge here removes a part it
-        // names; released if the task is not created.
-        self.parts
-            .pin(&transaction_id, table.id, &names)
-            .await
-            .map_err(|e| RequestError::NotHeld(format!("pinning the snapshot's parts: {e}")))?;
         ferry_coord::create_all(self.session.as_ref(), &exports_path(&req.table)).await?;
         match create(self.session, &key, &metadata, &parts, chunks).await {
             Ok(()) => {}
             Err(e) => {
-                let _ = self.parts.unpin(&transaction_id).await;
                 return Err(match e {
                     CoordError::NodeExists { .. } => RequestError::AlreadyExists {
                         table: req.table.clone(),
@@ -250,7 +277,7 @@ impl Requester<'_> {
         }
         tracing::info!(task = %key, %transaction_id, parts = parts.len(), rows, "export created");
         Ok(Created {
-            transaction_id,
+            transaction_id: transaction_id.to_string(),
             key,
             parts_count: parts.len() as u64,
             rows,

@@ -244,9 +244,9 @@ impl Exporter {
                 uploads: JoinSet::new(),
                 cleanup_locks: BTreeMap::new(),
                 counters: std::mem::take(&mut counters),
-                pins_reconciled: false,
                 creating: BTreeSet::new(),
                 retry_events: Vec::new(),
+                mirror_complete: false,
                 events: events_tx,
                 events_rx: Some(events_rx),
             };
@@ -268,11 +268,12 @@ struct Run<'a> {
     uploads: JoinSet<Done>,
     cleanup_locks: BTreeMap<String, HeldLock>,
     counters: ExporterCounters,
-    pins_reconciled: bool,
     /// Tasks without status yet whose status creation is watched.
     creating: BTreeSet<TaskKey>,
     /// Events whose handling failed, handled again at the next tick.
     retry_events: Vec<Event>,
+    /// The last load saw every task (pins are released only then).
+    mirror_complete: bool,
     events: mpsc::Sender<Event>,
     events_rx: Option<mpsc::Receiver<Event>>,
 }
@@ -280,6 +281,10 @@ struct Run<'a> {
 /// Events waiting at once (watches fire at most once each; this bounds the
 /// forwarding tasks' sends, not their number).
 const EVENT_QUEUE: usize = 4096;
+
+/// Age past which a pin without a PENDING task is released (see
+/// `load_tables`).
+pub const ORPHAN_PIN_AGE: Duration = Duration::from_secs(600);
 
 fn forward(tx: &mpsc::Sender<Event>, watch: Watch, event: Event) {
     let tx = tx.clone();
@@ -432,6 +437,7 @@ impl Run<'_> {
         };
         forward(tx, watch, Event::Tables);
         self.tables = tables.iter().cloned().collect();
+        self.mirror_complete = true;
         for t in tables {
             self.load_exports(&t).await?;
         }
@@ -445,23 +451,30 @@ impl Run<'_> {
         for k in gone {
             self.forget(&k).await;
         }
-        if !self.pins_reconciled {
-            // Pins of exports that no longer exist (removed while this node
-            // was down) are released once the mirror is complete.
-            let live: BTreeSet<String> = self
-                .tasks
-                .values()
-                .filter(|t| t.status == TaskStatus::Pending)
-                .map(|t| t.metadata.transaction_id.clone())
-                .collect();
-            for tx_id in self.ex.parts.pinned().await {
-                if !live.contains(&tx_id) {
-                    if let Err(e) = self.ex.parts.unpin(&tx_id).await {
-                        tracing::warn!(transaction_id = %tx_id, error = %e, "could not release pins");
-                    }
+        // Pins of exports that do not exist: removed while this node was
+        // down, or taken by a request whose task was never created (the
+        // requester died before releasing them). A request creates its task
+        // within seconds of its transaction id's time, so a pin older than
+        // ORPHAN_PIN_AGE without a PENDING task in the complete mirror is
+        // an orphan.
+        let live: BTreeSet<String> = self
+            .tasks
+            .values()
+            .filter(|t| t.status == TaskStatus::Pending)
+            .map(|t| t.metadata.transaction_id.clone())
+            .collect();
+        if !self.mirror_complete {
+            return Ok(());
+        }
+        let now_ms = self.ex.clock.unix_micros() / 1000;
+        for tx_id in self.ex.parts.pinned().await {
+            let old = crate::model::transaction_millis(&tx_id)
+                .is_none_or(|ms| ms + ORPHAN_PIN_AGE.as_millis() as u64 <= now_ms);
+            if !live.contains(&tx_id) && old {
+                if let Err(e) = self.ex.parts.unpin(&tx_id).await {
+                    tracing::warn!(transaction_id = %tx_id, error = %e, "could not release pins");
                 }
             }
-            self.pins_reconciled = true;
         }
         Ok(())
     }
@@ -533,6 +546,7 @@ impl Run<'_> {
                 continue;
             }
             if self.tasks.len() >= self.ex.config.max_tasks {
+                self.mirror_complete = false;
                 break;
             }
             // One task that cannot be read (being removed, damaged) does not
@@ -542,7 +556,10 @@ impl Run<'_> {
                 Err(e) if is_session_end(&e) || matches!(e, CoordError::ConnectionLoss { .. }) => {
                     return Err(e)
                 }
-                Err(e) => tracing::debug!(task = %key, error = %e, "export task not loaded"),
+                Err(e) => {
+                    self.mirror_complete = false;
+                    tracing::debug!(task = %key, error = %e, "export task not loaded");
+                }
             }
         }
         Ok(())

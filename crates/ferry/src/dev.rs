@@ -277,16 +277,15 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     );
     let mut export_views = Vec::new();
     let mut export_tasks = Vec::new();
-    let mut request_parts: Option<Arc<dyn ferry_export::LocalParts>> = None;
+    let mut request_parts: Option<Arc<ferry_export::ReplicaSet>> = None;
     for (r, shared) in replicas.iter().enumerate() {
-        let parts: Arc<dyn ferry_export::LocalParts> =
-            Arc::new(ferry_export::ReplicaSet::new(vec![Arc::clone(shared)]));
+        let parts = Arc::new(ferry_export::ReplicaSet::new(vec![Arc::clone(shared)]));
         let exporter = ferry_export::Exporter::new(
             ferry_export::ExporterConfig::new(format!("dev-r{r}")),
             Arc::clone(&sessions) as Arc<dyn ferry_coord::SessionFactory>,
             Arc::new(ferry_env::SystemClock),
             ferry_env::Cpu::BlockingPool,
-            Arc::clone(&parts),
+            Arc::clone(&parts) as Arc<dyn ferry_export::LocalParts>,
             Arc::clone(&destinations),
         );
         export_views.push(exporter.subscribe());
@@ -297,19 +296,22 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         request_parts.get_or_insert(parts);
     }
     let commit_writer = Arc::clone(&quorum.writer);
+    let request_parts = request_parts.context("no replica")?;
     let export_api = Arc::new(crate::exports::ExportApi {
         session: Arc::clone(&session),
         sessions: Arc::clone(&sessions) as Arc<dyn ferry_coord::SessionFactory>,
-        parts: request_parts.context("no replica")?,
+        parts: Arc::clone(&request_parts) as Arc<dyn ferry_export::LocalParts>,
+        local: request_parts,
         destinations: Arc::clone(&destinations),
         replica_name: "dev-r0".into(),
         clock: Arc::new(ferry_env::SystemClock),
         commit_lsn: Arc::new(move || {
-            commit_writer
+            let lsn = commit_writer
                 .status()
                 .commit_lsn
                 .parse()
-                .unwrap_or_default()
+                .map_err(|e| format!("the writer's commit_lsn: {e}"));
+            Box::pin(async move { lsn })
         }),
         view: export_views[0].clone(),
     });

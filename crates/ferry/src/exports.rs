@@ -7,6 +7,13 @@
 //! POST /exports/kill   {transaction_id} or {table, partition_id, destination}
 //!                      → {status}
 //! ```
+//!
+//! and, between nodes of the distributed deployment (`crate::peers`):
+//!
+//! ```text
+//! POST /exports/shard-snapshot  {shard, request}  → {parts: [...]} | {failed: ...}
+//! POST /exports/unpin           {transaction_id}  → {}
+//! ```
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,11 +42,13 @@ pub struct ExportApi {
     /// Kills run in sessions of their own.
     pub sessions: Arc<dyn ferry_coord::SessionFactory>,
     pub parts: Arc<dyn LocalParts>,
+    /// This node's own replicas, for other nodes' shard snapshots.
+    pub local: Arc<ferry_export::ReplicaSet>,
     pub destinations: Arc<dyn Destinations>,
     pub replica_name: String,
     pub clock: Arc<dyn Clock>,
     /// The commit position now (everything acknowledged is below it).
-    pub commit_lsn: Arc<dyn Fn() -> Lsn + Send + Sync>,
+    pub commit_lsn: CommitPosition,
     pub view: watch::Receiver<ExportsView>,
 }
 
@@ -83,11 +92,57 @@ pub struct KillResult {
     pub status: String,
 }
 
+/// Where a node learns the commit position when a request arrives.
+pub type CommitPosition =
+    Arc<dyn Fn() -> futures::future::BoxFuture<'static, Result<Lsn, String>> + Send + Sync>;
+
 pub fn router(api: Arc<ExportApi>) -> Router {
     Router::new()
         .route("/exports", get(list).post(create))
         .route("/exports/kill", post(kill))
+        .route("/exports/shard-snapshot", post(shard_snapshot))
+        .route("/exports/unpin", post(unpin))
         .with_state(api)
+}
+
+/// Another node's snapshot of a shard held here (it waits for the
+/// request's position and pins the parts it lists).
+async fn shard_snapshot(
+    State(api): State<Arc<ExportApi>>,
+    body: Result<Json<crate::peers::ShardSnapshotBody>, axum::extract::rejection::JsonRejection>,
+) -> Result<Json<crate::peers::ShardSnapshotAnswer>, ApiError> {
+    let Json(body) =
+        body.map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", e.body_text()))?;
+    if let Some(tx) = &body.request.pin {
+        check_transaction_id(tx)
+            .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", e.to_string()))?;
+    }
+    let wait = Duration::from_millis(body.request.wait_ms).min(APPLY_WAIT);
+    let request = ferry_export::SnapshotRequest {
+        wait_ms: wait.as_millis() as u64,
+        ..body.request
+    };
+    Ok(Json(
+        match api.local.snapshot_local(&request, &[body.shard]).await {
+            Ok(parts) => crate::peers::ShardSnapshotAnswer::Parts(parts),
+            Err(e) => crate::peers::ShardSnapshotAnswer::Failed(e),
+        },
+    ))
+}
+
+/// Releases the pins of a request whose task was not created.
+async fn unpin(
+    State(api): State<Arc<ExportApi>>,
+    body: Result<Json<crate::peers::UnpinBody>, axum::extract::rejection::JsonRejection>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let bad = |m: String| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", m);
+    let Json(body) = body.map_err(|e| bad(e.body_text()))?;
+    check_transaction_id(&body.transaction_id).map_err(|e| bad(e.to_string()))?;
+    api.local
+        .unpin(&body.transaction_id)
+        .await
+        .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unpin", e))?;
+    Ok(Json(serde_json::json!({})))
 }
 
 async fn list(State(api): State<Arc<ExportApi>>) -> Json<ExportsView> {
@@ -114,7 +169,13 @@ async fn create(
 ) -> Result<(StatusCode, Json<CreatedBody>), ApiError> {
     let Json(body) =
         body.map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", e.body_text()))?;
-    let commit_lsn = (api.commit_lsn)();
+    let commit_lsn = (api.commit_lsn)().await.map_err(|e| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "commit_position",
+            format!("cannot learn the commit position: {e}"),
+        )
+    })?;
     let requester = Requester {
         session: &api.session,
         sessions: api.sessions.as_ref(),
@@ -130,25 +191,20 @@ async fn create(
         (Some(p), false) => vec![p.clone()],
         (None, true) => {
             let table = requester.table(&body.table).await.map_err(request_error)?;
-            let mut ids: Vec<String> = Vec::new();
-            api.parts
-                .wait_applied(&table, commit_lsn, APPLY_WAIT)
+            let ids = api
+                .parts
+                .partitions(&table, commit_lsn, APPLY_WAIT)
                 .await
-                .map_err(|reached| {
-                    request_error(RequestError::Behind {
-                        reached,
-                        needed: commit_lsn,
-                        waited: APPLY_WAIT,
+                .map_err(|e| {
+                    request_error(match e {
+                        ferry_export::SnapshotError::Behind { reached } => RequestError::Behind {
+                            reached,
+                            needed: commit_lsn,
+                            waited: APPLY_WAIT,
+                        },
+                        ferry_export::SnapshotError::NotHeld(m) => RequestError::NotHeld(m),
                     })
                 })?;
-            for p in api
-                .parts
-                .partitions(&table)
-                .await
-                .map_err(|e| request_error(RequestError::NotHeld(e)))?
-            {
-                ids.push(p);
-            }
             if ids.is_empty() {
                 return Err(ApiError::new(
                     StatusCode::BAD_REQUEST,

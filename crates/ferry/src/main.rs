@@ -13,6 +13,7 @@ mod api;
 mod bench;
 mod bench_export;
 mod bench_ingest;
+mod bench_scale;
 mod client_cmd;
 mod cluster;
 mod config;
@@ -25,6 +26,7 @@ mod local;
 mod lockfile;
 mod metrics;
 mod paths;
+mod peers;
 mod reads;
 mod roles;
 
@@ -125,6 +127,11 @@ enum BenchCommand {
     /// by 1 and 2 nodes next to raw object_store writes of the same files,
     /// and coordination round trips per part.
     Export(bench_export::ExportBenchArgs),
+    /// Partition export at scale: 100,000 one-row parts shared by 16
+    /// exporters on ZooKeeper (--zookeeper) or the embedded store; the
+    /// largest node, round trips per part, the status listing's cost, the
+    /// wall time.
+    ExportScale(bench_scale::ScaleBenchArgs),
 }
 
 /// Runs `ferry-sim` from beside this binary with `args`, in place of this
@@ -209,6 +216,7 @@ fn main() -> anyhow::Result<()> {
                 BenchCommand::Wal(args) => bench::wal(args).await,
                 BenchCommand::Ingest(args) => bench_ingest::ingest(args).await,
                 BenchCommand::Export(args) => bench_export::export(args).await,
+                BenchCommand::ExportScale(args) => bench_scale::export_scale(args).await,
             },
         }
     })

@@ -199,10 +199,12 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
     };
     let mut router = axum::Router::new();
     let mut recorder = None;
+    let mut writer_catalog = None;
     if let Some((sessions, session, _)) = &coordination {
         let catalog = ferry_ingest::Catalog::open(Arc::clone(sessions))
             .await
             .context("opening the table catalog")?;
+        writer_catalog = Some(catalog.clone());
         let ingest_metrics = ferry_ingest::IngestMetrics::register(&mut registry);
         let api = ferry_ingest::Api::new(
             catalog,
@@ -226,6 +228,20 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
     });
     let router = router.merge(crate::http::node_routes(status_route, Arc::new(metrics)));
     let http = crate::http::serve(http_listener, router, token)?;
+    // Registered so that export requests on replicas can ask the commit
+    // position (crate::peers).
+    let registration = writer_catalog.map(|catalog| {
+        let registered_http = http.addr.clone();
+        tokio::spawn(crate::peers::register(
+            catalog,
+            crate::peers::writer_node(&http.addr),
+            writer.subscribe(),
+            move |_| crate::peers::Registration {
+                http: registered_http.clone(),
+                disk_consistent_lsn: None,
+            },
+        ))
+    });
     say!(
         "writer for {n} safekeepers started, status on http://{}/status{}",
         http.addr,
@@ -252,6 +268,9 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
     http.stop().await;
     elections.abort();
     if let Some(r) = recorder {
+        r.abort();
+    }
+    if let Some(r) = registration {
         r.abort();
     }
     outcome?;
@@ -334,12 +353,6 @@ pub struct ReplicaArgs {
 /// How long a part a merge replaced stays on disk for readers that listed it.
 pub const REPLACED_PART_GRACE: std::time::Duration = std::time::Duration::from_secs(60);
 
-/// Coordination node of a live replica (ephemeral: it vanishes with the
-/// replica's session).
-pub fn replica_node(shard: u32, replica: u32) -> String {
-    format!("/ferry/replicas/s{shard}r{replica}")
-}
-
 pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
     let mut shutdown = crate::dev::ShutdownSignal::install()?;
     anyhow::ensure!(
@@ -397,6 +410,52 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
         catalog: catalog.clone(),
         replicas: vec![Arc::clone(&shared)],
     });
+    // Exports: this replica's exporter, and requests that snapshot the
+    // other shards through their replicas (crate::peers).
+    let node = crate::peers::replica_node(args.shard, args.replica);
+    let peers = Arc::new(crate::peers::Peers {
+        catalog: catalog.clone(),
+        token: args.api_token.clone().filter(|t| !t.is_empty()),
+        own_node: node.clone(),
+    });
+    let local_parts = Arc::new(ferry_export::ReplicaSet::new(vec![Arc::clone(&shared)]));
+    let request_parts: Arc<dyn ferry_export::LocalParts> = Arc::new(
+        ferry_export::ReplicaSet::new(vec![Arc::clone(&shared)])
+            .with_remote(Arc::clone(&peers) as Arc<dyn ferry_export::RemoteShards>),
+    );
+    let destinations: Arc<dyn ferry_export::Destinations> = Arc::new(
+        ferry_export::StorageDestinations::new(ferry_storage::S3Settings::default()),
+    );
+    let exporter_name = format!("s{}r{}", args.shard, args.replica);
+    let exporter = ferry_export::Exporter::new(
+        ferry_export::ExporterConfig::new(exporter_name.clone()),
+        Arc::clone(&sessions),
+        Arc::new(ferry_env::SystemClock),
+        ferry_env::Cpu::BlockingPool,
+        Arc::clone(&local_parts) as Arc<dyn ferry_export::LocalParts>,
+        Arc::clone(&destinations),
+    );
+    let export_view = exporter.subscribe();
+    let exports = tokio::spawn(exporter.run());
+    let export_session = catalog
+        .session()
+        .await
+        .context("opening a coordination session for export requests")?;
+    let commit_peers = Arc::clone(&peers);
+    let export_api = Arc::new(crate::exports::ExportApi {
+        session: export_session,
+        sessions: Arc::clone(&sessions),
+        parts: request_parts,
+        local: local_parts,
+        destinations,
+        replica_name: exporter_name.clone(),
+        clock: Arc::new(ferry_env::SystemClock),
+        commit_lsn: Arc::new(move || {
+            let peers = Arc::clone(&commit_peers);
+            Box::pin(async move { peers.commit_lsn().await })
+        }),
+        view: export_view.clone(),
+    });
     let status_replica = status_rx.clone();
     let status = move || {
         let s = status_replica.borrow().clone();
@@ -407,17 +466,25 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
     let metrics = crate::metrics::NodeMetrics::new(Default::default(), move || {
         let mut out = crate::metrics::replica(&sampled.borrow());
         out.extend(crate::metrics::coordination(&sampled_coord));
+        out.extend(crate::metrics::exporter(
+            &exporter_name,
+            &export_view.borrow(),
+        ));
         Box::pin(async move { out })
     });
-    let router =
-        crate::reads::router(reads).merge(crate::http::node_routes(status, Arc::new(metrics)));
+    let router = crate::reads::router(reads)
+        .merge(crate::exports::router(export_api))
+        .merge(crate::http::node_routes(status, Arc::new(metrics)));
     let http = crate::http::serve(http_listener, router, token)?;
-    let node = replica_node(args.shard, args.replica);
-    let registration = tokio::spawn(register(
+    let registered_http = http.addr.clone();
+    let registration = tokio::spawn(crate::peers::register(
         catalog.clone(),
         node.clone(),
-        http.addr.clone(),
         status_rx.clone(),
+        move |s: &ferry_replica::ReplicaStatus| crate::peers::Registration {
+            http: registered_http.clone(),
+            disk_consistent_lsn: Some(s.disk_consistent_lsn.to_string()),
+        },
     ));
     say!(
         "replica {} of shard {} streaming from {}, reads and status on http://{}/status, registered as {node}",
@@ -435,6 +502,7 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
     };
     stream.abort();
     merges.abort();
+    exports.abort();
     registration.abort();
     http.stop().await;
     let _ = status_rx.borrow_and_update();
@@ -445,65 +513,4 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
         status_rx.borrow().disk_consistent_lsn
     );
     Ok(())
-}
-
-/// Keeps the replica's ephemeral node in coordination: its HTTP address and
-/// applied LSN, written again when they change (at most every second) and
-/// made again on a new session after an expiry.
-async fn register(
-    catalog: ferry_ingest::Catalog,
-    node: String,
-    http: String,
-    mut status: tokio::sync::watch::Receiver<ferry_replica::ReplicaStatus>,
-) {
-    let mut written: Option<(i64, ferry_wal::Lsn)> = None;
-    loop {
-        let lsn = status.borrow_and_update().disk_consistent_lsn;
-        let result = async {
-            let session = catalog.session().await.map_err(|e| e.to_string())?;
-            let data = serde_json::to_vec(&serde_json::json!({
-                "http": http,
-                "disk_consistent_lsn": lsn.to_string(),
-            }))
-            .map_err(|e| e.to_string())?;
-            let id = session.session_id();
-            if written.map(|(s, _)| s) != Some(id) {
-                ferry_coord::create_all(&*session, "/ferry/replicas")
-                    .await
-                    .map_err(|e| e.to_string())?;
-                match session
-                    .create(&node, &data, ferry_coord::CreateMode::Ephemeral)
-                    .await
-                {
-                    Ok(_) => {}
-                    Err(ferry_coord::CoordError::NodeExists { .. }) => {
-                        // Left by this replica's previous session until it expires.
-                        return Err(format!("{node} is still held by an earlier session"));
-                    }
-                    Err(e) => return Err(e.to_string()),
-                }
-            } else if written.map(|(_, l)| l) != Some(lsn) {
-                session
-                    .set(&node, &data, None)
-                    .await
-                    .map_err(|e| e.to_string())?;
-            }
-            Ok::<_, String>(id)
-        }
-        .await;
-        match result {
-            Ok(id) => written = Some((id, lsn)),
-            Err(e) => tracing::warn!(node = %node, error = %e, "could not register the replica"),
-        }
-        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-        // Look again when the position moves, and every few seconds anyway
-        // (a session may have expired meanwhile).
-        if written.is_some() {
-            if let Ok(Err(_)) =
-                tokio::time::timeout(std::time::Duration::from_secs(5), status.changed()).await
-            {
-                return;
-            }
-        }
-    }
 }

@@ -192,6 +192,7 @@ fn the_distributed_writer_serves_inserts_and_refuses_a_younger_quorum() {
 
     // A replica per shard applies its shard's rows; together they hold all 4.
     let mut replicas = Vec::new();
+    let mut replica_urls = Vec::new();
     let mut total = 0;
     for shard in 0..2 {
         let (child, rurl) = start_replica(
@@ -201,6 +202,7 @@ fn the_distributed_writer_serves_inserts_and_refuses_a_younger_quorum() {
             &dir.path().join(format!("replica{shard}")),
         );
         replicas.push(child);
+        replica_urls.push(rurl.clone());
         let rc = Client::new(&rurl, None, Duration::from_secs(30)).expect("client");
         total += rt
             .block_on(rc.count("t", None, 0, Some(&second.commit_lsn)))
@@ -225,6 +227,84 @@ fn the_distributed_writer_serves_inserts_and_refuses_a_younger_quorum() {
         children
     });
     assert_eq!(registered, ["s0r0", "s1r0"], "replicas register themselves");
+
+    // An export sent to the replica of shard 0 snapshots shard 1 through its
+    // replica; each replica exports its shard's parts, one commit file
+    // lists them all.
+    let third = rt.block_on(async {
+        let body: String = (100..120)
+            .map(|id| format!("{{\"id\":{id},\"day\":\"2024-05-03\"}}\n"))
+            .collect();
+        c.insert_body("t", Format::Ndjson, Bytes::from(body), Some("k100"))
+            .await
+            .expect("insert")
+    });
+    for (shard, rurl) in replica_urls.iter().enumerate() {
+        let rc = Client::new(rurl, None, Duration::from_secs(30)).expect("client");
+        let n = rt
+            .block_on(rc.count("t", Some("20240503"), 0, Some(&third.commit_lsn)))
+            .expect("count");
+        assert!(
+            n > 0 && n < 20,
+            "shard {shard} holds some of the partition: {n}"
+        );
+    }
+    let lake = dir.path().join("lake");
+    let lake_url = format!("file://{}", lake.display());
+    let cli = |args: &[&str]| {
+        let out = Command::new(FERRY)
+            .args(args)
+            .env("FERRY_URL", &replica_urls[0])
+            .env_remove("FERRY_API_TOKEN")
+            .stdin(Stdio::null())
+            .output()
+            .expect("run ferry");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    let (ok, out) = cli(&["export", "t", "20240503", "--to", &lake_url, "--wait"]);
+    assert!(ok && out.contains("COMPLETED"), "{out}");
+    let commits: Vec<_> = std::fs::read_dir(&lake)
+        .expect("lake")
+        .filter_map(Result::ok)
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with("commit_20240503_")
+        })
+        .collect();
+    assert_eq!(commits.len(), 1, "one commit file");
+    let commit: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(commits[0].path()).expect("read")).expect("JSON");
+    assert_eq!(commit["rows"], 20, "{commit}");
+    let files = commit["files"].as_array().expect("files");
+    assert!(files.len() >= 2, "parts of both shards: {commit}");
+    let (ok, out) = cli(&["verify", &lake_url, "--deep"]);
+    assert!(ok, "{out}");
+    // Each replica exported the parts of its own shard (none holds the other's).
+    let mut exported = 0;
+    for rurl in &replica_urls {
+        let rc = Client::new(rurl, None, Duration::from_secs(30)).expect("client");
+        let view = rt.block_on(rc.get_json("/exports")).expect("exports");
+        let n = view["counters"]["parts_exported"]
+            .as_u64()
+            .expect("counter");
+        assert!(n > 0, "{rurl} exported parts of its shard: {view}");
+        exported += n;
+    }
+    assert_eq!(exported, files.len() as u64, "each part exported once");
+    let writers = rt.block_on(async {
+        let s = ZkSession::connect(&ZkOptions::new(connect.clone()))
+            .await
+            .expect("ZooKeeper");
+        let (children, _) = s.children("/ferry/writers").await.expect("writers");
+        s.close().await;
+        children
+    });
+    assert_eq!(writers.len(), 1, "the writer registers itself: {writers:?}");
     for r in &mut replicas {
         interrupt(r);
         let (ok, err) = wait_exit(r);
