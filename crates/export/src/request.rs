@@ -327,6 +327,7 @@ async fn create(
         Op::create(p("locks"), Vec::new(), persistent),
         Op::create(p("exceptions"), Vec::new(), persistent),
         Op::create(p("retries"), Vec::new(), persistent),
+        Op::create(p("workers"), Vec::new(), persistent),
         Op::create(
             crate::model::fence_path(&base, &metadata.transaction_id),
             Vec::new(),

@@ -147,6 +147,8 @@ enum Event {
     Progress(TaskKey),
     /// An exception was recorded.
     Exceptions(TaskKey),
+    /// The task's `workers/` changed (an exporter joined or left).
+    Workers(TaskKey),
 }
 
 struct Backoff {
@@ -159,9 +161,10 @@ struct Task {
     metadata: Metadata,
     status: TaskStatus,
     destination: Option<Destination>,
-    /// Parts to try here, in this node's order (a hash of node and part, so
-    /// that replicas start at different places).
-    todo: BTreeMap<u64, String>,
+    /// Parts to try here, in this node's order.
+    todo: Todo,
+    /// When `todo` was last pruned of parts others finished.
+    pruned: Option<Instant>,
     snapshot_names: Vec<String>,
     running: BTreeMap<String, tokio::task::AbortHandle>,
     backoff: BTreeMap<String, Backoff>,
@@ -294,10 +297,111 @@ fn forward(tx: &mpsc::Sender<Event>, watch: Watch, event: Event) {
     });
 }
 
+/// A node's hash of a part: its place in the node's order, and its weight
+/// in the rendezvous that draws shares. The two CRCs are mixed (splitmix64's
+/// finaliser): CRC alone is affine, which would favour some node names.
 fn order(replica: &str, part: &str) -> u64 {
-    let h = crc32c::crc32c(replica.as_bytes());
-    let p = crc32c::crc32c_append(h, part.as_bytes());
-    (u64::from(p) << 32) | u64::from(crc32c::crc32c(part.as_bytes()))
+    let mut x = (u64::from(crc32c::crc32c(replica.as_bytes())) << 32)
+        | u64::from(crc32c::crc32c(part.as_bytes()));
+    x ^= x >> 30;
+    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^= x >> 27;
+    x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// Where a part stands in a node's order: its share first (0), then the
+/// other workers' shares (1), each by the node's own hash, so that nodes
+/// done with their shares spread over the others' parts instead of all
+/// meeting at the same ones.
+type Rank = (u8, u64);
+
+/// Candidates a schedule takes from the order beyond the slots it fills.
+const SCAN_BATCH: usize = 16;
+
+/// The part's owner among `workers` (rendezvous hashing: each part goes
+/// to the worker whose hash with it is highest, so a worker joining or
+/// leaving moves only its own share).
+fn owner<'w>(workers: &'w [String], part: &str) -> Option<&'w str> {
+    workers
+        .iter()
+        .max_by_key(|w| order(w, part))
+        .map(String::as_str)
+}
+
+fn rank(me: &str, workers: &[String], part: &str) -> Rank {
+    match owner(workers, part) {
+        Some(o) if o != me && workers.iter().any(|w| w == me) => (1, order(me, part)),
+        _ => (0, order(me, part)),
+    }
+}
+
+/// The parts a node holds and has not seen exported, in its order (see
+/// [`Rank`]; the name breaks ties), with removal by name in O(log n).
+#[derive(Default)]
+struct Todo {
+    by_rank: BTreeSet<(Rank, String)>,
+    ranks: std::collections::HashMap<String, Rank>,
+}
+
+impl Todo {
+    /// Adds a part at its own-share rank until `rank` knows the workers.
+    fn insert(&mut self, part: String) {
+        let r = (0, order("", &part));
+        self.remove(&part);
+        self.ranks.insert(part.clone(), r);
+        self.by_rank.insert((r, part));
+    }
+
+    fn remove(&mut self, part: &str) -> bool {
+        match self.ranks.remove(part) {
+            Some(r) => self.by_rank.remove(&(r, part.to_string())),
+            None => false,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.by_rank.len()
+    }
+
+    fn retain(&mut self, keep: impl Fn(&str) -> bool) {
+        self.by_rank.retain(|(_, p)| keep(p));
+        self.ranks.retain(|p, _| keep(p));
+    }
+
+    fn is_empty(&self) -> bool {
+        self.by_rank.is_empty()
+    }
+
+    fn clear(&mut self) {
+        self.by_rank.clear();
+        self.ranks.clear();
+    }
+
+    /// Orders the parts for `me` among `workers`.
+    fn rank(&mut self, me: &str, workers: &[String]) {
+        let parts = std::mem::take(&mut self.by_rank);
+        self.ranks.clear();
+        for (_, p) in parts {
+            let r = rank(me, workers, &p);
+            self.ranks.insert(p.clone(), r);
+            self.by_rank.insert((r, p));
+        }
+        assert_eq!(self.ranks.len(), self.by_rank.len(), "one rank per part");
+    }
+
+    /// The parts past `after`, in order.
+    fn after<'a>(
+        &'a self,
+        after: Option<&(Rank, String)>,
+    ) -> impl Iterator<Item = &'a (Rank, String)> + 'a {
+        use std::ops::Bound;
+        let from = match after {
+            Some(c) => Bound::Excluded(c.clone()),
+            None => Bound::Unbounded,
+        };
+        self.by_rank.range((from, Bound::Unbounded))
+    }
 }
 
 fn is_session_end(e: &CoordError) -> bool {
@@ -414,6 +518,7 @@ impl Run<'_> {
                 }
                 Ok(())
             }
+            Event::Workers(key) => self.refresh_workers(&key).await,
             Event::Exceptions(key) => {
                 if let Some(t) = self.tasks.get_mut(&key) {
                     t.exceptions_due = true;
@@ -598,7 +703,8 @@ impl Run<'_> {
             key: key.clone(),
             status,
             destination: None,
-            todo: BTreeMap::new(),
+            todo: Todo::default(),
+            pruned: None,
             snapshot_names: Vec::new(),
             running: BTreeMap::new(),
             backoff: BTreeMap::new(),
@@ -643,7 +749,7 @@ impl Run<'_> {
                     .await
                     .is_some()
                 {
-                    t.todo.insert(order(self.name(), &p.name), p.name.clone());
+                    t.todo.insert(p.name.clone());
                     held.push(name);
                 }
             }
@@ -658,11 +764,79 @@ impl Run<'_> {
                 }
             }
             t.commit_due = left.is_empty();
+            if !t.todo.is_empty() {
+                let workers = self.join(&key).await?;
+                t.todo.rank(self.name(), &workers);
+            }
         } else {
             self.settle(&mut t).await;
         }
         tracing::debug!(task = %key, status = %t.status, todo = t.todo.len(), "export task mirrored");
         self.tasks.insert(key, t);
+        Ok(())
+    }
+
+    /// Joins the task's workers (an ephemeral `workers/<name>`, created only
+    /// while the task is PENDING, so that a removal, which deletes `status`
+    /// first, lists every worker it must delete) and lists them, watching
+    /// for changes. Without `workers/` (a task created before it existed),
+    /// or when the task is no longer PENDING, none are known and the parts
+    /// go in this node's own order.
+    async fn join(&self, key: &TaskKey) -> Result<Vec<String>, CoordError> {
+        let dir = format!("{}/workers", key.path());
+        let ops = vec![
+            Op::create(
+                format!("{dir}/{}", self.name()),
+                Vec::new(),
+                CreateMode::Ephemeral,
+            ),
+            Op::check(format!("{}/status", key.path()), 0),
+        ];
+        match self.session.multi(ops).await {
+            Ok(_) => {}
+            // Already there: this session's lost answer, or an earlier
+            // session of this node that has not expired yet.
+            Err(CoordError::MultiFailed { index: 0, .. })
+                if matches!(
+                    self.session.exists(&format!("{dir}/{}", self.name())).await,
+                    Ok(Some(_))
+                ) => {}
+            Err(CoordError::MultiFailed { .. }) => return Ok(Vec::new()),
+            Err(e) => return Err(e),
+        }
+        match self.session.children_watch(&dir).await {
+            Ok((mut names, _, w)) => {
+                forward(&self.events, w, Event::Workers(key.clone()));
+                names.sort();
+                Ok(names)
+            }
+            Err(CoordError::NoNode { .. }) => Ok(Vec::new()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The task's workers changed: the shares are drawn again.
+    async fn refresh_workers(&mut self, key: &TaskKey) -> Result<(), CoordError> {
+        let Some(t) = self.tasks.get(key) else {
+            return Ok(());
+        };
+        if t.status != TaskStatus::Pending || t.todo.is_empty() {
+            return Ok(());
+        }
+        let dir = format!("{}/workers", key.path());
+        let names = match self.session.children_watch(&dir).await {
+            Ok((mut names, _, w)) => {
+                forward(&self.events, w, Event::Workers(key.clone()));
+                names.sort();
+                names
+            }
+            Err(CoordError::NoNode { .. }) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let me = self.name().to_string();
+        if let Some(t) = self.tasks.get_mut(key) {
+            t.todo.rank(&me, &names);
+        }
         Ok(())
     }
 
@@ -778,23 +952,57 @@ impl Run<'_> {
             }
             t.busy.retain(|_, until| *until > now);
             let slots = (t.metadata.settings.parallelism as usize).saturating_sub(t.running.len());
-            let candidates: Vec<(u64, String)> = t
-                .todo
-                .iter()
-                .filter(|(_, p)| {
-                    !t.running.contains_key(*p)
-                        && !t.busy.contains_key(*p)
-                        && t.backoff.get(*p).is_none_or(|b| b.until <= now)
-                })
-                .map(|(o, p)| (*o, p.clone()))
-                .collect();
             // Claims go down this node's order until the slots are full: a
             // part another node holds or finished is passed over at once.
+            // Candidates are taken a few at a time (a task may hold 100,000
+            // parts; a scan of them all per upload would cost more than the
+            // upload).
             let mut want = slots.min(self.ex.config.max_uploads - running);
-            for (o, part) in candidates {
+            let mut after: Option<(Rank, String)> = None;
+            let mut candidates: Vec<(Rank, String)> = Vec::new();
+            let mut pruned_now = false;
+            loop {
                 if want == 0 {
                     break;
                 }
+                if candidates.is_empty() {
+                    let Some(t) = self.tasks.get(&key) else {
+                        break;
+                    };
+                    candidates = t
+                        .todo
+                        .after(after.as_ref())
+                        .filter(|(_, p)| {
+                            !t.running.contains_key(p)
+                                && !t.busy.contains_key(p)
+                                && t.backoff.get(p).is_none_or(|b| b.until <= now)
+                        })
+                        .take(want + SCAN_BATCH)
+                        .cloned()
+                        .collect();
+                    candidates.reverse();
+                }
+                let Some((r, part)) = candidates.pop() else {
+                    break;
+                };
+                // Past its own share, a node takes others' parts; most are
+                // done or under way by then, so it first drops what
+                // `processing/` no longer lists (once per tick at most)
+                // instead of finding that out one claim at a time.
+                if r.0 == 1 && !pruned_now {
+                    pruned_now = true;
+                    let due = self
+                        .tasks
+                        .get(&key)
+                        .is_some_and(|t| t.pruned.is_none_or(|at| at + self.ex.config.tick <= now));
+                    if due {
+                        self.prune(&key, now).await?;
+                        candidates.clear();
+                        after = None;
+                        continue;
+                    }
+                }
+                after = Some((r, part.clone()));
                 match self.claim(&key, &part).await? {
                     Claim::Ours => {
                         self.start_upload(&key, &part).await;
@@ -803,7 +1011,7 @@ impl Run<'_> {
                     }
                     Claim::Done => {
                         if let Some(t) = self.tasks.get_mut(&key) {
-                            t.todo.remove(&o);
+                            t.todo.remove(&part);
                             t.backoff.remove(&part);
                             if t.todo.is_empty() {
                                 t.commit_due = true;
@@ -827,6 +1035,29 @@ impl Run<'_> {
                         break;
                     }
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops from the task's todo the parts `processing/` no longer lists
+    /// (exported by other nodes).
+    async fn prune(&mut self, key: &TaskKey, now: Instant) -> Result<(), CoordError> {
+        let left = match self
+            .session
+            .children(&format!("{}/processing", key.path()))
+            .await
+        {
+            Ok((left, _)) => left,
+            Err(CoordError::NoNode { .. }) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let left: std::collections::HashSet<String> = left.into_iter().collect();
+        if let Some(t) = self.tasks.get_mut(key) {
+            t.todo.retain(|p| left.contains(p));
+            t.pruned = Some(now);
+            if t.todo.is_empty() {
+                t.commit_due = true;
             }
         }
         Ok(())
@@ -988,7 +1219,7 @@ impl Run<'_> {
                 self.counters.parts_exported += 1;
                 self.counters.bytes_exported += file.bytes;
                 if let Some(t) = t {
-                    t.todo.retain(|_, p| p != part);
+                    t.todo.remove(part);
                     t.backoff.remove(part);
                     t.parts_to_do = t.parts_to_do.saturating_sub(1);
                     if t.todo.is_empty() {

@@ -6,24 +6,26 @@
 //! the round trips per part, the status listing's size and coordination
 //! reads (none), and the wall time of each phase.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use arrow::array::{Int64Array, RecordBatch, StringArray};
 use async_trait::async_trait;
-use bytes::{Bytes, BytesMut};
 use ferry_coord::{CoordMetrics, Coordination, CreateMode, EmbeddedSessions, SessionFactory};
 use ferry_env::{Cpu, Disk, RealDisk, SystemClock};
+use ferry_export::dest::SourcePart;
 use ferry_export::model::ExportSettings;
 use ferry_export::{
-    Destinations, ExportRequest, Exporter, ExporterConfig, LocalParts, ReplicaSet, Requester,
+    Destinations, ExportRequest, Exporter, ExporterConfig, LocalParts, Requester,
     StorageDestinations, TaskStatus,
 };
-use ferry_replica::{Replica, SharedReplica, TableRef, Tables, ALL_SHARDS};
+use ferry_export::{SnapshotError, SnapshotRequest};
+use ferry_replica::part::PartEncoder;
+use ferry_replica::{PartMeta, PartName};
 use ferry_storage::S3Settings;
 use ferry_table::{Table, TableDef};
-use ferry_wal::record::Record;
 use ferry_wal::Lsn;
 
 #[derive(Debug, clap::Args)]
@@ -67,21 +69,84 @@ type = "Utf8"
     }
 }
 
-struct OneTable;
+/// Parts of one row each, in files of their own, held by every node.
+struct ScaleParts {
+    disk: Arc<dyn Disk>,
+    metas: BTreeMap<PartName, PartMeta>,
+}
 
-#[async_trait]
-impl Tables for OneTable {
-    async fn by_id(&self, id: u64) -> Result<TableRef, String> {
-        Ok(if id == 1 {
-            TableRef::Known(table())
-        } else {
-            TableRef::Unknown
-        })
+impl ScaleParts {
+    async fn write(disk: Arc<dyn Disk>, count: usize) -> anyhow::Result<ScaleParts> {
+        let schema = table().def.arrow_schema();
+        disk.create_dir_all("parts").await?;
+        let mut metas = BTreeMap::new();
+        for i in 0..count as u64 {
+            let name = PartName {
+                partition_id: "x".into(),
+                min_block: i + 1,
+                max_block: i + 1,
+                level: 0,
+            };
+            let batch = RecordBatch::try_new(
+                Arc::clone(&schema),
+                vec![
+                    Arc::new(Int64Array::from_iter_values([i as i64])),
+                    Arc::new(StringArray::from_iter_values(["x"])),
+                ],
+            )?;
+            let mut encoder = PartEncoder::new(&schema, &name, 1, (Lsn(i + 1), Lsn(i + 1)))?;
+            let mut bytes = encoder.write(&batch)?;
+            let (tail, meta) = encoder.finish()?;
+            bytes.extend_from_slice(&tail);
+            // Not synced: a bench's parts need not survive a crash.
+            let file = disk.create_new(&Self::path(&name)).await?;
+            file.write_at(0, bytes::Bytes::from(bytes)).await?;
+            metas.insert(name, meta);
+        }
+        Ok(ScaleParts { disk, metas })
+    }
+
+    fn path(name: &PartName) -> String {
+        format!("parts/{name}.parquet")
     }
 }
 
-/// Records applied per `receive` (the replica syncs once per call).
-const RECORDS_PER_BATCH: usize = 1000;
+#[async_trait]
+impl LocalParts for ScaleParts {
+    async fn snapshot(&self, req: &SnapshotRequest) -> Result<Vec<PartMeta>, SnapshotError> {
+        Ok(self
+            .metas
+            .values()
+            .filter(|m| {
+                req.partition_id
+                    .as_deref()
+                    .is_none_or(|p| m.name.partition_id == p)
+            })
+            .cloned()
+            .collect())
+    }
+
+    async fn find(&self, _table_id: u64, name: &PartName) -> Option<SourcePart> {
+        self.metas.get(name).map(|meta| SourcePart {
+            disk: Arc::clone(&self.disk),
+            path: Self::path(name),
+            meta: meta.clone(),
+        })
+    }
+
+    // Nothing merges here: no part needs keeping alive.
+    async fn pin(&self, _: &str, _: u64, _: &[PartName]) -> Result<(), String> {
+        Ok(())
+    }
+
+    async fn unpin(&self, _: &str) -> Result<(), String> {
+        Ok(())
+    }
+
+    async fn pinned(&self) -> Vec<String> {
+        Vec::new()
+    }
+}
 
 pub async fn export_scale(args: ScaleBenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
@@ -93,53 +158,12 @@ pub async fn export_scale(args: ScaleBenchArgs) -> anyhow::Result<()> {
         .tempdir_in(args.dir.as_deref().unwrap_or(std::path::Path::new(".")))?;
     let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path())?);
 
-    // The parts: one insert record of one row each; no merges run, so each
-    // stays a part of its own.
+    // The parts: one row each, encoded as a replica encodes parts and
+    // written straight to disk. No replica applies them: a replica keeps a
+    // partition's parts few by merging, and this bench is about the
+    // coordination of one task of that many parts, not about applying WAL.
     let started = Instant::now();
-    let replica = Replica::open(
-        Arc::clone(&disk),
-        "replica",
-        ALL_SHARDS,
-        0,
-        Cpu::BlockingPool,
-        Arc::new(OneTable),
-    )
-    .await?;
-    let replica: SharedReplica = Arc::new(tokio::sync::Mutex::new(replica));
-    let mut wal = BytesMut::new();
-    let mut written = 0usize;
-    while written < args.parts {
-        let n = (args.parts - written).min(RECORDS_PER_BATCH);
-        let mut r = replica.lock().await;
-        let at = r.receive_from();
-        wal.clear();
-        for i in written..written + n {
-            let b = RecordBatch::try_new(
-                table().def.arrow_schema(),
-                vec![
-                    Arc::new(Int64Array::from_iter_values([i as i64])),
-                    Arc::new(StringArray::from_iter_values(["x"])),
-                ],
-            )?;
-            Record::Insert {
-                table_id: 1,
-                shard: 0,
-                block_number: at.0 + wal.len() as u64,
-                idempotency_key: Bytes::new(),
-                arrow_ipc: ferry_table::rows::to_ipc(&b)?,
-            }
-            .encode(&mut wal);
-        }
-        r.receive(at, &wal).await?;
-        written += n;
-    }
-    let end: Lsn = replica.lock().await.disk_consistent_lsn();
-    let count = replica.lock().await.parts(1).len();
-    anyhow::ensure!(
-        count == args.parts,
-        "{count} parts written, not {}",
-        args.parts
-    );
+    let parts = Arc::new(ScaleParts::write(Arc::clone(&disk), args.parts).await?);
     say!(
         "bench export-scale: {} parts of one row written in {:.1} s",
         args.parts,
@@ -202,13 +226,12 @@ pub async fn export_scale(args: ScaleBenchArgs) -> anyhow::Result<()> {
     let mut views = Vec::new();
     let mut tasks = Vec::new();
     for n in 0..args.nodes {
-        let parts: Arc<dyn LocalParts> = Arc::new(ReplicaSet::new(vec![Arc::clone(&replica)]));
         let exporter = Exporter::new(
             ExporterConfig::new(format!("node{n}")),
             Arc::clone(&sessions),
             Arc::new(SystemClock),
             Cpu::BlockingPool,
-            parts,
+            Arc::clone(&parts) as Arc<dyn LocalParts>,
             Arc::clone(&dests),
         );
         views.push(exporter.subscribe());
@@ -217,18 +240,17 @@ pub async fn export_scale(args: ScaleBenchArgs) -> anyhow::Result<()> {
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     // The request: snapshot, pins, the task's creation.
-    let requester_parts = ReplicaSet::new(vec![Arc::clone(&replica)]);
     let before = metrics.snapshot().total_round_trips();
     let started = Instant::now();
     let created = Requester {
         session: &session,
         sessions: sessions.as_ref(),
-        parts: &requester_parts,
+        parts: parts.as_ref(),
         destinations: dests.as_ref(),
         replica_name: "node0",
         now_unix_millis: ferry_env::Clock::unix_micros(&SystemClock) / 1000,
         random: 1,
-        commit_lsn: end,
+        commit_lsn: Lsn(0),
         wait: Duration::from_secs(30),
     }
     .export(&ExportRequest {
@@ -312,7 +334,14 @@ pub async fn export_scale(args: ScaleBenchArgs) -> anyhow::Result<()> {
             .context("the export took over an hour")??;
     };
     let export_secs = started.elapsed().as_secs_f64();
-    let trips = metrics.snapshot().total_round_trips() - before - request_trips;
+    let after = metrics.snapshot();
+    let trips = after.total_round_trips() - before - request_trips;
+    let by_kind: Vec<String> = after
+        .round_trips
+        .iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|(k, n)| format!("{k} {n}"))
+        .collect();
     anyhow::ensure!(
         done.status == TaskStatus::Completed,
         "the export ended {}",
@@ -322,6 +351,8 @@ pub async fn export_scale(args: ScaleBenchArgs) -> anyhow::Result<()> {
         .iter()
         .map(|v| v.borrow().counters.parts_exported)
         .collect();
+    let claims_lost: u64 = views.iter().map(|v| v.borrow().counters.claims_lost).sum();
+    let sessions: Vec<u64> = views.iter().map(|v| v.borrow().counters.sessions).collect();
 
     // The status listing: served from a node's mirror.
     let before_listing = metrics.snapshot().total_round_trips();
@@ -338,13 +369,17 @@ pub async fn export_scale(args: ScaleBenchArgs) -> anyhow::Result<()> {
         t.abort();
     }
     say!(
-        "bench export-scale: {} parts by {} nodes x {} at once: COMPLETED in {:.1} s ({:.0} parts/s), {:.2} coordination round trips per part (all nodes, commit included), parts per node {shares:?}",
+        "bench export-scale: {} parts by {} nodes x {} at once: COMPLETED in {:.1} s ({:.0} parts/s), {:.2} coordination round trips per part (all nodes, commit included), parts per node {shares:?}, claims lost to another node {claims_lost}, coordination sessions per node {sessions:?}",
         created.parts_count,
         args.nodes,
         args.parallelism,
         export_secs,
         created.parts_count as f64 / export_secs,
         trips as f64 / created.parts_count as f64
+    );
+    say!(
+        "bench export-scale: coordination round trips by kind (whole run): {}",
+        by_kind.join(", ")
     );
     say!(
         "bench export-scale: status listing {listing_bytes} bytes, {listing_us:.0} µs each, {listing_trips} coordination round trips for {LISTINGS} listings"

@@ -244,3 +244,44 @@ fn ferry_sim_runs_the_simulator_binary_beside_it() {
     assert!(out.status.success(), "{stdout}");
     assert_eq!(stdout.trim(), "simulator got: wal --seed 7 --log");
 }
+
+#[test]
+fn export_scale_benchmark_prints_figures() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut cmd = Command::new(FERRY);
+    cmd.args([
+        "bench",
+        "export-scale",
+        "--parts",
+        "3000",
+        "--nodes",
+        "4",
+        "--dir",
+    ])
+    .arg(dir.path())
+    .env_remove("FERRY_TEST_ZK");
+    if let Ok(zk) = std::env::var("FERRY_TEST_ZK") {
+        if !zk.is_empty() {
+            cmd.args(["--zookeeper", &zk]);
+        }
+    }
+    let out = cmd.output().expect("run bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("3000 parts by 4 nodes"), "{stdout}");
+    assert!(
+        stdout.contains("0 coordination round trips for 1000 listings"),
+        "the listing reads no coordination: {stdout}"
+    );
+    let largest: u64 = stdout
+        .split("largest node ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .expect("the largest node's size");
+    assert!(largest > 0 && largest < 1 << 20, "{stdout}");
+}

@@ -354,3 +354,250 @@ fn the_distributed_writer_serves_inserts_and_refuses_a_younger_quorum() {
         let _ = s.wait();
     }
 }
+
+/// The status of the export of `partition` as ZooKeeper holds it, and how
+/// many parts are left in its `processing/`.
+async fn task_state(connect: &str, partition: &str) -> (String, usize) {
+    let s = ZkSession::connect(&ZkOptions::new(connect.to_string()))
+        .await
+        .expect("ZooKeeper");
+    let (keys, _) = s
+        .children("/ferry/tables/t/exports")
+        .await
+        .expect("exports");
+    let key = keys
+        .iter()
+        .find(|k| k.starts_with(&format!("{partition}_")))
+        .expect("the task");
+    let base = format!("/ferry/tables/t/exports/{key}");
+    let (status, _) = s.get(&format!("{base}/status")).await.expect("status");
+    let (left, _) = s
+        .children(&format!("{base}/processing"))
+        .await
+        .expect("processing");
+    s.close().await;
+    (String::from_utf8_lossy(&status).into_owned(), left.len())
+}
+
+#[test]
+fn an_export_survives_kill_9_of_a_replica_in_the_middle() {
+    let Some(zk) = zk_address() else { return };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    let chroot = format!("/export-kill-test-{}-{nanos}", std::process::id());
+    rt.block_on(async {
+        let root = ZkSession::connect(&ZkOptions::new(zk.clone()))
+            .await
+            .expect("ZooKeeper");
+        ferry_coord::create_all(&root, &chroot)
+            .await
+            .expect("chroot");
+        root.close().await;
+    });
+    let connect = format!("{zk}{chroot}");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut safekeepers, addrs) = start_three_safekeepers(&dir.path().join("wal"), CLUSTER, SEG);
+    let (mut writer, url) = start_writer(&addrs, &connect, CLUSTER);
+    let c = Client::new(&url, None, Duration::from_secs(30)).expect("client");
+    rt.block_on(async {
+        c.create_table_toml(TABLE).await.expect("create table");
+        insert_until_elected(&c, 0).await
+    });
+    let mut replicas = Vec::new();
+    let mut urls = Vec::new();
+    for shard in 0..2 {
+        let (child, rurl) = start_replica(
+            &addrs,
+            &connect,
+            shard,
+            &dir.path().join(format!("replica{shard}")),
+        );
+        replicas.push(child);
+        urls.push(rurl);
+    }
+    let lake = dir.path().join("lake");
+    let lake_url = format!("file://{}", lake.display());
+    let cli = |node: &str, args: &[&str]| {
+        let out = Command::new(FERRY)
+            .args(args)
+            .env("FERRY_URL", node)
+            .env_remove("FERRY_API_TOKEN")
+            .stdin(Stdio::null())
+            .output()
+            .expect("run ferry");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+
+    // Each try: a partition of many parts on both shards, exported one part
+    // at a time per node, and the replica of shard 1 killed with SIGKILL as
+    // soon as it exported one part. The kill landed in the middle when the
+    // restarted replica finds parts of its shard left (no other node holds
+    // them).
+    let mut landed = 0;
+    for attempt in 0..4u32 {
+        let day = format!("2024-06-{:02}", attempt + 1);
+        let partition = format!("202406{:02}", attempt + 1);
+        let mut last = None;
+        for batch in 0..30i64 {
+            let first = 1000 * (i64::from(attempt) + 1) + batch * 10;
+            let body: String = (first..first + 10)
+                .map(|id| format!("{{\"id\":{id},\"day\":\"{day}\"}}\n"))
+                .collect();
+            last = Some(
+                rt.block_on(c.insert_body(
+                    "t",
+                    Format::Ndjson,
+                    Bytes::from(body),
+                    Some(&format!("kill-{attempt}-{batch}")),
+                ))
+                .expect("insert"),
+            );
+        }
+        let last = last.expect("inserted");
+        // Both replicas applied it (the request waits too, but the kill
+        // must not find the replica still applying).
+        for u in &urls {
+            let rc = Client::new(u, None, Duration::from_secs(30)).expect("client");
+            rt.block_on(rc.count("t", None, 0, Some(&last.commit_lsn)))
+                .expect("applied");
+        }
+        // A restarted replica registers again once its old session expired:
+        // until then a request cannot reach shard 1 and says so.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let (ok, out) = cli(
+                &urls[0],
+                &[
+                    "export",
+                    "t",
+                    &partition,
+                    "--to",
+                    &lake_url,
+                    "--parallelism",
+                    "1",
+                ],
+            );
+            if ok {
+                break;
+            }
+            assert!(
+                out.contains("shard 1") && Instant::now() < deadline,
+                "{out}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        // SIGKILL once the replica of shard 1 exported a part of it.
+        let rc = Client::new(&urls[1], None, Duration::from_secs(30)).expect("client");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            let view = rt.block_on(rc.get_json("/exports")).expect("exports");
+            if view["counters"]["parts_exported"].as_u64().unwrap_or(0) > 0 {
+                break;
+            }
+        }
+        replicas[1].kill().expect("SIGKILL");
+        let _ = replicas[1].wait();
+        let (status, left) = rt.block_on(task_state(&connect, &partition));
+        eprintln!("attempt {attempt}: after SIGKILL the task is {status} with {left} parts left");
+        // The replica comes back on its data dir; its old session's locks
+        // go when the session expires, and it finishes its shard's parts.
+        let (child, rurl) = start_replica(&addrs, &connect, 1, &dir.path().join("replica1"));
+        replicas[1] = child;
+        urls[1] = rurl;
+        let deadline = Instant::now() + Duration::from_secs(90);
+        loop {
+            let (status, _) = rt.block_on(task_state(&connect, &partition));
+            if status == "COMPLETED" {
+                break;
+            }
+            assert_eq!(status, "PENDING", "the export ends COMPLETED");
+            assert!(Instant::now() < deadline, "the export did not complete");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let commits: Vec<_> = std::fs::read_dir(&lake)
+            .expect("lake")
+            .filter_map(Result::ok)
+            .filter(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with(&format!("commit_{partition}_"))
+            })
+            .collect();
+        assert_eq!(commits.len(), 1, "one commit file for {partition}");
+        let commit: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(commits[0].path()).expect("read")).expect("JSON");
+        assert_eq!(commit["rows"], 300, "{commit}");
+        // No data file written twice: the partition's folder holds exactly
+        // the files the commit lists.
+        let listed: std::collections::BTreeSet<String> = commit["files"]
+            .as_array()
+            .expect("files")
+            .iter()
+            .map(|f| f["path"].as_str().expect("path").to_string())
+            .collect();
+        let on_disk: std::collections::BTreeSet<String> =
+            std::fs::read_dir(lake.join(format!("day={partition}")))
+                .expect("partition folder")
+                .filter_map(Result::ok)
+                .map(|e| format!("day={partition}/{}", e.file_name().to_string_lossy()))
+                .collect();
+        // A node killed while writing a file leaves the local store's
+        // staging file `<key>#<n>` (no reader's `*.parquet` matches it, no
+        // commit file lists it); anything else on disk is a listed file.
+        let (staging, data): (Vec<&String>, Vec<&String>) =
+            on_disk.iter().partition(|f| f.contains('#'));
+        assert_eq!(
+            data.into_iter()
+                .cloned()
+                .collect::<std::collections::BTreeSet<_>>(),
+            listed,
+            "each part once, nothing else"
+        );
+        for f in staging {
+            let (key, n) = f.rsplit_once('#').expect("staging name");
+            assert!(
+                listed.contains(key) && n.bytes().all(|b| b.is_ascii_digit()),
+                "{f} is a staging file of a listed key"
+            );
+        }
+        // The kill landed in the middle if the restarted replica had parts
+        // of its shard left to export.
+        let rc = Client::new(&urls[1], None, Duration::from_secs(30)).expect("client");
+        let view = rt.block_on(rc.get_json("/exports")).expect("exports");
+        let after_restart = view["counters"]["parts_exported"]
+            .as_u64()
+            .expect("counter");
+        eprintln!("attempt {attempt}: the restarted replica exported {after_restart} parts");
+        if after_restart > 0 {
+            landed += 1;
+            break;
+        }
+    }
+    assert!(
+        landed > 0,
+        "the SIGKILL never landed in the middle of an export"
+    );
+    let (ok, out) = cli(&urls[0], &["verify", &lake_url, "--deep"]);
+    assert!(ok, "{out}");
+    for r in &mut replicas {
+        interrupt(r);
+        let (ok, err) = wait_exit(r);
+        assert!(ok, "replica stops cleanly: {err}");
+    }
+    interrupt(&writer);
+    assert!(wait_exit(&mut writer).0);
+    for s in &mut safekeepers {
+        interrupt(s);
+        let _ = s.wait();
+    }
+}
