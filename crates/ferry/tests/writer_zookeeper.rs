@@ -109,6 +109,54 @@ fn wait_exit(child: &mut Child) -> (bool, String) {
     }
 }
 
+/// A fresh chroot under `zk` for one test; its connect string.
+async fn fresh_chroot(zk: &str, name: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    let chroot = format!("/{name}-{}-{nanos}", std::process::id());
+    let root = ZkSession::connect(&ZkOptions::new(zk.to_string()))
+        .await
+        .expect("ZooKeeper");
+    ferry_coord::create_all(&root, &chroot)
+        .await
+        .expect("chroot");
+    root.close().await;
+    format!("{zk}{chroot}")
+}
+
+/// Runs a `ferry` client command against the node at `node`: its success
+/// and its stdout and stderr together.
+fn ferry_cli(node: &str, args: &[&str]) -> (bool, String) {
+    let out = Command::new(FERRY)
+        .args(args)
+        .env("FERRY_URL", node)
+        .env_remove("FERRY_API_TOKEN")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run ferry");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+    )
+}
+
+/// The one commit file of `partition` in the local lake (asserted to be one).
+fn only_commit_file(lake: &std::path::Path, partition: &str) -> serde_json::Value {
+    let commits: Vec<_> = std::fs::read_dir(lake)
+        .expect("lake")
+        .filter_map(Result::ok)
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with(&format!("commit_{partition}_"))
+        })
+        .collect();
+    assert_eq!(commits.len(), 1, "one commit file for {partition}");
+    serde_json::from_slice(&std::fs::read(commits[0].path()).expect("read")).expect("JSON")
+}
+
 async fn insert_until_elected(c: &Client, base: i64) -> ferry_client::Inserted {
     let body = Bytes::from(format!(
         "{{\"id\":{base},\"day\":\"2024-05-01\"}}\n{{\"id\":{},\"day\":\"2024-05-02\"}}\n",
@@ -136,21 +184,7 @@ fn the_distributed_writer_serves_inserts_and_refuses_a_younger_quorum() {
         .enable_all()
         .build()
         .expect("runtime");
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or_default();
-    let chroot = format!("/writer-test-{}-{nanos}", std::process::id());
-    rt.block_on(async {
-        let root = ZkSession::connect(&ZkOptions::new(zk.clone()))
-            .await
-            .expect("ZooKeeper");
-        ferry_coord::create_all(&root, &chroot)
-            .await
-            .expect("chroot");
-        root.close().await;
-    });
-    let connect = format!("{zk}{chroot}");
+    let connect = rt.block_on(fresh_chroot(&zk, "writer-test"));
     let dir = tempfile::tempdir().expect("tempdir");
     let (mut safekeepers, addrs) = start_three_safekeepers(&dir.path().join("a"), CLUSTER, SEG);
 
@@ -251,34 +285,10 @@ fn the_distributed_writer_serves_inserts_and_refuses_a_younger_quorum() {
     }
     let lake = dir.path().join("lake");
     let lake_url = format!("file://{}", lake.display());
-    let cli = |args: &[&str]| {
-        let out = Command::new(FERRY)
-            .args(args)
-            .env("FERRY_URL", &replica_urls[0])
-            .env_remove("FERRY_API_TOKEN")
-            .stdin(Stdio::null())
-            .output()
-            .expect("run ferry");
-        (
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).into_owned()
-                + &String::from_utf8_lossy(&out.stderr),
-        )
-    };
+    let cli = |args: &[&str]| ferry_cli(&replica_urls[0], args);
     let (ok, out) = cli(&["export", "t", "20240503", "--to", &lake_url, "--wait"]);
     assert!(ok && out.contains("COMPLETED"), "{out}");
-    let commits: Vec<_> = std::fs::read_dir(&lake)
-        .expect("lake")
-        .filter_map(Result::ok)
-        .filter(|e| {
-            e.file_name()
-                .to_string_lossy()
-                .starts_with("commit_20240503_")
-        })
-        .collect();
-    assert_eq!(commits.len(), 1, "one commit file");
-    let commit: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(commits[0].path()).expect("read")).expect("JSON");
+    let commit = only_commit_file(&lake, "20240503");
     assert_eq!(commit["rows"], 20, "{commit}");
     let files = commit["files"].as_array().expect("files");
     assert!(files.len() >= 2, "parts of both shards: {commit}");
@@ -386,21 +396,7 @@ fn an_export_survives_kill_9_of_a_replica_in_the_middle() {
         .enable_all()
         .build()
         .expect("runtime");
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or_default();
-    let chroot = format!("/export-kill-test-{}-{nanos}", std::process::id());
-    rt.block_on(async {
-        let root = ZkSession::connect(&ZkOptions::new(zk.clone()))
-            .await
-            .expect("ZooKeeper");
-        ferry_coord::create_all(&root, &chroot)
-            .await
-            .expect("chroot");
-        root.close().await;
-    });
-    let connect = format!("{zk}{chroot}");
+    let connect = rt.block_on(fresh_chroot(&zk, "export-kill-test"));
     let dir = tempfile::tempdir().expect("tempdir");
     let (mut safekeepers, addrs) = start_three_safekeepers(&dir.path().join("wal"), CLUSTER, SEG);
     let (mut writer, url) = start_writer(&addrs, &connect, CLUSTER);
@@ -423,20 +419,6 @@ fn an_export_survives_kill_9_of_a_replica_in_the_middle() {
     }
     let lake = dir.path().join("lake");
     let lake_url = format!("file://{}", lake.display());
-    let cli = |node: &str, args: &[&str]| {
-        let out = Command::new(FERRY)
-            .args(args)
-            .env("FERRY_URL", node)
-            .env_remove("FERRY_API_TOKEN")
-            .stdin(Stdio::null())
-            .output()
-            .expect("run ferry");
-        (
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).into_owned()
-                + &String::from_utf8_lossy(&out.stderr),
-        )
-    };
 
     // Each try: a partition of many parts on both shards, exported one part
     // at a time per node, and the replica of shard 1 killed with SIGKILL as
@@ -475,7 +457,7 @@ fn an_export_survives_kill_9_of_a_replica_in_the_middle() {
         // until then a request cannot reach shard 1 and says so.
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let (ok, out) = cli(
+            let (ok, out) = ferry_cli(
                 &urls[0],
                 &[
                     "export",
@@ -524,18 +506,7 @@ fn an_export_survives_kill_9_of_a_replica_in_the_middle() {
             assert!(Instant::now() < deadline, "the export did not complete");
             std::thread::sleep(Duration::from_millis(100));
         }
-        let commits: Vec<_> = std::fs::read_dir(&lake)
-            .expect("lake")
-            .filter_map(Result::ok)
-            .filter(|e| {
-                e.file_name()
-                    .to_string_lossy()
-                    .starts_with(&format!("commit_{partition}_"))
-            })
-            .collect();
-        assert_eq!(commits.len(), 1, "one commit file for {partition}");
-        let commit: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(commits[0].path()).expect("read")).expect("JSON");
+        let commit = only_commit_file(&lake, &partition);
         assert_eq!(commit["rows"], 300, "{commit}");
         // No data file written twice: the partition's folder holds exactly
         // the files the commit lists.
@@ -587,7 +558,7 @@ fn an_export_survives_kill_9_of_a_replica_in_the_middle() {
         landed > 0,
         "the SIGKILL never landed in the middle of an export"
     );
-    let (ok, out) = cli(&urls[0], &["verify", &lake_url, "--deep"]);
+    let (ok, out) = ferry_cli(&urls[0], &["verify", &lake_url, "--deep"]);
     assert!(ok, "{out}");
     for r in &mut replicas {
         interrupt(r);

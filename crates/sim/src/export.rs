@@ -7,6 +7,9 @@
 //! data, sessions abandoned), session expiries and partitions from
 //! coordination, with coordination requests lost before or after they were
 //! applied and object-store requests failing before or after a write.
+//! Between events it looks for new commit files every 50 ms and kills half
+//! of those exports at once: the window between a commit file and COMPLETED
+//! (a committer whose status write failed or who crashed) is reached.
 //!
 //! Checked once faults stop and every task settled (SPEC.md section 6):
 //! * every task reaches a terminal state, and a task the schedule did not
@@ -54,6 +57,8 @@ const PARTITIONS: [&str; 3] = ["p0", "p1", "p2"];
 /// Destinations: two prefixes of the simulated lake.
 const DESTINATIONS: [&str; 2] = ["sim://lake/d0", "sim://lake/d1"];
 const SESSION_TIMEOUT: Duration = Duration::from_secs(2);
+/// How often, between events, the schedule looks for new commit files.
+const COMMIT_WATCH_STEP: Duration = Duration::from_millis(50);
 
 fn table() -> Table {
     Table {
@@ -208,6 +213,8 @@ struct Sim {
     rows: Vec<(Lsn, i64)>,
     next_id: i64,
     asked: BTreeMap<String, Asked>,
+    /// Exports whose commit file the schedule saw (and maybe killed).
+    killed_on_commit: BTreeSet<String>,
     crashes: usize,
 }
 
@@ -355,6 +362,42 @@ impl Sim {
         self.start_node(i).await
     }
 
+    /// Kills, half of the time, an export whose commit file just appeared
+    /// (each once). Most are COMPLETED already and stay so; one whose
+    /// committer failed between the commit file and COMPLETED must be
+    /// completed by the kill, never KILLED.
+    async fn kill_on_commit_file(&mut self) {
+        let Ok(store) = Location::from_store("sim://lake", self.world.lake_store.truth(), "")
+        else {
+            return;
+        };
+        let Ok(objects) = store.list("").await else {
+            return;
+        };
+        let txs: Vec<String> = objects
+            .iter()
+            .filter_map(|(k, _)| {
+                let file = k.rsplit('/').next()?;
+                let tx = file.strip_prefix("commit_")?;
+                tx.get(tx.len().checked_sub(30)?..).map(str::to_string)
+            })
+            .filter(|tx| self.asked.contains_key(tx) && !self.killed_on_commit.contains(tx))
+            .collect();
+        for tx in txs {
+            self.killed_on_commit.insert(tx.clone());
+            if !self.world.rng.random_bool(0.5) {
+                continue;
+            }
+            let live: Vec<usize> = (0..NODES).filter(|i| self.nodes[*i].is_some()).collect();
+            if live.is_empty() {
+                return;
+            }
+            let i = live[self.world.rng.random_range(0..live.len())];
+            self.log(format!("kill on the commit file of {tx}"));
+            self.kill_tx(i, &tx).await;
+        }
+    }
+
     fn lake(&self) -> Lake {
         Lake(Arc::new(self.world.lake_store.clone()))
     }
@@ -453,10 +496,17 @@ impl Sim {
         if live.is_empty() {
             return;
         }
-        let (tx, partition, dest) = {
-            let (tx, a) = live[pick % live.len()];
-            (tx.clone(), a.partition.clone(), a.destination.clone())
+        let tx = live[pick % live.len()].0.clone();
+        self.kill_tx(i, &tx).await;
+    }
+
+    /// Kills the export `tx` from node `i` (in a session of its own, as
+    /// `ferry export kill` does).
+    async fn kill_tx(&mut self, i: usize, tx: &str) {
+        let Some(a) = self.asked.get(tx) else {
+            return;
         };
+        let (tx, partition, dest) = (tx.to_string(), a.partition.clone(), a.destination.clone());
         let key = TaskKey::new("t", &partition, &dest);
         let Ok(location) = self.lake().open(&dest) else {
             return;
@@ -796,6 +846,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         rows: Vec::new(),
         next_id: 0,
         asked: BTreeMap::new(),
+        killed_on_commit: BTreeSet::new(),
         crashes: 0,
     };
     sim.log(format!("seed {seed}: {} events", events.len()));
@@ -837,7 +888,15 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         sim.start_node(i).await?;
     }
     for (at, event) in &events {
-        tokio::time::sleep_until(sim.world.start + *at).await;
+        // Between events, an export whose commit file is written while its
+        // status is not COMPLETED yet (the committer failed or crashed in
+        // between) is killed half of the time: the kill must complete it.
+        let due = sim.world.start + *at;
+        while tokio::time::Instant::now() + COMMIT_WATCH_STEP < due {
+            tokio::time::sleep(COMMIT_WATCH_STEP).await;
+            sim.kill_on_commit_file().await;
+        }
+        tokio::time::sleep_until(due).await;
         sim.log(format!("{event:?}"));
         sim.apply(event).await?;
     }
