@@ -16,8 +16,10 @@ use ferry_replica::{PartMeta, PartName};
 use ferry_storage::{Location, StorageError, UploadBudget};
 
 use crate::model::{
-    commit_key, CommitFile, Compression, DataFile, ExportSettings, FileExistsPolicy,
+    commit_key, schema_difference, CommitFile, Compression, DataFile, DestinationSchema,
+    ExportSettings, FileExistsPolicy, SCHEMA_FORMAT, SCHEMA_KEY,
 };
+use ferry_table::def::ColumnDef;
 
 /// Bytes read from a part file per disk read when a part is copied as is.
 pub const COPY_CHUNK_BYTES: usize = 8 << 20;
@@ -92,6 +94,70 @@ impl Destination {
             .put_create(&key, Bytes::from_static(b"ferry export probe"))
             .await?;
         self.location.delete(&key).await
+    }
+
+    /// The destination's schema marker, if an export wrote one; a marker
+    /// that does not parse fails for good (nobody can tell what the
+    /// destination's files hold).
+    pub async fn schema(&self) -> Result<Option<DestinationSchema>, PartFailure> {
+        match self.location.get(SCHEMA_KEY).await {
+            Ok(body) => serde_json::from_slice(&body).map(Some).map_err(|e| {
+                PartFailure::Fatal(format!(
+                    "the schema marker {SCHEMA_KEY} of {} is damaged: {e}",
+                    self.url()
+                ))
+            }),
+            Err(StorageError::NotFound { .. }) => Ok(None),
+            Err(e) => Err(classify(&e)),
+        }
+    }
+
+    /// Makes sure the destination's schema is `columns`: writes the marker
+    /// create-only when there is none (racing writers of one schema all
+    /// succeed), and fails for good when it holds other columns. An export
+    /// without columns (a task created before they were recorded) is not
+    /// checked.
+    pub async fn claim_schema(
+        &self,
+        table: &str,
+        columns: &[ColumnDef],
+    ) -> Result<(), PartFailure> {
+        if columns.is_empty() {
+            return Ok(());
+        }
+        let found = match self.schema().await? {
+            Some(found) => found,
+            None => {
+                let marker = DestinationSchema {
+                    format: SCHEMA_FORMAT,
+                    table: table.to_string(),
+                    columns: columns.to_vec(),
+                };
+                let body = serde_json::to_vec_pretty(&marker).expect("schema marker serialises");
+                match self
+                    .location
+                    .put_create(SCHEMA_KEY, Bytes::from(body))
+                    .await
+                {
+                    Ok(()) => return Ok(()),
+                    Err(StorageError::AlreadyExists { .. }) => {
+                        self.schema().await?.ok_or_else(|| {
+                            PartFailure::Retryable(format!("{SCHEMA_KEY} exists and then did not"))
+                        })?
+                    }
+                    Err(e) => return Err(classify(&e)),
+                }
+            }
+        };
+        match schema_difference(columns, &found.columns) {
+            None => Ok(()),
+            Some(detail) => Err(PartFailure::Fatal(format!(
+                "schema mismatch with the destination {} (its files were written by an export of \
+                 table {:?}): {detail}",
+                self.url(),
+                found.table
+            ))),
+        }
     }
 
     /// `<partition_dir>/<part_name>_<checksum>.parquet`: the name says which

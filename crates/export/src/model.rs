@@ -20,6 +20,9 @@
 //!     processed/<part>              an exported part: {path, rows, bytes, checksum, finished_by}
 //!     locks/<part>                  ephemeral claim, data = replica name
 //!     commit_lock                   ephemeral: serialises commit, kill and timeout
+//!     decision                      commit | kill | fail: how the task ends, created once,
+//!                                   by a committer before its commit file, by a kill or a
+//!                                   failure in the multi that sets status (task.rs)
 //!     commit_info                   written with COMPLETED: the commit file's key
 //!     exceptions                    data bumped by every exception recorded
 //!     exceptions/<replica>          {part, message, time, count}
@@ -28,9 +31,14 @@
 //! `status` is created at version 0 holding PENDING and is set exactly once,
 //! to a terminal state, with a version check on 0: whoever sets it first
 //! decides, and terminal states never change.
+//!
+//! In the destination (Hive layout): `<column>=<partition>/<part>_<checksum>.parquet`
+//! data files, `commit_<partition>_<transaction>` commit files, and
+//! `_ferry_schema.json`, the columns every file there has ([`SCHEMA_KEY`]).
 
 use std::time::Duration;
 
+use ferry_table::def::ColumnDef;
 use serde::{Deserialize, Serialize};
 
 /// Where tables live in coordination (the catalog's root).
@@ -318,6 +326,10 @@ pub struct Metadata {
     /// `parts/<n>` chunks holding the snapshot.
     pub parts_chunks: u32,
     pub settings: ExportSettings,
+    /// The table's columns at request time: the schema every data file of
+    /// the export has, checked against the destination's schema marker.
+    #[serde(default)]
+    pub columns: Vec<ColumnDef>,
 }
 
 pub const METADATA_FORMAT: u32 = 1;
@@ -410,9 +422,67 @@ pub struct CommitFile {
     pub rows: u64,
     /// Sorted by path.
     pub files: Vec<DataFile>,
+    /// The columns of every listed file (the task's `columns`).
+    #[serde(default)]
+    pub columns: Vec<ColumnDef>,
 }
 
 pub const COMMIT_FORMAT: u32 = 1;
+
+/// The destination's schema marker, `_ferry_schema.json` under its prefix:
+/// written create-only by the first export into the destination, so every
+/// later export (of any partition, from any table) must have the same
+/// columns; a different schema fails the export instead of mixing files a
+/// reader could not read as one dataset.
+pub const SCHEMA_KEY: &str = "_ferry_schema.json";
+
+/// The body of [`SCHEMA_KEY`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DestinationSchema {
+    pub format: u32,
+    /// The table of the export that wrote the marker (for the operator).
+    pub table: String,
+    pub columns: Vec<ColumnDef>,
+}
+
+pub const SCHEMA_FORMAT: u32 = 1;
+
+/// Why `found` (the destination's columns) differs from `wanted`, or `None`
+/// when they are the same.
+pub fn schema_difference(wanted: &[ColumnDef], found: &[ColumnDef]) -> Option<String> {
+    let show = |c: &ColumnDef| {
+        format!(
+            "{} {}{}",
+            c.name,
+            c.column_type.name(),
+            if c.nullable { " (nullable)" } else { "" }
+        )
+    };
+    for (i, (w, f)) in wanted.iter().zip(found).enumerate() {
+        if w != f {
+            return Some(format!(
+                "column {i} is {} in the destination, {} in the export",
+                show(f),
+                show(w)
+            ));
+        }
+    }
+    match wanted.len().cmp(&found.len()) {
+        std::cmp::Ordering::Equal => None,
+        std::cmp::Ordering::Less => Some(format!(
+            "the destination has {} columns, the export {} (first missing: {})",
+            found.len(),
+            wanted.len(),
+            show(&found[wanted.len()])
+        )),
+        std::cmp::Ordering::Greater => Some(format!(
+            "the destination has {} columns, the export {} (first extra: {})",
+            found.len(),
+            wanted.len(),
+            show(&wanted[found.len()])
+        )),
+    }
+}
 
 pub fn commit_key(partition_id: &str, transaction_id: &str) -> String {
     format!("commit_{partition_id}_{transaction_id}")

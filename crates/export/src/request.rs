@@ -11,8 +11,8 @@ use serde::{Deserialize, Serialize};
 use crate::dest::Destination;
 use crate::local::{Destinations, LocalParts, SnapshotError, SnapshotRequest};
 use crate::model::{
-    check_name, check_transaction_id, chunk_parts, exports_path, table_path, ExportSettings,
-    Metadata, SnapshotPart, TaskKey, TaskStatus, MAX_PARTS, METADATA_FORMAT,
+    check_name, check_transaction_id, chunk_parts, exports_path, schema_difference, table_path,
+    ExportSettings, Metadata, SnapshotPart, TaskKey, TaskStatus, MAX_PARTS, METADATA_FORMAT,
 };
 use crate::task;
 
@@ -48,6 +48,15 @@ pub enum RequestError {
     EmptyPartition { table: String, partition: String },
     #[error("destination {url} is not usable: {detail}")]
     Destination { url: String, detail: String },
+    #[error(
+        "destination {url} holds files of another schema (written by an export of table \
+         {table:?}): {detail}; export to another destination"
+    )]
+    SchemaMismatch {
+        url: String,
+        table: String,
+        detail: String,
+    },
     #[error(
         "partition {partition:?} of {table:?} already has an export to {destination} \
          (transaction {transaction_id}, {status}) that has not expired; use force to replace it"
@@ -188,6 +197,35 @@ impl Requester<'_> {
             )));
         }
 
+        // The destination is checked before an existing task is replaced.
+        destination
+            .probe(transaction_id)
+            .await
+            .map_err(|e| RequestError::Destination {
+                url: destination.url().to_string(),
+                detail: e.to_string(),
+            })?;
+        // Files of another schema in the destination: refused before the
+        // task exists (a worker checks again before its first upload).
+        match destination.schema().await {
+            Ok(Some(found)) => {
+                if let Some(detail) = schema_difference(&table.def.columns, &found.columns) {
+                    return Err(RequestError::SchemaMismatch {
+                        url: destination.url().to_string(),
+                        table: found.table,
+                        detail,
+                    });
+                }
+            }
+            Ok(None) => {}
+            Err(e) => {
+                return Err(RequestError::Destination {
+                    url: destination.url().to_string(),
+                    detail: e.to_string(),
+                })
+            }
+        }
+
         // An existing task for the key.
         if let Some(existing) = task::read_head(self.session, &key).await? {
             let expired = existing.metadata.as_ref().is_some_and(|m| {
@@ -225,14 +263,6 @@ impl Requester<'_> {
             task::remove(self.session, &key).await?;
         }
 
-        destination
-            .probe(transaction_id)
-            .await
-            .map_err(|e| RequestError::Destination {
-                url: destination.url().to_string(),
-                detail: e.to_string(),
-            })?;
-
         let parts: Vec<SnapshotPart> = snapshot
             .iter()
             .map(|p| SnapshotPart {
@@ -258,6 +288,7 @@ impl Requester<'_> {
             rows,
             parts_chunks: chunks.len() as u32,
             settings: req.settings.clone(),
+            columns: table.def.columns.clone(),
         };
         ferry_coord::create_all(self.session.as_ref(), &exports_path(&req.table)).await?;
         match create(self.session, &key, &metadata, &parts, chunks).await {

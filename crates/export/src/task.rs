@@ -1,14 +1,21 @@
 //! Operations on one task in coordination that any replica may run: reading
 //! it, the commit, kill, and removal.
 //!
-//! Commit, kill and the timeout kill all run under the task's ephemeral
-//! `commit_lock`, and every status change is a set of `status` checked
-//! against version 0 (PENDING): so a kill cannot slip between a committer's
-//! status check and its commit file, and of two committers only the first
-//! writes; a second finds the commit file (create-only) identical or the
-//! status terminal. A kill that finds the commit file already written (a
-//! committer died between the commit file and COMPLETED) completes the task
-//! instead: a commit file never belongs to a KILLED or FAILED task.
+//! How a PENDING task ends is decided once, by whoever creates its
+//! persistent `decision` node first (data `commit`, `kill` or `fail`):
+//! a kill and a failure create it in the same multi that sets `status`
+//! (version-checked on 0); a committer creates it (status checked PENDING)
+//! *before* it writes the commit file, and sets COMPLETED after. So a
+//! commit file exists only for a task decided `commit`, which no kill or
+//! failure can then end otherwise: a kill that finds `commit` decided
+//! completes the commit itself (the commit file is computed from the
+//! immutable processed entries, so every writer writes the same bytes,
+//! create-only). This holds without the commit lock too, for a committer
+//! whose session expired while its commit file was in flight; and a kill
+//! of an undecided task needs no object-storage request, so a task can be
+//! killed (and timed out) while its destination is down. Commit, kill and
+//! the timeout kill still run under the task's ephemeral `commit_lock`, so
+//! that they rarely race at all.
 
 use ferry_coord::{CoordError, CreateMode, Op, Session};
 
@@ -25,6 +32,61 @@ pub struct Head {
     /// None while the task is being created (or its creator died).
     pub metadata: Option<Metadata>,
     pub status: Option<TaskStatus>,
+}
+
+/// How a PENDING task ends: the data of its `decision` node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    Commit,
+    Kill,
+    Fail,
+}
+
+impl Decision {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Decision::Commit => "commit",
+            Decision::Kill => "kill",
+            Decision::Fail => "fail",
+        }
+    }
+
+    pub fn parse(data: &[u8]) -> Option<Decision> {
+        match data {
+            b"commit" => Some(Decision::Commit),
+            b"kill" => Some(Decision::Kill),
+            b"fail" => Some(Decision::Fail),
+            _ => None,
+        }
+    }
+}
+
+pub fn decision_path(base: &str) -> String {
+    format!("{base}/decision")
+}
+
+/// The op that decides a task's end; only the first of them succeeds.
+pub fn decide_op(base: &str, decision: Decision) -> Op {
+    Op::create(
+        decision_path(base),
+        decision.as_str(),
+        CreateMode::Persistent,
+    )
+}
+
+/// The task's decision, if one was made.
+pub async fn read_decision(
+    session: &Session,
+    key: &TaskKey,
+) -> Result<Option<Decision>, CoordError> {
+    let path = decision_path(&key.path());
+    match session.get(&path).await {
+        Ok((data, _)) => Decision::parse(&data)
+            .map(Some)
+            .ok_or_else(|| damaged(&path, "not commit, kill or fail")),
+        Err(CoordError::NoNode { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 fn damaged(path: &str, detail: impl std::fmt::Display) -> CoordError {
@@ -228,7 +290,7 @@ pub enum KillError {
     },
     #[error("export {0} is being committed or killed by another replica right now; try again")]
     Busy(String),
-    #[error("checking the destination's commit file: {0}")]
+    #[error("finishing the commit decided before the kill: {0}")]
     Destination(String),
     #[error(transparent)]
     Coordination(#[from] CoordError),
@@ -297,34 +359,57 @@ async fn kill_locked(
         Some(done) => return Ok(done),
         None => return Err(KillError::NotFound(key.to_string())),
     }
-    let committed = destination
-        .committed(&metadata.partition_id, &metadata.transaction_id)
-        .await
-        .map_err(|e| KillError::Destination(e.to_string()))?;
-    let status_path = format!("{}/status", key.path());
-    if committed {
-        // The commit file is there: the export is complete whatever the kill
-        // says.
-        set_completed(session, key, metadata).await?;
-        return Ok(TaskStatus::Completed);
-    }
+    let base = key.path();
     let ops = vec![
-        Op::check(
-            crate::model::fence_path(&key.path(), &metadata.transaction_id),
-            0,
+        Op::check(crate::model::fence_path(&base, &metadata.transaction_id), 0),
+        decide_op(&base, Decision::Kill),
+        Op::set(
+            format!("{base}/status"),
+            TaskStatus::Killed.as_str(),
+            Some(0),
         ),
-        Op::set(status_path, TaskStatus::Killed.as_str(), Some(0)),
     ];
-    match session.multi(ops).await {
-        Ok(_) => {
+    // What the multi did: Some(index) of the op that failed.
+    let failed_at = match session.multi(ops).await {
+        Ok(_) => None,
+        Err(CoordError::MultiFailed { index, .. }) => Some(index),
+        Err(CoordError::ConnectionLoss { detail }) => {
+            // Read back: ours if the decision is a kill (a kill by anyone
+            // is the same kill).
+            match read_decision(session, key).await? {
+                Some(Decision::Kill) => None,
+                Some(_) => Some(1),
+                None => return Err(CoordError::ConnectionLoss { detail }.into()),
+            }
+        }
+        Err(e) => return Err(e.into()),
+    };
+    match failed_at {
+        None => {
             tracing::info!(task = %key, transaction_id = %metadata.transaction_id, reason, "export killed");
             Ok(TaskStatus::Killed)
         }
-        Err(CoordError::MultiFailed { index: 0, .. }) => Err(KillError::NotFound(key.to_string())),
-        Err(CoordError::MultiFailed { .. }) => Ok(read_status(session, key)
+        Some(0) => Err(KillError::NotFound(key.to_string())),
+        Some(1) => match read_decision(session, key).await? {
+            // Too late to kill: the commit file may be written. The commit
+            // is finished here (the same bytes as the committer's).
+            Some(Decision::Commit) => {
+                match commit_decided(session, key, metadata, destination).await {
+                    Ok(CommitOutcome::Completed(_)) => Ok(TaskStatus::Completed),
+                    Ok(CommitOutcome::Terminal(s)) => Ok(s),
+                    Ok(CommitOutcome::Failed(_)) => Ok(TaskStatus::Failed),
+                    Ok(CommitOutcome::NotNow) => Err(KillError::Busy(key.to_string())),
+                    Err(CommitError::Coordination(c)) => Err(c.into()),
+                    Err(CommitError::Destination(d)) => Err(KillError::Destination(d)),
+                }
+            }
+            _ => Ok(read_status(session, key)
+                .await?
+                .unwrap_or(TaskStatus::Killed)),
+        },
+        Some(_) => Ok(read_status(session, key)
             .await?
             .unwrap_or(TaskStatus::Killed)),
-        Err(e) => Err(e.into()),
     }
 }
 
@@ -337,6 +422,9 @@ async fn set_completed(
     let info = commit_key(&metadata.partition_id, &metadata.transaction_id);
     let ops = vec![
         Op::check(crate::model::fence_path(&base, &metadata.transaction_id), 0),
+        // Decided (a task whose status is still version 0 can only have
+        // been decided `commit`).
+        Op::check(decision_path(&base), 0),
         Op::set(
             format!("{base}/status"),
             TaskStatus::Completed.as_str(),
@@ -434,6 +522,47 @@ async fn commit_locked(
         fail(session, key, &metadata.transaction_id, &msg).await?;
         return Ok(CommitOutcome::Failed(msg));
     }
+    // Decided before the commit file exists: from here on no kill or
+    // failure can end the task otherwise.
+    let ops = vec![
+        Op::check(crate::model::fence_path(&base, &metadata.transaction_id), 0),
+        Op::check(format!("{base}/status"), 0),
+        decide_op(&base, Decision::Commit),
+    ];
+    let decided = match session.multi(ops).await {
+        Ok(_) => Some(Decision::Commit),
+        Err(CoordError::MultiFailed { index: 0, .. }) => {
+            return Ok(CommitOutcome::Terminal(TaskStatus::Killed))
+        }
+        Err(CoordError::MultiFailed { .. } | CoordError::ConnectionLoss { .. }) => {
+            read_decision(session, key).await?
+        }
+        Err(e) => return Err(e.into()),
+    };
+    match decided {
+        Some(Decision::Commit) => commit_decided(session, key, metadata, destination).await,
+        Some(_) => Ok(CommitOutcome::Terminal(
+            read_status(session, key)
+                .await?
+                .unwrap_or(TaskStatus::Killed),
+        )),
+        None => Err(CoordError::ConnectionLoss {
+            detail: "the commit decision's outcome is unknown".into(),
+        }
+        .into()),
+    }
+}
+
+/// Finishes a commit decided `commit`: the commit file (computed from the
+/// processed entries, the same bytes whoever writes it), then COMPLETED.
+async fn commit_decided(
+    session: &Session,
+    key: &TaskKey,
+    metadata: &Metadata,
+    destination: &Destination,
+) -> Result<CommitOutcome, CommitError> {
+    let base = key.path();
+    let (names, _) = session.children(&format!("{base}/processed")).await?;
     // The processed entries, read a bounded number at a time.
     let mut files: Vec<DataFile> = Vec::with_capacity(names.len());
     for chunk in names.chunks(64) {
@@ -457,12 +586,27 @@ async fn commit_locked(
         create_time: metadata.create_time,
         rows: files.iter().map(|f| f.rows).sum(),
         files,
+        columns: metadata.columns.clone(),
     };
     let key_written = match destination.commit(&commit).await {
         Ok(k) => k,
         Err(PartFailure::Retryable(e)) => return Err(CommitError::Destination(e)),
         Err(PartFailure::Fatal(e)) => {
-            fail(session, key, &metadata.transaction_id, &e).await?;
+            // A commit file of this transaction with other contents: not
+            // ours, and nothing this task can write fixes it.
+            let ops = vec![
+                Op::check(crate::model::fence_path(&base, &metadata.transaction_id), 0),
+                Op::set(
+                    format!("{base}/status"),
+                    TaskStatus::Failed.as_str(),
+                    Some(0),
+                ),
+            ];
+            match session.multi(ops).await {
+                Ok(_) | Err(CoordError::MultiFailed { .. }) => {}
+                Err(c) => return Err(c.into()),
+            }
+            tracing::warn!(task = %key, reason = %e, "export failed");
             return Ok(CommitOutcome::Failed(e));
         }
     };
@@ -480,6 +624,7 @@ pub async fn fail(
 ) -> Result<bool, CoordError> {
     let ops = vec![
         Op::check(crate::model::fence_path(&key.path(), transaction_id), 0),
+        decide_op(&key.path(), Decision::Fail),
         Op::set(
             format!("{}/status", key.path()),
             TaskStatus::Failed.as_str(),

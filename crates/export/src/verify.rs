@@ -4,14 +4,14 @@
 //! are read and checksummed); data files no commit file lists are orphans,
 //! which readers must not trust (an upload whose export never committed).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use bytes::Bytes;
 use ferry_replica::PartName;
 use ferry_storage::{Location, StorageError};
 use serde::Serialize;
 
-use crate::model::{CommitFile, DataFile};
+use crate::model::{schema_difference, CommitFile, DataFile, DestinationSchema, SCHEMA_KEY};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct VerifyReport {
@@ -38,7 +38,22 @@ const TAIL_BYTES: u64 = 64 << 10;
 pub async fn verify(location: &Location, deep: bool) -> Result<VerifyReport, StorageError> {
     let listing: BTreeMap<String, u64> = location.list("").await?.into_iter().collect();
     let mut report = VerifyReport::default();
-    let mut listed: BTreeSet<String> = BTreeSet::new();
+    // Every file once: a forced re-export lists the same files again (their
+    // names are deterministic), which is fine as long as the entries agree.
+    let mut listed: BTreeMap<String, DataFile> = BTreeMap::new();
+    let marker = match listing.contains_key(SCHEMA_KEY) {
+        true => match serde_json::from_slice::<DestinationSchema>(&location.get(SCHEMA_KEY).await?)
+        {
+            Ok(m) => Some(m),
+            Err(e) => {
+                report
+                    .problems
+                    .push(format!("{SCHEMA_KEY}: not a schema marker: {e}"));
+                None
+            }
+        },
+        false => None,
+    };
     for (key, _) in listing
         .iter()
         .filter(|(k, _)| k.starts_with("commit_") && !k.contains('/'))
@@ -60,11 +75,27 @@ pub async fn verify(location: &Location, deep: bool) -> Result<VerifyReport, Sto
                 commit.rows
             ));
         }
+        if let (Some(m), false) = (&marker, commit.columns.is_empty()) {
+            if let Some(d) = schema_difference(&commit.columns, &m.columns) {
+                report.problems.push(format!(
+                    "{key}: its files' schema differs from {SCHEMA_KEY}: {d}"
+                ));
+            }
+        }
         for f in &commit.files {
-            if !listed.insert(f.path.clone()) {
-                report
-                    .problems
-                    .push(format!("{}: listed by more than one commit file", f.path));
+            match listed.get(&f.path) {
+                Some(earlier) if earlier == f => continue,
+                Some(earlier) => {
+                    report.problems.push(format!(
+                        "{}: listed by more than one commit file, differently ({} rows, {} bytes \
+                         against {} rows, {} bytes)",
+                        f.path, f.rows, f.bytes, earlier.rows, earlier.bytes
+                    ));
+                    continue;
+                }
+                None => {
+                    listed.insert(f.path.clone(), f.clone());
+                }
             }
             match listing.get(&f.path) {
                 None => report
@@ -86,7 +117,7 @@ pub async fn verify(location: &Location, deep: bool) -> Result<VerifyReport, Sto
     }
     report.orphans = listing
         .keys()
-        .filter(|k| k.ends_with(".parquet") && !listed.contains(*k))
+        .filter(|k| k.ends_with(".parquet") && !listed.contains_key(*k))
         .cloned()
         .collect();
     Ok(report)

@@ -180,6 +180,10 @@ struct Task {
     exceptions_armed: bool,
     /// Commit to try at the next tick (this node finished its parts).
     commit_due: bool,
+    /// Set once this node found the destination's schema marker to match
+    /// the task's columns (or wrote it): checked before the first upload
+    /// here, not before every one.
+    schema_checked: Arc<tokio::sync::OnceCell<()>>,
 }
 
 struct Done {
@@ -717,6 +721,7 @@ impl Run<'_> {
             progress_armed: false,
             exceptions_armed: false,
             commit_due: false,
+            schema_checked: Arc::new(tokio::sync::OnceCell::new()),
             metadata,
         };
         let parts = task::read_parts(&self.session, &key, &t.metadata).await?;
@@ -1130,6 +1135,11 @@ impl Run<'_> {
             t.metadata.partition_dir.clone(),
             t.metadata.table_id,
         );
+        let (table, columns, schema_checked) = (
+            t.metadata.table.clone(),
+            t.metadata.columns.clone(),
+            Arc::clone(&t.schema_checked),
+        );
         let parts = Arc::clone(&self.ex.parts);
         let cpu = self.ex.cpu;
         let budget = self.ex.config.upload_budget;
@@ -1141,6 +1151,9 @@ impl Run<'_> {
                 let source = parts.find(table_id, &name).await.ok_or_else(|| {
                     PartFailure::Retryable(format!("part {part2} is no longer on this node"))
                 })?;
+                schema_checked
+                    .get_or_try_init(|| destination.claim_schema(&table, &columns))
+                    .await?;
                 destination
                     .write_part(&dir, &source, &settings, cpu, budget)
                     .await
@@ -1320,6 +1333,7 @@ impl Run<'_> {
             );
         }
         if fail_task {
+            ops.push(crate::task::decide_op(&base, crate::task::Decision::Fail));
             ops.push(Op::set(
                 format!("{base}/status"),
                 TaskStatus::Failed.as_str(),

@@ -1,25 +1,41 @@
-//! Export end to end on the embedded coordination store and a local folder:
-//! replicas sharing one export, kill, force, and a destination that fails.
+//! Export end to end, every scenario on every back-end pair: the embedded
+//! coordination store with a local folder, and real ZooKeeper
+//! (`FERRY_TEST_ZK`) with the S3 server (`FERRY_TEST_S3_ENDPOINT`, moto).
+//! The real pair is skipped (and said so) without the services, unless
+//! `FERRY_TEST_REQUIRE_SERVICES=1`, as scripts/test.sh sets.
+//!
+//! Scenarios: two and three replicas sharing exports (a refused re-export,
+//! force, two destinations, an exporter killed and restarted), malformed
+//! requests, storage failures that heal and that do not, kill, TTL expiry,
+//! merges during an export, the session expiry of an exporting node, and a
+//! destination of another schema.
 #![allow(clippy::disallowed_methods, clippy::disallowed_types)]
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arrow::array::{Int64Array, RecordBatch, StringArray};
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use ferry_coord::embedded::EmbeddedStore;
-use ferry_coord::{CoordMetrics, CreateMode, EmbeddedSessions, Session, SessionFactory};
+use ferry_coord::zk::{ZkOptions, ZkSession};
+use ferry_coord::{
+    CoordMetrics, Coordination, CreateMode, EmbeddedSessions, Session, SessionFactory,
+};
 use ferry_env::{Cpu, Disk, RealDisk, SystemClock};
 use ferry_export::model::{CommitFile, ExportSettings};
 use ferry_export::{
-    Destinations, ExportRequest, Exporter, ExporterConfig, ExportsView, ReplicaSet, Requester,
-    StorageDestinations, TaskStatus,
+    Destinations, ExportRequest, Exporter, ExporterConfig, ExportsView, LocalParts, ReplicaSet,
+    Requester, StorageDestinations, TaskStatus,
 };
 use ferry_replica::{Replica, SharedReplica, TableRef, Tables, ALL_SHARDS};
+use ferry_sim::objstore::{FaultyObjectStore, ObjectFaults};
+use ferry_storage::{Location, S3Settings};
 use ferry_table::{Table, TableDef};
 use ferry_wal::record::Record;
 use ferry_wal::Lsn;
+use futures::TryStreamExt;
+use object_store::ObjectStore;
 use tokio::sync::watch;
 
 fn table() -> Table {
@@ -87,34 +103,234 @@ fn wal(inserts: i64, rows: i64) -> (Bytes, Lsn) {
     (bytes.freeze(), end)
 }
 
+fn service(var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(v) if !v.is_empty() => Some(v),
+        _ => {
+            assert!(
+                std::env::var("FERRY_TEST_REQUIRE_SERVICES").as_deref() != Ok("1"),
+                "{var} is not set but services are required"
+            );
+            None
+        }
+    }
+}
+
+/// The back-end pairs a scenario runs on.
+#[derive(Debug, Clone)]
+enum Backend {
+    /// The embedded store and a local folder.
+    Embedded,
+    /// ZooKeeper and an S3 server.
+    Real { zk: String, s3: String },
+}
+
+fn backends() -> Vec<Backend> {
+    let mut out = vec![Backend::Embedded];
+    match (service("FERRY_TEST_ZK"), service("FERRY_TEST_S3_ENDPOINT")) {
+        (Some(zk), Some(s3)) => out.push(Backend::Real { zk, s3 }),
+        _ => {
+            use std::io::Write as _;
+            let test = std::thread::current()
+                .name()
+                .unwrap_or("a test")
+                .to_string();
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED the ZooKeeper + S3 half of {test}: FERRY_TEST_ZK or \
+                 FERRY_TEST_S3_ENDPOINT is not set (scripts/test.sh sets them)"
+            );
+        }
+    }
+    out
+}
+
+fn unique() -> u128 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    nanos ^ ((N.fetch_add(1, Ordering::Relaxed) as u128) << 100)
+}
+
+/// Creates a bucket with a plain unsigned request, which moto accepts.
+async fn create_bucket(endpoint: &str, bucket: &str) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let host = endpoint.trim_start_matches("http://").trim_end_matches('/');
+    let mut conn = tokio::net::TcpStream::connect(host)
+        .await
+        .expect("connect to S3");
+    let request = format!(
+        "PUT /{bucket} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    conn.write_all(request.as_bytes()).await.expect("send");
+    let mut response = String::new();
+    conn.read_to_string(&mut response).await.expect("read");
+    assert!(
+        response.starts_with("HTTP/1.1 200"),
+        "create bucket: {response}"
+    );
+}
+
+/// How a test ends a node's coordination session as if it expired.
+#[derive(Clone)]
+enum Expirer {
+    Embedded(EmbeddedStore),
+    Zk(ZkOptions),
+}
+
+/// A node's sessions, remembered so that a test can expire the current one.
+struct NodeSessions {
+    backend: Arc<dyn SessionFactory>,
+    expirer: Expirer,
+    /// Each session opened: its id, ZooKeeper's id and password, and its
+    /// state (not the session itself, which would keep it open).
+    opened: Mutex<Vec<OpenedSession>>,
+}
+
+type OpenedSession = (
+    i64,
+    Option<zookeeper_client::SessionInfo>,
+    watch::Receiver<ferry_coord::SessionState>,
+);
+
+#[async_trait]
+impl SessionFactory for NodeSessions {
+    async fn open(&self) -> ferry_coord::Result<Session> {
+        let (session, info) = match &self.expirer {
+            Expirer::Embedded(_) => (self.backend.open().await?, None),
+            Expirer::Zk(options) => {
+                let s = ZkSession::connect(options).await?;
+                let info = s.session_info();
+                (Arc::new(s) as Session, Some(info))
+            }
+        };
+        self.opened.lock().expect("lock").push((
+            session.session_id(),
+            info,
+            session.session_state(),
+        ));
+        Ok(session)
+    }
+}
+
+impl NodeSessions {
+    fn opened(&self) -> usize {
+        self.opened.lock().expect("lock").len()
+    }
+
+    /// Expires the newest session: its ephemerals go, its owner sees it.
+    async fn expire_current(&self) {
+        let (id, info, mut state) = self
+            .opened
+            .lock()
+            .expect("lock")
+            .last()
+            .cloned()
+            .expect("a session was opened");
+        match (&self.expirer, info) {
+            (Expirer::Embedded(store), _) => {
+                assert!(store.expire_session(id).await.expect("expire"));
+            }
+            (Expirer::Zk(options), Some(info)) => {
+                // A busy machine can time the re-attachment out; the
+                // session is still there to attach to.
+                let mut tries = 0;
+                let other = loop {
+                    match ZkSession::attach(options, info.clone()).await {
+                        Ok(other) => break other,
+                        Err(e) if tries < 5 => {
+                            tries += 1;
+                            eprintln!("attaching to the session to expire it: {e}; again");
+                        }
+                        Err(e) => panic!("attach: {e}"),
+                    }
+                };
+                other.close().await;
+            }
+            (Expirer::Zk(_), None) => unreachable!("ZooKeeper sessions carry their info"),
+        }
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while !state.borrow_and_update().is_terminal() {
+                state.changed().await.expect("state");
+            }
+        })
+        .await
+        .expect("the session is seen to end");
+    }
+}
+
 struct Node {
     parts: Arc<ReplicaSet>,
     replica: SharedReplica,
+    sessions: Arc<NodeSessions>,
     view: watch::Receiver<ExportsView>,
     task: tokio::task::JoinHandle<()>,
 }
 
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 struct World {
+    backend: Backend,
     _dir: tempfile::TempDir,
     disk: Arc<dyn Disk>,
-    sessions: Arc<EmbeddedSessions>,
+    sessions: Arc<dyn SessionFactory>,
+    expirer: Expirer,
     session: Session,
-    lake: std::path::PathBuf,
+    /// The destination's base URL (`file://…` or `s3://bucket/base`).
+    base: String,
+    s3: S3Settings,
+    /// The store behind `base` (a folder, or the bucket) and the prefix of
+    /// `base` in it.
+    store: Arc<dyn ObjectStore>,
+    store_prefix: String,
     end: Lsn,
     wal: Bytes,
 }
 
-async fn world(inserts: i64, rows: i64) -> World {
+async fn world(backend: &Backend, inserts: i64, rows: i64) -> World {
     let dir = tempfile::tempdir().expect("tempdir");
     let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
-    let store = EmbeddedStore::open(Arc::clone(&disk), "coord", Default::default())
-        .await
-        .expect("store");
-    let sessions = Arc::new(EmbeddedSessions {
-        store,
-        timeout: Duration::from_secs(5),
-        metrics: Arc::new(CoordMetrics::default()),
-    });
+    let (sessions, expirer): (Arc<dyn SessionFactory>, Expirer) = match backend {
+        Backend::Embedded => {
+            let store = EmbeddedStore::open(Arc::clone(&disk), "coord", Default::default())
+                .await
+                .expect("store");
+            (
+                Arc::new(EmbeddedSessions {
+                    store: store.clone(),
+                    timeout: Duration::from_secs(5),
+                    metrics: Arc::new(CoordMetrics::default()),
+                }),
+                Expirer::Embedded(store),
+            )
+        }
+        Backend::Real { zk, .. } => {
+            let root = ZkSession::connect(&ZkOptions::new(zk.clone()))
+                .await
+                .expect("zookeeper");
+            let chroot = format!("/export-test-{}", unique());
+            ferry_coord::create_all(&root, &chroot)
+                .await
+                .expect("chroot");
+            root.close().await;
+            let mut options = ZkOptions::new(format!("{zk}{chroot}"));
+            options.session_timeout = Duration::from_secs(4);
+            (
+                Arc::new(ferry_coord::ZkSessions {
+                    options: options.clone(),
+                    metrics: Arc::new(CoordMetrics::default()),
+                }),
+                Expirer::Zk(options),
+            )
+        }
+    };
     let session = sessions.open().await.expect("session");
     ferry_coord::create_all(session.as_ref(), "/ferry/tables")
         .await
@@ -127,23 +343,111 @@ async fn world(inserts: i64, rows: i64) -> World {
         )
         .await
         .expect("table node");
-    let lake = dir.path().join("lake");
-    std::fs::create_dir_all(&lake).expect("lake");
+    let (base, s3, store, store_prefix): (String, S3Settings, Arc<dyn ObjectStore>, String) =
+        match backend {
+            Backend::Embedded => {
+                let lake = dir.path().join("lake");
+                std::fs::create_dir_all(&lake).expect("lake");
+                let store = object_store::local::LocalFileSystem::new_with_prefix(&lake)
+                    .expect("local store");
+                (
+                    format!("file://{}", lake.display()),
+                    S3Settings::default(),
+                    Arc::new(store),
+                    String::new(),
+                )
+            }
+            Backend::Real { s3, .. } => {
+                let bucket = format!("ferry-export-{}", unique());
+                create_bucket(s3, &bucket).await;
+                let store = object_store::aws::AmazonS3Builder::new()
+                    .with_endpoint(s3)
+                    .with_allow_http(true)
+                    .with_region("us-east-1")
+                    .with_bucket_name(&bucket)
+                    .with_access_key_id("test")
+                    .with_secret_access_key("test")
+                    .with_conditional_put(object_store::aws::S3ConditionalPut::ETagMatch)
+                    .build()
+                    .expect("S3 store");
+                (
+                    format!("s3://{bucket}/base"),
+                    S3Settings {
+                        endpoint: Some(s3.clone()),
+                        region: Some("us-east-1".into()),
+                        access_key_id: Some("test".into()),
+                        secret_access_key: Some("test".into()),
+                        session_token: None,
+                    },
+                    Arc::new(store),
+                    "base".to_string(),
+                )
+            }
+        };
     let (wal, end) = wal(inserts, rows);
     World {
+        backend: backend.clone(),
         _dir: dir,
         disk,
         sessions,
+        expirer,
         session,
-        lake,
+        base,
+        s3,
+        store,
+        store_prefix,
         end,
         wal,
     }
 }
 
+/// Every destination URL under the world's base, through a fault injector
+/// in front of the real store.
+struct Faulty {
+    store: FaultyObjectStore,
+    base: String,
+    prefix: String,
+}
+
+impl Destinations for Faulty {
+    fn open(&self, url: &str) -> Result<Location, ferry_storage::StorageError> {
+        let rest = url.strip_prefix(&self.base).unwrap_or("");
+        let prefix = format!("{}{rest}", self.prefix);
+        Location::from_store(url, Arc::new(self.store.clone()), prefix.trim_matches('/'))
+    }
+}
+
 impl World {
-    fn url(&self) -> String {
-        format!("file://{}", self.lake.display())
+    /// A destination under the base.
+    fn url(&self, name: &str) -> String {
+        format!("{}/{name}", self.base)
+    }
+
+    fn destinations(&self) -> Arc<dyn Destinations> {
+        Arc::new(StorageDestinations::new(self.s3.clone()))
+    }
+
+    /// The real store behind a fault injector (multipart uploads included).
+    fn faulty(&self, seed: u64) -> (FaultyObjectStore, Arc<Faulty>) {
+        let store = FaultyObjectStore::wrap(
+            seed,
+            ObjectFaults {
+                multipart: true,
+                ..ObjectFaults::default()
+            },
+            Arc::clone(&self.store),
+        );
+        let dest = Arc::new(Faulty {
+            store: store.clone(),
+            base: self.base.clone(),
+            prefix: self.store_prefix.clone(),
+        });
+        (store, dest)
+    }
+
+    /// The destination without faults.
+    fn location(&self, url: &str) -> Location {
+        ferry_storage::open(url, &self.s3).expect("location")
     }
 
     async fn node(&self, name: &str, destinations: Arc<dyn Destinations>) -> Node {
@@ -162,12 +466,17 @@ impl World {
         }
         let replica: SharedReplica = Arc::new(tokio::sync::Mutex::new(r));
         let parts = Arc::new(ReplicaSet::new(vec![Arc::clone(&replica)]));
+        let sessions = Arc::new(NodeSessions {
+            backend: Arc::clone(&self.sessions),
+            expirer: self.expirer.clone(),
+            opened: Mutex::new(Vec::new()),
+        });
         let mut config = ExporterConfig::new(name);
         config.tick = Duration::from_millis(50);
         config.cleanup_interval = Duration::from_millis(200);
         let exporter = Exporter::new(
             config,
-            Arc::clone(&self.sessions) as Arc<dyn SessionFactory>,
+            Arc::clone(&sessions) as Arc<dyn SessionFactory>,
             Arc::new(SystemClock),
             Cpu::Inline,
             Arc::clone(&parts) as _,
@@ -177,9 +486,51 @@ impl World {
         Node {
             parts,
             replica,
+            sessions,
             view,
             task: tokio::spawn(exporter.run()),
         }
+    }
+
+    /// Stops a node's exporter (its session with it) and starts it again on
+    /// the same replica.
+    async fn restart(&self, node: &mut Node, name: &str, destinations: Arc<dyn Destinations>) {
+        node.task.abort();
+        let _ = (&mut node.task).await;
+        let mut config = ExporterConfig::new(name);
+        config.tick = Duration::from_millis(50);
+        config.cleanup_interval = Duration::from_millis(200);
+        let exporter = Exporter::new(
+            config,
+            Arc::clone(&node.sessions) as Arc<dyn SessionFactory>,
+            Arc::new(SystemClock),
+            Cpu::Inline,
+            Arc::clone(&node.parts) as _,
+            destinations,
+        );
+        node.view = exporter.subscribe();
+        node.task = tokio::spawn(exporter.run());
+    }
+
+    async fn export_to(
+        &self,
+        node: &Node,
+        dest: &dyn Destinations,
+        req: &ExportRequest,
+    ) -> Result<ferry_export::Created, ferry_export::RequestError> {
+        Requester {
+            session: &self.session,
+            sessions: self.sessions.as_ref(),
+            parts: node.parts.as_ref(),
+            destinations: dest,
+            replica_name: "r0",
+            now_unix_millis: ferry_env::Clock::unix_micros(&SystemClock) / 1000,
+            random: unique() as u64,
+            commit_lsn: self.end,
+            wait: Duration::from_secs(5),
+        }
+        .export(req)
+        .await
     }
 
     async fn export(
@@ -187,27 +538,49 @@ impl World {
         node: &Node,
         req: &ExportRequest,
     ) -> Result<ferry_export::Created, ferry_export::RequestError> {
-        let destinations = StorageDestinations::new(Default::default());
-        Requester {
-            session: &self.session,
-            sessions: self.sessions.as_ref(),
-            parts: node.parts.as_ref(),
-            destinations: &destinations,
-            replica_name: "r0",
-            now_unix_millis: ferry_env::Clock::unix_micros(&SystemClock) / 1000,
-            random: rand_suffix(),
-            commit_lsn: self.end,
-            wait: Duration::from_secs(5),
-        }
-        .export(req)
-        .await
+        self.export_to(node, self.destinations().as_ref(), req)
+            .await
     }
-}
 
-fn rand_suffix() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static N: AtomicU64 = AtomicU64::new(1);
-    N.fetch_add(1, Ordering::Relaxed)
+    /// Every key under a destination, from the store itself.
+    async fn keys(&self, url: &str) -> Vec<String> {
+        let rest = url.strip_prefix(&self.base).unwrap_or("");
+        let prefix = format!("{}{rest}", self.store_prefix);
+        let prefix = object_store::path::Path::from(prefix.trim_matches('/'));
+        let mut keys: Vec<String> = self
+            .store
+            .list(Some(&prefix))
+            .map_ok(|m| m.location.to_string())
+            .try_collect()
+            .await
+            .expect("list");
+        keys.sort();
+        keys
+    }
+
+    async fn commit_files(&self, url: &str) -> Vec<CommitFile> {
+        let loc = self.location(url);
+        let mut out = Vec::new();
+        for (key, _) in loc.list("").await.expect("list") {
+            if key.starts_with("commit_") {
+                out.push(serde_json::from_slice(&loc.get(&key).await.expect("get")).expect("json"));
+            }
+        }
+        out
+    }
+
+    /// The destination verified, deeply: consistent, no orphans, one
+    /// commit file of `parts` files and `rows` rows.
+    async fn verified(&self, url: &str, parts: u64, rows: u64) {
+        let report = ferry_export::verify::verify(&self.location(url), true)
+            .await
+            .expect("verify");
+        assert!(report.ok(), "{:?}: {report:?}", self.backend);
+        assert!(report.orphans.is_empty(), "{report:?}");
+        assert_eq!(report.commits.len(), 1, "{report:?}");
+        assert_eq!(report.files_checked as u64, parts, "{report:?}");
+        assert_eq!(report.rows, rows, "{report:?}");
+    }
 }
 
 fn request(url: &str, partition: &str) -> ExportRequest {
@@ -224,334 +597,546 @@ fn request(url: &str, partition: &str) -> ExportRequest {
     }
 }
 
-/// Waits until some node's view shows the transaction terminal.
+/// Waits until the node's view shows the transaction terminal.
 async fn wait_terminal(
     view: &mut watch::Receiver<ExportsView>,
     tx: &str,
 ) -> ferry_export::TaskView {
-    tokio::time::timeout(Duration::from_secs(30), async {
+    wait_view(view, |v| {
+        v.tasks
+            .iter()
+            .find(|t| t.transaction_id == tx && t.status.is_terminal())
+            .cloned()
+    })
+    .await
+}
+
+/// Waits until `f` finds something in the node's view.
+async fn wait_view<T>(
+    view: &mut watch::Receiver<ExportsView>,
+    mut f: impl FnMut(&ExportsView) -> Option<T>,
+) -> T {
+    tokio::time::timeout(Duration::from_secs(60), async {
         loop {
-            if let Some(t) = view
-                .borrow_and_update()
-                .tasks
-                .iter()
-                .find(|t| t.transaction_id == tx && t.status.is_terminal())
-            {
-                return t.clone();
+            if let Some(t) = f(&view.borrow_and_update()) {
+                return t;
             }
             view.changed().await.expect("exporter running");
         }
     })
     .await
-    .expect("the export ends in time")
+    .expect("the export gets there in time")
 }
 
-fn commit_files(lake: &std::path::Path) -> Vec<CommitFile> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir(lake).expect("lake") {
-        let e = e.expect("entry");
-        if e.file_name().to_string_lossy().starts_with("commit_") {
-            out.push(
-                serde_json::from_slice(&std::fs::read(e.path()).expect("read")).expect("json"),
-            );
-        }
-    }
-    out
+fn active_rows(replica: &Replica, partition: &str) -> (usize, u64) {
+    let parts: Vec<_> = replica
+        .parts(1)
+        .into_iter()
+        .filter(|p| p.name.partition_id == partition)
+        .collect();
+    (parts.len(), parts.iter().map(|p| p.rows).sum())
 }
 
 #[tokio::test]
 async fn two_replicas_share_an_export_and_the_lake_holds_each_part_once() {
-    let w = world(40, 500).await;
-    let dest: Arc<dyn Destinations> = Arc::new(StorageDestinations::new(Default::default()));
-    let mut a = w.node("r0", Arc::clone(&dest)).await;
-    let b = w.node("r1", Arc::clone(&dest)).await;
-    let snapshot = a.replica.lock().await.parts(1);
-    let in_a: Vec<_> = snapshot
-        .iter()
-        .filter(|p| p.name.partition_id == "a")
-        .collect();
-    let rows_a: u64 = in_a.iter().map(|p| p.rows).sum();
-    let created = w
-        .export(&a, &request(&w.url(), "a"))
-        .await
-        .expect("export created");
-    assert_eq!(created.parts_count as usize, in_a.len());
-    assert_eq!(created.rows, rows_a);
-    let done = wait_terminal(&mut a.view, &created.transaction_id).await;
-    assert_eq!(done.status, TaskStatus::Completed, "{done:?}");
-    assert_eq!(done.parts_to_do, 0);
+    for backend in backends() {
+        let w = world(&backend, 40, 500).await;
+        let url = w.url("lake");
+        let mut a = w.node("r0", w.destinations()).await;
+        let b = w.node("r1", w.destinations()).await;
+        let (parts, rows) = active_rows(&*a.replica.lock().await, "a");
+        let created = w
+            .export(&a, &request(&url, "a"))
+            .await
+            .expect("export created");
+        assert_eq!(created.parts_count as usize, parts);
+        assert_eq!(created.rows, rows);
+        let done = wait_terminal(&mut a.view, &created.transaction_id).await;
+        assert_eq!(done.status, TaskStatus::Completed, "{backend:?}: {done:?}");
+        assert_eq!(done.parts_to_do, 0);
+        let commits = w.commit_files(&url).await;
+        assert_eq!(commits.len(), 1, "exactly one commit file");
+        assert_eq!(commits[0].transaction_id, created.transaction_id);
+        assert_eq!(
+            commits[0].columns,
+            table().def.columns,
+            "the schema is listed"
+        );
+        w.verified(&url, parts as u64, rows).await;
+        // Both replicas worked (the work is shared).
+        let exported =
+            a.view.borrow().counters.parts_exported + b.view.borrow().counters.parts_exported;
+        assert_eq!(exported, parts as u64, "{backend:?}");
 
-    let commits = commit_files(&w.lake);
-    assert_eq!(commits.len(), 1, "exactly one commit file");
-    let c = &commits[0];
-    assert_eq!(c.transaction_id, created.transaction_id);
-    assert_eq!(c.files.len(), in_a.len(), "one file per snapshot part");
-    assert_eq!(c.rows, rows_a);
-    // Both replicas worked (the work is shared) and the lake holds nothing else.
-    let counters = (
-        a.view.borrow().counters.clone(),
-        b.view.borrow().counters.clone(),
-    );
-    assert_eq!(
-        counters.0.parts_exported + counters.1.parts_exported,
-        in_a.len() as u64
-    );
-    let loc = ferry_storage::open(&w.url(), &Default::default()).expect("lake");
-    let report = ferry_export::verify::verify(&loc, true)
-        .await
-        .expect("verify");
-    assert!(report.ok(), "{report:?}");
-    assert!(report.orphans.is_empty(), "{report:?}");
-    assert_eq!(report.rows, rows_a);
+        // The same partition again: refused while the task lives.
+        let again = w.export(&a, &request(&url, "a")).await;
+        assert!(
+            matches!(again, Err(ferry_export::RequestError::AlreadyExists { .. })),
+            "{again:?}"
+        );
+        // Forced: a new transaction, a second commit file naming the same
+        // files, which verify accepts (each file once).
+        let mut forced = request(&url, "a");
+        forced.force = true;
+        let second = w.export(&a, &forced).await.expect("forced export");
+        let done = wait_terminal(&mut a.view, &second.transaction_id).await;
+        assert_eq!(done.status, TaskStatus::Completed);
+        let commits = w.commit_files(&url).await;
+        assert_eq!(commits.len(), 2);
+        assert_eq!(
+            commits[0].files, commits[1].files,
+            "same deterministic file names"
+        );
+        let report = ferry_export::verify::verify(&w.location(&url), true)
+            .await
+            .expect("verify");
+        assert!(report.ok() && report.orphans.is_empty(), "{report:?}");
+        assert_eq!(report.rows, rows, "every file counted once");
+        w.session.close().await;
+    }
+}
 
-    // The same partition again: refused while the task lives.
-    let again = w.export(&a, &request(&w.url(), "a")).await;
-    assert!(
-        matches!(again, Err(ferry_export::RequestError::AlreadyExists { .. })),
-        "{again:?}"
-    );
-    // Forced: a new transaction, a second commit file naming the same files.
-    let mut forced = request(&w.url(), "a");
-    forced.force = true;
-    let second = w.export(&a, &forced).await.expect("forced export");
-    let done = wait_terminal(&mut a.view, &second.transaction_id).await;
-    assert_eq!(done.status, TaskStatus::Completed);
-    let commits = commit_files(&w.lake);
-    assert_eq!(commits.len(), 2);
-    assert_eq!(
-        commits[0].files, commits[1].files,
-        "same deterministic file names"
-    );
-    a.task.abort();
-    b.task.abort();
+#[tokio::test]
+async fn three_nodes_share_two_destinations_through_a_restarted_exporter() {
+    for backend in backends() {
+        let w = world(&backend, 30, 100).await;
+        let mut nodes = Vec::new();
+        for n in 0..3 {
+            nodes.push(w.node(&format!("node{n}"), w.destinations()).await);
+        }
+        let (parts, rows) = active_rows(&*nodes[0].replica.lock().await, "a");
+        let urls = [w.url("one"), w.url("two")];
+        let mut txs = Vec::new();
+        for url in &urls {
+            let mut req = request(url, "a");
+            req.settings.parallelism = 1;
+            txs.push(w.export(&nodes[0], &req).await.expect("export created"));
+        }
+        // Node 1's exporter dies at once (its session with it) and comes back.
+        let mut n1 = nodes.remove(1);
+        w.restart(&mut n1, "node1", w.destinations()).await;
+        for (url, created) in urls.iter().zip(&txs) {
+            let done = wait_terminal(&mut nodes[0].view, &created.transaction_id).await;
+            assert_eq!(done.status, TaskStatus::Completed, "{backend:?}: {done:?}");
+            w.verified(url, parts as u64, rows).await;
+        }
+        drop(n1);
+        w.session.close().await;
+    }
 }
 
 #[tokio::test]
 async fn malformed_requests_are_refused_and_change_nothing() {
-    let w = world(4, 50).await;
-    let dest: Arc<dyn Destinations> = Arc::new(StorageDestinations::new(Default::default()));
-    let a = w.node("r0", dest).await;
-    let url = w.url();
-    let cases: Vec<(ExportRequest, &str)> = vec![
-        (request(&url, "../x"), "partition id"),
-        (request(&url, "a/b"), "partition id"),
-        (request(&url, ""), "partition id"),
-        (request(&url, "zz"), "no rows"),
-        (
-            ExportRequest {
-                table: "nope".into(),
-                ..request(&url, "a")
-            },
-            "no table",
-        ),
-        (
-            ExportRequest {
-                table: "../t".into(),
-                ..request(&url, "a")
-            },
-            "table name",
-        ),
-        (request("file:///tmp/../etc", "a"), "invalid storage URL"),
-        (request("ftp://x/y", "a"), "unsupported"),
-        (
-            ExportRequest {
-                settings: ExportSettings {
-                    parallelism: 0,
-                    ..ExportSettings::default()
+    for backend in backends() {
+        let w = world(&backend, 4, 50).await;
+        let a = w.node("r0", w.destinations()).await;
+        let url = w.url("lake");
+        let cases: Vec<(ExportRequest, &str)> = vec![
+            (request(&url, "../x"), "partition id"),
+            (request(&url, "a/b"), "partition id"),
+            (request(&url, ""), "partition id"),
+            (request(&url, "zz"), "no rows"),
+            (
+                ExportRequest {
+                    table: "nope".into(),
+                    ..request(&url, "a")
                 },
-                ..request(&url, "a")
-            },
-            "parallelism",
-        ),
-    ];
-    for (req, expect) in cases {
-        let e = w.export(&a, &req).await.expect_err("refused");
-        assert!(e.to_string().contains(expect), "{req:?}: {e}");
-    }
-    let (tasks, _) = w
-        .session
-        .children("/ferry/tables/t")
-        .await
-        .expect("children");
-    assert!(
-        !tasks.contains(&"exports".to_string())
-            || w.session
+                "no table",
+            ),
+            (
+                ExportRequest {
+                    table: "../t".into(),
+                    ..request(&url, "a")
+                },
+                "table name",
+            ),
+            (request("file:///tmp/../etc", "a"), "invalid storage URL"),
+            (request(&format!("{url}/../x"), "a"), "invalid storage URL"),
+            (request("ftp://x/y", "a"), "unsupported"),
+            (
+                ExportRequest {
+                    settings: ExportSettings {
+                        parallelism: 0,
+                        ..ExportSettings::default()
+                    },
+                    ..request(&url, "a")
+                },
+                "parallelism",
+            ),
+        ];
+        for (req, expect) in cases {
+            let e = w.export(&a, &req).await.expect_err("refused");
+            assert!(e.to_string().contains(expect), "{backend:?} {req:?}: {e}");
+        }
+        let (tasks, _) = w
+            .session
+            .children("/ferry/tables/t")
+            .await
+            .expect("children");
+        if tasks.contains(&"exports".to_string()) {
+            let (exports, _) = w
+                .session
                 .children("/ferry/tables/t/exports")
                 .await
-                .expect("c")
-                .0
-                .is_empty()
-    );
-    assert!(
-        ferry_export::LocalParts::pinned(a.parts.as_ref())
-            .await
-            .is_empty(),
-        "no pins left"
-    );
-    a.task.abort();
-}
-
-/// Every URL opens one in-memory store behind a fault injector.
-struct Faulty(ferry_sim::objstore::FaultyObjectStore);
-
-impl Destinations for Faulty {
-    fn open(&self, url: &str) -> Result<ferry_storage::Location, ferry_storage::StorageError> {
-        ferry_storage::Location::from_store(url, Arc::new(self.0.clone()), "")
-    }
-}
-
-const MEM: &str = "s3://lake/x";
-
-impl World {
-    async fn export_to(
-        &self,
-        node: &Node,
-        dest: &dyn Destinations,
-        req: &ExportRequest,
-    ) -> ferry_export::Created {
-        Requester {
-            session: &self.session,
-            sessions: self.sessions.as_ref(),
-            parts: node.parts.as_ref(),
-            destinations: dest,
-            replica_name: "r0",
-            now_unix_millis: ferry_env::Clock::unix_micros(&SystemClock) / 1000,
-            random: rand_suffix(),
-            commit_lsn: self.end,
-            wait: Duration::from_secs(5),
+                .expect("exports");
+            assert!(exports.is_empty(), "{exports:?}");
         }
-        .export(req)
-        .await
-        .expect("export created")
+        assert!(a.parts.pinned().await.is_empty(), "no pins left");
+        assert!(w.keys(&url).await.is_empty(), "nothing written");
+        w.session.close().await;
     }
-}
-
-async fn keys(store: &ferry_sim::objstore::FaultyObjectStore) -> Vec<String> {
-    use futures::TryStreamExt;
-    use object_store::ObjectStore;
-    let mut keys: Vec<String> = store
-        .truth()
-        .list(None)
-        .map_ok(|m| m.location.to_string())
-        .try_collect()
-        .await
-        .expect("list");
-    keys.sort();
-    keys
 }
 
 #[tokio::test]
 async fn storage_failures_that_heal_end_with_one_commit_file_and_no_duplicates() {
-    use ferry_sim::objstore::{FaultyObjectStore, ObjectFaults};
-    let w = world(30, 200).await;
-    let store = FaultyObjectStore::new(7, ObjectFaults::default());
-    let dest = Arc::new(Faulty(store.clone()));
-    let mut a = w.node("r0", dest.clone()).await;
-    let b = w.node("r1", dest.clone()).await;
-    let created = w.export_to(&a, dest.as_ref(), &request(MEM, "a")).await;
-    // Requests fail, and writes fail after they were applied.
-    store.set_faults(ObjectFaults {
-        fail_prob: 0.3,
-        fail_after_write_prob: 0.3,
-        ..ObjectFaults::default()
-    });
-    let done = wait_terminal(&mut a.view, &created.transaction_id).await;
-    assert_eq!(done.status, TaskStatus::Completed, "{done:?}");
-    assert!(store.injected_faults() > 0);
-    store.set_faults(ObjectFaults::default());
-    let loc = dest.open(MEM).expect("location");
-    let report = ferry_export::verify::verify(&loc, true)
-        .await
-        .expect("verify");
-    assert!(report.ok(), "{report:?}");
-    assert!(
-        report.orphans.is_empty(),
-        "no data file under another name: {report:?}"
-    );
-    assert_eq!(report.commits.len(), 1);
-    assert_eq!(report.files_checked as u64, created.parts_count);
-    let all = keys(&store).await;
-    assert_eq!(all.len() as u64, created.parts_count + 1, "{all:?}");
-    a.task.abort();
-    b.task.abort();
+    for backend in backends() {
+        let w = world(&backend, 30, 200).await;
+        let (store, dest) = w.faulty(7);
+        let url = w.url("lake");
+        let mut a = w.node("r0", dest.clone()).await;
+        let b = w.node("r1", dest.clone()).await;
+        let created = w
+            .export_to(&a, dest.as_ref(), &request(&url, "a"))
+            .await
+            .expect("created");
+        // Requests fail, and writes fail after they were applied.
+        store.set_faults(ObjectFaults {
+            fail_prob: 0.3,
+            fail_after_write_prob: 0.3,
+            multipart: true,
+            ..ObjectFaults::default()
+        });
+        let done = wait_terminal(&mut a.view, &created.transaction_id).await;
+        assert_eq!(done.status, TaskStatus::Completed, "{backend:?}: {done:?}");
+        assert!(store.injected_faults() > 0);
+        store.set_faults(ObjectFaults::default());
+        w.verified(&url, created.parts_count, created.rows).await;
+        // The data files, the commit file and the schema marker: nothing
+        // under a second name.
+        let all = w.keys(&url).await;
+        assert_eq!(all.len() as u64, created.parts_count + 2, "{all:?}");
+        drop((a, b));
+        w.session.close().await;
+    }
 }
 
 #[tokio::test]
 async fn storage_failures_that_do_not_heal_fail_the_task_without_a_commit_file() {
-    use ferry_sim::objstore::{FaultyObjectStore, ObjectFaults};
-    let w = world(10, 100).await;
-    let store = FaultyObjectStore::new(8, ObjectFaults::default());
-    let dest = Arc::new(Faulty(store.clone()));
-    let mut a = w.node("r0", dest.clone()).await;
-    let mut req = request(MEM, "a");
-    req.settings.max_retries = 3;
-    let created = w.export_to(&a, dest.as_ref(), &req).await;
-    store.set_faults(ObjectFaults {
-        fail_prob: 1.0,
-        ..ObjectFaults::default()
-    });
-    let done = wait_terminal(&mut a.view, &created.transaction_id).await;
-    assert_eq!(done.status, TaskStatus::Failed, "{done:?}");
-    let e = done
-        .last_exception
-        .clone()
-        .unwrap_or_else(|| panic!("the exception is recorded: {done:?}"));
-    assert!(e.message.contains("injected"), "{e:?}");
-    assert!(done.exception_count >= 3, "{done:?}");
-    store.set_faults(ObjectFaults::default());
-    assert!(
-        !keys(&store).await.iter().any(|k| k.contains("commit_")),
-        "a FAILED task has no commit file"
-    );
-    a.task.abort();
+    for backend in backends() {
+        let w = world(&backend, 10, 100).await;
+        let (store, dest) = w.faulty(8);
+        let url = w.url("lake");
+        let mut a = w.node("r0", dest.clone()).await;
+        let mut req = request(&url, "a");
+        req.settings.max_retries = 3;
+        let created = w.export_to(&a, dest.as_ref(), &req).await.expect("created");
+        store.set_faults(ObjectFaults {
+            fail_prob: 1.0,
+            multipart: true,
+            ..ObjectFaults::default()
+        });
+        let done = wait_terminal(&mut a.view, &created.transaction_id).await;
+        assert_eq!(done.status, TaskStatus::Failed, "{backend:?}: {done:?}");
+        let e = done
+            .last_exception
+            .clone()
+            .unwrap_or_else(|| panic!("the exception is recorded: {done:?}"));
+        assert!(e.message.contains("injected"), "{e:?}");
+        assert!(done.exception_count >= 3, "{done:?}");
+        store.set_faults(ObjectFaults::default());
+        assert!(
+            !w.keys(&url).await.iter().any(|k| k.contains("commit_")),
+            "a FAILED task has no commit file"
+        );
+        w.session.close().await;
+    }
+}
+
+#[tokio::test]
+async fn storage_that_stays_down_past_the_task_timeout_kills_the_task() {
+    for backend in backends() {
+        let w = world(&backend, 10, 100).await;
+        let (store, dest) = w.faulty(10);
+        let url = w.url("lake");
+        let mut a = w.node("r0", dest.clone()).await;
+        let mut req = request(&url, "a");
+        req.settings.max_retries = 0;
+        req.settings.task_timeout_seconds = 1;
+        let created = w.export_to(&a, dest.as_ref(), &req).await.expect("created");
+        store.set_faults(ObjectFaults {
+            fail_prob: 1.0,
+            multipart: true,
+            ..ObjectFaults::default()
+        });
+        let done = wait_terminal(&mut a.view, &created.transaction_id).await;
+        assert_eq!(done.status, TaskStatus::Killed, "{backend:?}: {done:?}");
+        store.set_faults(ObjectFaults::default());
+        assert!(!w.keys(&url).await.iter().any(|k| k.contains("commit_")));
+        w.session.close().await;
+    }
 }
 
 #[tokio::test]
 async fn a_killed_export_stops_and_never_gets_a_commit_file() {
-    use ferry_sim::objstore::{FaultyObjectStore, ObjectFaults};
-    let w = world(20, 100).await;
-    let store = FaultyObjectStore::new(9, ObjectFaults::default());
-    let dest = Arc::new(Faulty(store.clone()));
-    let mut a = w.node("r0", dest.clone()).await;
-    let created = w.export_to(&a, dest.as_ref(), &request(MEM, "a")).await;
-    // Uploads hang (slow storage) while the kill comes.
-    store.set_faults(ObjectFaults {
-        min_latency: Duration::from_secs(3600),
-        max_latency: Duration::from_secs(3600),
-        ..ObjectFaults::default()
-    });
-    let key = ferry_export::TaskKey::new("t", "a", MEM);
-    // The killer sees the storage without the faults.
-    let destination = ferry_export::Destination::new(
-        ferry_storage::Location::from_store(MEM, store.truth(), "").expect("open"),
-    );
-    let status = loop {
-        match ferry_export::task::kill(
-            &w.session,
-            &key,
-            Some(&created.transaction_id),
-            &destination,
-            "test",
-        )
-        .await
-        {
-            Ok(s) => break s,
-            Err(ferry_export::task::KillError::Busy(_)) => {
-                tokio::time::sleep(Duration::from_millis(20)).await
+    for backend in backends() {
+        let w = world(&backend, 20, 100).await;
+        let (store, dest) = w.faulty(9);
+        let url = w.url("lake");
+        let mut a = w.node("r0", dest.clone()).await;
+        let created = w
+            .export_to(&a, dest.as_ref(), &request(&url, "a"))
+            .await
+            .expect("created");
+        // Uploads hang (slow storage) while the kill comes.
+        store.set_faults(ObjectFaults {
+            min_latency: Duration::from_secs(3600),
+            max_latency: Duration::from_secs(3600),
+            multipart: true,
+            ..ObjectFaults::default()
+        });
+        let key = ferry_export::TaskKey::new("t", "a", &url);
+        // The killer sees the storage without the faults.
+        let destination = ferry_export::Destination::new(w.location(&url));
+        let status = loop {
+            match ferry_export::task::kill(
+                &w.session,
+                &key,
+                Some(&created.transaction_id),
+                &destination,
+                "test",
+            )
+            .await
+            {
+                Ok(s) => break s,
+                Err(ferry_export::task::KillError::Busy(_)) => {
+                    tokio::time::sleep(Duration::from_millis(20)).await
+                }
+                Err(e) => panic!("kill: {e}"),
             }
-            Err(e) => panic!("kill: {e}"),
-        }
-    };
-    assert_eq!(status, TaskStatus::Killed);
-    let done = wait_terminal(&mut a.view, &created.transaction_id).await;
-    assert_eq!(done.status, TaskStatus::Killed);
-    assert!(done.running.is_empty(), "uploads cancelled: {done:?}");
-    store.set_faults(ObjectFaults::default());
-    assert!(!keys(&store).await.iter().any(|k| k.contains("commit_")));
-    // A second kill changes nothing.
-    let again = ferry_export::task::kill(&w.session, &key, None, &destination, "again")
+        };
+        assert_eq!(status, TaskStatus::Killed);
+        let done = wait_terminal(&mut a.view, &created.transaction_id).await;
+        assert_eq!(done.status, TaskStatus::Killed);
+        assert!(done.running.is_empty(), "uploads cancelled: {done:?}");
+        store.set_faults(ObjectFaults::default());
+        assert!(!w.keys(&url).await.iter().any(|k| k.contains("commit_")));
+        // A second kill changes nothing.
+        let again = ferry_export::task::kill(&w.session, &key, None, &destination, "again")
+            .await
+            .expect("kill");
+        assert_eq!(again, TaskStatus::Killed);
+        w.session.close().await;
+    }
+}
+
+#[tokio::test]
+async fn a_finished_task_goes_at_its_ttl_and_the_partition_can_be_exported_again() {
+    for backend in backends() {
+        let w = world(&backend, 6, 50).await;
+        let url = w.url("lake");
+        let mut a = w.node("r0", w.destinations()).await;
+        let mut req = request(&url, "a");
+        req.settings.ttl_seconds = 1;
+        let first = w.export(&a, &req).await.expect("created");
+        let done = wait_terminal(&mut a.view, &first.transaction_id).await;
+        assert_eq!(done.status, TaskStatus::Completed, "{backend:?}: {done:?}");
+        // The cleanup holder removes it once its TTL passed.
+        wait_view(&mut a.view, |v| {
+            (!v.tasks
+                .iter()
+                .any(|t| t.transaction_id == first.transaction_id))
+            .then_some(())
+        })
+        .await;
+        let key = ferry_export::TaskKey::new("t", "a", &url);
+        assert!(
+            w.session
+                .exists(&key.path())
+                .await
+                .expect("exists")
+                .is_none(),
+            "the task is gone from coordination"
+        );
+        assert!(a.parts.pinned().await.is_empty(), "its pins went with it");
+        // Not forced: accepted, the files are there already (skip policy).
+        let second = w.export(&a, &request(&url, "a")).await.expect("again");
+        let done = wait_terminal(&mut a.view, &second.transaction_id).await;
+        assert_eq!(done.status, TaskStatus::Completed);
+        assert_eq!(w.commit_files(&url).await.len(), 2);
+        w.session.close().await;
+    }
+}
+
+#[tokio::test]
+async fn merges_during_an_export_keep_the_snapshot_parts_until_it_ends() {
+    for backend in backends() {
+        // 48 inserts: every level-0 part of partition "a" is merged away
+        // while the export runs (merges of 8).
+        let w = world(&backend, 48, 50).await;
+        let url = w.url("lake");
+        let (store, dest) = w.faulty(11);
+        let mut a = w.node("r0", dest.clone()).await;
+        let b = w.node("r1", dest.clone()).await;
+        let (parts, rows) = active_rows(&*a.replica.lock().await, "a");
+        assert!(parts >= 16, "{parts} parts");
+        // Slow uploads, so that the merges finish first.
+        store.set_faults(ObjectFaults {
+            min_latency: Duration::from_millis(30),
+            max_latency: Duration::from_millis(60),
+            multipart: true,
+            ..ObjectFaults::default()
+        });
+        let mut req = request(&url, "a");
+        req.settings.parallelism = 1;
+        let created = w.export_to(&a, dest.as_ref(), &req).await.expect("created");
+        let mergers: Vec<_> = [&a, &b]
+            .iter()
+            .map(|n| {
+                tokio::spawn(ferry_replica::replica::run_merges(
+                    Arc::clone(&n.replica),
+                    Duration::ZERO,
+                ))
+            })
+            .collect();
+        // The merges replace the snapshot's parts while the export runs.
+        let mut status = a.replica.lock().await.subscribe();
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while active_rows(&*a.replica.lock().await, "a").0 == parts {
+                status.changed().await.expect("replica");
+            }
+        })
         .await
-        .expect("kill");
-    assert_eq!(again, TaskStatus::Killed);
-    a.task.abort();
+        .expect("merges ran");
+        let done = wait_terminal(&mut a.view, &created.transaction_id).await;
+        assert_eq!(done.status, TaskStatus::Completed, "{backend:?}: {done:?}");
+        store.set_faults(ObjectFaults::default());
+        let (after, rows_after) = active_rows(&*a.replica.lock().await, "a");
+        assert!(after < parts, "merged: {after} parts of {parts}");
+        assert_eq!(rows_after, rows);
+        // One file per snapshot part (level 0), none of the merged ones.
+        let commits = w.commit_files(&url).await;
+        assert_eq!(commits.len(), 1);
+        assert_eq!(commits[0].files.len(), parts);
+        assert!(
+            commits[0]
+                .files
+                .iter()
+                .all(|f| f.path.ends_with(&format!("_0_{:08x}.parquet", f.checksum))),
+            "{:?}",
+            commits[0].files
+        );
+        w.verified(&url, parts as u64, rows).await;
+        for m in mergers {
+            m.abort();
+        }
+        w.session.close().await;
+    }
+}
+
+#[tokio::test]
+async fn the_exporting_node_whose_session_expires_carries_on_with_a_new_one() {
+    for backend in backends() {
+        let w = world(&backend, 24, 100).await;
+        let url = w.url("lake");
+        let (store, dest) = w.faulty(12);
+        let mut a = w.node("r0", dest.clone()).await;
+        let mut req = request(&url, "a");
+        req.settings.parallelism = 2;
+        let created = w.export_to(&a, dest.as_ref(), &req).await.expect("created");
+        // Slow uploads: the expiry finds the node in the middle of some.
+        store.set_faults(ObjectFaults {
+            min_latency: Duration::from_millis(100),
+            max_latency: Duration::from_millis(200),
+            multipart: true,
+            ..ObjectFaults::default()
+        });
+        wait_view(&mut a.view, |v| {
+            v.tasks
+                .iter()
+                .any(|t| t.transaction_id == created.transaction_id && !t.running.is_empty())
+                .then_some(())
+        })
+        .await;
+        let sessions_before = a.sessions.opened();
+        a.sessions.expire_current().await;
+        // Its locks went with the session.
+        let key = ferry_export::TaskKey::new("t", "a", &url);
+        let done = wait_terminal(&mut a.view, &created.transaction_id).await;
+        assert_eq!(done.status, TaskStatus::Completed, "{backend:?}: {done:?}");
+        assert!(
+            a.sessions.opened() > sessions_before,
+            "a new session was opened"
+        );
+        let (locks, _) = w
+            .session
+            .children(&format!("{}/locks", key.path()))
+            .await
+            .expect("locks");
+        assert!(locks.is_empty(), "{locks:?}");
+        store.set_faults(ObjectFaults::default());
+        w.verified(&url, created.parts_count, created.rows).await;
+        w.session.close().await;
+    }
+}
+
+#[tokio::test]
+async fn a_destination_of_another_schema_is_refused_and_fails_a_task_at_once() {
+    for backend in backends() {
+        let w = world(&backend, 6, 50).await;
+        let url = w.url("lake");
+        let a = w.node("r0", w.destinations()).await;
+        let foreign = ferry_export::model::DestinationSchema {
+            format: ferry_export::model::SCHEMA_FORMAT,
+            table: "other".into(),
+            columns: vec![ferry_table::def::ColumnDef {
+                name: "id".into(),
+                column_type: ferry_table::def::ColumnType::Utf8,
+                nullable: false,
+            }],
+        };
+        let marker = Bytes::from(serde_json::to_vec(&foreign).expect("json"));
+        // At request time: refused, nothing created.
+        let loc = w.location(&url);
+        loc.put_create(ferry_export::model::SCHEMA_KEY, marker.clone())
+            .await
+            .expect("marker");
+        let e = w
+            .export(&a, &request(&url, "a"))
+            .await
+            .expect_err("refused");
+        assert!(
+            matches!(e, ferry_export::RequestError::SchemaMismatch { .. }),
+            "{backend:?}: {e}"
+        );
+        assert!(e.to_string().contains("column 0 is id Utf8"), "{e}");
+        assert!(a.parts.pinned().await.is_empty());
+        drop(a);
+
+        // Between request and upload (another export wrote first): the
+        // task is FAILED at once, with the reason recorded.
+        let url2 = w.url("lake2");
+        let idle = w.node("r1", w.destinations()).await;
+        idle.task.abort();
+        let created = w
+            .export(&idle, &request(&url2, "a"))
+            .await
+            .expect("created");
+        w.location(&url2)
+            .put_create(ferry_export::model::SCHEMA_KEY, marker)
+            .await
+            .expect("marker");
+        let mut b = w.node("r2", w.destinations()).await;
+        let done = wait_terminal(&mut b.view, &created.transaction_id).await;
+        assert_eq!(done.status, TaskStatus::Failed, "{done:?}");
+        let ex = done.last_exception.clone().expect("recorded");
+        assert!(ex.message.contains("schema mismatch"), "{ex:?}");
+        // Not retried: at most one failure per upload slot.
+        assert!(
+            done.exception_count <= u64::from(ExportSettings::default().parallelism),
+            "{done:?}"
+        );
+        assert!(!w.keys(&url2).await.iter().any(|k| k.contains("commit_")));
+        assert!(!w.keys(&url2).await.iter().any(|k| k.ends_with(".parquet")));
+        w.session.close().await;
+    }
 }

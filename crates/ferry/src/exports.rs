@@ -156,6 +156,7 @@ fn request_error(e: RequestError) -> ApiError {
         RequestError::EmptyPartition { .. } => (StatusCode::BAD_REQUEST, "empty_partition"),
         RequestError::Destination { .. } => (StatusCode::BAD_GATEWAY, "destination"),
         RequestError::AlreadyExists { .. } => (StatusCode::CONFLICT, "export_exists"),
+        RequestError::SchemaMismatch { .. } => (StatusCode::CONFLICT, "schema_mismatch"),
         RequestError::Behind { .. } => (StatusCode::SERVICE_UNAVAILABLE, "replica_behind"),
         RequestError::NotHeld(_) => (StatusCode::NOT_IMPLEMENTED, "shards_not_held"),
         RequestError::Coordination(_) => (StatusCode::SERVICE_UNAVAILABLE, "coordination"),

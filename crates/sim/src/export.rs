@@ -833,6 +833,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
             max_latency: Duration::from_millis(150),
             fail_prob: 0.05,
             fail_after_write_prob: 0.05,
+            multipart: false,
         },
         verbose,
     )

@@ -1,5 +1,5 @@
-//! Simulated object storage: `object_store`'s in-memory store behind a fault
-//! injector. Requests take a random latency, may fail outright, and writes may
+//! Simulated object storage: `object_store`'s in-memory store (or, in tests
+//! against a real S3 server or folder, that store) behind a fault injector. Requests take a random latency, may fail outright, and writes may
 //! fail *after* they took effect (the object exists but the caller saw an error),
 //! which is what makes exactly-once uploads hard.
 
@@ -27,6 +27,11 @@ pub struct ObjectFaults {
     pub fail_prob: f64,
     /// Chance a successful write is reported as failed.
     pub fail_after_write_prob: f64,
+    /// Whether the pieces of multipart uploads (each part and the
+    /// completion) fail too, at `fail_prob` (completion also at
+    /// `fail_after_write_prob`); off by default, so the simulator's draws
+    /// stay as they were.
+    pub multipart: bool,
 }
 
 impl Default for ObjectFaults {
@@ -36,6 +41,7 @@ impl Default for ObjectFaults {
             max_latency: Duration::from_millis(20),
             fail_prob: 0.0,
             fail_after_write_prob: 0.0,
+            multipart: false,
         }
     }
 }
@@ -49,7 +55,7 @@ struct State {
 /// An object store with injected faults.
 #[derive(Clone)]
 pub struct FaultyObjectStore {
-    inner: Arc<InMemory>,
+    inner: Arc<dyn ObjectStore>,
     state: Arc<Mutex<State>>,
 }
 
@@ -61,7 +67,7 @@ impl fmt::Debug for FaultyObjectStore {
 
 impl fmt::Display for FaultyObjectStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("FaultyObjectStore(InMemory)")
+        write!(f, "FaultyObjectStore({})", self.inner)
     }
 }
 
@@ -74,8 +80,13 @@ fn injected(what: &str) -> object_store::Error {
 
 impl FaultyObjectStore {
     pub fn new(seed: u64, faults: ObjectFaults) -> FaultyObjectStore {
+        Self::wrap(seed, faults, Arc::new(InMemory::new()))
+    }
+
+    /// Faults in front of another store (a local folder, an S3 bucket).
+    pub fn wrap(seed: u64, faults: ObjectFaults, inner: Arc<dyn ObjectStore>) -> FaultyObjectStore {
         FaultyObjectStore {
-            inner: Arc::new(InMemory::new()),
+            inner,
             state: Arc::new(Mutex::new(State {
                 rng: SmallRng::seed_from_u64(seed),
                 faults,
@@ -94,7 +105,7 @@ impl FaultyObjectStore {
     }
 
     /// The store without faults, for checking what really is stored.
-    pub fn truth(&self) -> Arc<InMemory> {
+    pub fn truth(&self) -> Arc<dyn ObjectStore> {
         Arc::clone(&self.inner)
     }
 
@@ -150,7 +161,14 @@ impl ObjectStore for FaultyObjectStore {
         opts: PutMultipartOptions,
     ) -> Result<Box<dyn MultipartUpload>> {
         self.enter("put_multipart").await?;
-        self.inner.put_multipart_opts(location, opts).await
+        let upload = self.inner.put_multipart_opts(location, opts).await?;
+        if !self.lock().faults.multipart {
+            return Ok(upload);
+        }
+        Ok(Box::new(FaultyUpload {
+            store: self.clone(),
+            inner: upload,
+        }))
     }
 
     async fn get_opts(&self, location: &Path, options: GetOptions) -> Result<GetResult> {
@@ -181,6 +199,46 @@ impl ObjectStore for FaultyObjectStore {
             return Err(injected("copy applied, answer lost"));
         }
         Ok(())
+    }
+}
+
+/// A multipart upload whose parts and completion fail at the store's rates.
+struct FaultyUpload {
+    store: FaultyObjectStore,
+    inner: Box<dyn MultipartUpload>,
+}
+
+impl fmt::Debug for FaultyUpload {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("FaultyUpload")
+    }
+}
+
+#[async_trait]
+impl MultipartUpload for FaultyUpload {
+    fn put_part(&mut self, data: PutPayload) -> object_store::UploadPart {
+        let (latency, before, _) = self.store.draw();
+        let part = self.inner.put_part(data);
+        Box::pin(async move {
+            tokio::time::sleep(latency).await;
+            if before {
+                return Err(injected("upload part"));
+            }
+            part.await
+        })
+    }
+
+    async fn complete(&mut self) -> Result<PutResult> {
+        let fail_after = self.store.enter("complete multipart").await?;
+        let result = self.inner.complete().await?;
+        if fail_after {
+            return Err(injected("multipart completed, answer lost"));
+        }
+        Ok(result)
+    }
+
+    async fn abort(&mut self) -> Result<()> {
+        self.inner.abort().await
     }
 }
 
