@@ -15,6 +15,7 @@
 //! * [`CoordError::ConnectionLoss`] means *outcome unknown*: the request may have
 //!   been applied; everything else is a definite answer.
 
+mod counted;
 pub mod embedded;
 mod error;
 mod metrics;
@@ -27,6 +28,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use tokio::sync::watch;
 
+pub use counted::CountedSession;
 pub use error::{CoordError, Result};
 pub use metrics::{CoordMetrics, MetricsSnapshot, RequestKind};
 pub use types::{

@@ -79,11 +79,23 @@ pub async fn read_decision(
     session: &Session,
     key: &TaskKey,
 ) -> Result<Option<Decision>, CoordError> {
-    let path = decision_path(&key.path());
-    match session.get(&path).await {
-        Ok((data, _)) => Decision::parse(&data)
-            .map(Some)
-            .ok_or_else(|| damaged(&path, "not commit, kill or fail")),
+    read_word(session, &decision_path(&key.path()), Decision::parse).await
+}
+
+/// A node holding one word (a status, a decision), parsed; None if there is
+/// no node.
+async fn read_word<T>(
+    session: &Session,
+    path: &str,
+    parse: fn(&[u8]) -> Option<T>,
+) -> Result<Option<T>, CoordError> {
+    match session.get(path).await {
+        Ok((data, _)) => parse(&data).map(Some).ok_or_else(|| {
+            damaged(
+                path,
+                format!("unknown value {:?}", String::from_utf8_lossy(&data)),
+            )
+        }),
         Err(CoordError::NoNode { .. }) => Ok(None),
         Err(e) => Err(e),
     }
@@ -121,14 +133,12 @@ pub async fn read_status(
     session: &Session,
     key: &TaskKey,
 ) -> Result<Option<TaskStatus>, CoordError> {
-    let path = format!("{}/status", key.path());
-    match session.get(&path).await {
-        Ok((data, _)) => TaskStatus::parse(&data)
-            .map(Some)
-            .ok_or_else(|| damaged(&path, "unknown status")),
-        Err(CoordError::NoNode { .. }) => Ok(None),
-        Err(e) => Err(e),
-    }
+    read_word(
+        session,
+        &format!("{}/status", key.path()),
+        TaskStatus::parse,
+    )
+    .await
 }
 
 /// The snapshot's parts, from the `parts/` chunks.
@@ -610,6 +620,20 @@ async fn commit_decided(
             return Ok(CommitOutcome::Failed(e));
         }
     };
+    // Every listed file is final now: what writes of them cut short left
+    // (a node killed while writing) goes before COMPLETED, so that a task
+    // seen COMPLETED left none (a committer that dies here leaves the
+    // removal to the next one).
+    let paths: Vec<String> = commit.files.iter().map(|f| f.path.clone()).collect();
+    match destination.location().remove_staging_of(&paths).await {
+        Ok(0) => {}
+        Ok(n) => {
+            tracing::info!(task = %key, files = n, "removed staging files of cut-short writes")
+        }
+        Err(e) => {
+            tracing::warn!(task = %key, error = %e, "could not remove staging files of cut-short writes")
+        }
+    }
     set_completed(session, key, metadata).await?;
     tracing::info!(task = %key, transaction_id = %metadata.transaction_id, commit_file = %key_written, "export committed");
     Ok(CommitOutcome::Completed(key_written))

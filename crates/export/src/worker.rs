@@ -20,7 +20,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_coord::{CoordError, CreateMode, Op, Session, SessionFactory, Watch};
+use ferry_coord::{
+    CoordError, CountedSession, CreateMode, Op, OpResult, Session, SessionFactory, Watch,
+};
 use ferry_env::{Clock, Cpu};
 use ferry_replica::PartName;
 use ferry_storage::UploadBudget;
@@ -98,6 +100,9 @@ pub struct TaskView {
     pub running: Vec<String>,
     /// The commit file, once COMPLETED.
     pub commit_file: Option<String>,
+    /// Coordination requests this node sent for the task (mirroring,
+    /// claims, moves, failures, progress, commit).
+    pub coordination_ops: u64,
 }
 
 pub const VIEW_PARTS: usize = 100;
@@ -127,6 +132,8 @@ pub struct ExporterCounters {
     pub commits: u64,
     pub claims_lost: u64,
     pub sessions: u64,
+    /// Coordination requests this exporter sent, all tasks and duties.
+    pub coordination_ops: u64,
 }
 
 /// What the exporter shows: every task it mirrors, ordered by create_time.
@@ -184,6 +191,8 @@ struct Task {
     /// the task's columns (or wrote it): checked before the first upload
     /// here, not before every one.
     schema_checked: Arc<tokio::sync::OnceCell<()>>,
+    /// Coordination requests this node sent for the task.
+    coordination_ops: u64,
 }
 
 struct Done {
@@ -242,10 +251,12 @@ impl Exporter {
                 }
             };
             counters.sessions += 1;
+            let counted = CountedSession::new(Arc::clone(&session));
             let (events_tx, events_rx) = mpsc::channel::<Event>(EVENT_QUEUE);
             let mut run = Run {
                 ex: &self,
-                session: Arc::clone(&session),
+                session: Arc::clone(&counted) as Session,
+                counted,
                 tasks: BTreeMap::new(),
                 tables: BTreeSet::new(),
                 uploads: JoinSet::new(),
@@ -261,6 +272,7 @@ impl Exporter {
             tracing::info!(reason = %reason, "exporter session ended; starting again with a new one");
             run.uploads.abort_all();
             counters = std::mem::take(&mut run.counters);
+            counters.coordination_ops += run.counted.round_trips();
             drop(run);
             session.close().await;
         }
@@ -269,7 +281,10 @@ impl Exporter {
 
 struct Run<'a> {
     ex: &'a Exporter,
+    /// `counted`, as node code uses it.
     session: Session,
+    /// Counts this session's requests, charged to the task they were for.
+    counted: Arc<CountedSession>,
     tasks: BTreeMap<TaskKey, Task>,
     tables: BTreeSet<String>,
     uploads: JoinSet<Done>,
@@ -467,7 +482,12 @@ impl Run<'_> {
                     if r.is_err() && self.retry_events.len() < EVENT_QUEUE {
                         self.retry_events.push(event);
                     }
-                    r
+                    // A task just mirrored, or parts freed by a worker that
+                    // left, start now rather than at the next tick.
+                    match r {
+                        Ok(()) => self.schedule().await,
+                        e => e,
+                    }
                 }
                 _ = tick.tick() => {
                     let now = Instant::now();
@@ -514,7 +534,12 @@ impl Run<'_> {
                 self.creating.remove(&key);
                 self.load_exports(&key.table).await
             }
-            Event::Status(key) => self.refresh_status(&key).await,
+            Event::Status(key) => {
+                let since = self.trips();
+                let r = self.refresh_status(&key).await;
+                self.charge(&key, since);
+                r
+            }
             Event::Progress(key) => {
                 if let Some(t) = self.tasks.get_mut(&key) {
                     t.progress_due = true;
@@ -522,7 +547,12 @@ impl Run<'_> {
                 }
                 Ok(())
             }
-            Event::Workers(key) => self.refresh_workers(&key).await,
+            Event::Workers(key) => {
+                let since = self.trips();
+                let r = self.refresh_workers(&key).await;
+                self.charge(&key, since);
+                r
+            }
             Event::Exceptions(key) => {
                 if let Some(t) = self.tasks.get_mut(&key) {
                     t.exceptions_due = true;
@@ -677,6 +707,7 @@ impl Run<'_> {
     /// Loads a task into the mirror (a task still being created is left for
     /// its status watch... or cleanup).
     async fn add(&mut self, key: TaskKey) -> Result<(), CoordError> {
+        let since = self.trips();
         let tx = self.events.clone();
         let tx = &tx;
         let status_path = format!("{}/status", key.path());
@@ -722,6 +753,7 @@ impl Run<'_> {
             exceptions_armed: false,
             commit_due: false,
             schema_checked: Arc::new(tokio::sync::OnceCell::new()),
+            coordination_ops: 0,
             metadata,
         };
         let parts = task::read_parts(&self.session, &key, &t.metadata).await?;
@@ -777,6 +809,7 @@ impl Run<'_> {
             self.settle(&mut t).await;
         }
         tracing::debug!(task = %key, status = %t.status, todo = t.todo.len(), "export task mirrored");
+        t.coordination_ops = self.trips() - since;
         self.tasks.insert(key, t);
         Ok(())
     }
@@ -926,7 +959,10 @@ impl Run<'_> {
     async fn tick(&mut self) -> Result<(), CoordError> {
         let keys = self.ordered_keys();
         for key in &keys {
-            if let Err(e) = self.refresh_progress(key).await {
+            let since = self.trips();
+            let r = self.refresh_progress(key).await;
+            self.charge(key, since);
+            if let Err(e) = r {
                 if let Some(t) = self.tasks.get_mut(key) {
                     t.progress_due = true;
                 }
@@ -934,7 +970,10 @@ impl Run<'_> {
             }
         }
         for key in &keys {
-            self.commit_if_due(key).await?;
+            let since = self.trips();
+            let r = self.commit_if_due(key).await;
+            self.charge(key, since);
+            r?;
         }
         self.schedule().await
     }
@@ -949,6 +988,7 @@ impl Run<'_> {
             if running >= self.ex.config.max_uploads {
                 break;
             }
+            let since = self.trips();
             let Some(t) = self.tasks.get_mut(&key) else {
                 continue;
             };
@@ -1041,6 +1081,7 @@ impl Run<'_> {
                     }
                 }
             }
+            self.charge(&key, since);
         }
         Ok(())
     }
@@ -1116,6 +1157,19 @@ impl Run<'_> {
         }
     }
 
+    /// Charges the requests sent since `since` (a [`Self::trips`] reading)
+    /// to the task.
+    fn charge(&mut self, key: &TaskKey, since: u64) {
+        let n = self.trips() - since;
+        if let Some(t) = self.tasks.get_mut(key) {
+            t.coordination_ops += n;
+        }
+    }
+
+    fn trips(&self) -> u64 {
+        self.counted.round_trips()
+    }
+
     /// The fence node of the task as this node mirrors it.
     fn fence(&self, key: &TaskKey) -> Option<String> {
         self.tasks
@@ -1178,11 +1232,17 @@ impl Run<'_> {
         if t.running.remove(&done.part).is_none() {
             return Ok(());
         }
-        match done.result {
-            Ok(file) => self.succeed(&done.key, &done.part, file).await?,
-            Err(failure) => self.fail_part(&done.key, &done.part, failure).await?,
+        let since = self.trips();
+        let r = async {
+            match done.result {
+                Ok(file) => self.succeed(&done.key, &done.part, file).await?,
+                Err(failure) => self.fail_part(&done.key, &done.part, failure).await?,
+            }
+            self.commit_if_due(&done.key).await
         }
-        self.commit_if_due(&done.key).await?;
+        .await;
+        self.charge(&done.key, since);
+        r?;
         self.schedule().await
     }
 
@@ -1228,14 +1288,22 @@ impl Run<'_> {
         }
         let t = self.tasks.get_mut(key);
         match outcome {
-            Ok(_) => {
+            Ok(results) => {
                 self.counters.parts_exported += 1;
                 self.counters.bytes_exported += file.bytes;
+                // The bump of `processing` answers with its stat: no child
+                // left means every part is exported (by whichever node), so
+                // this node commits now rather than when its progress watch
+                // is next read.
+                let nothing_left = matches!(
+                    results.last(),
+                    Some(OpResult::Set { stat }) if stat.num_children == 0
+                );
                 if let Some(t) = t {
                     t.todo.remove(part);
                     t.backoff.remove(part);
                     t.parts_to_do = t.parts_to_do.saturating_sub(1);
-                    if t.todo.is_empty() {
+                    if t.todo.is_empty() || nothing_left {
                         t.commit_due = true;
                     }
                 }
@@ -1638,6 +1706,7 @@ impl Run<'_> {
                         .collect(),
                     running: t.running.keys().cloned().collect(),
                     commit_file: t.commit_file.clone(),
+                    coordination_ops: t.coordination_ops,
                 }
             })
             .collect();
@@ -1646,7 +1715,10 @@ impl Run<'_> {
         });
         let view = ExportsView {
             tasks,
-            counters: self.counters.clone(),
+            counters: ExporterCounters {
+                coordination_ops: self.counters.coordination_ops + self.trips(),
+                ..self.counters.clone()
+            },
         };
         self.ex.view.send_if_modified(|v| {
             if *v == view {

@@ -654,6 +654,10 @@ async fn two_replicas_share_an_export_and_the_lake_holds_each_part_once() {
         let done = wait_terminal(&mut a.view, &created.transaction_id).await;
         assert_eq!(done.status, TaskStatus::Completed, "{backend:?}: {done:?}");
         assert_eq!(done.parts_to_do, 0);
+        // What the task cost this node in coordination is shown, and is
+        // part of the exporter's total.
+        assert!(done.coordination_ops > 0, "{done:?}");
+        assert!(a.view.borrow().counters.coordination_ops >= done.coordination_ops);
         let commits = w.commit_files(&url).await;
         assert_eq!(commits.len(), 1, "exactly one commit file");
         assert_eq!(commits[0].transaction_id, created.transaction_id);
@@ -820,22 +824,40 @@ async fn storage_failures_that_heal_end_with_one_commit_file_and_no_duplicates()
     }
 }
 
+/// Storage that fails every request from the start of the export: the task
+/// ends in the status the settings lead to, with no commit file.
+async fn storage_that_stays_down(
+    backend: &Backend,
+    seed: u64,
+    settings: impl FnOnce(&mut ExportSettings),
+) -> ferry_export::TaskView {
+    let w = world(backend, 10, 100).await;
+    let (store, dest) = w.faulty(seed);
+    let url = w.url("lake");
+    let mut a = w.node("r0", dest.clone()).await;
+    let mut req = request(&url, "a");
+    settings(&mut req.settings);
+    let created = w.export_to(&a, dest.as_ref(), &req).await.expect("created");
+    store.set_faults(ObjectFaults {
+        fail_prob: 1.0,
+        multipart: true,
+        ..ObjectFaults::default()
+    });
+    let done = wait_terminal(&mut a.view, &created.transaction_id).await;
+    store.set_faults(ObjectFaults::default());
+    assert!(
+        !w.keys(&url).await.iter().any(|k| k.contains("commit_")),
+        "{backend:?}: a task ended {} has no commit file",
+        done.status
+    );
+    w.session.close().await;
+    done
+}
+
 #[tokio::test]
 async fn storage_failures_that_do_not_heal_fail_the_task_without_a_commit_file() {
     for backend in backends() {
-        let w = world(&backend, 10, 100).await;
-        let (store, dest) = w.faulty(8);
-        let url = w.url("lake");
-        let mut a = w.node("r0", dest.clone()).await;
-        let mut req = request(&url, "a");
-        req.settings.max_retries = 3;
-        let created = w.export_to(&a, dest.as_ref(), &req).await.expect("created");
-        store.set_faults(ObjectFaults {
-            fail_prob: 1.0,
-            multipart: true,
-            ..ObjectFaults::default()
-        });
-        let done = wait_terminal(&mut a.view, &created.transaction_id).await;
+        let done = storage_that_stays_down(&backend, 8, |s| s.max_retries = 3).await;
         assert_eq!(done.status, TaskStatus::Failed, "{backend:?}: {done:?}");
         let e = done
             .last_exception
@@ -843,36 +865,20 @@ async fn storage_failures_that_do_not_heal_fail_the_task_without_a_commit_file()
             .unwrap_or_else(|| panic!("the exception is recorded: {done:?}"));
         assert!(e.message.contains("injected"), "{e:?}");
         assert!(done.exception_count >= 3, "{done:?}");
-        store.set_faults(ObjectFaults::default());
-        assert!(
-            !w.keys(&url).await.iter().any(|k| k.contains("commit_")),
-            "a FAILED task has no commit file"
-        );
-        w.session.close().await;
     }
 }
 
 #[tokio::test]
 async fn storage_that_stays_down_past_the_task_timeout_kills_the_task() {
     for backend in backends() {
-        let w = world(&backend, 10, 100).await;
-        let (store, dest) = w.faulty(10);
-        let url = w.url("lake");
-        let mut a = w.node("r0", dest.clone()).await;
-        let mut req = request(&url, "a");
-        req.settings.max_retries = 0;
-        req.settings.task_timeout_seconds = 1;
-        let created = w.export_to(&a, dest.as_ref(), &req).await.expect("created");
-        store.set_faults(ObjectFaults {
-            fail_prob: 1.0,
-            multipart: true,
-            ..ObjectFaults::default()
-        });
-        let done = wait_terminal(&mut a.view, &created.transaction_id).await;
+        // Unlimited retries: only the timeout ends it, and the kill needs
+        // no request to the storage that is down.
+        let done = storage_that_stays_down(&backend, 10, |s| {
+            s.max_retries = 0;
+            s.task_timeout_seconds = 1;
+        })
+        .await;
         assert_eq!(done.status, TaskStatus::Killed, "{backend:?}: {done:?}");
-        store.set_faults(ObjectFaults::default());
-        assert!(!w.keys(&url).await.iter().any(|k| k.contains("commit_")));
-        w.session.close().await;
     }
 }
 

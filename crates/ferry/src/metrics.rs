@@ -247,6 +247,12 @@ pub fn exporter(node: &str, view: &ferry_export::ExportsView) -> Vec<Sample> {
             c.commits as f64,
         ),
         counter(
+            "ferry_export_coordination_ops",
+            "Coordination requests this exporter sent (every task; each task's share is its coordination_ops in GET /exports)",
+            &labels,
+            c.coordination_ops as f64,
+        ),
+        counter(
             "ferry_export_claims_lost",
             "Part claims another replica held first",
             &labels,

@@ -441,6 +441,10 @@ fn tables_and_inserts_in_every_format_are_committed_row_for_row() {
         metrics.contains("ferry_export_parts_exported_total"),
         "{metrics}"
     );
+    assert!(
+        metrics.contains("ferry_export_coordination_ops_total{exporter=\"dev-r0\"}"),
+        "{metrics}"
+    );
 
     // A restart: the replicas resume from their parts and position.
     interrupt(&child);

@@ -81,6 +81,19 @@ pub struct Location {
     store: Arc<dyn ObjectStore>,
     /// The key prefix inside the store ("" for the whole store).
     prefix: ObjectPath,
+    /// A local folder's directory, through the disk seam: where the files
+    /// `object_store` stages a write in (`<key>#<n>`, renamed or linked into
+    /// place when the write completes) can be found and removed.
+    local: Option<LocalDir>,
+}
+
+#[derive(Clone)]
+struct LocalDir(Arc<dyn ferry_env::Disk>);
+
+impl std::fmt::Debug for LocalDir {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LocalDir")
+    }
 }
 
 /// How a streamed upload uses memory: at most `part_bytes × (max_in_flight +
@@ -268,10 +281,15 @@ pub fn open(url: &str, s3: &S3Settings) -> Result<Location, StorageError> {
                 source,
             })?;
             let store = LocalFileSystem::new_with_prefix(&dir)?;
+            let disk = ferry_env::RealDisk::open_root(&dir).map_err(|source| StorageError::Io {
+                dir: dir.display().to_string(),
+                source,
+            })?;
             Ok(Location {
                 url: url.to_string(),
                 store: Arc::new(store),
                 prefix: ObjectPath::default(),
+                local: Some(LocalDir(Arc::new(disk))),
             })
         }
         "s3" => {
@@ -302,6 +320,7 @@ pub fn open(url: &str, s3: &S3Settings) -> Result<Location, StorageError> {
                 url: url.to_string(),
                 store: Arc::new(builder.build()?),
                 prefix,
+                local: None,
             })
         }
         scheme => Err(StorageError::UnsupportedScheme {
@@ -323,7 +342,61 @@ impl Location {
             url: url.to_string(),
             prefix: parse_prefix(url, prefix)?,
             store,
+            local: None,
         })
+    }
+
+    /// Removes the staging files that writes of `keys` cut short left in a
+    /// local folder (`<key>#<n>`: a process killed in the middle of a
+    /// write), returning how many went. Readers never see them (listings
+    /// skip them, `*.parquet` does not match them); this reclaims their
+    /// space once every key is written. A write of one of the keys still
+    /// under way loses its staging file and fails (to be retried), so call
+    /// it only when the keys are final. Nothing to do elsewhere: an S3
+    /// multipart upload cut short is removed by the bucket's
+    /// `AbortIncompleteMultipartUpload` lifecycle rule.
+    pub async fn remove_staging_of(&self, keys: &[String]) -> Result<usize, StorageError> {
+        let Some(LocalDir(disk)) = &self.local else {
+            return Ok(0);
+        };
+        let mut by_dir: std::collections::BTreeMap<&str, std::collections::BTreeSet<&str>> =
+            Default::default();
+        for key in keys {
+            self.key(key)?;
+            let (dir, name) = key.rsplit_once('/').unwrap_or(("", key.as_str()));
+            by_dir.entry(dir).or_default().insert(name);
+        }
+        let io = |dir: &str, source| StorageError::Io {
+            dir: format!("{}/{dir}", self.url),
+            source,
+        };
+        let mut removed = 0;
+        for (dir, names) in by_dir {
+            let listed = match disk.list_dir(if dir.is_empty() { "." } else { dir }).await {
+                Ok(l) => l,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(io(dir, e)),
+            };
+            for entry in listed {
+                let Some((name, n)) = entry.split_once('#') else {
+                    continue;
+                };
+                if n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) || !names.contains(name) {
+                    continue;
+                }
+                let path = if dir.is_empty() {
+                    entry.clone()
+                } else {
+                    format!("{dir}/{entry}")
+                };
+                match disk.remove_file(&path).await {
+                    Ok(()) => removed += 1,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(io(dir, e)),
+                }
+            }
+        }
+        Ok(removed)
     }
 
     /// The URL the location was opened from.

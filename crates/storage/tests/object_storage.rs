@@ -197,3 +197,54 @@ async fn s3_location_on_the_test_server() {
     );
     assert_eq!(loc.list("part=1").await.expect("list").len(), 1);
 }
+
+#[tokio::test]
+async fn staging_files_of_cut_short_writes_are_removed_for_final_keys_only() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let url = format!("file://{}", dir.path().display());
+    let loc = ferry_storage::open(&url, &Default::default()).expect("open");
+    std::fs::create_dir_all(dir.path().join("p=a")).expect("dir");
+    for name in [
+        "p=a/x.parquet",
+        "p=a/x.parquet#12",
+        "p=a/x.parquet#7",
+        "p=a/x.parquet#ab",
+        "p=a/y.parquet#3",
+        "top#5",
+    ] {
+        std::fs::write(dir.path().join(name), b"bytes").expect("write");
+    }
+    let removed = loc
+        .remove_staging_of(&["p=a/x.parquet".to_string(), "top".to_string()])
+        .await
+        .expect("remove");
+    assert_eq!(removed, 3);
+    let mut left: Vec<String> = std::fs::read_dir(dir.path().join("p=a"))
+        .expect("list")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["x.parquet", "x.parquet#ab", "y.parquet#3"]);
+    assert!(!dir.path().join("top#5").exists());
+    // A key that would leave the location is refused; a missing folder is
+    // nothing to do; a store without a local folder has no staging files.
+    assert!(loc.remove_staging_of(&["../x".to_string()]).await.is_err());
+    assert_eq!(
+        loc.remove_staging_of(&["nowhere/x".to_string()])
+            .await
+            .expect("missing folder"),
+        0
+    );
+    let mem = Location::from_store(
+        "s3://b/x",
+        std::sync::Arc::new(object_store::memory::InMemory::new()),
+        "x",
+    )
+    .expect("mem");
+    assert_eq!(
+        mem.remove_staging_of(&["p=a/x.parquet".to_string()])
+            .await
+            .expect("no local folder"),
+        0
+    );
+}
