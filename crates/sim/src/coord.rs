@@ -189,6 +189,11 @@ impl SimCoordination {
         self.store.expire_session(session_id).await
     }
 
+    /// The sessions the store holds alive now.
+    pub async fn live_sessions(&self) -> Result<Vec<i64>> {
+        self.store.live_sessions().await
+    }
+
     fn partitioned(&self, node: &str) -> bool {
         lock(&self.state).partitioned.contains(node)
     }

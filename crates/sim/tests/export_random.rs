@@ -43,7 +43,9 @@ fn env(name: &str) -> Option<u64> {
 /// workers' parts keeping the finished parts instead of the ones left (8, 9,
 /// 15, 26, ...: the task never completes); once a task's end is decided by
 /// its `decision` node, a kill that sets KILLED without creating it (22 of
-/// 1000 seeds, e.g. 26, 42, 45: a commit file of a task answered KILLED).
+/// 1000 seeds, e.g. 26, 42, 45: a commit file of a task answered KILLED); a
+/// coordination store that keeps an expired session's ephemerals (250 of
+/// 300 seeds fail: locks outlive their sessions, tasks stall).
 /// Seed numbers are those of the schedule when each bug was planted. They
 /// must stay green.
 const REGRESSION_SEEDS: &[u64] = &[0, 1, 2, 4, 9, 26, 36, 59, 142, 157, 1190, 1911];

@@ -131,6 +131,9 @@ enum Command {
         reply: Option<oneshot::Sender<bool>>,
     },
     ExpireIdle,
+    LiveSessions {
+        reply: oneshot::Sender<Vec<i64>>,
+    },
     Shutdown {
         reply: oneshot::Sender<()>,
     },
@@ -306,6 +309,14 @@ impl EmbeddedStore {
         rx.await.map_err(|_| stopped())
     }
 
+    /// The ids of the sessions alive now (not expired, not closed): checkers
+    /// use it to see that no ephemeral node outlives its session.
+    pub async fn live_sessions(&self) -> Result<Vec<i64>> {
+        let (reply, rx) = oneshot::channel();
+        send(&self.tx, Command::LiveSessions { reply }).await?;
+        rx.await.map_err(|_| stopped())
+    }
+
     /// Stops the store after the commands queued before this call; later requests
     /// of its sessions fail with connection loss.
     pub async fn shutdown(&self) {
@@ -418,6 +429,9 @@ impl Store {
                     }
                 }
                 Command::Shutdown { reply } => self.pending.push(Pending::Shutdown(reply)),
+                Command::LiveSessions { reply } => {
+                    let _ = reply.send(Vec::new());
+                }
                 Command::Ping { .. } | Command::ExpireIdle => {}
             }
             return;
@@ -463,6 +477,9 @@ impl Store {
                     tracing::info!(session, "coordination session expired");
                     self.end_session(session, SessionState::Expired);
                 }
+            }
+            Command::LiveSessions { reply } => {
+                let _ = reply.send(self.sessions.keys().copied().collect());
             }
             Command::Shutdown { reply } => self.pending.push(Pending::Shutdown(reply)),
         }
