@@ -247,20 +247,26 @@ impl NodeSessions {
                 assert!(store.expire_session(id).await.expect("expire"));
             }
             (Expirer::Zk(options), Some(info)) => {
-                // A busy machine can time the re-attachment out; the
-                // session is still there to attach to.
-                let mut tries = 0;
-                let other = loop {
+                // Attach to the session and close it. The owner's client
+                // reconnects when the attachment takes its connection and
+                // may re-attach before the close lands (the session then
+                // lives on), and a busy machine can time the attachment
+                // out: try again until the expiry is seen.
+                for attempt in 1..=30 {
                     match ZkSession::attach(options, info.clone()).await {
-                        Ok(other) => break other,
-                        Err(e) if tries < 5 => {
-                            tries += 1;
-                            eprintln!("attaching to the session to expire it: {e}; again");
-                        }
-                        Err(e) => panic!("attach: {e}"),
+                        Ok(other) => other.close().await,
+                        Err(e) => eprintln!("attaching to the session to expire it: {e}"),
                     }
-                };
-                other.close().await;
+                    let ended = state.wait_for(|s| s.is_terminal());
+                    if tokio::time::timeout(Duration::from_secs(3), ended)
+                        .await
+                        .is_ok()
+                    {
+                        return;
+                    }
+                    eprintln!("attempt {attempt}: the session lives on; again");
+                }
+                panic!("could not expire session {id:#x}");
             }
             (Expirer::Zk(_), None) => unreachable!("ZooKeeper sessions carry their info"),
         }

@@ -320,7 +320,10 @@ impl Backend for ZooKeeper {
                 .expect("state");
             return;
         }
-        for attempt in 1..=10 {
+        // The owner's client reconnects when the attachment takes its
+        // connection, and may re-attach before the close lands (then the
+        // session lives on): try again until the expiry is seen.
+        for attempt in 1..=30 {
             match ZkSession::attach(&self.options, info.clone()).await {
                 Ok(thief) => thief.close().await,
                 Err(e) => eprintln!("attach attempt {attempt}: {e}"),
