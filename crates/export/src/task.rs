@@ -404,7 +404,7 @@ async fn kill_locked(
             // Too late to kill: the commit file may be written. The commit
             // is finished here (the same bytes as the committer's).
             Some(Decision::Commit) => {
-                match commit_decided(session, key, metadata, destination).await {
+                match commit_decided(session, key, metadata, destination, None).await {
                     Ok(CommitOutcome::Completed(_)) => Ok(TaskStatus::Completed),
                     Ok(CommitOutcome::Terminal(s)) => Ok(s),
                     Ok(CommitOutcome::Failed(_)) => Ok(TaskStatus::Failed),
@@ -550,7 +550,9 @@ async fn commit_locked(
         Err(e) => return Err(e.into()),
     };
     match decided {
-        Some(Decision::Commit) => commit_decided(session, key, metadata, destination).await,
+        Some(Decision::Commit) => {
+            commit_decided(session, key, metadata, destination, Some(names)).await
+        }
         Some(_) => Ok(CommitOutcome::Terminal(
             read_status(session, key)
                 .await?
@@ -565,14 +567,20 @@ async fn commit_locked(
 
 /// Finishes a commit decided `commit`: the commit file (computed from the
 /// processed entries, the same bytes whoever writes it), then COMPLETED.
+/// `processed` is the listing of `processed/` when the caller just read it
+/// (a decided task's entries no longer change).
 async fn commit_decided(
     session: &Session,
     key: &TaskKey,
     metadata: &Metadata,
     destination: &Destination,
+    processed: Option<Vec<String>>,
 ) -> Result<CommitOutcome, CommitError> {
     let base = key.path();
-    let (names, _) = session.children(&format!("{base}/processed")).await?;
+    let names = match processed {
+        Some(names) => names,
+        None => session.children(&format!("{base}/processed")).await?.0,
+    };
     // The processed entries, read a bounded number at a time.
     let mut files: Vec<DataFile> = Vec::with_capacity(names.len());
     for chunk in names.chunks(64) {
