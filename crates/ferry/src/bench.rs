@@ -678,6 +678,7 @@ pub async fn fresh_quorum(
                 segment,
                 preallocation: Default::default(),
                 create: true,
+                server: Default::default(),
             },
             min_term: 0,
             known_commit_lsn: ferry_wal::Lsn(0),

@@ -32,6 +32,8 @@ pub struct DevArgs {
     /// 1 GiB; default 16 MiB); an existing data dir keeps its own.
     #[arg(long, value_parser = parse_segment_size)]
     segment_bytes: Option<SegmentSize>,
+    #[command(flatten)]
+    pub wal: crate::local::WalServiceArgs,
     /// When WAL segments are zero-filled ahead of time: auto (while commits are
     /// small), always or never.
     #[arg(long, default_value_t = Preallocation::Auto)]
@@ -139,6 +141,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
 
     let segment =
         SegmentSize::new(record.segment_bytes).context("the segment size in the cluster record")?;
+    let wal_server = args.wal.server_config(Some(&data_dir.join("wal-backup")))?;
     let spec = QuorumSpec {
         dir: wal_dir,
         safekeepers: record.safekeepers,
@@ -147,6 +150,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
             segment,
             preallocation: args.wal_preallocation,
             create: creating,
+            server: wal_server,
         },
         min_term: known.term,
         known_commit_lsn: known.commit_lsn,

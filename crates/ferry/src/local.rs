@@ -12,7 +12,8 @@ use std::sync::Arc;
 use anyhow::Context;
 use ferry_env::{Disk, Listener, Network, RealDisk, TcpNetwork};
 use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig};
-use ferry_safekeeper::server::SafekeeperServer;
+use ferry_safekeeper::backup::BackupConfig;
+use ferry_safekeeper::server::{SafekeeperServer, ServerConfig};
 use ferry_safekeeper::wal_storage::Preallocation;
 use ferry_wal::segment::SegmentSize;
 use ferry_wal::{ClusterId, Lsn, Term};
@@ -33,6 +34,72 @@ pub struct SafekeeperSpec {
     pub preallocation: Preallocation,
     /// Create it if it has no control file (a new cluster or member only).
     pub create: bool,
+    /// Backup and WAL removal.
+    pub server: ServerConfig,
+}
+
+/// The WAL backup and removal flags of every command that runs safekeepers.
+#[derive(Debug, Clone, clap::Args)]
+pub struct WalServiceArgs {
+    /// Where whole WAL segments are backed up: `file:///dir` or
+    /// `s3://bucket/prefix` (S3 settings from the usual AWS_* variables).
+    /// One safekeeper, chosen by the writer, uploads each segment once it is
+    /// committed; with a backup, WAL is removed locally only once it is
+    /// backed up. `ferry dev` backs up to `<data dir>/wal-backup` unless
+    /// this is given.
+    #[arg(long, env = "FERRY_WAL_BACKUP")]
+    pub wal_backup: Option<String>,
+    /// Segment uploads in flight.
+    #[arg(long, default_value_t = ferry_safekeeper::backup::DEFAULT_PARALLEL_JOBS as u64,
+          value_parser = clap::value_parser!(u64).range(1..=ferry_safekeeper::backup::MAX_PARALLEL_JOBS as u64))]
+    pub wal_backup_parallel_jobs: u64,
+    /// Keep the WAL that the slowest active walsender has not sent yet: a
+    /// lagging replica reads it from the safekeeper, not from the backup.
+    #[arg(long)]
+    pub walsenders_keep_horizon: bool,
+    /// How often segments behind every consumer are removed (e.g. `5s`).
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    pub wal_removal_interval: std::time::Duration,
+    /// Never remove WAL segments locally.
+    #[arg(long)]
+    pub keep_all_wal: bool,
+}
+
+impl WalServiceArgs {
+    /// The server configuration these flags ask for; `default_backup` is
+    /// used when no backup is given (`ferry dev`'s folder in its data dir).
+    pub fn server_config(&self, default_backup: Option<&Path>) -> anyhow::Result<ServerConfig> {
+        let url = match (&self.wal_backup, default_backup) {
+            (Some(url), _) => Some(url.clone()),
+            (None, Some(dir)) => {
+                std::fs::create_dir_all(dir)
+                    .with_context(|| format!("creating the WAL backup folder {}", dir.display()))?;
+                let dir = dir
+                    .canonicalize()
+                    .with_context(|| format!("resolving {}", dir.display()))?;
+                Some(format!("file://{}", dir.display()))
+            }
+            (None, None) => None,
+        };
+        let backup = match url {
+            Some(url) => Some(BackupConfig {
+                location: ferry_storage::open(&url, &ferry_storage::S3Settings::default())
+                    .with_context(|| format!("the WAL backup location {url}"))?,
+                parallel_jobs: self.wal_backup_parallel_jobs as usize,
+            }),
+            None => None,
+        };
+        anyhow::ensure!(
+            !self.wal_removal_interval.is_zero(),
+            "--wal-removal-interval must be more than zero"
+        );
+        Ok(ServerConfig {
+            backup,
+            walsenders_keep_horizon: self.walsenders_keep_horizon,
+            removal_interval: self.wal_removal_interval,
+            remove_wal: !self.keep_all_wal,
+        })
+    }
 }
 
 /// A running safekeeper and the lock on its directory.
@@ -73,7 +140,7 @@ pub async fn start_safekeeper(
         Acceptor::open(disk, &dir, config).await
     }
     .with_context(|| format!("safekeeper {id} in {}", node_dir.display()))?;
-    let server = SafekeeperServer::serve(listener, acceptor)
+    let server = SafekeeperServer::serve_with(listener, acceptor, spec.server.clone())
         .with_context(|| format!("serving safekeeper {id}"))?;
     Ok(LocalSafekeeper {
         server: Arc::new(server),

@@ -175,6 +175,48 @@ pub fn safekeeper(status: &ferry_safekeeper::acceptor::AcceptorStatus) -> Vec<Sa
             &labels,
             lsn(&status.commit_lsn),
         ),
+        gauge(
+            "ferry_safekeeper_backup_lsn",
+            "WAL below this is in the backup, as a safekeeper knows (bytes)",
+            &labels,
+            lsn(&status.backup_lsn),
+        ),
+        gauge(
+            "ferry_safekeeper_backup_duty",
+            "1 while the writer has a safekeeper upload whole segments",
+            &labels,
+            f64::from(u8::from(status.backup_duty)),
+        ),
+        counter(
+            "ferry_safekeeper_backup_uploads",
+            "Whole segments a safekeeper uploaded since it started",
+            &[("safekeeper", id.as_str()), ("result", "ok")],
+            status.backup_uploads as f64,
+        ),
+        counter(
+            "ferry_safekeeper_backup_uploads",
+            "Whole segments a safekeeper uploaded since it started",
+            &[("safekeeper", id.as_str()), ("result", "error")],
+            status.backup_upload_failures as f64,
+        ),
+        gauge(
+            "ferry_safekeeper_remote_consistent_lsn",
+            "The lowest durably applied position of the replicas a safekeeper knows (bytes)",
+            &labels,
+            lsn(&status.remote_consistent_lsn),
+        ),
+        gauge(
+            "ferry_safekeeper_removal_horizon_lsn",
+            "WAL below this is needed by no consumer (bytes)",
+            &labels,
+            lsn(&status.removal_horizon_lsn),
+        ),
+        counter(
+            "ferry_safekeeper_segments_removed",
+            "WAL segments a safekeeper removed since it started",
+            &labels,
+            status.segments_removed as f64,
+        ),
     ]
 }
 

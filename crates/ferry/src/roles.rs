@@ -47,6 +47,8 @@ pub struct SafekeeperArgs {
     /// HTTP status endpoint.
     #[arg(long, default_value = "127.0.0.1:7676")]
     http: String,
+    #[command(flatten)]
+    wal: crate::local::WalServiceArgs,
 }
 
 #[derive(Debug, clap::Args)]
@@ -95,6 +97,7 @@ pub async fn safekeeper(args: SafekeeperArgs) -> anyhow::Result<()> {
         segment,
         preallocation: args.wal_preallocation,
         create: args.create,
+        server: args.wal.server_config(None)?,
     };
     let sk = start_safekeeper(&data_dir, args.id, listener, &spec).await?;
     let server = Arc::clone(&sk.server);

@@ -28,7 +28,10 @@ use ferry_wal::{ClusterId, Lsn, Term};
 use serde::Serialize;
 use tokio::sync::watch;
 
-use crate::control::{ControlFile, ControlFileError, SafekeeperState};
+use crate::backup::{BackupError, BackupView, RemoteWal};
+use crate::control::{
+    ControlFile, ControlFileError, RegisteredReplica, SafekeeperState, MAX_REGISTERED_REPLICAS,
+};
 use crate::wal_storage::{Preallocation, WalReader, WalStorage, WalStorageError};
 
 /// Most WAL gathered from a batch of appends before it is written out.
@@ -83,6 +86,24 @@ impl FeedbackBoard {
         self.lock().len()
     }
 
+    /// Every replica's durably applied position, for the control file.
+    pub fn registered(&self) -> Vec<RegisteredReplica> {
+        self.lock()
+            .values()
+            .take(MAX_REGISTERED_REPLICAS)
+            .map(|f| RegisteredReplica {
+                shard_number: f.shard_number,
+                replica_number: f.replica_number,
+                remote_consistent_lsn: f.remote_consistent_lsn,
+            })
+            .collect()
+    }
+
+    /// The lowest durably applied position of any replica (`None`: none known).
+    pub fn min_remote_consistent(&self) -> Option<Lsn> {
+        self.lock().values().map(|f| f.remote_consistent_lsn).min()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -96,19 +117,40 @@ pub struct CommittedWal {
     pub commit: watch::Receiver<Lsn>,
     pub feedback: FeedbackBoard,
     reader: WalReader,
+    /// The backup, where WAL removed locally is read from.
+    remote: Option<RemoteWal>,
+    backup: watch::Receiver<BackupView>,
 }
 
 impl CommittedWal {
     /// Committed WAL in `[begin, end)`, at most `max` bytes. `end` is the
     /// commit_lsn the caller announces with these bytes (taken from
     /// [`CommittedWal::commit`]): a walsender frame never carries WAL past the
-    /// commit_lsn it states.
+    /// commit_lsn it states. WAL removed locally comes from the backup (more
+    /// slowly) when the backup holds it.
     pub async fn read(&self, begin: Lsn, end: Lsn, max: usize) -> Result<Bytes, AcceptorError> {
         let end = end.min(*self.commit.borrow());
         if begin >= end {
             return Ok(Bytes::new());
         }
-        Ok(self.reader.read(begin, end, max).await?)
+        match self.reader.read(begin, end, max).await {
+            Err(WalStorageError::Removed { lsn }) => {
+                let backup_lsn = self.backup.borrow().backup_lsn;
+                match &self.remote {
+                    Some(remote) if lsn < backup_lsn => {
+                        Ok(remote.read(begin, end.min(backup_lsn), max).await?)
+                    }
+                    _ => Err(WalStorageError::Removed { lsn }.into()),
+                }
+            }
+            other => Ok(other?),
+        }
+    }
+
+    /// A reader of the same WAL that also reads from `remote` what was removed.
+    pub fn with_remote(mut self, remote: RemoteWal) -> CommittedWal {
+        self.remote = Some(remote);
+        self
     }
 }
 
@@ -141,6 +183,9 @@ pub enum AcceptorError {
     /// cluster, node, timeline or segment size): it is left untouched.
     #[error("{0}")]
     Identity(String),
+    /// WAL removed here could not be read from the backup.
+    #[error("WAL backup: {0}")]
+    Backup(#[from] BackupError),
 }
 
 impl AcceptorError {
@@ -174,6 +219,23 @@ pub struct AcceptorStatus {
     pub commit_lsn: String,
     pub peer_horizon_lsn: String,
     pub backup_lsn: String,
+    /// Whether the writer gave this safekeeper the backup duty.
+    pub backup_duty: bool,
+    /// Whole segments uploaded since start, and uploads that failed.
+    pub backup_uploads: u64,
+    pub backup_upload_failures: u64,
+    /// The lowest remote_consistent_lsn of the replicas registered here or
+    /// known to the writer.
+    pub remote_consistent_lsn: String,
+    /// The lowest remote_consistent_lsn the writer relayed (over every
+    /// replica it heard of through any safekeeper), if it relayed one.
+    pub writer_remote_consistent_lsn: Option<String>,
+    /// WAL below this may be removed (the last removal's horizon).
+    pub removal_horizon_lsn: String,
+    /// Segments below this one are removed locally.
+    pub last_removed_segno: u64,
+    /// Segments removed since start.
+    pub segments_removed: u64,
     /// Replicas whose feedback this safekeeper relays.
     pub replicas: usize,
     /// Appends carrying WAL received since start.
@@ -204,8 +266,47 @@ pub struct Acceptor {
     peer_horizon_lsn: Lsn,
     feedback: FeedbackBoard,
     commit_watch: watch::Sender<Lsn>,
+    /// What the backup task follows.
+    backup_view: watch::Sender<BackupView>,
+    /// The writer's lowest remote_consistent_lsn over every replica it knows.
+    writer_replica_horizon: Option<Lsn>,
+    /// The highest backup_lsn the writer relayed; taken as ours up to our
+    /// commit_lsn (so backup_lsn never passes commit_lsn).
+    peer_backup_lsn: Lsn,
+    removal_horizon: Lsn,
     appends_received: u64,
     wal_fsyncs: u64,
+    backup_uploads: u64,
+    backup_upload_failures: u64,
+    segments_removed: u64,
+}
+
+/// What limits WAL removal, each part separately (for status and tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemovalHorizon {
+    /// The lowest remote_consistent_lsn of every registered replica (0 while
+    /// none is known: nothing is removed before a replica reported).
+    pub replicas: Lsn,
+    /// WAL below this is on every safekeeper.
+    pub peers: Lsn,
+    /// WAL below this is backed up (`None`: backup is off).
+    pub backup: Option<Lsn>,
+    /// The slowest active walsender (`None`: not kept, or none active).
+    pub walsenders: Option<Lsn>,
+}
+
+impl RemovalHorizon {
+    /// WAL below this is needed by nobody.
+    pub fn lsn(&self) -> Lsn {
+        let mut h = self.replicas.min(self.peers);
+        if let Some(b) = self.backup {
+            h = h.min(b);
+        }
+        if let Some(w) = self.walsenders {
+            h = h.min(w);
+        }
+        h
+    }
 }
 
 impl std::fmt::Debug for Acceptor {
@@ -302,8 +403,28 @@ impl Acceptor {
         .await?;
         let commit_lsn = state.commit_lsn;
         let (commit_watch, _) = watch::channel(commit_lsn);
+        let (backup_view, _) = watch::channel(BackupView {
+            term: state.term,
+            commit_lsn,
+            backup_lsn: state.backup_lsn,
+            duty: false,
+        });
+        // Registered replicas are remembered across restarts: one that is
+        // down now still holds back removal.
+        let feedback = FeedbackBoard::default();
+        for r in &state.registered_replicas {
+            feedback.record(ShardFeedback {
+                shard_number: r.shard_number,
+                replica_number: r.replica_number,
+                last_received_lsn: r.remote_consistent_lsn,
+                disk_consistent_lsn: r.remote_consistent_lsn,
+                remote_consistent_lsn: r.remote_consistent_lsn,
+                reply_time_micros: 0,
+            });
+        }
         Ok(Acceptor {
             peer_horizon_lsn: state.peer_horizon_lsn,
+            removal_horizon: Lsn(state.last_removed_segno * config.segment_size.bytes()),
             config,
             control,
             state,
@@ -312,10 +433,16 @@ impl Acceptor {
             pending_commit_lsn: commit_lsn,
             pending_wal: Vec::new(),
             pending_wal_bytes: 0,
-            feedback: FeedbackBoard::default(),
+            feedback,
             commit_watch,
+            backup_view,
+            writer_replica_horizon: None,
+            peer_backup_lsn: Lsn(0),
             appends_received: 0,
             wal_fsyncs: 0,
+            backup_uploads: 0,
+            backup_upload_failures: 0,
+            segments_removed: 0,
         })
     }
 
@@ -355,7 +482,111 @@ impl Acceptor {
             commit: self.commit_watch.subscribe(),
             feedback: self.feedback.clone(),
             reader: self.wal.reader(),
+            remote: None,
+            backup: self.backup_view.subscribe(),
         }
+    }
+
+    /// Follows what the backup needs: commit_lsn, backup_lsn, term and duty.
+    pub fn subscribe_backup(&self) -> watch::Receiver<BackupView> {
+        self.backup_view.subscribe()
+    }
+
+    /// A reader of committed WAL for the backup (whole segments below
+    /// commit_lsn, which never change).
+    pub fn wal_reader(&self) -> WalReader {
+        self.wal.reader()
+    }
+
+    pub fn segment_size(&self) -> SegmentSize {
+        self.config.segment_size
+    }
+
+    /// The backup holds every segment below `lsn` (the backup task's uploads,
+    /// in order): persisted before it is reported to anyone, since removal
+    /// relies on it.
+    pub async fn set_backup_lsn(&mut self, lsn: Lsn) -> Result<(), AcceptorError> {
+        assert!(
+            lsn <= self.commit_lsn,
+            "backup_lsn {lsn} beyond commit_lsn {}",
+            self.commit_lsn
+        );
+        if lsn > self.state.backup_lsn {
+            self.state.backup_lsn = lsn;
+            self.persist_now().await?;
+            self.publish_backup();
+        }
+        Ok(())
+    }
+
+    /// Counts a finished segment upload.
+    pub fn note_backup_upload(&mut self, ok: bool) {
+        if ok {
+            self.backup_uploads += 1;
+        } else {
+            self.backup_upload_failures += 1;
+        }
+    }
+
+    fn publish_backup(&self) {
+        let view = BackupView {
+            term: self.state.term,
+            commit_lsn: self.commit_lsn,
+            backup_lsn: self.state.backup_lsn,
+            duty: self.backup_view.borrow().duty,
+        };
+        self.backup_view.send_if_modified(|v| {
+            let changed = *v != view;
+            *v = view;
+            changed
+        });
+    }
+
+    /// What limits removal now. `backup_enabled`: whether removal waits for
+    /// the backup; `walsenders`: the slowest active walsender, when kept.
+    pub fn removal_horizon(&self, backup_enabled: bool, walsenders: Option<Lsn>) -> RemovalHorizon {
+        let replicas = match (
+            self.feedback.min_remote_consistent(),
+            self.writer_replica_horizon,
+        ) {
+            (Some(a), Some(b)) => a.min(b),
+            (Some(a), None) | (None, Some(a)) => a,
+            (None, None) => Lsn(0),
+        };
+        RemovalHorizon {
+            replicas: replicas.min(self.commit_lsn),
+            peers: self.peer_horizon_lsn.min(self.commit_lsn),
+            backup: backup_enabled.then_some(self.state.backup_lsn),
+            walsenders,
+        }
+    }
+
+    /// Removes the whole segments below `horizon`. The control file records
+    /// the removal first: a crash in between leaves extra files (removed next
+    /// time), never a control file that expects WAL which is gone. Returns
+    /// how many segments went.
+    pub async fn remove_old_wal(
+        &mut self,
+        horizon: &RemovalHorizon,
+    ) -> Result<usize, AcceptorError> {
+        let lsn = horizon.lsn();
+        let segno = self.config.segment_size.segno(lsn);
+        self.removal_horizon = self.removal_horizon.max(lsn);
+        if segno <= self.state.last_removed_segno {
+            return Ok(0);
+        }
+        assert!(
+            lsn <= self.commit_lsn && lsn <= self.peer_horizon_lsn,
+            "removal horizon {lsn} beyond commit_lsn {} or the peer horizon {}",
+            self.commit_lsn,
+            self.peer_horizon_lsn
+        );
+        self.state.last_removed_segno = segno;
+        self.state.remote_consistent_lsn = self.state.remote_consistent_lsn.max(horizon.replicas);
+        self.persist_now().await?;
+        let removed = self.wal.remove_below(segno).await?;
+        self.segments_removed += removed as u64;
+        Ok(removed)
     }
 
     pub fn status(&self) -> AcceptorStatus {
@@ -367,6 +598,14 @@ impl Acceptor {
             commit_lsn: self.commit_lsn.to_string(),
             peer_horizon_lsn: self.peer_horizon_lsn.to_string(),
             backup_lsn: self.state.backup_lsn.to_string(),
+            backup_duty: self.backup_view.borrow().duty,
+            backup_uploads: self.backup_uploads,
+            backup_upload_failures: self.backup_upload_failures,
+            remote_consistent_lsn: self.removal_horizon(false, None).replicas.to_string(),
+            writer_remote_consistent_lsn: self.writer_replica_horizon.map(|l| l.to_string()),
+            removal_horizon_lsn: self.removal_horizon.to_string(),
+            last_removed_segno: self.state.last_removed_segno,
+            segments_removed: self.segments_removed,
             replicas: self.feedback.len(),
             appends_received: self.appends_received,
             wal_fsyncs: self.wal_fsyncs,
@@ -419,6 +658,9 @@ impl Acceptor {
         let vote_given = self.state.term < term;
         if vote_given {
             self.state.term = term;
+            // Persisted positions stay consistent: backup_lsn (which may have
+            // moved in memory) never passes the persisted commit_lsn.
+            self.state.commit_lsn = self.commit_lsn;
             self.control.persist(&self.state).await?;
         }
         let flush_lsn = self.flush_lsn();
@@ -487,6 +729,7 @@ impl Acceptor {
             // The recorded durable point goes down before the WAL does, so that
             // a crash in between never finds less WAL than recorded.
             self.state.durable_lsn = msg.start_streaming_at;
+            self.state.commit_lsn = self.commit_lsn;
             self.control.persist(&self.state).await?;
         }
         self.wal.truncate(msg.start_streaming_at).await?;
@@ -498,6 +741,7 @@ impl Acceptor {
         self.state.commit_lsn = self.commit_lsn;
         self.state.peer_horizon_lsn = self.peer_horizon_lsn;
         self.control.persist(&self.state).await?;
+        self.publish_backup();
         Ok(self.append_response())
     }
 
@@ -548,6 +792,19 @@ impl Acceptor {
         self.peer_horizon_lsn = self
             .peer_horizon_lsn
             .max(req.truncate_lsn.min(req.commit_lsn));
+        if let Some(h) = req.remote_consistent_lsn {
+            self.writer_replica_horizon = Some(h);
+        }
+        // A peer's uploads are in the same backup: its backup_lsn is ours to
+        // rely on up to our own commit_lsn (adopted at the flush).
+        if req.backup_lsn <= req.commit_lsn {
+            self.peer_backup_lsn = self.peer_backup_lsn.max(req.backup_lsn);
+        }
+        self.backup_view.send_if_modified(|v| {
+            let changed = v.duty != req.backup_duty;
+            v.duty = req.backup_duty;
+            changed
+        });
         Ok(())
     }
 
@@ -595,6 +852,11 @@ impl Acceptor {
             self.commit_watch.send_replace(commit);
             self.maybe_persist().await?;
         }
+        let shared = self.peer_backup_lsn.min(self.commit_lsn);
+        if shared > self.state.backup_lsn {
+            self.state.backup_lsn = shared;
+        }
+        self.publish_backup();
         Ok(())
     }
 
@@ -620,6 +882,7 @@ impl Acceptor {
         self.state.commit_lsn = self.commit_lsn;
         self.state.durable_lsn = self.wal.flush_lsn();
         self.state.peer_horizon_lsn = self.peer_horizon_lsn;
+        self.state.registered_replicas = self.feedback.registered();
         self.control.persist(&self.state).await?;
         Ok(())
     }
@@ -629,6 +892,7 @@ impl Acceptor {
             term: self.state.term,
             flush_lsn: self.flush_lsn(),
             commit_lsn: self.commit_lsn,
+            backup_lsn: self.state.backup_lsn,
             shard_feedback: self.feedback.all(),
         })
     }

@@ -17,8 +17,23 @@ use serde::{Deserialize, Serialize};
 pub const CONTROL_FILE: &str = "safekeeper.control";
 const MAGIC: u32 = 0xFE55_AFE0;
 /// Bumped on every incompatible change of [`SafekeeperState`] (2: the cluster id;
-/// 3: the durable flush point).
-pub const FORMAT_VERSION: u32 = 3;
+/// 3: the durable flush point; 4: registered replicas). Version 3 files are
+/// read and upgraded on the next write.
+pub const FORMAT_VERSION: u32 = 4;
+
+/// Most replicas a control file registers (as many as the feedback board keeps).
+pub const MAX_REGISTERED_REPLICAS: usize = 4096;
+
+/// A replica that streamed from this safekeeper, and the WAL it has durably
+/// applied: the removal horizon keeps the WAL above it until the replica
+/// moves on. Persisted, so that a restart does not forget a replica that is
+/// down at the time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegisteredReplica {
+    pub shard_number: u32,
+    pub replica_number: u32,
+    pub remote_consistent_lsn: Lsn,
+}
 
 /// Status of an object uploaded by partial segment backup (room for that feature:
 /// the list is kept and persisted, nothing fills it yet).
@@ -67,10 +82,56 @@ pub struct SafekeeperState {
     pub peer_horizon_lsn: Lsn,
     /// The lowest LSN every registered replica has durably applied.
     pub remote_consistent_lsn: Lsn,
-    /// Segments up to and including this one were removed locally (0: none).
+    /// Segments below this one were removed locally (0: none).
     pub last_removed_segno: u64,
     /// Remote partial segments that may exist.
     pub partial_backup: Vec<PartialRemoteSegment>,
+    /// Replicas that streamed from here, in (shard, replica) order.
+    pub registered_replicas: Vec<RegisteredReplica>,
+}
+
+/// Format version 3, read to upgrade it.
+#[derive(Deserialize)]
+struct StateV3 {
+    cluster_id: ClusterId,
+    node_id: u64,
+    timeline_id: u64,
+    segment_bytes: u64,
+    term: Term,
+    term_history: TermHistory,
+    proposer_id: u128,
+    timeline_start_lsn: Lsn,
+    commit_lsn: Lsn,
+    durable_lsn: Lsn,
+    backup_lsn: Lsn,
+    peer_horizon_lsn: Lsn,
+    remote_consistent_lsn: Lsn,
+    last_removed_segno: u64,
+    partial_backup: Vec<PartialRemoteSegment>,
+}
+
+impl From<StateV3> for SafekeeperState {
+    fn from(v: StateV3) -> SafekeeperState {
+        SafekeeperState {
+            cluster_id: v.cluster_id,
+            node_id: v.node_id,
+            timeline_id: v.timeline_id,
+            segment_bytes: v.segment_bytes,
+            term: v.term,
+            term_history: v.term_history,
+            proposer_id: v.proposer_id,
+            timeline_start_lsn: v.timeline_start_lsn,
+            commit_lsn: v.commit_lsn,
+            durable_lsn: v.durable_lsn,
+            backup_lsn: v.backup_lsn,
+            peer_horizon_lsn: v.peer_horizon_lsn,
+            remote_consistent_lsn: v.remote_consistent_lsn,
+            // Version 3 never removed a segment.
+            last_removed_segno: v.last_removed_segno,
+            partial_backup: v.partial_backup,
+            registered_replicas: Vec::new(),
+        }
+    }
 }
 
 impl SafekeeperState {
@@ -97,6 +158,7 @@ impl SafekeeperState {
             remote_consistent_lsn: Lsn(0),
             last_removed_segno: 0,
             partial_backup: Vec::new(),
+            registered_replicas: Vec::new(),
         }
     }
 }
@@ -160,11 +222,21 @@ pub fn decode(bytes: &[u8]) -> Result<SafekeeperState, ControlFileError> {
         return Err(ControlFileError::Corrupt("checksum mismatch".into()));
     }
     let version = word(4);
-    if version != FORMAT_VERSION {
-        return Err(ControlFileError::UnsupportedVersion(version));
+    let body = &bytes[8..crc_at];
+    let corrupt = |e: postcard::Error| ControlFileError::Corrupt(e.to_string());
+    let state: SafekeeperState = match version {
+        FORMAT_VERSION => postcard::from_bytes(body).map_err(corrupt)?,
+        3 => postcard::from_bytes::<StateV3>(body)
+            .map_err(corrupt)?
+            .into(),
+        other => return Err(ControlFileError::UnsupportedVersion(other)),
+    };
+    if state.registered_replicas.len() > MAX_REGISTERED_REPLICAS {
+        return Err(ControlFileError::Corrupt(format!(
+            "{} registered replicas (at most {MAX_REGISTERED_REPLICAS})",
+            state.registered_replicas.len()
+        )));
     }
-    let state: SafekeeperState = postcard::from_bytes(&bytes[8..crc_at])
-        .map_err(|e| ControlFileError::Corrupt(e.to_string()))?;
     if !state.term_history.is_well_formed() {
         return Err(ControlFileError::Corrupt(
             "term history out of order".into(),
@@ -290,6 +362,28 @@ mod tests {
             decode(&future),
             Err(ControlFileError::UnsupportedVersion(9))
         ));
+    }
+
+    #[test]
+    fn version_3_is_upgraded_and_replicas_round_trip() {
+        // Version 3 is version 4 without the registered replicas, the last
+        // field: an empty list is one byte (its length) at the end.
+        let v4 = encode(&sample()).expect("encode");
+        let mut v3 = v4[..v4.len() - 5].to_vec();
+        v3[4] = 3;
+        let crc = crc32c::crc32c(&v3);
+        v3.extend_from_slice(&crc.to_le_bytes());
+        assert_eq!(decode(&v3).expect("upgrade"), sample());
+
+        let mut with = sample();
+        with.registered_replicas = vec![RegisteredReplica {
+            shard_number: 1,
+            replica_number: 2,
+            remote_consistent_lsn: Lsn(700),
+        }];
+        with.last_removed_segno = 3;
+        let bytes = encode(&with).expect("encode");
+        assert_eq!(decode(&bytes).expect("decode"), with);
     }
 
     #[tokio::test]

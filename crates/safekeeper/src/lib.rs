@@ -2,11 +2,15 @@
 //!
 //! * [`control`]: the control file (the state that must survive crashes);
 //! * [`wal_storage`]: WAL bytes in segment files, with crash recovery;
-//! * [`acceptor`]: the protocol logic that ties them together;
+//! * [`acceptor`]: the protocol logic that ties them together, and the WAL
+//!   removal horizon;
+//! * [`backup`]: whole segments uploaded to object storage, and read back for
+//!   replicas that need WAL removed locally;
 //! * [`server`]: connections (the writer's, batched into group commits, and
 //!   walsenders to replicas) over the network seam.
 
 pub mod acceptor;
+pub mod backup;
 pub mod control;
 pub mod server;
 pub mod wal_storage;

@@ -15,6 +15,7 @@ use tokio::sync::{watch, Mutex};
 use tokio::task::JoinSet;
 
 use crate::acceptor::{Acceptor, AcceptorStatus};
+use crate::backup::{self, BackupConfig, BackupPlanner, RemoteWal};
 
 /// Most messages handled as one batch (one fsync).
 pub const MAX_BATCH_MESSAGES: usize = 256;
@@ -23,10 +24,97 @@ pub const WRITER_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_s
 /// How often a caught-up walsender reminds its replica of the commit position.
 pub const WALSENDER_KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// Default time between two looks at what WAL can be removed (Neon's 5 s).
+pub const DEFAULT_REMOVAL_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
+/// Most walsenders served at once; more are refused (each is a task and a
+/// buffer).
+pub const MAX_WALSENDERS: usize = 1024;
+
+/// How a safekeeper serves besides the protocol: backup and WAL removal.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Whole segments go to this backup (`None`: no backup; removal then
+    /// waits for replicas and peers only).
+    pub backup: Option<BackupConfig>,
+    /// Keep the WAL the slowest active walsender has not received yet, so a
+    /// lagging replica reads it here rather than from the backup.
+    pub walsenders_keep_horizon: bool,
+    /// How often removal runs.
+    pub removal_interval: std::time::Duration,
+    /// Whether WAL is removed at all (off: every segment stays).
+    pub remove_wal: bool,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            backup: None,
+            walsenders_keep_horizon: false,
+            removal_interval: DEFAULT_REMOVAL_INTERVAL,
+            remove_wal: true,
+        }
+    }
+}
+
 struct Shared {
     acceptor: Mutex<Acceptor>,
     /// Set once, with the reason, when the safekeeper must stop.
     fatal: watch::Sender<Option<String>>,
+    config: ServerConfig,
+    /// Active walsenders: id → the position their replica received.
+    walsenders: std::sync::Mutex<WalsenderSlots>,
+}
+
+#[derive(Default)]
+struct WalsenderSlots {
+    next_id: u64,
+    positions: std::collections::BTreeMap<u64, Lsn>,
+}
+
+impl Shared {
+    fn walsenders(&self) -> std::sync::MutexGuard<'_, WalsenderSlots> {
+        self.walsenders
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The slowest active walsender's position, when it holds back removal.
+    fn walsender_horizon(&self) -> Option<Lsn> {
+        if !self.config.walsenders_keep_horizon {
+            return None;
+        }
+        self.walsenders().positions.values().copied().min()
+    }
+
+    fn fail(&self, reason: String) {
+        tracing::error!(error = %reason, "safekeeper storage failed; stopping");
+        self.fatal.send_if_modified(|f| {
+            if f.is_none() {
+                *f = Some(reason);
+                true
+            } else {
+                false
+            }
+        });
+    }
+}
+
+/// A walsender's slot: its position holds back removal while it runs.
+struct WalsenderSlot<'a> {
+    shared: &'a Shared,
+    id: u64,
+}
+
+impl WalsenderSlot<'_> {
+    fn set(&self, lsn: Lsn) {
+        self.shared.walsenders().positions.insert(self.id, lsn);
+    }
+}
+
+impl Drop for WalsenderSlot<'_> {
+    fn drop(&mut self) {
+        self.shared.walsenders().positions.remove(&self.id);
+    }
 }
 
 /// A running safekeeper.
@@ -38,7 +126,7 @@ pub struct SafekeeperServer {
 }
 
 impl SafekeeperServer {
-    /// Listens on `listen` and serves `acceptor`.
+    /// Listens on `listen` and serves `acceptor` (no backup; removal on).
     pub async fn start(
         network: Arc<dyn Network>,
         listen: &str,
@@ -55,11 +143,22 @@ impl SafekeeperServer {
         listener: Box<dyn Listener>,
         acceptor: Acceptor,
     ) -> std::io::Result<SafekeeperServer> {
+        SafekeeperServer::serve_with(listener, acceptor, ServerConfig::default())
+    }
+
+    /// Like [`SafekeeperServer::serve`], with backup and removal as `config` says.
+    pub fn serve_with(
+        listener: Box<dyn Listener>,
+        acceptor: Acceptor,
+        config: ServerConfig,
+    ) -> std::io::Result<SafekeeperServer> {
         let addr = listener.local_addr()?;
         let (fatal, _) = watch::channel(None);
         let shared = Arc::new(Shared {
             acceptor: Mutex::new(acceptor),
             fatal,
+            config,
+            walsenders: std::sync::Mutex::new(WalsenderSlots::default()),
         });
         let (stop, stop_rx) = watch::channel(false);
         let task = tokio::spawn(accept_loop(listener, Arc::clone(&shared), stop_rx));
@@ -128,6 +227,16 @@ async fn accept_loop(
 ) {
     let mut connections = JoinSet::new();
     let mut fatal = shared.fatal.subscribe();
+    // Background duties live and die with the connections: a kill aborts
+    // them with everything else.
+    if let Some(config) = shared.config.backup.clone() {
+        let shared = Arc::clone(&shared);
+        connections.spawn(async move { run_backup(&shared, config).await });
+    }
+    if shared.config.remove_wal {
+        let shared = Arc::clone(&shared);
+        connections.spawn(async move { run_removal(&shared).await });
+    }
     loop {
         tokio::select! {
             biased;
@@ -185,8 +294,7 @@ async fn serve_connection(conn: BoxConnection, shared: &Shared) -> Result<(), pr
             match acceptor.handle_batch(std::mem::take(&mut batch)).await {
                 Ok(replies) => replies,
                 Err(e) => {
-                    tracing::error!(error = %e, "safekeeper storage failed; stopping");
-                    shared.fatal.send_replace(Some(e.to_string()));
+                    shared.fail(e.to_string());
                     vec![e.to_message(term)]
                 }
             }
@@ -224,7 +332,40 @@ where
 {
     // Committed WAL is never truncated, so it is read without the acceptor:
     // walsenders never hold up appends and their fsyncs.
-    let mut committed = shared.acceptor.lock().await.committed_wal();
+    let (mut committed, seg) = {
+        let acceptor = shared.acceptor.lock().await;
+        (acceptor.committed_wal(), acceptor.segment_size())
+    };
+    if let Some(backup) = &shared.config.backup {
+        committed = committed.with_remote(RemoteWal {
+            location: backup.location.clone(),
+            seg,
+        });
+    }
+    let slot = {
+        let mut slots = shared.walsenders();
+        if slots.positions.len() >= MAX_WALSENDERS {
+            None
+        } else {
+            slots.next_id += 1;
+            let id = slots.next_id;
+            slots.positions.insert(id, start);
+            Some(WalsenderSlot { shared, id })
+        }
+    };
+    let Some(slot) = slot else {
+        let term = shared.acceptor.lock().await.term();
+        proto::write_frame(
+            &mut writer,
+            &FromSafekeeper::Refused {
+                term,
+                reason: format!("too many walsenders (at most {MAX_WALSENDERS})"),
+            },
+        )
+        .await?;
+        writer.flush().await?;
+        return Ok(());
+    };
     let mut pos = start;
     let mut announced = Lsn(0);
     // Debug: walreceivers open short walsenders to probe for lag every few
@@ -276,7 +417,12 @@ where
                 }
             }
             frame = reader.next::<ToSafekeeper>() => match frame? {
-                Some(ToSafekeeper::Feedback(fb)) => committed.feedback.record(fb),
+                Some(ToSafekeeper::Feedback(fb)) => {
+                    // The replica's own position: what it received, never
+                    // more than what was sent.
+                    slot.set(fb.last_received_lsn.min(pos));
+                    committed.feedback.record(fb);
+                }
                 Some(_) => {
                     let term = shared.acceptor.lock().await.term();
                     proto::write_frame(&mut writer, &FromSafekeeper::Refused { term, reason: "only feedback is expected on a walsender".into() }).await?;
@@ -287,6 +433,96 @@ where
             },
             () = tokio::time::sleep(WALSENDER_KEEPALIVE) => {
                 proto::write_frame(&mut writer, &FromSafekeeper::Keepalive { commit_lsn: commit }).await?;
+            }
+        }
+    }
+}
+
+/// Uploads whole segments behind commit_lsn while this safekeeper has the
+/// duty (see [`crate::backup`]); a failed upload is tried again after a
+/// back-off, a failure to persist backup_lsn stops the safekeeper.
+async fn run_backup(shared: &Shared, config: BackupConfig) {
+    let (mut view, reader, seg, backup_lsn) = {
+        let a = shared.acceptor.lock().await;
+        (
+            a.subscribe_backup(),
+            a.wal_reader(),
+            a.segment_size(),
+            a.state().backup_lsn,
+        )
+    };
+    let mut planner = BackupPlanner::new(seg, config.parallel_jobs, backup_lsn);
+    let mut uploads: JoinSet<(u64, Result<u64, backup::BackupError>)> = JoinSet::new();
+    loop {
+        let now = tokio::time::Instant::now();
+        let current = *view.borrow_and_update();
+        for segno in planner.poll(&current, now) {
+            let reader = reader.clone();
+            let location = config.location.clone();
+            uploads.spawn(async move {
+                let result = backup::upload_segment(&reader, &location, seg, segno).await;
+                (segno, result)
+            });
+        }
+        let retry = planner.next_retry();
+        tokio::select! {
+            biased;
+            Some(done) = uploads.join_next(), if !uploads.is_empty() => {
+                let Ok((segno, result)) = done else { continue };
+                match result {
+                    Ok(bytes) => {
+                        tracing::debug!(segno, bytes, "segment backed up");
+                        let mut a = shared.acceptor.lock().await;
+                        a.note_backup_upload(true);
+                        if let Some(lsn) = planner.on_uploaded(segno) {
+                            if let Err(e) = a.set_backup_lsn(lsn).await {
+                                drop(a);
+                                shared.fail(e.to_string());
+                                return;
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        let delay = planner.on_failed(segno, tokio::time::Instant::now());
+                        tracing::warn!(segno, error = %e, ?delay, "segment backup failed; trying again");
+                        shared.acceptor.lock().await.note_backup_upload(false);
+                    }
+                }
+            }
+            changed = view.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+            }
+            () = async {
+                match retry {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            } => {}
+        }
+    }
+}
+
+/// Removes, every `removal_interval`, the segments nobody needs any more
+/// (see [`Acceptor::removal_horizon`]); a disk error stops the safekeeper.
+async fn run_removal(shared: &Shared) {
+    let backup_enabled = shared.config.backup.is_some();
+    loop {
+        tokio::time::sleep(shared.config.removal_interval).await;
+        if shared.fatal.borrow().is_some() {
+            return;
+        }
+        let walsenders = shared.walsender_horizon();
+        let mut a = shared.acceptor.lock().await;
+        let horizon = a.removal_horizon(backup_enabled, walsenders);
+        match a.remove_old_wal(&horizon).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(segments = n, horizon = %horizon.lsn(), "old WAL removed"),
+            Err(e) => {
+                drop(a);
+                shared.fail(e.to_string());
+                return;
             }
         }
     }

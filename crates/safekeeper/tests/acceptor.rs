@@ -76,6 +76,9 @@ fn append(term: u64, begin: u64, wal: &Bytes, commit: u64) -> AppendRequest {
         end_lsn: Lsn(begin + wal.len() as u64),
         commit_lsn: Lsn(commit),
         truncate_lsn: Lsn(0),
+        backup_lsn: Lsn(0),
+        backup_duty: false,
+        remote_consistent_lsn: None,
         wal: wal.clone(),
     }
 }

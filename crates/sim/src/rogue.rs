@@ -122,6 +122,9 @@ pub async fn attempt(
                 end_lsn: end(flush),
                 commit_lsn: end(flush),
                 truncate_lsn: Lsn(0),
+                backup_lsn: Lsn(0),
+                backup_duty: false,
+                remote_consistent_lsn: None,
                 wal: wal.clone(),
             })]
         }
@@ -174,6 +177,9 @@ pub async fn attempt(
                 end_lsn: end(begin),
                 commit_lsn: end(begin),
                 truncate_lsn: Lsn(0),
+                backup_lsn: Lsn(0),
+                backup_duty: false,
+                remote_consistent_lsn: None,
                 wal: wal.clone(),
             })]
         }

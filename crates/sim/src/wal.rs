@@ -11,7 +11,8 @@ use bytes::Bytes;
 use ferry_coord::{CoordError, SessionFactory};
 use ferry_env::Disk;
 use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig};
-use ferry_safekeeper::server::SafekeeperServer;
+use ferry_safekeeper::backup::{segment_key, BackupConfig};
+use ferry_safekeeper::server::{SafekeeperServer, ServerConfig};
 use ferry_safekeeper::wal_storage::Preallocation;
 use ferry_wal::record::{self, Record};
 use ferry_wal::segment::SegmentSize;
@@ -322,6 +323,27 @@ impl Sim {
             }
             self.seen_terms[i] = term;
             self.seen_commits[i] = commit;
+            // One snapshot: both positions move while the checker waits.
+            let status = server.status().await;
+            let backup: Lsn = status
+                .backup_lsn
+                .parse()
+                .map_err(|e: String| self.fail(e))?;
+            let commit: Lsn = status
+                .commit_lsn
+                .parse()
+                .map_err(|e: String| self.fail(e))?;
+            let removed = Lsn(status.last_removed_segno * SEGMENT_BYTES);
+            if backup > commit {
+                return Err(self.fail(format!(
+                    "sk{i}: backup_lsn {backup} is beyond its commit_lsn {commit}"
+                )));
+            }
+            if removed > backup {
+                return Err(self.fail(format!(
+                    "sk{i}: removed WAL below {removed}, beyond backup_lsn {backup}"
+                )));
+            }
         }
         Ok(())
     }
@@ -337,6 +359,15 @@ impl Sim {
 
     fn fail(&self, reason: impl Into<String>) -> Failure {
         self.world.fail(reason)
+    }
+
+    /// Segment `segno` as the backup really holds it (no faults), if whole.
+    async fn backup_segment(&self, segno: u64) -> Option<Bytes> {
+        let truth =
+            ferry_storage::Location::from_store("sim://truth", self.world.lake_store.truth(), "")
+                .ok()?;
+        let object = truth.get(&segment_key(Self::segment(), segno)).await.ok()?;
+        (object.len() as u64 == SEGMENT_BYTES).then_some(object)
     }
 
     fn segment() -> SegmentSize {
@@ -380,18 +411,37 @@ impl Sim {
             1 => Preallocation::Never,
             _ => Preallocation::Auto,
         };
+        // Backup and removal settings are drawn at every start too.
+        let config = ServerConfig {
+            backup: Some(BackupConfig {
+                location: self.world.lake.clone(),
+                parallel_jobs: self.world.rng.random_range(1..=4),
+            }),
+            walsenders_keep_horizon: self.world.rng.random_bool(0.5),
+            removal_interval: Duration::from_millis(self.world.rng.random_range(100..=2000)),
+            remove_wal: true,
+        };
+        let described = format!(
+            "WAL preallocation {}, {} backup jobs, keep-horizon {}, removal every {:?}",
+            self.preallocation[i],
+            config.backup.as_ref().map_or(0, |b| b.parallel_jobs),
+            config.walsenders_keep_horizon,
+            config.removal_interval
+        );
         let acceptor = self.open_acceptor(i).await?;
-        let server =
-            SafekeeperServer::start(self.world.net.node(&node_name(i)), &node_name(i), acceptor)
-                .await
-                .map_err(|e| self.fail(format!("sk{i} cannot listen: {e}")))?;
+        let listener = self
+            .world
+            .net
+            .node(&node_name(i))
+            .bind(&node_name(i))
+            .await
+            .map_err(|e| self.fail(format!("sk{i} cannot listen: {e}")))?;
+        let server = SafekeeperServer::serve_with(listener, acceptor, config)
+            .map_err(|e| self.fail(format!("sk{i} cannot listen: {e}")))?;
         self.servers[i] = Some(Arc::new(server));
         // A new incarnation restarts from its persisted commit_lsn.
         self.seen_commits[i] = Lsn(0);
-        self.log(format!(
-            "sk{i} started (WAL preallocation {})",
-            self.preallocation[i]
-        ));
+        self.log(format!("sk{i} started ({described})"));
         Ok(())
     }
 
@@ -941,10 +991,26 @@ impl Sim {
             }
         }
         let mut wals = Vec::new();
+        let mut backup_lsns = Vec::new();
+        let mut removed = Vec::new();
         for i in 0..SAFEKEEPERS {
             let acceptor = self.open_acceptor(i).await?;
             let upto = acceptor.flush_lsn().min(committed);
+            let state = acceptor.state().clone();
+            backup_lsns.push(state.backup_lsn);
+            removed.push(state.last_removed_segno);
             let mut wal = Vec::with_capacity(upto.0 as usize);
+            // What this safekeeper removed must be in the backup: WAL removed
+            // locally is read from there, by replicas as here.
+            for segno in 0..state.last_removed_segno {
+                let object = self.backup_segment(segno).await.ok_or_else(|| {
+                    self.fail(format!(
+                        "sk{i} removed segment {segno} (below {}), which is not in the backup (its backup_lsn {})",
+                        state.last_removed_segno, state.backup_lsn
+                    ))
+                })?;
+                wal.extend_from_slice(&object);
+            }
             while (wal.len() as u64) < upto.0 {
                 let max = (upto.0 - wal.len() as u64) as usize;
                 let chunk = acceptor
@@ -984,6 +1050,43 @@ impl Sim {
             return Err(self.fail("no safekeeper holds the committed WAL"));
         };
         let full = Bytes::from(full.clone());
+        // Every segment below any safekeeper's backup_lsn is in the backup,
+        // whole, with the committed bytes.
+        let backed_up = backup_lsns.iter().copied().max().unwrap_or(Lsn(0));
+        if backed_up > committed {
+            return Err(self.fail(format!(
+                "backup_lsn {backed_up} is beyond the committed end {committed}"
+            )));
+        }
+        for segno in 0..backed_up.0 / SEGMENT_BYTES {
+            let at = (segno * SEGMENT_BYTES) as usize;
+            let expected = &full[at..at + SEGMENT_BYTES as usize];
+            match self.backup_segment(segno).await {
+                Some(object) if object[..] == *expected => {}
+                Some(_) => {
+                    return Err(self.fail(format!(
+                        "backup segment {segno} differs from the committed WAL"
+                    )))
+                }
+                None => {
+                    return Err(self.fail(format!(
+                        "segment {segno} is below backup_lsn {backed_up} but not in the backup"
+                    )))
+                }
+            }
+        }
+        // No safekeeper removed WAL the replica had not applied.
+        let applied = walreceiver::lock(&self.received).wal.len() as u64;
+        for (i, &segno) in removed.iter().enumerate() {
+            if segno * SEGMENT_BYTES > applied {
+                return Err(self.fail(format!(
+                    "sk{i} removed segments below {segno}, beyond what the replica applied ({applied} bytes)"
+                )));
+            }
+        }
+        self.log(format!(
+            "backup_lsn per safekeeper {backup_lsns:?}, segments removed below {removed:?}"
+        ));
         {
             let received = walreceiver::lock(&self.received);
             let n = received.wal.len();
@@ -1068,7 +1171,14 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
             fail_after_prob: 0.05,
             ..CoordFaults::default()
         },
-        ObjectFaults::default(),
+        // Backup uploads fail now and then, before or after they land.
+        ObjectFaults {
+            min_latency: Duration::from_millis(1),
+            max_latency: Duration::from_millis(80),
+            fail_prob: 0.1,
+            fail_after_write_prob: 0.05,
+            multipart: false,
+        },
         verbose,
     )
     .await?;

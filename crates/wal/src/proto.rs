@@ -22,7 +22,7 @@ use crate::record::MAX_RECORD_BYTES;
 use crate::{ClusterId, Lsn, Term, TermHistory};
 
 /// Version byte of every frame; bumped on any incompatible message change.
-pub const PROTOCOL_VERSION: u8 = 4;
+pub const PROTOCOL_VERSION: u8 = 5;
 /// Largest frame accepted: one maximal record plus headroom for the header fields.
 pub const MAX_FRAME_BYTES: usize = MAX_RECORD_BYTES + (64 << 10);
 /// Most WAL bytes a walsender puts in one message (Neon's MAX_SEND_SIZE).
@@ -79,6 +79,17 @@ pub struct AppendRequest {
     pub end_lsn: Lsn,
     pub commit_lsn: Lsn,
     pub truncate_lsn: Lsn,
+    /// The highest backup_lsn any safekeeper reported to the writer: WAL below
+    /// it is in the remote backup (shared so that every safekeeper knows what
+    /// it may remove).
+    pub backup_lsn: Lsn,
+    /// Whether this safekeeper is the one that uploads whole segments now (the
+    /// writer picks one among the caught-up ones; a new term or a change of
+    /// who is caught up moves the duty).
+    pub backup_duty: bool,
+    /// The lowest remote_consistent_lsn over every replica the writer heard of
+    /// through any safekeeper (`None`: it heard of none yet).
+    pub remote_consistent_lsn: Option<Lsn>,
     /// Whole records, `end_lsn - begin_lsn` bytes (empty for a heartbeat); the
     /// frame's payload, not part of the postcard header.
     #[serde(skip)]
@@ -112,6 +123,8 @@ pub struct AppendResponse {
     pub term: Term,
     pub flush_lsn: Lsn,
     pub commit_lsn: Lsn,
+    /// WAL below this is in the remote backup, as far as this safekeeper knows.
+    pub backup_lsn: Lsn,
     /// Latest feedback of each shard streaming from this safekeeper.
     pub shard_feedback: Vec<ShardFeedback>,
 }
@@ -429,6 +442,9 @@ mod tests {
                 end_lsn: Lsn(4101),
                 commit_lsn: Lsn(4000),
                 truncate_lsn: Lsn(100),
+                backup_lsn: Lsn(0),
+                backup_duty: false,
+                remote_consistent_lsn: None,
                 wal: Bytes::from_static(b"hello"),
             }),
             ToSafekeeper::ReadWal {
@@ -459,6 +475,7 @@ mod tests {
                 term: 4,
                 flush_lsn: Lsn(4101),
                 commit_lsn: Lsn(4000),
+                backup_lsn: Lsn(0),
                 shard_feedback: vec![feedback],
             }),
             FromSafekeeper::Wal {
@@ -543,6 +560,9 @@ mod tests {
             end_lsn: Lsn(12),
             commit_lsn: Lsn(0),
             truncate_lsn: Lsn(0),
+            backup_lsn: Lsn(0),
+            backup_duty: false,
+            remote_consistent_lsn: None,
             wal: Bytes::from_static(b"x"),
         }
         .is_consistent());
@@ -618,6 +638,9 @@ mod tests {
                         end_lsn: Lsn(i as u64 * 1_000_000 + n as u64),
                         commit_lsn: Lsn(5),
                         truncate_lsn: Lsn(1),
+                        backup_lsn: Lsn(0),
+                        backup_duty: false,
+                        remote_consistent_lsn: None,
                         wal,
                     })
                 })

@@ -97,6 +97,8 @@ pub struct PeerStatus {
     pub addr: String,
     pub connected: bool,
     pub flush_lsn: Option<String>,
+    /// Whether this safekeeper has the backup duty now.
+    pub backup_duty: bool,
 }
 
 /// What an operator sees of a writer.
@@ -120,6 +122,8 @@ pub struct WriterStatus {
     /// Set when the writer stopped because electing would lose committed WAL.
     pub refused: Option<String>,
     pub peers: Vec<PeerStatus>,
+    /// The highest backup_lsn a safekeeper reported.
+    pub backup_lsn: String,
     /// The latest feedback of every replica.
     pub replicas: Vec<ShardFeedback>,
     /// Per shard, the lowest positions over its replicas.
@@ -228,8 +232,10 @@ impl Writer {
                     addr: a.clone(),
                     connected: false,
                     flush_lsn: None,
+                    backup_duty: false,
                 })
                 .collect(),
+            backup_lsn: Lsn(0).to_string(),
             replicas: Vec::new(),
             shard_minimums: Vec::new(),
             overall_minimum: None,
@@ -804,6 +810,7 @@ impl Driver {
 
     fn publish_status(&self) {
         let flushes = self.proposer.peer_flush_lsns();
+        let offloader = self.proposer.offloader();
         let status = WriterStatus {
             term: self.proposer.term(),
             elected: self.proposer.is_elected(),
@@ -824,8 +831,10 @@ impl Driver {
                     addr: addr.clone(),
                     connected: self.conns[i].is_some(),
                     flush_lsn: flushes[i].map(|l| l.to_string()),
+                    backup_duty: offloader == Some(i),
                 })
                 .collect(),
+            backup_lsn: self.proposer.backup_lsn().to_string(),
             replicas: self.proposer.replica_feedback().copied().collect(),
             shard_minimums: self
                 .proposer

@@ -59,6 +59,9 @@ pub struct ProposerConfig {
     /// buffer is trimmed to the quorum, and a lagging safekeeper is caught up by
     /// reading from an up-to-date one.
     pub max_buffered_bytes: u64,
+    /// A safekeeper whose flush_lsn is this far behind commit_lsn or more is
+    /// not given the backup duty (Neon's max_offloader_lag).
+    pub max_offloader_lag_bytes: u64,
 }
 
 impl ProposerConfig {
@@ -81,6 +84,7 @@ impl ProposerConfig {
             max_append_bytes: 1 << 20,
             max_in_flight_bytes: 16 << 20,
             max_buffered_bytes: 256 << 20,
+            max_offloader_lag_bytes: 128 << 20,
         }
     }
 }
@@ -236,6 +240,8 @@ pub struct Proposer {
     feedback: BTreeMap<(u32, u32), ShardFeedback>,
     /// The commit_lsn each safekeeper last reported (it learns it from appends).
     peer_commit: Vec<Lsn>,
+    /// The highest backup_lsn any safekeeper reported; relayed to all of them.
+    backup_lsn: Lsn,
 }
 
 impl Proposer {
@@ -257,6 +263,7 @@ impl Proposer {
             truncate_lsn: Lsn(0),
             feedback: BTreeMap::new(),
             peer_commit: vec![Lsn(0); n],
+            backup_lsn: Lsn(0),
         }
     }
 
@@ -382,7 +389,8 @@ impl Proposer {
     }
 
     /// An append of `wal` starting at `begin` for `peer`, carrying the current
-    /// commit and truncate positions (empty `wal`: a heartbeat).
+    /// commit and truncate positions, the backup position and duty and the
+    /// slowest replica (empty `wal`: a heartbeat).
     fn append_to(&self, peer: usize, begin: Lsn, wal: Bytes) -> Action {
         Action::Send {
             to: peer,
@@ -392,9 +400,47 @@ impl Proposer {
                 end_lsn: Lsn(begin.0 + wal.len() as u64),
                 commit_lsn: self.commit_lsn,
                 truncate_lsn: self.truncate_lsn,
+                backup_lsn: self.backup_lsn,
+                backup_duty: self.offloader() == Some(peer),
+                remote_consistent_lsn: self
+                    .feedback
+                    .values()
+                    .map(|f| f.remote_consistent_lsn)
+                    .min(),
                 wal,
             }),
         }
+    }
+
+    /// The safekeeper that uploads whole segments now: among the streaming
+    /// ones less than `max_offloader_lag_bytes` behind commit_lsn, in index
+    /// order, the one at `term % count`. Deterministic, so every writer of a
+    /// term picks the same one from the same facts; a new term, or a
+    /// safekeeper falling behind or coming back, moves the duty. Two
+    /// safekeepers uploading the same segment for a moment (an old duty
+    /// not yet withdrawn) is harmless: a whole segment's bytes are committed
+    /// WAL, the same on every safekeeper.
+    pub fn offloader(&self) -> Option<usize> {
+        if self.phase != Phase::Elected {
+            return None;
+        }
+        let candidates: Vec<usize> = (0..self.peers.len())
+            .filter(|&p| match self.peers[p] {
+                Peer::Streaming { flush_lsn, .. } => {
+                    flush_lsn.0 + self.config.max_offloader_lag_bytes > self.commit_lsn.0
+                }
+                _ => false,
+            })
+            .collect();
+        if candidates.is_empty() {
+            return None;
+        }
+        Some(candidates[(self.term % candidates.len() as u64) as usize])
+    }
+
+    /// The highest backup_lsn a safekeeper reported.
+    pub fn backup_lsn(&self) -> Lsn {
+        self.backup_lsn
     }
 
     /// Appends whole, valid records; returns the LSN just past them: they are
@@ -481,6 +527,7 @@ impl Proposer {
                     }
                 }
                 self.peer_commit[peer] = self.peer_commit[peer].max(a.commit_lsn);
+                self.backup_lsn = self.backup_lsn.max(a.backup_lsn);
                 self.on_append_response(peer, a.flush_lsn, &mut actions);
             }
             FromSafekeeper::Wal { begin_lsn, wal, .. } => {

@@ -1,0 +1,323 @@
+//! WAL backup and removal with the writer and three safekeepers over loopback
+//! TCP: one safekeeper uploads every whole committed segment to a local
+//! folder, backup_lsn reaches every safekeeper, nothing is removed before a
+//! replica reported, then segments go behind every consumer; a replica
+//! asking for removed WAL is served from the backup, and with
+//! `walsenders_keep_horizon` a lagging walsender keeps its WAL locally.
+
+// The test sets up its backup folder directly; node code may not.
+#![allow(clippy::disallowed_methods)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use ferry_env::{Disk, Network, RealDisk, TcpNetwork};
+use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig, AcceptorStatus};
+use ferry_safekeeper::backup::{segment_key, BackupConfig};
+use ferry_safekeeper::server::{SafekeeperServer, ServerConfig};
+use ferry_wal::proto::{self, FromSafekeeper, ShardFeedback, ToSafekeeper};
+use ferry_wal::record::Record;
+use ferry_wal::segment::SegmentSize;
+use ferry_wal::Lsn;
+use ferry_writer::driver::{encode_records, Writer, WriterConfig};
+use ferry_writer::proposer::ProposerConfig;
+
+/// The smallest segment size: many segments from little WAL.
+const SEG: u64 = 64 << 10;
+const SOON: Duration = Duration::from_secs(30);
+
+fn cluster_id() -> ferry_wal::ClusterId {
+    ferry_wal::ClusterId::new("backup-test").expect("id")
+}
+
+fn seg() -> SegmentSize {
+    SegmentSize::new(SEG).expect("segment size")
+}
+
+struct Cluster {
+    _dir: tempfile::TempDir,
+    backup: ferry_storage::Location,
+    servers: Vec<SafekeeperServer>,
+}
+
+async fn cluster(keep_horizon: bool) -> Cluster {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let backup_dir = dir.path().join("backup");
+    std::fs::create_dir_all(&backup_dir).expect("backup dir");
+    let backup = ferry_storage::open(
+        &format!("file://{}", backup_dir.display()),
+        &Default::default(),
+    )
+    .expect("backup location");
+    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let mut servers = Vec::new();
+    for id in 0..3 {
+        let acceptor = Acceptor::create(
+            Arc::clone(&disk),
+            &format!("sk{id}"),
+            AcceptorConfig {
+                cluster_id: cluster_id(),
+                node_id: id,
+                timeline_id: 1,
+                segment_size: seg(),
+                preallocation: Default::default(),
+            },
+        )
+        .await
+        .expect("create");
+        let listener = TcpNetwork.bind("127.0.0.1:0").await.expect("bind");
+        let config = ServerConfig {
+            backup: Some(BackupConfig {
+                location: backup.clone(),
+                parallel_jobs: 3,
+            }),
+            walsenders_keep_horizon: keep_horizon,
+            removal_interval: Duration::from_millis(20),
+            remove_wal: true,
+        };
+        servers.push(SafekeeperServer::serve_with(listener, acceptor, config).expect("serve"));
+    }
+    Cluster {
+        _dir: dir,
+        backup,
+        servers,
+    }
+}
+
+impl Cluster {
+    fn writer(&self) -> Writer {
+        let mut config = WriterConfig::new(
+            self.servers.iter().map(|s| s.addr().to_string()).collect(),
+            ProposerConfig::new(cluster_id(), 3, 1, SEG, 5),
+        );
+        config.reconnect_delay = Duration::from_millis(50);
+        config.heartbeat = Duration::from_millis(20);
+        Writer::start(Arc::new(TcpNetwork), config)
+    }
+
+    async fn statuses(&self) -> Vec<AcceptorStatus> {
+        let mut out = Vec::new();
+        for s in &self.servers {
+            out.push(s.status().await);
+        }
+        out
+    }
+
+    /// Waits until every safekeeper's status satisfies `ok` (each status is
+    /// re-read every few milliseconds: the condition is the safekeepers' own
+    /// progress, which no event of the test marks).
+    async fn wait_all(&self, what: &str, ok: impl Fn(&AcceptorStatus) -> bool) {
+        let deadline = tokio::time::Instant::now() + SOON;
+        loop {
+            let statuses = self.statuses().await;
+            if statuses.iter().all(&ok) {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{what}: {statuses:#?}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+fn lsn(s: &str) -> Lsn {
+    s.parse().expect("lsn")
+}
+
+/// Appends inserts until `bytes` of WAL are committed; returns the WAL.
+async fn write_wal(writer: &Writer, bytes: u64) -> Vec<u8> {
+    let mut wal = Vec::new();
+    let mut block = 0;
+    while (wal.len() as u64) < bytes {
+        let records = encode_records(&[Record::Insert {
+            shard: 0,
+            idempotency_key: Bytes::new(),
+            table_id: 4,
+            block_number: block,
+            arrow_ipc: Bytes::from(vec![(block % 251) as u8; 3000]),
+        }]);
+        wal.extend_from_slice(&records);
+        let end = writer.append(records).await.expect("append");
+        assert_eq!(end, Lsn(wal.len() as u64));
+        block += 1;
+    }
+    wal
+}
+
+async fn start_replication(addr: &str, shard: u32, start: Lsn) -> ferry_env::BoxConnection {
+    let mut conn = TcpNetwork.connect(addr).await.expect("connect");
+    proto::write_frame(
+        &mut conn,
+        &ToSafekeeper::StartReplication {
+            shard_number: shard,
+            start_lsn: start,
+        },
+    )
+    .await
+    .expect("start replication");
+    conn
+}
+
+/// Tells the walsender on `conn` that replica `(shard, 0)` applied up to `lsn`.
+async fn report(conn: &mut ferry_env::BoxConnection, shard: u32, lsn: Lsn, at: u64) {
+    proto::write_frame(
+        conn,
+        &ToSafekeeper::Feedback(ShardFeedback {
+            shard_number: shard,
+            replica_number: 0,
+            last_received_lsn: lsn,
+            disk_consistent_lsn: lsn,
+            remote_consistent_lsn: lsn,
+            reply_time_micros: at,
+        }),
+    )
+    .await
+    .expect("feedback");
+}
+
+/// WAL streamed on `conn` from `start` up to `end`.
+async fn receive(conn: &mut ferry_env::BoxConnection, start: Lsn, end: Lsn) -> Vec<u8> {
+    let mut received = Vec::new();
+    while start.0 + (received.len() as u64) < end.0 {
+        let msg: FromSafekeeper = tokio::time::timeout(SOON, proto::read_frame(conn))
+            .await
+            .expect("WAL in time")
+            .expect("frame")
+            .expect("open");
+        match msg {
+            FromSafekeeper::Wal { begin_lsn, wal, .. } => {
+                assert_eq!(begin_lsn, Lsn(start.0 + received.len() as u64));
+                received.extend_from_slice(&wal);
+            }
+            FromSafekeeper::Keepalive { .. } => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    received.truncate(end.distance_from(start) as usize);
+    received
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn segments_are_backed_up_removed_behind_every_consumer_and_read_back() {
+    let c = cluster(false).await;
+    let writer = c.writer();
+    let wal = write_wal(&writer, 10 * SEG + 100).await;
+
+    // Every whole committed segment is in the backup, and every safekeeper
+    // learns it through the writer.
+    c.wait_all("backup_lsn reaches 10 segments everywhere", |s| {
+        lsn(&s.backup_lsn) >= Lsn(10 * SEG)
+    })
+    .await;
+    for segno in 0..10 {
+        let object = c
+            .backup
+            .get(&segment_key(seg(), segno))
+            .await
+            .expect("segment object");
+        let at = (segno * SEG) as usize;
+        assert!(
+            object[..] == wal[at..at + SEG as usize],
+            "segment {segno} in the backup is the committed WAL"
+        );
+    }
+    let statuses = c.statuses().await;
+    let on_duty: Vec<u64> = statuses
+        .iter()
+        .filter(|s| s.backup_duty)
+        .map(|s| s.node_id)
+        .collect();
+    assert_eq!(
+        on_duty.len(),
+        1,
+        "one safekeeper has the duty: {statuses:#?}"
+    );
+    let uploads: u64 = statuses.iter().map(|s| s.backup_uploads).sum();
+    assert_eq!(uploads, 10, "each segment uploaded once: {statuses:#?}");
+    assert!(
+        statuses.iter().all(|s| s.last_removed_segno == 0),
+        "no replica reported: nothing is removed"
+    );
+
+    // A replica of shard 0 applied 6 segments: the writer relays it, and
+    // every safekeeper removes the segments below.
+    let mut replica = start_replication(c.servers[0].addr(), 0, Lsn(6 * SEG)).await;
+    report(&mut replica, 0, Lsn(6 * SEG + 10), 1).await;
+    c.wait_all("segments below 6 removed everywhere", |s| {
+        s.last_removed_segno == 6 && s.segments_removed == 6
+    })
+    .await;
+
+    // A replica that lost its parts starts again from the beginning: the
+    // removed WAL comes from the backup, the rest from the safekeeper.
+    let end = Lsn(wal.len() as u64);
+    for server in &c.servers {
+        let mut fresh = start_replication(server.addr(), 1, Lsn(0)).await;
+        let got = receive(&mut fresh, Lsn(0), end).await;
+        assert!(got == wal, "the whole WAL, partly from the backup");
+    }
+    drop(replica);
+    writer.shutdown().await.expect("clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lagging_walsender_keeps_its_wal_with_keep_horizon() {
+    let c = cluster(true).await;
+    let writer = c.writer();
+    // A slow replica of shard 1 streams from safekeeper 0 and has received
+    // nothing yet.
+    let mut slow = start_replication(c.servers[0].addr(), 1, Lsn(0)).await;
+    let wal = write_wal(&writer, 8 * SEG).await;
+    // The slow one reports what it received, so it is registered, at 0, and
+    // the writer relays that to every safekeeper.
+    report(&mut slow, 1, Lsn(0), 1).await;
+    c.wait_all("the writer relays the slow replica", |s| {
+        s.writer_remote_consistent_lsn.as_deref() == Some("0/0")
+    })
+    .await;
+    // A fast replica of shard 0 applied everything, through safekeeper 1.
+    let mut fast = start_replication(c.servers[1].addr(), 0, Lsn(7 * SEG)).await;
+    report(&mut fast, 0, Lsn(7 * SEG), 1).await;
+    c.wait_all("backed up", |s| lsn(&s.backup_lsn) >= Lsn(7 * SEG))
+        .await;
+    // The fast replica alone would let safekeepers 1 and 2 remove up to 7
+    // segments; the slow replica's registration holds all of them back.
+    let statuses = c.statuses().await;
+    assert!(
+        statuses.iter().all(|s| s.last_removed_segno == 0),
+        "a registered replica at 0 keeps every segment: {statuses:#?}"
+    );
+    // The slow replica moves its applied position on (its parts reached
+    // object storage) but has not received more: keep-horizon still keeps
+    // WAL on the safekeeper its walsender reads from, while the others
+    // remove.
+    proto::write_frame(
+        &mut slow,
+        &ToSafekeeper::Feedback(ShardFeedback {
+            shard_number: 1,
+            replica_number: 0,
+            last_received_lsn: Lsn(0),
+            disk_consistent_lsn: Lsn(0),
+            remote_consistent_lsn: Lsn(7 * SEG),
+            reply_time_micros: 2,
+        }),
+    )
+    .await
+    .expect("feedback");
+    c.wait_all("safekeepers without the walsender remove", |s| {
+        s.node_id == 0 || s.last_removed_segno == 7
+    })
+    .await;
+    assert_eq!(
+        c.statuses().await[0].last_removed_segno,
+        0,
+        "the slow walsender's WAL stays on safekeeper 0"
+    );
+    let got = receive(&mut slow, Lsn(0), Lsn(wal.len() as u64)).await;
+    assert!(got == wal, "the slow replica reads it all locally");
+    drop((slow, fast));
+    writer.shutdown().await.expect("clean shutdown");
+}
