@@ -344,6 +344,14 @@ impl Sim {
                     "sk{i}: removed WAL below {removed}, beyond backup_lsn {backup}"
                 )));
             }
+            // The replica registered itself with its first feedback; it has
+            // reported at most what it received so far.
+            let received = walreceiver::lock(&self.received).wal.len() as u64;
+            if removed.0 > received {
+                return Err(self.fail(format!(
+                    "sk{i}: removed WAL below {removed}, which the replica has not applied (it received {received} bytes)"
+                )));
+            }
         }
         Ok(())
     }
