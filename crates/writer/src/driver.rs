@@ -89,6 +89,10 @@ pub enum WriterError {
     Overloaded,
     #[error("invalid records: {0}")]
     InvalidRecords(String),
+    /// A clean shutdown committed its checkpoint, but these replicas had not
+    /// applied the WAL up to it in time.
+    #[error("replicas {behind:?} (shard, replica) did not apply the WAL up to {end} in time")]
+    ReplicasBehind { end: Lsn, behind: Vec<(u32, u32)> },
 }
 
 /// One safekeeper as the writer sees it.
@@ -176,6 +180,9 @@ enum Command {
     },
     Shutdown {
         reply: oneshot::Sender<Result<Lsn, WriterError>>,
+        /// Keep running after the checkpoint is confirmed (connections,
+        /// heartbeats, feedback and status) until stopped.
+        linger: bool,
     },
 }
 
@@ -247,6 +254,7 @@ impl Writer {
             waiters: VecDeque::new(),
             queued: VecDeque::new(),
             shutdown: None,
+            linger_after_shutdown: false,
             status: status_tx,
             attempt_started: tokio::time::Instant::now(),
             batching: false,
@@ -345,9 +353,77 @@ impl Writer {
     /// after the checkpoint.
     pub async fn shutdown(self) -> Result<Lsn, WriterError> {
         let (reply, rx) = oneshot::channel();
-        let result = match self.commands.send(Command::Shutdown { reply }).await {
+        let result = match self
+            .commands
+            .send(Command::Shutdown {
+                reply,
+                linger: false,
+            })
+            .await
+        {
             Ok(()) => rx.await.unwrap_or(Err(WriterError::Stopped)),
             Err(_) => Err(WriterError::Stopped),
+        };
+        self.stop().await;
+        result
+    }
+
+    /// Clean shutdown that also waits for the replicas (Neon's
+    /// `stop_and_wait`): the checkpoint is committed as by
+    /// [`Writer::shutdown`], then the writer keeps its connections (and
+    /// heartbeats, which bring feedback back) until every replica in
+    /// `replicas` reported `disk_consistent_lsn` at or past the end of the
+    /// checkpoint, so all committed WAL reached them; at most `timeout`.
+    /// Tests and orderly stops use it; the replicas are named because the
+    /// writer only knows those that reported.
+    pub async fn shutdown_and_wait_for_replicas(
+        self,
+        replicas: &[(u32, u32)],
+        timeout: Duration,
+    ) -> Result<Lsn, WriterError> {
+        let (reply, rx) = oneshot::channel();
+        let end = match self
+            .commands
+            .send(Command::Shutdown {
+                reply,
+                linger: true,
+            })
+            .await
+        {
+            Ok(()) => rx.await.unwrap_or(Err(WriterError::Stopped)),
+            Err(_) => Err(WriterError::Stopped),
+        };
+        let end = match end {
+            Ok(end) => end,
+            Err(e) => {
+                self.stop().await;
+                return Err(e);
+            }
+        };
+        let behind = |s: &WriterStatus| -> Vec<(u32, u32)> {
+            replicas
+                .iter()
+                .copied()
+                .filter(|&(shard, replica)| {
+                    !s.replicas.iter().any(|f| {
+                        f.shard_number == shard
+                            && f.replica_number == replica
+                            && f.disk_consistent_lsn >= end
+                    })
+                })
+                .collect()
+        };
+        let mut status = self.status.clone();
+        let waited = tokio::time::timeout(timeout, status.wait_for(|s| behind(s).is_empty()))
+            .await
+            .map(|r| r.map(drop));
+        let result = match waited {
+            Ok(Ok(())) => Ok(end),
+            Ok(Err(_)) => Err(WriterError::Stopped),
+            Err(_) => Err(WriterError::ReplicasBehind {
+                end,
+                behind: behind(&status.borrow()),
+            }),
         };
         self.stop().await;
         result
@@ -458,6 +534,8 @@ struct Driver {
     /// Appends received before the election.
     queued: VecDeque<(Pending, oneshot::Sender<Result<Lsn, WriterError>>)>,
     shutdown: Option<oneshot::Sender<Result<Lsn, WriterError>>>,
+    /// After a clean shutdown's checkpoint, keep running until stopped.
+    linger_after_shutdown: bool,
     status: watch::Sender<WriterStatus>,
     attempt_started: tokio::time::Instant,
     /// Inside a run of commands whose appends are sent together at its end.
@@ -523,7 +601,10 @@ impl Driver {
                         let _ = reply.send(Ok(target));
                     }
                     self.publish_status();
-                    return;
+                    if !self.linger_after_shutdown {
+                        return;
+                    }
+                    self.announcing = None;
                 }
             }
             self.publish_status();
@@ -574,7 +655,8 @@ impl Driver {
                     Vec::new()
                 }
             }
-            Command::Shutdown { reply } => {
+            Command::Shutdown { reply, linger } => {
+                self.linger_after_shutdown = linger;
                 let checkpoint = Record::ShutdownCheckpoint {
                     term: self.proposer.term(),
                 }

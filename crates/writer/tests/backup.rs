@@ -4,6 +4,7 @@
 //! replica reported, then segments go behind every consumer; a replica
 //! asking for removed WAL is served from the backup, and with
 //! `walsenders_keep_horizon` a lagging walsender keeps its WAL locally.
+//! A clean shutdown can wait until every replica applied the committed WAL.
 
 // The test sets up its backup folder directly; node code may not.
 #![allow(clippy::disallowed_methods)]
@@ -127,10 +128,12 @@ fn lsn(s: &str) -> Lsn {
     s.parse().expect("lsn")
 }
 
-/// Appends inserts until `bytes` of WAL are committed; returns the WAL.
+/// Appends inserts until `bytes` of WAL are committed; returns the WAL
+/// (which starts where the writer's term started: 0 for the first writer).
 async fn write_wal(writer: &Writer, bytes: u64) -> Vec<u8> {
     let mut wal = Vec::new();
     let mut block = 0;
+    let mut start = None;
     while (wal.len() as u64) < bytes {
         let records = encode_records(&[Record::Insert {
             shard: 0,
@@ -140,8 +143,10 @@ async fn write_wal(writer: &Writer, bytes: u64) -> Vec<u8> {
             arrow_ipc: Bytes::from(vec![(block % 251) as u8; 3000]),
         }]);
         wal.extend_from_slice(&records);
+        let len = records.len() as u64;
         let end = writer.append(records).await.expect("append");
-        assert_eq!(end, Lsn(wal.len() as u64));
+        let start = *start.get_or_insert(end.0 - len);
+        assert_eq!(end, Lsn(start + wal.len() as u64));
         block += 1;
     }
     wal
@@ -320,4 +325,56 @@ async fn a_lagging_walsender_keeps_its_wal_with_keep_horizon() {
     assert!(got == wal, "the slow replica reads it all locally");
     drop((slow, fast));
     writer.shutdown().await.expect("clean shutdown");
+}
+
+/// A replica of `shard` that applies (here: receives) every committed byte
+/// from `addr` and reports it after each frame.
+async fn follow(addr: String, shard: u32) {
+    let mut conn = start_replication(&addr, shard, Lsn(0)).await;
+    let mut at = Lsn(0);
+    let mut reply_time = 0;
+    loop {
+        let msg: FromSafekeeper = match proto::read_frame(&mut conn).await {
+            Ok(Some(msg)) => msg,
+            _ => return,
+        };
+        if let FromSafekeeper::Wal { begin_lsn, wal, .. } = msg {
+            assert_eq!(begin_lsn, at, "contiguous");
+            at = Lsn(at.0 + wal.len() as u64);
+            reply_time += 1;
+            report(&mut conn, shard, at, reply_time).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_shutdown_waits_until_every_replica_applied_the_committed_wal() {
+    let c = cluster(false).await;
+    let writer = c.writer();
+    let replica = tokio::spawn(follow(c.servers[2].addr().to_string(), 0));
+    let wal = write_wal(&writer, 3 * SEG).await;
+    let end = writer
+        .shutdown_and_wait_for_replicas(&[(0, 0)], SOON)
+        .await
+        .expect("the replica applies everything");
+    assert!(end > Lsn(wal.len() as u64), "past the checkpoint");
+    replica.abort();
+
+    // A replica that never reports makes the wait fail, naming it.
+    let writer = c.writer();
+    write_wal(&writer, SEG).await;
+    let err = writer
+        .shutdown_and_wait_for_replicas(&[(0, 0), (5, 1)], Duration::from_millis(300))
+        .await
+        .expect_err("replica (5, 1) never reports");
+    match err {
+        ferry_writer::driver::WriterError::ReplicasBehind { behind, .. } => {
+            assert_eq!(
+                behind,
+                vec![(0, 0), (5, 1)],
+                "nobody follows after the first writer: both are behind"
+            );
+        }
+        other => panic!("unexpected {other}"),
+    }
 }
