@@ -555,6 +555,8 @@ struct Counters {
     append_messages: u64,
     wal_fsyncs: u64,
     segments_preallocated: u64,
+    backup_uploads: u64,
+    backup_lsn: u64,
 }
 
 /// GET `/status` of a safekeeper process (a plain HTTP/1.1 request: the status
@@ -586,6 +588,11 @@ impl Safekeepers {
                         append_messages: status.appends_received,
                         wal_fsyncs: status.wal_fsyncs,
                         segments_preallocated: status.wal_segments_preallocated,
+                        backup_uploads: status.backup_uploads,
+                        backup_lsn: status
+                            .backup_lsn
+                            .parse::<ferry_wal::Lsn>()
+                            .map_or(0, |l| l.0),
                     });
                 }
             }
@@ -599,6 +606,11 @@ impl Safekeepers {
                         append_messages: field("appends_received"),
                         wal_fsyncs: field("wal_fsyncs"),
                         segments_preallocated: field("wal_segments_preallocated"),
+                        backup_uploads: field("backup_uploads"),
+                        backup_lsn: status["backup_lsn"]
+                            .as_str()
+                            .and_then(|s| s.parse::<ferry_wal::Lsn>().ok())
+                            .map_or(0, |l| l.0),
                     });
                 }
             }
@@ -612,11 +624,18 @@ impl Safekeepers {
 fn spawn_safekeeper(
     id: u64,
     data: &std::path::Path,
+    options: &QuorumOptions,
 ) -> anyhow::Result<(std::process::Child, String, String)> {
     use std::io::BufRead;
+    let backup = options
+        .backup
+        .as_ref()
+        .map(|dir| format!("file://{}", dir.display()));
     let mut child = std::process::Command::new(std::env::current_exe()?)
         .args(["safekeeper", "--create", "--id", &id.to_string()])
         .args(["--cluster-id", bench_cluster().as_str()])
+        .args(["--segment-bytes", &options.segment_bytes.to_string()])
+        .args(backup.iter().flat_map(|url| ["--wal-backup", url.as_str()]))
         .args([
             "--listen",
             "127.0.0.1:0",
@@ -660,15 +679,46 @@ pub struct BenchQuorum {
     pub addrs: Vec<String>,
 }
 
+/// How a benchmark quorum is set up.
+#[derive(Debug, Clone)]
+pub struct QuorumOptions {
+    pub segment_bytes: u64,
+    /// Back whole segments up to this folder (it must exist).
+    pub backup: Option<std::path::PathBuf>,
+}
+
+impl Default for QuorumOptions {
+    fn default() -> Self {
+        QuorumOptions {
+            segment_bytes: ferry_wal::segment::DEFAULT_SEGMENT_BYTES,
+            backup: None,
+        }
+    }
+}
+
 /// A fresh quorum in its own directory, elected and ready.
 pub async fn fresh_quorum(
     root: &std::path::Path,
     name: &str,
     n: usize,
     in_process: bool,
+    options: &QuorumOptions,
 ) -> anyhow::Result<BenchQuorum> {
-    let segment = ferry_wal::segment::SegmentSize::new(ferry_wal::segment::DEFAULT_SEGMENT_BYTES)?;
+    let segment = ferry_wal::segment::SegmentSize::new(options.segment_bytes)?;
     let dir = root.join(name);
+    let server = match &options.backup {
+        Some(dir) => ferry_safekeeper::server::ServerConfig {
+            backup: Some(ferry_safekeeper::backup::BackupConfig {
+                location: ferry_storage::open(
+                    &format!("file://{}", dir.display()),
+                    &ferry_storage::S3Settings::default(),
+                )?,
+                parallel_jobs: ferry_safekeeper::backup::DEFAULT_PARALLEL_JOBS,
+            }),
+            ..Default::default()
+        },
+        None => Default::default(),
+    };
     let (writer, safekeepers, addrs) = if in_process {
         let spec = crate::local::QuorumSpec {
             dir: dir.clone(),
@@ -678,7 +728,7 @@ pub async fn fresh_quorum(
                 segment,
                 preallocation: Default::default(),
                 create: true,
-                server: Default::default(),
+                server,
             },
             min_term: 0,
             known_commit_lsn: ferry_wal::Lsn(0),
@@ -690,7 +740,8 @@ pub async fn fresh_quorum(
         let mut children = Vec::new();
         let mut addrs = Vec::new();
         for id in 0..n as u64 {
-            let (child, addr, status) = spawn_safekeeper(id, &dir.join(format!("sk{id}")))?;
+            let (child, addr, status) =
+                spawn_safekeeper(id, &dir.join(format!("sk{id}")), options)?;
             children.push((child, status));
             addrs.push(addr);
         }
@@ -796,6 +847,7 @@ pub async fn wal(args: WalBenchArgs) -> anyhow::Result<()> {
             &format!("throughput-{size}"),
             n,
             !args.processes,
+            &QuorumOptions::default(),
         )
         .await?;
         let writer = Arc::clone(&quorum.writer);
@@ -852,6 +904,7 @@ pub async fn wal(args: WalBenchArgs) -> anyhow::Result<()> {
             &format!("latency-{writers}-{walsenders}"),
             n,
             !args.processes,
+            &QuorumOptions::default(),
         )
         .await?;
         let streamed = Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -940,5 +993,124 @@ pub async fn wal(args: WalBenchArgs) -> anyhow::Result<()> {
         }
         stop_quorum(quorum).await?;
     }
-    Ok(())
+    backup_runs(&args, tmp.path(), n).await
+}
+
+/// Commit latency with WAL backup off and on (to a folder on this disk), in
+/// one run, and whether the backup keeps up with the WAL throughput.
+async fn backup_runs(args: &WalBenchArgs, root: &std::path::Path, n: usize) -> anyhow::Result<()> {
+    // 1 MiB segments, so that uploads run during the latency measurement.
+    const SEGMENT: u64 = 1 << 20;
+    let appends = (args.appends * 8).max(64);
+    say!(
+        "WAL backup to a local folder on this disk (1 MiB segments, {} parallel uploads):",
+        ferry_safekeeper::backup::DEFAULT_PARALLEL_JOBS
+    );
+    // Off and on alternate, three rounds each, so that a slow moment of the
+    // machine does not land on one side only; the medians are compared.
+    let mut p50s: [Vec<Duration>; 2] = [Vec::new(), Vec::new()];
+    for round in 0..3 {
+        for backup in [false, true] {
+            let name = format!("backup-{}-{round}", if backup { "on" } else { "off" });
+            let folder = root.join(format!("{name}-objects"));
+            std::fs::create_dir_all(&folder)?;
+            let folder = folder.canonicalize()?;
+            let options = QuorumOptions {
+                segment_bytes: SEGMENT,
+                backup: backup.then(|| folder.clone()),
+            };
+            let quorum = fresh_quorum(root, &name, n, !args.processes, &options).await?;
+            closed_loop(&quorum.writer, 64, 4).await?;
+            let before = quorum.safekeepers.counters().await?;
+            let all = closed_loop(&quorum.writer, 64, (appends / 64).max(1)).await?;
+            let after = quorum.safekeepers.counters().await?;
+            let uploads: u64 = after
+                .iter()
+                .zip(&before)
+                .map(|(a, b)| a.backup_uploads - b.backup_uploads)
+                .sum();
+            let p50 = percentile(&all, 0.5);
+            say!(
+                "  commit latency, 1 KiB appends, 64 writers, backup {}: p50 {:.3} ms, p99 {:.3} ms ({} appends; {uploads} segments uploaded meanwhile)",
+                if backup { "on " } else { "off" },
+                ms(p50),
+                ms(percentile(&all, 0.99)),
+                all.len()
+            );
+            p50s[usize::from(backup)].push(p50);
+            stop_quorum(quorum).await?;
+        }
+    }
+    let off = p50_of(p50s[0].clone());
+    let on = p50_of(p50s[1].clone());
+    say!(
+        "  median p50 over 3 runs each: backup off {:.3} ms, backup on {:.3} ms: with backup on, commit latency is {:.2}x the figure with backup off ({:+.1}%)",
+        ms(off),
+        ms(on),
+        on.as_secs_f64() / off.as_secs_f64().max(1e-9),
+        100.0 * (on.as_secs_f64() / off.as_secs_f64().max(1e-9) - 1.0)
+    );
+
+    // Throughput with backup on: 64 KiB appends, 16 MiB segments.
+    let folder = root.join("backup-throughput-objects");
+    std::fs::create_dir_all(&folder)?;
+    let folder = folder.canonicalize()?;
+    let options = QuorumOptions {
+        segment_bytes: ferry_wal::segment::DEFAULT_SEGMENT_BYTES,
+        backup: Some(folder),
+    };
+    let quorum = fresh_quorum(root, "backup-throughput", n, !args.processes, &options).await?;
+    let size = 64usize << 10;
+    let count = ((args.mib << 20) as usize / size).max(1);
+    let sem = Arc::new(tokio::sync::Semaphore::new(args.in_flight.max(1)));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for b in 0..count {
+        let permit = Arc::clone(&sem).acquire_owned().await?;
+        let w = Arc::clone(&quorum.writer);
+        let record = insert_of(size, b as u64);
+        tasks.push(tokio::spawn(async move {
+            let result = w.append(record).await;
+            drop(permit);
+            result
+        }));
+    }
+    let mut end = ferry_wal::Lsn(0);
+    for t in tasks {
+        end = end.max(t.await??);
+    }
+    let wal_secs = started.elapsed().as_secs_f64();
+    // The backup is caught up once backup_lsn reaches the last whole segment.
+    let target = end.0 / ferry_wal::segment::DEFAULT_SEGMENT_BYTES
+        * ferry_wal::segment::DEFAULT_SEGMENT_BYTES;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let backed = quorum
+            .safekeepers
+            .counters()
+            .await?
+            .iter()
+            .map(|c| c.backup_lsn)
+            .max()
+            .unwrap_or(0);
+        if backed >= target {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the backup did not reach {target} within 120 s of the last commit (at {backed})"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let backup_secs = started.elapsed().as_secs_f64();
+    let mb = end.0 as f64 / (1 << 20) as f64;
+    say!(
+        "  throughput with backup on, 64 KiB appends: {:.1} MB/s of WAL; every whole segment ({:.0} MiB) was in the backup {:.0} ms after the last commit: the backup moved {:.1} MB/s = {:.0}% of the WAL rate",
+        mb / wal_secs,
+        target as f64 / (1 << 20) as f64,
+        (backup_secs - wal_secs) * 1e3,
+        target as f64 / (1 << 20) as f64 / backup_secs,
+        100.0 * (target as f64 / backup_secs) / (end.0 as f64 / wal_secs).max(1e-9)
+    );
+    stop_quorum(quorum).await
 }

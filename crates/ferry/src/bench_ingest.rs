@@ -337,7 +337,14 @@ pub async fn ingest(args: IngestBenchArgs) -> anyhow::Result<()> {
         timeout: Duration::from_secs(10),
         metrics: Default::default(),
     });
-    let quorum = crate::bench::fresh_quorum(root.path(), "wal", 3, true).await?;
+    let quorum = crate::bench::fresh_quorum(
+        root.path(),
+        "wal",
+        3,
+        true,
+        &crate::bench::QuorumOptions::default(),
+    )
+    .await?;
     let catalog = ferry_ingest::Catalog::open(sessions).await?;
     let mut registry = prometheus_client::registry::Registry::default();
     let api = ferry_ingest::Api::new(

@@ -503,9 +503,13 @@ impl Acceptor {
     }
 
     /// The backup holds every segment below `lsn` (the backup task's uploads,
-    /// in order): persisted before it is reported to anyone, since removal
-    /// relies on it.
-    pub async fn set_backup_lsn(&mut self, lsn: Lsn) -> Result<(), AcceptorError> {
+    /// in order, each complete: object storage has it durably). Not
+    /// persisted here, which would put a control-file write under the
+    /// acceptor's lock for every segment: a crash forgets at most the latest
+    /// uploads (they are made again, with the same bytes). It is persisted
+    /// with the next control-file write, and [`Acceptor::remove_old_wal`]
+    /// persists it before any removal that relies on it.
+    pub fn set_backup_lsn(&mut self, lsn: Lsn) {
         assert!(
             lsn <= self.commit_lsn,
             "backup_lsn {lsn} beyond commit_lsn {}",
@@ -513,10 +517,8 @@ impl Acceptor {
         );
         if lsn > self.state.backup_lsn {
             self.state.backup_lsn = lsn;
-            self.persist_now().await?;
             self.publish_backup();
         }
-        Ok(())
     }
 
     /// Counts a finished segment upload.

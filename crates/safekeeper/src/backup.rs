@@ -6,7 +6,7 @@
 //! back-off) and how far backup_lsn may move when uploads finish. Time is an
 //! input. [`run_backup`] is the driver: it reads segments through the
 //! [`WalReader`], writes them through a [`Location`] and reports backup_lsn to
-//! the acceptor, which persists it.
+//! the acceptor.
 //!
 //! Invariants:
 //! * backup_lsn only moves to the end of a segment whose every lower segment

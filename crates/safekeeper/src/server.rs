@@ -440,7 +440,7 @@ where
 
 /// Uploads whole segments behind commit_lsn while this safekeeper has the
 /// duty (see [`crate::backup`]); a failed upload is tried again after a
-/// back-off, a failure to persist backup_lsn stops the safekeeper.
+/// back-off.
 async fn run_backup(shared: &Shared, config: BackupConfig) {
     let (mut view, reader, seg, backup_lsn) = {
         let a = shared.acceptor.lock().await;
@@ -475,11 +475,7 @@ async fn run_backup(shared: &Shared, config: BackupConfig) {
                         let mut a = shared.acceptor.lock().await;
                         a.note_backup_upload(true);
                         if let Some(lsn) = planner.on_uploaded(segno) {
-                            if let Err(e) = a.set_backup_lsn(lsn).await {
-                                drop(a);
-                                shared.fail(e.to_string());
-                                return;
-                            }
+                            a.set_backup_lsn(lsn);
                         }
                     }
                     Err(e) => {
