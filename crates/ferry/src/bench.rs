@@ -732,6 +732,7 @@ pub async fn fresh_quorum(
             },
             min_term: 0,
             known_commit_lsn: ferry_wal::Lsn(0),
+            back_pressure: Default::default(),
         };
         let quorum = crate::local::LocalQuorum::start(&spec).await?;
         let addrs = quorum.servers().map(|s| s.addr().to_string()).collect();

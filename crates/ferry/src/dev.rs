@@ -34,6 +34,8 @@ pub struct DevArgs {
     segment_bytes: Option<SegmentSize>,
     #[command(flatten)]
     pub wal: crate::local::WalServiceArgs,
+    #[command(flatten)]
+    pub back_pressure: crate::local::BackPressureArgs,
     /// When WAL segments are zero-filled ahead of time: auto (while commits are
     /// small), always or never.
     #[arg(long, default_value_t = Preallocation::Auto)]
@@ -154,6 +156,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         },
         min_term: known.term,
         known_commit_lsn: known.commit_lsn,
+        back_pressure: args.back_pressure.limits(),
     };
     let quorum = Arc::new(
         LocalQuorum::start(&spec)

@@ -17,7 +17,7 @@ use ferry_safekeeper::server::{SafekeeperServer, ServerConfig};
 use ferry_safekeeper::wal_storage::Preallocation;
 use ferry_wal::segment::SegmentSize;
 use ferry_wal::{ClusterId, Lsn, Term};
-use ferry_writer::driver::{Writer, WriterConfig};
+use ferry_writer::driver::{BackPressure, Writer, WriterConfig};
 use ferry_writer::proposer::ProposerConfig;
 use serde::Serialize;
 
@@ -189,6 +189,35 @@ pub struct QuorumSpec {
     pub min_term: Term,
     /// WAL known committed (see `ProposerConfig::known_commit_lsn`).
     pub known_commit_lsn: Lsn,
+    /// The writer's lag limits.
+    pub back_pressure: BackPressure,
+}
+
+/// The writer's back-pressure flags (Neon's `max_replication_*_lag`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct BackPressureArgs {
+    /// Inserts wait while the end of WAL is more than this many bytes ahead
+    /// of what the slowest replica received (0: no limit).
+    #[arg(long, default_value_t = 0)]
+    pub max_replication_write_lag: u64,
+    /// Inserts wait while the end of WAL is more than this many bytes ahead
+    /// of what the slowest replica made durable in its parts (0: no limit).
+    #[arg(long, default_value_t = 0)]
+    pub max_replication_flush_lag: u64,
+    /// Inserts wait while the end of WAL is more than this many bytes ahead
+    /// of the slowest replica's remote_consistent_lsn (0: no limit).
+    #[arg(long, default_value_t = 0)]
+    pub max_replication_apply_lag: u64,
+}
+
+impl BackPressureArgs {
+    pub fn limits(&self) -> BackPressure {
+        BackPressure {
+            max_write_lag: self.max_replication_write_lag,
+            max_flush_lag: self.max_replication_flush_lag,
+            max_apply_lag: self.max_replication_apply_lag,
+        }
+    }
 }
 
 pub struct LocalQuorum {
@@ -269,6 +298,7 @@ impl LocalQuorum {
         // These safekeepers are this process's own: any higher term is one left
         // by an earlier run, never a live rival.
         config.reelect_when_superseded = true;
+        config.back_pressure = spec.back_pressure;
         let writer = Writer::start(Arc::new(TcpNetwork), config);
         Ok(LocalQuorum {
             members,

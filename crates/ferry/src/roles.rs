@@ -77,6 +77,8 @@ pub struct WriterArgs {
     #[arg(long, env = "FERRY_ZOOKEEPER")]
     zookeeper: Option<String>,
     #[command(flatten)]
+    back_pressure: crate::local::BackPressureArgs,
+    #[command(flatten)]
     api: crate::api::ApiArgs,
 }
 
@@ -181,10 +183,9 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
         proposer.min_term = known.term;
         proposer.known_commit_lsn = known.commit_lsn;
     }
-    let writer = Arc::new(Writer::start(
-        Arc::new(TcpNetwork),
-        WriterConfig::new(args.safekeepers.clone(), proposer),
-    ));
+    let mut config = WriterConfig::new(args.safekeepers.clone(), proposer);
+    config.back_pressure = args.back_pressure.limits();
+    let writer = Arc::new(Writer::start(Arc::new(TcpNetwork), config));
     let Some(http_listener) = http_listener else {
         let (term, end) = writer.wait_synced().await?;
         say!("synced: safekeepers agree on committed end {end} (term {term})");

@@ -60,6 +60,36 @@ pub struct WriterConfig {
     /// one left by an earlier run; where writers may really compete, stopping
     /// lets the newest one win.
     pub reelect_when_superseded: bool,
+    /// Inserts wait while the slowest replica lags this far behind.
+    pub back_pressure: BackPressure,
+}
+
+/// Neon's `max_replication_{write,flush,apply}_lag`: the most WAL bytes the
+/// end of WAL may run ahead of the lowest position any replica reported
+/// (received, durably applied, and applied remotely); 0 disables a limit.
+/// Appends past a limit wait, in order, until the slowest replica catches up:
+/// one slow shard slows the writer and loses nothing. A clean shutdown's
+/// checkpoint (and what waits before it) is never held back.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct BackPressure {
+    pub max_write_lag: u64,
+    pub max_flush_lag: u64,
+    pub max_apply_lag: u64,
+}
+
+impl BackPressure {
+    /// Which limit `end` exceeds over the lowest replica positions `min`, if any.
+    pub fn exceeded(&self, end: Lsn, min: &ReplicaPositions) -> Option<(&'static str, u64)> {
+        let checks = [
+            ("write", self.max_write_lag, min.last_received_lsn),
+            ("flush", self.max_flush_lag, min.disk_consistent_lsn),
+            ("apply", self.max_apply_lag, min.remote_consistent_lsn),
+        ];
+        checks.into_iter().find_map(|(name, limit, lsn)| {
+            let lag = end.distance_from(lsn);
+            (limit > 0 && lag > limit).then_some((name, lag))
+        })
+    }
 }
 
 impl WriterConfig {
@@ -73,6 +103,7 @@ impl WriterConfig {
             election_timeout: Duration::from_secs(3),
             max_pending_appends: 100_000,
             reelect_when_superseded: false,
+            back_pressure: BackPressure::default(),
         }
     }
 }
@@ -128,6 +159,10 @@ pub struct WriterStatus {
     pub peers: Vec<PeerStatus>,
     /// The highest backup_lsn a safekeeper reported.
     pub backup_lsn: String,
+    /// Set while appends wait for a lagging replica: which lag, how many bytes.
+    pub back_pressure: Option<String>,
+    /// Appends waiting (for the election or for back-pressure).
+    pub waiting_appends: usize,
     /// The latest feedback of every replica.
     pub replicas: Vec<ShardFeedback>,
     /// Per shard, the lowest positions over its replicas.
@@ -243,6 +278,8 @@ impl Writer {
                 })
                 .collect(),
             backup_lsn: Lsn(0).to_string(),
+            back_pressure: None,
+            waiting_appends: 0,
             replicas: Vec::new(),
             shard_minimums: Vec::new(),
             overall_minimum: None,
@@ -585,6 +622,14 @@ impl Driver {
             if !self.apply(actions) {
                 return;
             }
+            // Feedback may have moved the slowest replica: what waited for it
+            // goes now.
+            if !self.queued.is_empty() {
+                let released = self.release_queued();
+                if !released.is_empty() && !self.apply(released) {
+                    return;
+                }
+            }
             if let Some((target, deadline)) = self.announcing {
                 let (knowing, streaming) = self.proposer.peers_knowing_commit(target);
                 let quorum = self.config.safekeepers.len() / 2 + 1;
@@ -648,7 +693,10 @@ impl Driver {
                     let _ = reply.send(Err(WriterError::Overloaded));
                     return Vec::new();
                 }
-                if self.proposer.is_elected() {
+                // Behind waiting appends, or while a replica lags too far,
+                // an append waits its turn.
+                if self.proposer.is_elected() && self.queued.is_empty() && self.throttle().is_none()
+                {
                     self.append_now(records, reply)
                 } else {
                     self.queued.push_back((records, reply));
@@ -666,14 +714,44 @@ impl Driver {
                 // The checkpoint's own waiter is not needed: completion is seen
                 // through `shutdown` when commit reaches its end.
                 drop(rx);
-                if self.proposer.is_elected() {
-                    self.append_now(Pending::Records(checkpoint), tx)
-                } else {
-                    self.queued.push_back((Pending::Records(checkpoint), tx));
-                    Vec::new()
-                }
+                // Behind everything that waits, which back-pressure no longer
+                // holds back (`release_queued`).
+                self.queued.push_back((Pending::Records(checkpoint), tx));
+                self.release_queued()
             }
         }
+    }
+
+    /// The lag that holds appends back now, if any (never during a clean
+    /// shutdown, nor while no replica reported).
+    fn throttle(&self) -> Option<(&'static str, u64)> {
+        if self.shutdown.is_some() {
+            return None;
+        }
+        let min = self.proposer.overall_minimum()?;
+        self.config
+            .back_pressure
+            .exceeded(self.proposer.end_lsn(), &min)
+    }
+
+    /// Appends what waits, in order, while the writer is elected and no lag
+    /// holds it back; each append moves the end of WAL, so the lag is checked
+    /// again before the next.
+    fn release_queued(&mut self) -> Vec<Action> {
+        let mut actions = Vec::new();
+        // Released together, they leave in one message per safekeeper.
+        let batching = std::mem::replace(&mut self.batching, true);
+        while self.proposer.is_elected() && self.throttle().is_none() {
+            let Some((records, reply)) = self.queued.pop_front() else {
+                break;
+            };
+            actions.extend(self.append_now(records, reply));
+        }
+        self.batching = batching;
+        if !batching {
+            actions.extend(self.proposer.send_pending());
+        }
+        actions
     }
 
     fn append_now(
@@ -795,9 +873,7 @@ impl Driver {
                 } => {
                     tracing::info!(term, %epoch_start_lsn, "writer elected");
                     self.election_blocked = None;
-                    for (records, reply) in std::mem::take(&mut self.queued) {
-                        queue.extend(self.append_now(records, reply));
-                    }
+                    queue.extend(self.release_queued());
                 }
                 Action::Committed { commit_lsn } => {
                     while self
@@ -917,6 +993,10 @@ impl Driver {
                 })
                 .collect(),
             backup_lsn: self.proposer.backup_lsn().to_string(),
+            back_pressure: self
+                .throttle()
+                .map(|(name, lag)| format!("{name} lag {lag} bytes")),
+            waiting_appends: self.queued.len(),
             replicas: self.proposer.replica_feedback().copied().collect(),
             shard_minimums: self
                 .proposer

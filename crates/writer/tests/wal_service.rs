@@ -4,7 +4,8 @@
 //! replica reported, then segments go behind every consumer; a replica
 //! asking for removed WAL is served from the backup, and with
 //! `walsenders_keep_horizon` a lagging walsender keeps its WAL locally.
-//! A clean shutdown can wait until every replica applied the committed WAL.
+//! A clean shutdown can wait until every replica applied the committed WAL,
+//! and with a lag limit one slow shard holds the writer back, losing nothing.
 
 // The test sets up its backup folder directly; node code may not.
 #![allow(clippy::disallowed_methods)]
@@ -88,12 +89,17 @@ async fn cluster(keep_horizon: bool) -> Cluster {
 
 impl Cluster {
     fn writer(&self) -> Writer {
+        self.writer_with(Default::default())
+    }
+
+    fn writer_with(&self, back_pressure: ferry_writer::driver::BackPressure) -> Writer {
         let mut config = WriterConfig::new(
             self.servers.iter().map(|s| s.addr().to_string()).collect(),
             ProposerConfig::new(cluster_id(), 3, 1, SEG, 5),
         );
         config.reconnect_delay = Duration::from_millis(50);
         config.heartbeat = Duration::from_millis(20);
+        config.back_pressure = back_pressure;
         Writer::start(Arc::new(TcpNetwork), config)
     }
 
@@ -377,4 +383,140 @@ async fn a_clean_shutdown_waits_until_every_replica_applied_the_committed_wal() 
         }
         other => panic!("unexpected {other}"),
     }
+}
+
+/// A replica of `shard` that receives everything from `addr` but applies at
+/// most `pace` bytes every 10 ms, reporting what it applied.
+async fn slow_follow(addr: String, shard: u32, pace: u64) {
+    let conn = start_replication(&addr, shard, Lsn(0)).await;
+    let (read, mut write) = tokio::io::split(conn);
+    let received = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let reader = {
+        let received = Arc::clone(&received);
+        tokio::spawn(async move {
+            let mut frames = proto::FrameReader::new(read);
+            while let Ok(Some(msg)) = frames.next::<FromSafekeeper>().await {
+                if let FromSafekeeper::Wal { wal, .. } = msg {
+                    received.fetch_add(wal.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        })
+    };
+    let mut applied = 0u64;
+    let mut tick = tokio::time::interval(Duration::from_millis(10));
+    for reply_time in 1.. {
+        tick.tick().await;
+        let got = received.load(std::sync::atomic::Ordering::Relaxed);
+        applied = got.min(applied + pace);
+        let lsn = Lsn(applied);
+        let feedback = ToSafekeeper::Feedback(ShardFeedback {
+            shard_number: shard,
+            replica_number: 0,
+            last_received_lsn: lsn,
+            disk_consistent_lsn: lsn,
+            remote_consistent_lsn: lsn,
+            reply_time_micros: reply_time,
+        });
+        if proto::write_frame(&mut write, &feedback).await.is_err() {
+            break;
+        }
+        use tokio::io::AsyncWriteExt as _;
+        if write.flush().await.is_err() {
+            break;
+        }
+    }
+    reader.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_slow_shard_holds_the_writer_back_within_the_limit_and_loses_nothing() {
+    const LIMIT: u64 = 256 << 10;
+    let c = cluster(false).await;
+    let writer = Arc::new(c.writer_with(ferry_writer::driver::BackPressure {
+        max_flush_lag: LIMIT,
+        ..Default::default()
+    }));
+    let fast = tokio::spawn(follow(c.servers[0].addr().to_string(), 0));
+    // 64 KiB per 10 ms: about 6 MB/s, far below what the quorum commits.
+    let slow = tokio::spawn(slow_follow(c.servers[1].addr().to_string(), 1, 64 << 10));
+    let mut status = writer.subscribe();
+    // The slow replica reports from the start (the fast one once WAL flows).
+    tokio::time::timeout(
+        SOON,
+        status.wait_for(|s| s.elected && s.replicas.iter().any(|f| f.shard_number == 1)),
+    )
+    .await
+    .expect("the slow replica reports")
+    .expect("writer runs");
+
+    // Watch every status the writer publishes while the appends run.
+    let (done, mut done_rx) = tokio::sync::watch::channel(false);
+    let monitor = {
+        let mut status = writer.subscribe();
+        tokio::spawn(async move {
+            let mut worst = 0u64;
+            let mut throttled = 0u64;
+            loop {
+                {
+                    let s = status.borrow_and_update();
+                    if let Some(min) = s.overall_minimum {
+                        let end: Lsn = s.end_lsn.parse().expect("lsn");
+                        worst = worst.max(end.distance_from(min.disk_consistent_lsn));
+                    }
+                    if s.back_pressure.is_some() {
+                        throttled += 1;
+                    }
+                }
+                tokio::select! {
+                    biased;
+                    _ = done_rx.changed() => return (worst, throttled),
+                    changed = status.changed() => if changed.is_err() { return (worst, throttled) },
+                }
+            }
+        })
+    };
+    let record = encode_records(&[Record::Insert {
+        shard: 0,
+        idempotency_key: Bytes::new(),
+        table_id: 4,
+        block_number: 0,
+        arrow_ipc: Bytes::from(vec![7u8; 16 << 10]),
+    }]);
+    let record_len = record.len() as u64;
+    let mut appenders = Vec::new();
+    for _ in 0..8 {
+        let writer = Arc::clone(&writer);
+        let record = record.clone();
+        appenders.push(tokio::spawn(async move {
+            let mut acked = 0u64;
+            for _ in 0..40 {
+                writer.append(record.clone()).await.expect("acknowledged");
+                acked += 1;
+            }
+            acked
+        }));
+    }
+    let mut acked = 0;
+    for a in appenders {
+        acked += tokio::time::timeout(SOON * 2, a)
+            .await
+            .expect("in time")
+            .expect("task");
+    }
+    done.send_replace(true);
+    let (worst, throttled) = monitor.await.expect("monitor");
+    assert_eq!(acked, 320, "every append is acknowledged");
+    assert!(throttled > 0, "the slow shard held appends back");
+    assert!(
+        worst <= LIMIT + record_len,
+        "the slowest replica stays within the limit plus one append: {worst} > {LIMIT} + {record_len}"
+    );
+    // Nothing is lost: the slow replica applies everything in the end.
+    let writer = Arc::into_inner(writer).expect("sole owner");
+    writer
+        .shutdown_and_wait_for_replicas(&[(0, 0), (1, 0)], SOON * 2)
+        .await
+        .expect("both replicas apply all of it");
+    fast.abort();
+    slow.abort();
 }
