@@ -63,6 +63,14 @@ pub struct WalServiceArgs {
     /// Never remove WAL segments locally.
     #[arg(long)]
     pub keep_all_wal: bool,
+    /// Also back up the flushed prefix of the segment being written, once
+    /// flush_lsn stayed in it for --partial-backup-timeout (needs a backup).
+    #[arg(long)]
+    pub partial_backup_enabled: bool,
+    /// How long flush_lsn must stay in one segment before its prefix is
+    /// uploaded (e.g. `15m`, `2s`).
+    #[arg(long, default_value = "15m", value_parser = humantime::parse_duration)]
+    pub partial_backup_timeout: std::time::Duration,
 }
 
 impl WalServiceArgs {
@@ -93,11 +101,24 @@ impl WalServiceArgs {
             !self.wal_removal_interval.is_zero(),
             "--wal-removal-interval must be more than zero"
         );
+        anyhow::ensure!(
+            !self.partial_backup_enabled || backup.is_some(),
+            "--partial-backup-enabled needs a WAL backup (--wal-backup)"
+        );
+        anyhow::ensure!(
+            !self.partial_backup_timeout.is_zero(),
+            "--partial-backup-timeout must be more than zero"
+        );
         Ok(ServerConfig {
             backup,
             walsenders_keep_horizon: self.walsenders_keep_horizon,
             removal_interval: self.wal_removal_interval,
             remove_wal: !self.keep_all_wal,
+            partial_backup: self.partial_backup_enabled.then_some(
+                ferry_safekeeper::partial::PartialBackupConfig {
+                    timeout: self.partial_backup_timeout,
+                },
+            ),
         })
     }
 }

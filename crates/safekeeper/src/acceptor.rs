@@ -224,6 +224,12 @@ pub struct AcceptorStatus {
     /// Whole segments uploaded since start, and uploads that failed.
     pub backup_uploads: u64,
     pub backup_upload_failures: u64,
+    /// Partial segment uploads since start: completed, failed (the term
+    /// changed, or storage failed).
+    pub partial_uploads: u64,
+    pub partial_upload_failures: u64,
+    /// The uploaded partial object, if any.
+    pub partial_uploaded: Option<String>,
     /// The lowest remote_consistent_lsn of the replicas registered here or
     /// known to the writer.
     pub remote_consistent_lsn: String,
@@ -278,6 +284,8 @@ pub struct Acceptor {
     wal_fsyncs: u64,
     backup_uploads: u64,
     backup_upload_failures: u64,
+    partial_uploads: u64,
+    partial_upload_failures: u64,
     segments_removed: u64,
 }
 
@@ -405,6 +413,8 @@ impl Acceptor {
         let (commit_watch, _) = watch::channel(commit_lsn);
         let (backup_view, _) = watch::channel(BackupView {
             term: state.term,
+            last_log_term: state.term_history.up_to(wal.flush_lsn()).last_term(),
+            flush_lsn: wal.flush_lsn(),
             commit_lsn,
             backup_lsn: state.backup_lsn,
             duty: false,
@@ -442,6 +452,8 @@ impl Acceptor {
             wal_fsyncs: 0,
             backup_uploads: 0,
             backup_upload_failures: 0,
+            partial_uploads: 0,
+            partial_upload_failures: 0,
             segments_removed: 0,
         })
     }
@@ -521,6 +533,31 @@ impl Acceptor {
         }
     }
 
+    /// The remote partial segments this safekeeper may have created.
+    pub fn partial_segments(&self) -> &[crate::control::PartialRemoteSegment] {
+        &self.state.partial_backup
+    }
+
+    /// Replaces the list of remote partial segments and persists it before
+    /// returning: the partial backup's every step relies on the list being
+    /// on disk (see [`crate::partial`]).
+    pub async fn set_partial_segments(
+        &mut self,
+        segments: Vec<crate::control::PartialRemoteSegment>,
+    ) -> Result<(), AcceptorError> {
+        self.state.partial_backup = segments;
+        self.persist_now().await
+    }
+
+    /// Counts a finished partial upload.
+    pub fn note_partial_upload(&mut self, ok: bool) {
+        if ok {
+            self.partial_uploads += 1;
+        } else {
+            self.partial_upload_failures += 1;
+        }
+    }
+
     /// Counts a finished segment upload.
     pub fn note_backup_upload(&mut self, ok: bool) {
         if ok {
@@ -533,6 +570,8 @@ impl Acceptor {
     fn publish_backup(&self) {
         let view = BackupView {
             term: self.state.term,
+            last_log_term: self.last_log_term(),
+            flush_lsn: self.flush_lsn(),
             commit_lsn: self.commit_lsn,
             backup_lsn: self.state.backup_lsn,
             duty: self.backup_view.borrow().duty,
@@ -603,6 +642,14 @@ impl Acceptor {
             backup_duty: self.backup_view.borrow().duty,
             backup_uploads: self.backup_uploads,
             backup_upload_failures: self.backup_upload_failures,
+            partial_uploads: self.partial_uploads,
+            partial_upload_failures: self.partial_upload_failures,
+            partial_uploaded: self
+                .state
+                .partial_backup
+                .iter()
+                .find(|e| e.status == crate::control::UploadStatus::Uploaded)
+                .map(|e| e.name.clone()),
             remote_consistent_lsn: self.removal_horizon(false, None).replicas.to_string(),
             writer_remote_consistent_lsn: self.writer_replica_horizon.map(|l| l.to_string()),
             removal_horizon_lsn: self.removal_horizon.to_string(),

@@ -58,6 +58,9 @@ pub fn segment_key(seg: SegmentSize, segno: u64) -> String {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct BackupView {
     pub term: Term,
+    /// The term that wrote the tail of the WAL (partial backup names it).
+    pub last_log_term: Term,
+    pub flush_lsn: Lsn,
     pub commit_lsn: Lsn,
     /// backup_lsn as the acceptor has it (its own uploads and its peers').
     pub backup_lsn: Lsn,
@@ -320,6 +323,8 @@ mod tests {
     fn view(commit: u64, duty: bool) -> BackupView {
         BackupView {
             term: 1,
+            last_log_term: 1,
+            flush_lsn: Lsn(commit),
             commit_lsn: Lsn(commit),
             backup_lsn: Lsn(0),
             duty,

@@ -6,11 +6,14 @@
 //!   removal horizon;
 //! * [`backup`]: whole segments uploaded to object storage, and read back for
 //!   replicas that need WAL removed locally;
+//! * [`partial`]: the flushed prefix of the segment being written, uploaded
+//!   under a protocol that leaves no orphan object after any crash;
 //! * [`server`]: connections (the writer's, batched into group commits, and
 //!   walsenders to replicas) over the network seam.
 
 pub mod acceptor;
 pub mod backup;
 pub mod control;
+pub mod partial;
 pub mod server;
 pub mod wal_storage;

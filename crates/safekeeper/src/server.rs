@@ -16,6 +16,7 @@ use tokio::task::JoinSet;
 
 use crate::acceptor::{Acceptor, AcceptorStatus};
 use crate::backup::{self, BackupConfig, BackupPlanner, RemoteWal};
+use crate::partial::{self, PartialBackupConfig};
 
 /// Most messages handled as one batch (one fsync).
 pub const MAX_BATCH_MESSAGES: usize = 256;
@@ -43,6 +44,8 @@ pub struct ServerConfig {
     pub removal_interval: std::time::Duration,
     /// Whether WAL is removed at all (off: every segment stays).
     pub remove_wal: bool,
+    /// Partial segment backup (needs `backup`: its objects go there too).
+    pub partial_backup: Option<PartialBackupConfig>,
 }
 
 impl Default for ServerConfig {
@@ -52,6 +55,7 @@ impl Default for ServerConfig {
             walsenders_keep_horizon: false,
             removal_interval: DEFAULT_REMOVAL_INTERVAL,
             remove_wal: true,
+            partial_backup: None,
         }
     }
 }
@@ -179,6 +183,16 @@ impl SafekeeperServer {
         self.shared.acceptor.lock().await.status()
     }
 
+    /// The remote partial segments its control file lists (for checkers).
+    pub async fn partial_segments(&self) -> Vec<crate::control::PartialRemoteSegment> {
+        self.shared
+            .acceptor
+            .lock()
+            .await
+            .partial_segments()
+            .to_vec()
+    }
+
     /// (term, flush_lsn, commit_lsn) as the acceptor has them now: for checks
     /// made at every step (the simulator's), without the status's formatting.
     pub async fn positions(&self) -> (Term, Lsn, Lsn) {
@@ -236,6 +250,11 @@ async fn accept_loop(
     if shared.config.remove_wal {
         let shared = Arc::clone(&shared);
         connections.spawn(async move { run_removal(&shared).await });
+    }
+    if let (Some(backup), Some(config)) = (&shared.config.backup, shared.config.partial_backup) {
+        let location = backup.location.clone();
+        let shared = Arc::clone(&shared);
+        connections.spawn(async move { run_partial_backup(&shared, location, config).await });
     }
     loop {
         tokio::select! {
@@ -519,6 +538,74 @@ async fn run_removal(shared: &Shared) {
                 drop(a);
                 shared.fail(e.to_string());
                 return;
+            }
+        }
+    }
+}
+
+/// Uploads the flushed prefix of the current segment once flush_lsn stayed
+/// in it for the timeout (see [`crate::partial`]); gc first, for what a
+/// crash left. A control-file failure stops the safekeeper; any other
+/// failure is counted and tried again.
+async fn run_partial_backup(
+    shared: &Shared,
+    location: ferry_storage::Location,
+    config: PartialBackupConfig,
+) {
+    let (mut view, reader, seg, node_id) = {
+        let a = shared.acceptor.lock().await;
+        (
+            a.subscribe_backup(),
+            a.wal_reader(),
+            a.segment_size(),
+            a.status().node_id,
+        )
+    };
+    loop {
+        if let Err(e) = partial::gc(&shared.acceptor, &location).await {
+            if e.is_fatal() {
+                shared.fail(e.to_string());
+                return;
+            }
+            tracing::warn!(error = %e, "partial backup gc failed; trying again");
+            tokio::time::sleep(partial::RETRY_DELAY).await;
+            continue;
+        }
+        break;
+    }
+    loop {
+        if !partial::wait_for_stable_segment(&mut view, seg, config.timeout).await {
+            return;
+        }
+        match partial::upload_once(&shared.acceptor, &reader, &location, node_id).await {
+            Ok(partial::Attempt::Uploaded(name)) => {
+                tracing::debug!(%name, "partial segment uploaded");
+                shared.acceptor.lock().await.note_partial_upload(true);
+            }
+            Ok(partial::Attempt::Skipped) => {
+                // Nothing new: wait for the WAL to move.
+                if view.changed().await.is_err() {
+                    return;
+                }
+            }
+            Err(e) if e.is_fatal() => {
+                shared.fail(e.to_string());
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "partial segment upload failed; trying again");
+                shared.acceptor.lock().await.note_partial_upload(false);
+                // The failed attempt's entry goes now, so that failures never
+                // grow the list.
+                match partial::gc(&shared.acceptor, &location).await {
+                    Err(e) if e.is_fatal() => {
+                        shared.fail(e.to_string());
+                        return;
+                    }
+                    Err(e) => tracing::warn!(error = %e, "partial backup gc failed"),
+                    Ok(()) => {}
+                }
+                tokio::time::sleep(partial::RETRY_DELAY).await;
             }
         }
     }

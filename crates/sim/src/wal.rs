@@ -12,6 +12,8 @@ use ferry_coord::{CoordError, SessionFactory};
 use ferry_env::Disk;
 use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig};
 use ferry_safekeeper::backup::{segment_key, BackupConfig};
+use ferry_safekeeper::control::{PartialRemoteSegment, UploadStatus};
+use ferry_safekeeper::partial::{PartialBackupConfig, PARTIAL_DIR};
 use ferry_safekeeper::server::{SafekeeperServer, ServerConfig};
 use ferry_safekeeper::wal_storage::Preallocation;
 use ferry_wal::record::{self, Record};
@@ -344,6 +346,15 @@ impl Sim {
                     "sk{i}: removed WAL below {removed}, beyond backup_lsn {backup}"
                 )));
             }
+            // Partial objects: the entries before and after the listing (an
+            // entry outlives its object on both sides).
+            let before = server.partial_segments().await;
+            let objects = self.partial_objects().await?;
+            let after = server.partial_segments().await;
+            self.check_one_uploaded(i, &after)?;
+            let mut entries = after;
+            entries.extend(before);
+            self.check_partial_orphans(i, &objects, &entries)?;
             // The replica registered itself with its first feedback; it has
             // reported at most what it received so far.
             let received = walreceiver::lock(&self.received).wal.len() as u64;
@@ -367,6 +378,58 @@ impl Sim {
 
     fn fail(&self, reason: impl Into<String>) -> Failure {
         self.world.fail(reason)
+    }
+
+    /// Names of the partial objects the backup really holds.
+    async fn partial_objects(&self) -> Result<Vec<String>, Failure> {
+        let truth =
+            ferry_storage::Location::from_store("sim://truth", self.world.lake_store.truth(), "")
+                .map_err(|e| self.fail(e.to_string()))?;
+        let listed = truth
+            .list(PARTIAL_DIR)
+            .await
+            .map_err(|e| self.fail(format!("listing the partial objects: {e}")))?;
+        Ok(listed
+            .into_iter()
+            .map(|(key, _)| key.rsplit('/').next().unwrap_or_default().to_string())
+            .collect())
+    }
+
+    /// Every partial object of safekeeper `i` must be named by `entries` (its
+    /// control file's list).
+    fn check_partial_orphans(
+        &self,
+        i: usize,
+        objects: &[String],
+        entries: &[PartialRemoteSegment],
+    ) -> Result<(), Failure> {
+        let suffix = format!("_sk{i}.partial");
+        for object in objects.iter().filter(|o| o.ends_with(&suffix)) {
+            if !entries.iter().any(|e| &e.name == object) {
+                return Err(self.fail(format!(
+                    "sk{i}: partial object {object} is in the backup but not in its control file (an orphan)"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// At most one entry of one control file's list is `Uploaded`.
+    fn check_one_uploaded(
+        &self,
+        i: usize,
+        entries: &[PartialRemoteSegment],
+    ) -> Result<(), Failure> {
+        let uploaded = entries
+            .iter()
+            .filter(|e| e.status == UploadStatus::Uploaded)
+            .count();
+        if uploaded > 1 {
+            return Err(self.fail(format!(
+                "sk{i}: {uploaded} partial entries are Uploaded (at most one may be)"
+            )));
+        }
+        Ok(())
     }
 
     /// Segment `segno` as the backup really holds it (no faults), if whole.
@@ -428,13 +491,21 @@ impl Sim {
             walsenders_keep_horizon: self.world.rng.random_bool(0.5),
             removal_interval: Duration::from_millis(self.world.rng.random_range(100..=2000)),
             remove_wal: true,
+            partial_backup: self
+                .world
+                .rng
+                .random_bool(0.7)
+                .then(|| PartialBackupConfig {
+                    timeout: Duration::from_millis(self.world.rng.random_range(100..=3000)),
+                }),
         };
         let described = format!(
-            "WAL preallocation {}, {} backup jobs, keep-horizon {}, removal every {:?}",
+            "WAL preallocation {}, {} backup jobs, keep-horizon {}, removal every {:?}, partial backup {:?}",
             self.preallocation[i],
             config.backup.as_ref().map_or(0, |b| b.parallel_jobs),
             config.walsenders_keep_horizon,
-            config.removal_interval
+            config.removal_interval,
+            config.partial_backup.map(|p| p.timeout)
         );
         let acceptor = self.open_acceptor(i).await?;
         let listener = self
@@ -1001,10 +1072,21 @@ impl Sim {
         let mut wals = Vec::new();
         let mut backup_lsns = Vec::new();
         let mut removed = Vec::new();
+        let objects = self.partial_objects().await?;
+        let mut uploaded_partials = Vec::new();
         for i in 0..SAFEKEEPERS {
             let acceptor = self.open_acceptor(i).await?;
             let upto = acceptor.flush_lsn().min(committed);
             let state = acceptor.state().clone();
+            self.check_partial_orphans(i, &objects, &state.partial_backup)?;
+            self.check_one_uploaded(i, &state.partial_backup)?;
+            uploaded_partials.extend(
+                state
+                    .partial_backup
+                    .iter()
+                    .filter(|e| e.status == UploadStatus::Uploaded)
+                    .cloned(),
+            );
             backup_lsns.push(state.backup_lsn);
             removed.push(state.last_removed_segno);
             let mut wal = Vec::with_capacity(upto.0 as usize);
@@ -1083,6 +1165,43 @@ impl Sim {
                 }
             }
         }
+        // An uploaded partial object holds the committed WAL below its
+        // commit_lsn, byte for byte.
+        for entry in &uploaded_partials {
+            let truth = ferry_storage::Location::from_store(
+                "sim://truth",
+                self.world.lake_store.truth(),
+                "",
+            )
+            .map_err(|e| self.fail(e.to_string()))?;
+            let key = ferry_safekeeper::partial::partial_key(&entry.name);
+            let Ok(object) = truth.get(&key).await else {
+                return Err(self.fail(format!(
+                    "uploaded partial {} is not in the backup",
+                    entry.name
+                )));
+            };
+            let start = entry.flush_lsn.0 / SEGMENT_BYTES * SEGMENT_BYTES;
+            if object.len() as u64 != entry.flush_lsn.0 - start {
+                return Err(self.fail(format!(
+                    "partial {} holds {} bytes, not the flushed prefix of {}",
+                    entry.name,
+                    object.len(),
+                    entry.flush_lsn.0 - start
+                )));
+            }
+            // Only the part below its commit_lsn is final: WAL past it may
+            // have been cut by a later term.
+            let upto = entry.commit_lsn.min(committed).0;
+            if upto > start
+                && object[..(upto - start) as usize] != full[start as usize..upto as usize]
+            {
+                return Err(self.fail(format!(
+                    "partial {} differs from the committed WAL below its commit_lsn",
+                    entry.name
+                )));
+            }
+        }
         // No safekeeper removed WAL the replica had not applied.
         let applied = walreceiver::lock(&self.received).wal.len() as u64;
         for (i, &segno) in removed.iter().enumerate() {
@@ -1093,7 +1212,9 @@ impl Sim {
             }
         }
         self.log(format!(
-            "backup_lsn per safekeeper {backup_lsns:?}, segments removed below {removed:?}"
+            "backup_lsn per safekeeper {backup_lsns:?}, segments removed below {removed:?}, {} partial objects, uploaded {:?}",
+            objects.len(),
+            uploaded_partials.iter().map(|e| e.name.as_str()).collect::<Vec<_>>()
         ));
         {
             let received = walreceiver::lock(&self.received);

@@ -77,6 +77,7 @@ async fn cluster(keep_horizon: bool) -> Cluster {
             walsenders_keep_horizon: keep_horizon,
             removal_interval: Duration::from_millis(20),
             remove_wal: true,
+            partial_backup: None,
         };
         servers.push(SafekeeperServer::serve_with(listener, acceptor, config).expect("serve"));
     }
