@@ -451,6 +451,7 @@ impl World {
             seed,
             ObjectFaults {
                 multipart: true,
+                deletes: false,
                 ..ObjectFaults::default()
             },
             Arc::clone(&self.store),
@@ -827,6 +828,7 @@ async fn storage_failures_that_heal_end_with_one_commit_file_and_no_duplicates()
             fail_prob: 0.3,
             fail_after_write_prob: 0.3,
             multipart: true,
+            deletes: false,
             ..ObjectFaults::default()
         });
         let done = wait_terminal(&mut a.view, &created.transaction_id).await;
@@ -860,6 +862,7 @@ async fn storage_that_stays_down(
     store.set_faults(ObjectFaults {
         fail_prob: 1.0,
         multipart: true,
+        deletes: false,
         ..ObjectFaults::default()
     });
     let done = wait_terminal(&mut a.view, &created.transaction_id).await;
@@ -917,6 +920,7 @@ async fn a_killed_export_stops_and_never_gets_a_commit_file() {
             min_latency: Duration::from_secs(3600),
             max_latency: Duration::from_secs(3600),
             multipart: true,
+            deletes: false,
             ..ObjectFaults::default()
         });
         let key = ferry_export::TaskKey::new("t", "a", &url);
@@ -1009,6 +1013,7 @@ async fn merges_during_an_export_keep_the_snapshot_parts_until_it_ends() {
             min_latency: Duration::from_millis(30),
             max_latency: Duration::from_millis(60),
             multipart: true,
+            deletes: false,
             ..ObjectFaults::default()
         });
         let mut req = request(&url, "a");
@@ -1077,6 +1082,7 @@ async fn the_exporting_node_whose_session_expires_carries_on_with_a_new_one() {
                 min_latency: Duration::from_millis(200),
                 max_latency: Duration::from_millis(400),
                 multipart: true,
+                deletes: false,
                 ..ObjectFaults::default()
             });
             wait_view(&mut a.view, |v| {

@@ -144,6 +144,9 @@ pub async fn upload_once(
             commit_lsn: commit,
             term: log_term,
         };
+        // An entry of the same name (an attempt that failed) names the same
+        // object: the new entry takes its place, so a name is listed once.
+        list.retain(|e| e.name != entry.name);
         list.push(entry.clone());
         a.set_partial_segments(list).await?;
         (entry, seg, a.term(), log_term)

@@ -887,6 +887,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
             fail_prob: 0.05,
             fail_after_write_prob: 0.05,
             multipart: false,
+            deletes: false,
         },
         verbose,
     )

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use futures::stream::BoxStream;
+use futures::stream::{BoxStream, StreamExt};
 use object_store::memory::InMemory;
 use object_store::path::Path;
 use object_store::{
@@ -32,6 +32,10 @@ pub struct ObjectFaults {
     /// `fail_after_write_prob`); off by default, so the simulator's draws
     /// stay as they were.
     pub multipart: bool,
+    /// Whether deletes take latency and fail too (before, or after they
+    /// applied); off by default, so the other workloads' draws stay as they
+    /// were.
+    pub deletes: bool,
 }
 
 impl Default for ObjectFaults {
@@ -42,6 +46,7 @@ impl Default for ObjectFaults {
             fail_prob: 0.0,
             fail_after_write_prob: 0.0,
             multipart: false,
+            deletes: false,
         }
     }
 }
@@ -180,7 +185,28 @@ impl ObjectStore for FaultyObjectStore {
         &self,
         locations: BoxStream<'static, Result<Path>>,
     ) -> BoxStream<'static, Result<Path>> {
-        self.inner.delete_stream(locations)
+        if !self.lock().faults.deletes {
+            return self.inner.delete_stream(locations);
+        }
+        let store = self.clone();
+        locations
+            .then(move |location| {
+                let store = store.clone();
+                async move {
+                    let location = location?;
+                    let fail_after = store.enter("delete").await?;
+                    let one = futures::stream::once(std::future::ready(Ok(location.clone())));
+                    let mut deleted = store.inner.delete_stream(one.boxed());
+                    if let Some(result) = deleted.next().await {
+                        result?;
+                    }
+                    if fail_after {
+                        return Err(injected("delete applied, answer lost"));
+                    }
+                    Ok(location)
+                }
+            })
+            .boxed()
     }
 
     fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, Result<ObjectMeta>> {

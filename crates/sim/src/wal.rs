@@ -1307,6 +1307,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
             fail_prob: 0.1,
             fail_after_write_prob: 0.05,
             multipart: false,
+            deletes: true,
         },
         verbose,
     )
