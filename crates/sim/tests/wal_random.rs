@@ -48,9 +48,12 @@ fn explain(f: &Failure) -> String {
 /// 300) fail when removal ignores backup_lsn; 20, 72 and 145 (6 of 300) when
 /// backup_lsn moves past a segment whose upload is still running or failed
 /// (out of order); 27 (1 of 300) when removal ignores the registered
-/// replicas.
+/// replicas. With partial segment backup: 0, 1, 2 and 3 (167 of 300) fail
+/// when gc drops entries before it deletes their objects, and 0, 2, 3 and 4
+/// (164 of 300) when the object is uploaded before its InProgress entry is
+/// persisted (both leave an object no control file names).
 const REGRESSION_SEEDS: &[u64] = &[
-    0, 1, 2, 3, 5, 6, 7, 13, 14, 20, 21, 23, 27, 29, 31, 32, 37, 42, 44, 65, 72, 111, 121, 145,
+    0, 1, 2, 3, 4, 5, 6, 7, 13, 14, 20, 21, 23, 27, 29, 31, 32, 37, 42, 44, 65, 72, 111, 121, 145,
     167, 211, 284, 363, 1000, 4883,
 ];
 
