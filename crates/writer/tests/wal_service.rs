@@ -44,6 +44,13 @@ struct Cluster {
 }
 
 async fn cluster(keep_horizon: bool) -> Cluster {
+    cluster_with(keep_horizon, None).await
+}
+
+async fn cluster_with(
+    keep_horizon: bool,
+    partial_backup: Option<ferry_safekeeper::partial::PartialBackupConfig>,
+) -> Cluster {
     let dir = tempfile::tempdir().expect("tempdir");
     let backup_dir = dir.path().join("backup");
     std::fs::create_dir_all(&backup_dir).expect("backup dir");
@@ -77,7 +84,7 @@ async fn cluster(keep_horizon: bool) -> Cluster {
             walsenders_keep_horizon: keep_horizon,
             removal_interval: Duration::from_millis(20),
             remove_wal: true,
-            partial_backup: None,
+            partial_backup,
         };
         servers.push(SafekeeperServer::serve_with(listener, acceptor, config).expect("serve"));
     }
@@ -520,4 +527,65 @@ async fn one_slow_shard_holds_the_writer_back_within_the_limit_and_loses_nothing
         .expect("both replicas apply all of it");
     fast.abort();
     slow.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partial_segments_are_backed_up_and_older_ones_removed() {
+    let c = cluster_with(
+        false,
+        Some(ferry_safekeeper::partial::PartialBackupConfig {
+            timeout: Duration::from_millis(200),
+        }),
+    )
+    .await;
+    let writer = c.writer();
+    let mut wal = write_wal(&writer, SEG + SEG / 3).await;
+    let partials = |end: Lsn| {
+        move |s: &AcceptorStatus| {
+            s.partial_uploaded.as_deref().is_some_and(|name| {
+                name.contains(&format!("_{:016X}_", end.0))
+                    && name.ends_with(&format!("_sk{}.partial", s.node_id))
+            })
+        }
+    };
+    let end = Lsn(wal.len() as u64);
+    c.wait_all(
+        "every safekeeper uploads its partial segment",
+        partials(end),
+    )
+    .await;
+    // More WAL in the same segment: a newer partial object replaces the old.
+    wal.extend(write_wal(&writer, SEG / 3).await);
+    let end = Lsn(wal.len() as u64);
+    assert_eq!(end.0 / SEG, 1, "still in segment 1");
+    c.wait_all("every safekeeper uploads the newer prefix", partials(end))
+        .await;
+    let objects = c
+        .backup
+        .list(ferry_safekeeper::partial::PARTIAL_DIR)
+        .await
+        .expect("list");
+    assert_eq!(
+        objects.len(),
+        3,
+        "one object per safekeeper, the old ones gone: {objects:?}"
+    );
+    for status in c.statuses().await {
+        let name = status.partial_uploaded.expect("uploaded");
+        assert!(
+            name.starts_with(&seg().file_name(1)),
+            "named after its segment: {name}"
+        );
+        let object = c
+            .backup
+            .get(&ferry_safekeeper::partial::partial_key(&name))
+            .await
+            .expect("object");
+        assert!(
+            object[..] == wal[SEG as usize..],
+            "the partial object is the flushed prefix of segment 1"
+        );
+        assert_eq!(status.partial_upload_failures, 0);
+    }
+    writer.shutdown().await.expect("clean shutdown");
 }
