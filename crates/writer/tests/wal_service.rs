@@ -560,6 +560,15 @@ async fn partial_segments_are_backed_up_and_older_ones_removed() {
     assert_eq!(end.0 / SEG, 1, "still in segment 1");
     c.wait_all("every safekeeper uploads the newer prefix", partials(end))
         .await;
+    // Uploaded is recorded before gc deletes the older objects: wait until
+    // every list holds the uploaded entry alone.
+    let deadline = tokio::time::Instant::now() + SOON;
+    for server in &c.servers {
+        while server.partial_segments().await.len() != 1 {
+            assert!(tokio::time::Instant::now() < deadline, "gc finishes");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
     let objects = c
         .backup
         .list(ferry_safekeeper::partial::PARTIAL_DIR)
