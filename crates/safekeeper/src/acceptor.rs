@@ -413,7 +413,7 @@ impl Acceptor {
         let (commit_watch, _) = watch::channel(commit_lsn);
         let (backup_view, _) = watch::channel(BackupView {
             term: state.term,
-            last_log_term: state.term_history.up_to(wal.flush_lsn()).last_term(),
+            last_log_term: state.term_history.term_at(wal.flush_lsn()),
             flush_lsn: wal.flush_lsn(),
             commit_lsn,
             backup_lsn: state.backup_lsn,
@@ -464,10 +464,7 @@ impl Acceptor {
 
     /// The term that wrote the tail of this safekeeper's WAL.
     pub fn last_log_term(&self) -> Term {
-        self.state
-            .term_history
-            .up_to(self.wal.flush_lsn())
-            .last_term()
+        self.state.term_history.term_at(self.wal.flush_lsn())
     }
 
     pub fn flush_lsn(&self) -> Lsn {

@@ -21,7 +21,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use ferry_storage::Location;
 use ferry_wal::segment::SegmentSize;
 use ferry_wal::{Lsn, Term};
@@ -251,27 +251,9 @@ pub async fn upload_segment(
     segno: u64,
 ) -> Result<u64, BackupError> {
     let begin = Lsn(segno * seg.bytes());
-    let end = Lsn(begin.0 + seg.bytes());
-    let mut data = BytesMut::with_capacity(seg.bytes() as usize);
-    let mut pos = begin;
-    while pos < end {
-        let chunk = reader
-            .read(pos, end, end.distance_from(pos) as usize)
-            .await?;
-        if chunk.is_empty() {
-            return Err(WalStorageError::BeyondFlush {
-                lsn: pos,
-                flush_lsn: pos,
-            }
-            .into());
-        }
-        pos = Lsn(pos.0 + chunk.len() as u64);
-        data.extend_from_slice(&chunk);
-    }
+    let data = reader.read_all(begin, Lsn(begin.0 + seg.bytes())).await?;
     let bytes = data.len() as u64;
-    location
-        .put(&segment_key(seg, segno), data.freeze())
-        .await?;
+    location.put(&segment_key(seg, segno), data).await?;
     Ok(bytes)
 }
 

@@ -24,7 +24,6 @@
 
 use std::time::Duration;
 
-use bytes::BytesMut;
 use ferry_storage::Location;
 use ferry_wal::segment::SegmentSize;
 use ferry_wal::{Lsn, Term};
@@ -153,29 +152,8 @@ pub async fn upload_once(
     };
     // 2. The flushed prefix of the segment.
     let begin = Lsn(seg.segno(entry.flush_lsn) * seg.bytes());
-    let mut data = BytesMut::with_capacity(entry.flush_lsn.distance_from(begin) as usize);
-    let mut pos = begin;
-    while pos < entry.flush_lsn {
-        let chunk = reader
-            .read(
-                pos,
-                entry.flush_lsn,
-                entry.flush_lsn.distance_from(pos) as usize,
-            )
-            .await?;
-        if chunk.is_empty() {
-            return Err(WalStorageError::BeyondFlush {
-                lsn: pos,
-                flush_lsn: entry.flush_lsn,
-            }
-            .into());
-        }
-        pos = Lsn(pos.0 + chunk.len() as u64);
-        data.extend_from_slice(&chunk);
-    }
-    location
-        .put(&partial_key(&entry.name), data.freeze())
-        .await?;
+    let data = reader.read_all(begin, entry.flush_lsn).await?;
+    location.put(&partial_key(&entry.name), data).await?;
     // 3. Uploaded, unless a new term may have changed what was read.
     {
         let mut a = acceptor.lock().await;

@@ -802,6 +802,26 @@ impl WalReader {
         format!("{}/{}{suffix}", self.dir, self.seg.file_name(segno))
     }
 
+    /// All of `[begin, end)` in one buffer, within one segment (the backup's
+    /// whole and partial segment uploads); the caller vouches for it as for
+    /// [`WalReader::read`].
+    pub async fn read_all(&self, begin: Lsn, end: Lsn) -> Result<Bytes, WalStorageError> {
+        let mut data = bytes::BytesMut::with_capacity(end.distance_from(begin) as usize);
+        let mut pos = begin;
+        while pos < end {
+            let chunk = self.read(pos, end, end.distance_from(pos) as usize).await?;
+            if chunk.is_empty() {
+                return Err(WalStorageError::BeyondFlush {
+                    lsn: pos,
+                    flush_lsn: pos,
+                });
+            }
+            pos = Lsn(pos.0 + chunk.len() as u64);
+            data.extend_from_slice(&chunk);
+        }
+        Ok(data.freeze())
+    }
+
     /// WAL from `begin`, at most `max` bytes, never past `end` nor past the
     /// end of `begin`'s segment. The caller vouches that `[begin, end)` is
     /// durable and will not be truncated (committed WAL).

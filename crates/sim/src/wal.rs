@@ -380,11 +380,15 @@ impl Sim {
         self.world.fail(reason)
     }
 
+    /// The backup as it really is (no faults): what checks read.
+    fn truth(&self) -> Result<ferry_storage::Location, Failure> {
+        ferry_storage::Location::from_store("sim://truth", self.world.lake_store.truth(), "")
+            .map_err(|e| self.fail(e.to_string()))
+    }
+
     /// Names of the partial objects the backup really holds.
     async fn partial_objects(&self) -> Result<Vec<String>, Failure> {
-        let truth =
-            ferry_storage::Location::from_store("sim://truth", self.world.lake_store.truth(), "")
-                .map_err(|e| self.fail(e.to_string()))?;
+        let truth = self.truth()?;
         let listed = truth
             .list(PARTIAL_DIR)
             .await
@@ -434,9 +438,7 @@ impl Sim {
 
     /// Segment `segno` as the backup really holds it (no faults), if whole.
     async fn backup_segment(&self, segno: u64) -> Option<Bytes> {
-        let truth =
-            ferry_storage::Location::from_store("sim://truth", self.world.lake_store.truth(), "")
-                .ok()?;
+        let truth = self.truth().ok()?;
         let object = truth.get(&segment_key(Self::segment(), segno)).await.ok()?;
         (object.len() as u64 == SEGMENT_BYTES).then_some(object)
     }
@@ -1168,12 +1170,7 @@ impl Sim {
         // An uploaded partial object holds the committed WAL below its
         // commit_lsn, byte for byte.
         for entry in &uploaded_partials {
-            let truth = ferry_storage::Location::from_store(
-                "sim://truth",
-                self.world.lake_store.truth(),
-                "",
-            )
-            .map_err(|e| self.fail(e.to_string()))?;
+            let truth = self.truth()?;
             let key = ferry_safekeeper::partial::partial_key(&entry.name);
             let Ok(object) = truth.get(&key).await else {
                 return Err(self.fail(format!(

@@ -76,6 +76,16 @@ impl TermHistory {
         self.0.last().map_or(0, |e| e.term)
     }
 
+    /// The term that wrote the WAL ending at `lsn`: `up_to(lsn).last_term()`
+    /// without building the history (called for every flushed batch).
+    pub fn term_at(&self, lsn: Lsn) -> Term {
+        self.0
+            .iter()
+            .rev()
+            .find(|e| e.lsn <= lsn)
+            .map_or(0, |e| e.term)
+    }
+
     /// The history as it applies to WAL ending at `lsn`: entries of terms that
     /// switched in after `lsn` are dropped. A term starting exactly at `lsn` is
     /// kept: the node accepted that leader and its WAL agrees with it so far.
@@ -161,6 +171,14 @@ mod tests {
         let a = h(&[(1, 0), (2, 100), (4, 300)]);
         assert_eq!(a.up_to(Lsn(299)), h(&[(1, 0), (2, 100)]));
         assert_eq!(a.up_to(Lsn(300)).last_term(), 4);
+        for lsn in [0, 50, 100, 299, 300, 1000] {
+            assert_eq!(
+                a.term_at(Lsn(lsn)),
+                a.up_to(Lsn(lsn)).last_term(),
+                "at {lsn}"
+            );
+        }
+        assert_eq!(TermHistory::default().term_at(Lsn(5)), 0);
         assert!(a.is_well_formed());
         assert!(!h(&[(2, 0), (2, 5)]).is_well_formed());
         assert!(!h(&[(1, 50), (2, 5)]).is_well_formed());

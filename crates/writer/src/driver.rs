@@ -389,20 +389,23 @@ impl Writer {
     /// walsenders hand the whole WAL to the replicas; then stops. Returns the LSN
     /// after the checkpoint.
     pub async fn shutdown(self) -> Result<Lsn, WriterError> {
+        let result = self.commit_checkpoint(false).await;
+        self.stop().await;
+        result
+    }
+
+    /// Asks the driver for the shutdown checkpoint and waits until it is
+    /// committed and confirmed; with `linger` the driver goes on running.
+    async fn commit_checkpoint(&self, linger: bool) -> Result<Lsn, WriterError> {
         let (reply, rx) = oneshot::channel();
-        let result = match self
+        match self
             .commands
-            .send(Command::Shutdown {
-                reply,
-                linger: false,
-            })
+            .send(Command::Shutdown { reply, linger })
             .await
         {
             Ok(()) => rx.await.unwrap_or(Err(WriterError::Stopped)),
             Err(_) => Err(WriterError::Stopped),
-        };
-        self.stop().await;
-        result
+        }
     }
 
     /// Clean shutdown that also waits for the replicas (Neon's
@@ -418,19 +421,7 @@ impl Writer {
         replicas: &[(u32, u32)],
         timeout: Duration,
     ) -> Result<Lsn, WriterError> {
-        let (reply, rx) = oneshot::channel();
-        let end = match self
-            .commands
-            .send(Command::Shutdown {
-                reply,
-                linger: true,
-            })
-            .await
-        {
-            Ok(()) => rx.await.unwrap_or(Err(WriterError::Stopped)),
-            Err(_) => Err(WriterError::Stopped),
-        };
-        let end = match end {
+        let end = match self.commit_checkpoint(true).await {
             Ok(end) => end,
             Err(e) => {
                 self.stop().await;

@@ -424,18 +424,24 @@ impl Proposer {
         if self.phase != Phase::Elected {
             return None;
         }
-        let candidates: Vec<usize> = (0..self.peers.len())
-            .filter(|&p| match self.peers[p] {
-                Peer::Streaming { flush_lsn, .. } => {
-                    flush_lsn.0 + self.config.max_offloader_lag_bytes > self.commit_lsn.0
-                }
-                _ => false,
-            })
-            .collect();
-        if candidates.is_empty() {
+        // Asked for every append: counted, then picked, without a list.
+        let candidate = |p: &Peer| match p {
+            Peer::Streaming { flush_lsn, .. } => {
+                flush_lsn.0 + self.config.max_offloader_lag_bytes > self.commit_lsn.0
+            }
+            _ => false,
+        };
+        let count = self.peers.iter().filter(|p| candidate(p)).count();
+        if count == 0 {
             return None;
         }
-        Some(candidates[(self.term % candidates.len() as u64) as usize])
+        let pick = (self.term % count as u64) as usize;
+        self.peers
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| candidate(p))
+            .nth(pick)
+            .map(|(i, _)| i)
     }
 
     /// The highest backup_lsn a safekeeper reported.
