@@ -728,6 +728,7 @@ pub async fn fresh_quorum(
                 segment,
                 preallocation: Default::default(),
                 create: true,
+                restore: false,
                 server,
             },
             min_term: 0,

@@ -152,6 +152,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
             segment,
             preallocation: args.wal_preallocation,
             create: creating,
+            restore: false,
             server: wal_server,
         },
         min_term: known.term,

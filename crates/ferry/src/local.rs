@@ -34,6 +34,9 @@ pub struct SafekeeperSpec {
     pub preallocation: Preallocation,
     /// Create it if it has no control file (a new cluster or member only).
     pub create: bool,
+    /// Rebuild it from the WAL backup if it has no control file (its data
+    /// was lost); it votes again only once a writer brought it back.
+    pub restore: bool,
     /// Backup and WAL removal.
     pub server: ServerConfig,
 }
@@ -71,6 +74,12 @@ pub struct WalServiceArgs {
     /// uploaded (e.g. `15m`, `2s`).
     #[arg(long, default_value = "15m", value_parser = humantime::parse_duration)]
     pub partial_backup_timeout: std::time::Duration,
+    /// How long a safekeeper restored from the backup waits after starting
+    /// before a writer may bring it back; must exceed every writer's
+    /// election timeout (3 s), so that no election still holds a vote the
+    /// lost data gave.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    pub restore_quarantine: std::time::Duration,
 }
 
 impl WalServiceArgs {
@@ -114,6 +123,7 @@ impl WalServiceArgs {
             walsenders_keep_horizon: self.walsenders_keep_horizon,
             removal_interval: self.wal_removal_interval,
             remove_wal: !self.keep_all_wal,
+            restore_quarantine: self.restore_quarantine,
             partial_backup: self.partial_backup_enabled.then_some(
                 ferry_safekeeper::partial::PartialBackupConfig {
                     timeout: self.partial_backup_timeout,
@@ -138,6 +148,10 @@ pub async fn start_safekeeper(
     spec: &SafekeeperSpec,
 ) -> anyhow::Result<LocalSafekeeper> {
     let node_dir = root.join(format!("sk{id}"));
+    if spec.restore {
+        std::fs::create_dir_all(&node_dir)
+            .with_context(|| format!("creating {}", node_dir.display()))?;
+    }
     if !spec.create && !node_dir.is_dir() {
         anyhow::bail!(
             "{}: no such safekeeper directory; this safekeeper was never created here, or its data was lost (an empty safekeeper is created only explicitly)",
@@ -155,6 +169,9 @@ pub async fn start_safekeeper(
         preallocation: spec.preallocation,
     };
     let dir = format!("sk{id}");
+    if spec.restore {
+        restore_if_lost(&disk, &dir, &node_dir, &config, spec).await?;
+    }
     let acceptor = if spec.create {
         Acceptor::create(disk, &dir, config).await
     } else {
@@ -167,6 +184,59 @@ pub async fn start_safekeeper(
         server: Arc::new(server),
         _lock: lock,
     })
+}
+
+/// Rebuilds safekeeper `dir` from the backup when it has no control file;
+/// one that has its control file starts as it is (the flag can stay on).
+async fn restore_if_lost(
+    disk: &Arc<dyn Disk>,
+    dir: &str,
+    node_dir: &Path,
+    config: &AcceptorConfig,
+    spec: &SafekeeperSpec,
+) -> anyhow::Result<()> {
+    let Some(backup) = &spec.server.backup else {
+        anyhow::bail!("--restore-from-backup needs the WAL backup (--wal-backup)");
+    };
+    if node_dir
+        .join(ferry_safekeeper::control::CONTROL_FILE)
+        .exists()
+    {
+        say!(
+            "safekeeper {}: {} holds its control file; starting it as it is (nothing to restore)",
+            config.node_id,
+            node_dir.display()
+        );
+        return Ok(());
+    }
+    say!(
+        "safekeeper {}: restoring from {} into {}",
+        config.node_id,
+        backup.location.url(),
+        node_dir.display()
+    );
+    let report = ferry_safekeeper::restore::restore_from_backup(
+        Arc::clone(disk),
+        dir,
+        config,
+        &backup.location,
+    )
+    .await
+    .with_context(|| format!("restoring safekeeper {} from the backup", config.node_id))?;
+    say!(
+        "safekeeper {}: restored {} whole segments{} ({} bytes), WAL up to {}; it votes again once a writer brings it back (after {})",
+        config.node_id,
+        report.whole_segments,
+        report
+            .partial
+            .as_deref()
+            .map(|p| format!(" and partial {p}"))
+            .unwrap_or_default(),
+        report.bytes,
+        report.restored_lsn,
+        humantime::format_duration(spec.server.restore_quarantine)
+    );
+    Ok(())
 }
 
 /// One member of a local quorum.

@@ -28,6 +28,14 @@ pub struct SafekeeperArgs {
     /// missing safekeeper is an error.
     #[arg(long)]
     create: bool,
+    /// Rebuild this safekeeper from the WAL backup (--wal-backup) if its data
+    /// dir holds no control file (its data was lost: remove a damaged data
+    /// dir first). It restores every whole segment and the newest partial
+    /// segment's committed prefix, then does not vote until a writer proven
+    /// current brings it back (after --restore-quarantine). With a control
+    /// file present it starts as it is, so the flag may stay on.
+    #[arg(long, conflicts_with = "create")]
+    restore_from_backup: bool,
     /// Address writers and replicas connect to.
     #[arg(long, default_value = "127.0.0.1:5454")]
     listen: String,
@@ -99,6 +107,7 @@ pub async fn safekeeper(args: SafekeeperArgs) -> anyhow::Result<()> {
         segment,
         preallocation: args.wal_preallocation,
         create: args.create,
+        restore: args.restore_from_backup,
         server: args.wal.server_config(None)?,
     };
     let sk = start_safekeeper(&data_dir, args.id, listener, &spec).await?;

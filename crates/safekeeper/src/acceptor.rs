@@ -21,7 +21,7 @@ use bytes::{Bytes, BytesMut};
 use ferry_env::Disk;
 use ferry_wal::proto::{
     AppendRequest, AppendResponse, FromSafekeeper, Greeting, GreetingResponse, ProposerElected,
-    ShardFeedback, ToSafekeeper, VoteResponse, MAX_SEND_BYTES,
+    Restored, ShardFeedback, ToSafekeeper, VoteResponse, MAX_SEND_BYTES,
 };
 use ferry_wal::segment::SegmentSize;
 use ferry_wal::{ClusterId, Lsn, Term};
@@ -252,6 +252,12 @@ pub struct AcceptorStatus {
     pub wal_preallocates: bool,
     /// WAL segments zero-filled since start.
     pub wal_segments_preallocated: u64,
+    /// Rebuilt from the backup up to this LSN and not brought back yet: it
+    /// does not vote.
+    pub restored_up_to: Option<String>,
+    /// Whether a restored safekeeper's quarantine is over (writers may start
+    /// bringing it back).
+    pub restore_quarantine_over: bool,
 }
 
 /// The acceptor of one safekeeper.
@@ -287,6 +293,13 @@ pub struct Acceptor {
     partial_uploads: u64,
     partial_upload_failures: u64,
     segments_removed: u64,
+    /// A restored safekeeper may be brought back only once this is set (by
+    /// the server, after its quarantine; see `ferry_wal::proto::Restored`).
+    quarantine_over: bool,
+    /// The highest probe received in an append (echoed in answers).
+    probe_seen: u64,
+    /// The backup, where a recovery read finds WAL removed here.
+    remote: Option<crate::backup::RemoteWal>,
 }
 
 /// What limits WAL removal, each part separately (for status and tests).
@@ -455,6 +468,9 @@ impl Acceptor {
             partial_uploads: 0,
             partial_upload_failures: 0,
             segments_removed: 0,
+            quarantine_over: false,
+            probe_seen: 0,
+            remote: None,
         })
     }
 
@@ -657,6 +673,8 @@ impl Acceptor {
             wal_fsyncs: self.wal_fsyncs,
             wal_preallocates: self.wal.preallocates(),
             wal_segments_preallocated: self.wal.segments_preallocated(),
+            restored_up_to: self.state.restored_up_to.map(|l| l.to_string()),
+            restore_quarantine_over: self.quarantine_over,
         }
     }
 
@@ -694,12 +712,41 @@ impl Acceptor {
         Ok(FromSafekeeper::Greeting(GreetingResponse {
             term: self.state.term,
             node_id: self.config.node_id,
+            restored: self.state.restored_up_to.map(|_| Restored {
+                flush_lsn: self.flush_lsn(),
+                ready: self.quarantine_over,
+            }),
         }))
+    }
+
+    /// Rebuilt from the backup up to this LSN and not brought back yet.
+    pub fn restored_up_to(&self) -> Option<Lsn> {
+        self.state.restored_up_to
+    }
+
+    /// The quarantine of a restored safekeeper is over: every election that
+    /// could still hold one of its lost votes has ended, so a writer that
+    /// greets it from now on may bring it back.
+    pub fn end_quarantine(&mut self) {
+        self.quarantine_over = true;
+    }
+
+    /// Where recovery reads find WAL removed here (below backup_lsn).
+    pub fn set_remote(&mut self, remote: crate::backup::RemoteWal) {
+        self.remote = Some(remote);
     }
 
     /// Vote request: grants the vote iff `term` is above every term seen here,
     /// persisting the new term before answering.
     pub async fn handle_vote(&mut self, term: Term) -> Result<FromSafekeeper, AcceptorError> {
+        if self.state.restored_up_to.is_some() {
+            // It forgot the terms it voted in: a vote now could be a second
+            // vote in one of them.
+            return Err(refused(
+                self.state.term,
+                "restored from the backup: it votes again only once a writer brought it back",
+            ));
+        }
         self.flush().await?;
         let vote_given = self.state.term < term;
         if vote_given {
@@ -737,6 +784,41 @@ impl Acceptor {
         }
         self.flush().await?;
         let flush_lsn = self.flush_lsn();
+        match (self.state.restored_up_to.is_some(), msg.rejoin) {
+            (false, false) => {}
+            (false, true) => {
+                return Err(refused(
+                    self.state.term,
+                    "not a restored safekeeper (it rejoined already)",
+                ))
+            }
+            (true, false) => {
+                return Err(refused(
+                    self.state.term,
+                    "restored from the backup: only a writer that proved it is current may bring it back",
+                ))
+            }
+            (true, true) => {
+                // The writer greeted us after the quarantine and then heard
+                // a quorum of the others in its term; our WAL is committed
+                // WAL, so it is the writer's up to our end.
+                if !self.quarantine_over {
+                    return Err(refused(
+                        self.state.term,
+                        "restored from the backup: still in quarantine",
+                    ));
+                }
+                if msg.start_streaming_at != flush_lsn {
+                    return Err(refused(
+                        self.state.term,
+                        format!(
+                            "a restored safekeeper rejoins at its end {flush_lsn}, not at {}",
+                            msg.start_streaming_at
+                        ),
+                    ));
+                }
+            }
+        }
         if self.last_log_term() == msg.term && flush_lsn > msg.start_streaming_at {
             return Err(refused(
                 self.state.term,
@@ -781,11 +863,21 @@ impl Acceptor {
         self.wal.truncate(msg.start_streaming_at).await?;
         // Commit announcements of an older writer say nothing about this term's WAL.
         self.pending_commit_lsn = self.commit_lsn;
+        // Probes count within one writer's term only.
+        self.probe_seen = 0;
         self.state.term = msg.term;
         self.state.term_history = msg.term_history.clone();
         self.state.timeline_start_lsn = msg.timeline_start_lsn;
         self.state.commit_lsn = self.commit_lsn;
         self.state.peer_horizon_lsn = self.peer_horizon_lsn;
+        if self.state.restored_up_to.take().is_some() {
+            tracing::info!(
+                node = self.config.node_id,
+                term = msg.term,
+                at = %flush_lsn,
+                "restored safekeeper brought back by a writer"
+            );
+        }
         self.control.persist(&self.state).await?;
         self.publish_backup();
         Ok(self.append_response())
@@ -834,6 +926,7 @@ impl Acceptor {
         if !req.wal.is_empty() {
             self.appends_received += 1;
         }
+        self.probe_seen = self.probe_seen.max(req.probe);
         self.pending_commit_lsn = self.pending_commit_lsn.max(req.commit_lsn);
         self.peer_horizon_lsn = self
             .peer_horizon_lsn
@@ -939,6 +1032,7 @@ impl Acceptor {
             flush_lsn: self.flush_lsn(),
             commit_lsn: self.commit_lsn,
             backup_lsn: self.state.backup_lsn,
+            probe: self.probe_seen,
             shard_feedback: self.feedback.all(),
         })
     }
@@ -988,6 +1082,18 @@ impl Acceptor {
         }
         match self.wal.read(begin, max).await {
             Ok(bytes) => Ok(bytes),
+            // A restored safekeeper may rejoin below what the others removed
+            // (its end is the last whole record of the backup): the backup
+            // holds it.
+            Err(WalStorageError::Removed { lsn }) if lsn < self.state.backup_lsn => {
+                match &self.remote {
+                    Some(remote) => Ok(remote.read(begin, self.state.backup_lsn, max).await?),
+                    None => Err(refused(
+                        self.state.term,
+                        WalStorageError::Removed { lsn }.to_string(),
+                    )),
+                }
+            }
             Err(e @ (WalStorageError::Removed { .. } | WalStorageError::BeyondFlush { .. })) => {
                 Err(refused(self.state.term, e.to_string()))
             }

@@ -17,9 +17,9 @@ use serde::{Deserialize, Serialize};
 pub const CONTROL_FILE: &str = "safekeeper.control";
 const MAGIC: u32 = 0xFE55_AFE0;
 /// Bumped on every incompatible change of [`SafekeeperState`] (2: the cluster id;
-/// 3: the durable flush point; 4: registered replicas). Version 3 files are
-/// read and upgraded on the next write.
-pub const FORMAT_VERSION: u32 = 4;
+/// 3: the durable flush point; 4: registered replicas; 5: restored from the
+/// backup). Versions 3 and 4 are read and upgraded on the next write.
+pub const FORMAT_VERSION: u32 = 5;
 
 /// Most replicas a control file registers (as many as the feedback board keeps).
 pub const MAX_REGISTERED_REPLICAS: usize = 4096;
@@ -88,6 +88,12 @@ pub struct SafekeeperState {
     pub partial_backup: Vec<PartialRemoteSegment>,
     /// Replicas that streamed from here, in (shard, replica) order.
     pub registered_replicas: Vec<RegisteredReplica>,
+    /// Rebuilt from the WAL backup up to this LSN and not brought back by a
+    /// writer yet: the votes this safekeeper gave before its data was lost
+    /// are forgotten, so it must not vote or acknowledge WAL until a writer
+    /// proven current brings it back (`ferry_wal::proto::Restored`). Last
+    /// field: a format 4 body plus one `None` byte is a format 5 body.
+    pub restored_up_to: Option<Lsn>,
 }
 
 /// Format version 3, read to upgrade it.
@@ -130,6 +136,7 @@ impl From<StateV3> for SafekeeperState {
             last_removed_segno: v.last_removed_segno,
             partial_backup: v.partial_backup,
             registered_replicas: Vec::new(),
+            restored_up_to: None,
         }
     }
 }
@@ -159,6 +166,7 @@ impl SafekeeperState {
             last_removed_segno: 0,
             partial_backup: Vec::new(),
             registered_replicas: Vec::new(),
+            restored_up_to: None,
         }
     }
 }
@@ -226,6 +234,14 @@ pub fn decode(bytes: &[u8]) -> Result<SafekeeperState, ControlFileError> {
     let corrupt = |e: postcard::Error| ControlFileError::Corrupt(e.to_string());
     let state: SafekeeperState = match version {
         FORMAT_VERSION => postcard::from_bytes(body).map_err(corrupt)?,
+        // Format 5 appended `restored_up_to`; postcard writes `None` as one
+        // zero byte, so a format 4 body with that byte is a format 5 body.
+        4 => {
+            let mut upgraded = Vec::with_capacity(body.len() + 1);
+            upgraded.extend_from_slice(body);
+            upgraded.push(0);
+            postcard::from_bytes(&upgraded).map_err(corrupt)?
+        }
         3 => postcard::from_bytes::<StateV3>(body)
             .map_err(corrupt)?
             .into(),
@@ -364,16 +380,29 @@ mod tests {
         ));
     }
 
+    /// The file of `state` re-stamped as format `version` with its body
+    /// cut by `drop` trailing bytes (older formats lack the last fields).
+    fn older_format(state: &SafekeeperState, version: u8, drop: usize) -> Vec<u8> {
+        let current = encode(state).expect("encode");
+        let mut old = current[..current.len() - 4 - drop].to_vec();
+        old[4] = version;
+        let crc = crc32c::crc32c(&old);
+        old.extend_from_slice(&crc.to_le_bytes());
+        old
+    }
+
     #[test]
-    fn version_3_is_upgraded_and_replicas_round_trip() {
-        // Version 3 is version 4 without the registered replicas, the last
-        // field: an empty list is one byte (its length) at the end.
-        let v4 = encode(&sample()).expect("encode");
-        let mut v3 = v4[..v4.len() - 5].to_vec();
-        v3[4] = 3;
-        let crc = crc32c::crc32c(&v3);
-        v3.extend_from_slice(&crc.to_le_bytes());
-        assert_eq!(decode(&v3).expect("upgrade"), sample());
+    fn versions_3_and_4_are_upgraded_and_new_fields_round_trip() {
+        // Format 4 is format 5 without `restored_up_to` (`None`: one byte);
+        // format 3 also lacks the registered replicas (empty: one byte).
+        assert_eq!(
+            decode(&older_format(&sample(), 4, 1)).expect("v4"),
+            sample()
+        );
+        assert_eq!(
+            decode(&older_format(&sample(), 3, 2)).expect("v3"),
+            sample()
+        );
 
         let mut with = sample();
         with.registered_replicas = vec![RegisteredReplica {
@@ -382,6 +411,7 @@ mod tests {
             remote_consistent_lsn: Lsn(700),
         }];
         with.last_removed_segno = 3;
+        with.restored_up_to = Some(Lsn(12345));
         let bytes = encode(&with).expect("encode");
         assert_eq!(decode(&bytes).expect("decode"), with);
     }

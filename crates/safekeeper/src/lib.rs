@@ -8,6 +8,8 @@
 //!   replicas that need WAL removed locally;
 //! * [`partial`]: the flushed prefix of the segment being written, uploaded
 //!   under a protocol that leaves no orphan object after any crash;
+//! * [`restore`]: a lost safekeeper rebuilt from the backup, which votes
+//!   again only once a writer proven current brought it back;
 //! * [`server`]: connections (the writer's, batched into group commits, and
 //!   walsenders to replicas) over the network seam.
 
@@ -15,5 +17,6 @@ pub mod acceptor;
 pub mod backup;
 pub mod control;
 pub mod partial;
+pub mod restore;
 pub mod server;
 pub mod wal_storage;

@@ -66,6 +66,49 @@ pub fn partial_name(
     )
 }
 
+/// What a partial object's name says (see [`partial_name`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PartialName {
+    pub segno: u64,
+    /// The last log term of the WAL it holds.
+    pub term: Term,
+    pub flush_lsn: Lsn,
+    /// The uploader's commit_lsn: the object's bytes below it are committed.
+    pub commit_lsn: Lsn,
+    pub node_id: u64,
+}
+
+/// Parses a name made by [`partial_name`]; `None` for anything else.
+pub fn parse_partial_name(seg: SegmentSize, name: &str) -> Option<PartialName> {
+    let base = name.strip_suffix(".partial")?;
+    let mut parts = base.split('_');
+    let (segno, partial) = seg.parse_file_name(parts.next()?)?;
+    let term = parts.next()?.parse().ok()?;
+    let flush = parts.next()?;
+    let commit = parts.next()?;
+    let node_id = parts.next()?.strip_prefix("sk")?.parse().ok()?;
+    if partial || parts.next().is_some() || flush.len() != 16 || commit.len() != 16 {
+        return None;
+    }
+    let parsed = PartialName {
+        segno,
+        term,
+        flush_lsn: Lsn(u64::from_str_radix(flush, 16).ok()?),
+        commit_lsn: Lsn(u64::from_str_radix(commit, 16).ok()?),
+        node_id,
+    };
+    // Only what `partial_name` makes: the same text back.
+    (partial_name(
+        seg,
+        segno,
+        term,
+        parsed.flush_lsn,
+        parsed.commit_lsn,
+        node_id,
+    ) == name)
+        .then_some(parsed)
+}
+
 /// The key of a partial object inside the backup location.
 pub fn partial_key(name: &str) -> String {
     format!("{PARTIAL_DIR}/{name}")
@@ -129,7 +172,8 @@ pub async fn upload_once(
         let flush = a.flush_lsn();
         let commit = a.commit_lsn();
         let log_term = a.last_log_term();
-        if seg.offset(flush) == 0 {
+        // A restored safekeeper's WAL is all in the backup already.
+        if seg.offset(flush) == 0 || a.restored_up_to().is_some() {
             return Ok(Attempt::Skipped);
         }
         let mut list = a.partial_segments().to_vec();

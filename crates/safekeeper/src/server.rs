@@ -46,7 +46,16 @@ pub struct ServerConfig {
     pub remove_wal: bool,
     /// Partial segment backup (needs `backup`: its objects go there too).
     pub partial_backup: Option<PartialBackupConfig>,
+    /// How long a safekeeper restored from the backup waits after it starts
+    /// before a writer may bring it back. It must outlast every writer's
+    /// election timeout: an election still holding a vote the lost data gave
+    /// is over by then (`ferry_wal::proto::Restored`).
+    pub restore_quarantine: std::time::Duration,
 }
+
+/// Default [`ServerConfig::restore_quarantine`]: well above the writer's
+/// default election timeout (3 s).
+pub const DEFAULT_RESTORE_QUARANTINE: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl Default for ServerConfig {
     fn default() -> Self {
@@ -56,6 +65,7 @@ impl Default for ServerConfig {
             removal_interval: DEFAULT_REMOVAL_INTERVAL,
             remove_wal: true,
             partial_backup: None,
+            restore_quarantine: DEFAULT_RESTORE_QUARANTINE,
         }
     }
 }
@@ -157,6 +167,13 @@ impl SafekeeperServer {
         config: ServerConfig,
     ) -> std::io::Result<SafekeeperServer> {
         let addr = listener.local_addr()?;
+        let mut acceptor = acceptor;
+        if let Some(backup) = &config.backup {
+            acceptor.set_remote(crate::backup::RemoteWal {
+                location: backup.location.clone(),
+                seg: acceptor.segment_size(),
+            });
+        }
         let (fatal, _) = watch::channel(None);
         let shared = Arc::new(Shared {
             acceptor: Mutex::new(acceptor),
@@ -250,6 +267,16 @@ async fn accept_loop(
     if shared.config.remove_wal {
         let shared = Arc::clone(&shared);
         connections.spawn(async move { run_removal(&shared).await });
+    }
+    if shared.acceptor.lock().await.restored_up_to().is_some() {
+        // Measured from this start: the process that lost the data is gone
+        // by now, so every election that used its votes ends in the wait.
+        let shared = Arc::clone(&shared);
+        connections.spawn(async move {
+            tokio::time::sleep(shared.config.restore_quarantine).await;
+            shared.acceptor.lock().await.end_quarantine();
+            tracing::info!("restored safekeeper: quarantine over, a writer may bring it back");
+        });
     }
     if let (Some(backup), Some(config)) = (&shared.config.backup, shared.config.partial_backup) {
         let location = backup.location.clone();

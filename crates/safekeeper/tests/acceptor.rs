@@ -66,6 +66,7 @@ fn elected(term: u64, start: u64, history: &[(u64, u64)]) -> ProposerElected {
                 .collect(),
         ),
         timeline_start_lsn: Lsn(0),
+        rejoin: false,
     }
 }
 
@@ -79,6 +80,7 @@ fn append(term: u64, begin: u64, wal: &Bytes, commit: u64) -> AppendRequest {
         backup_lsn: Lsn(0),
         backup_duty: false,
         remote_consistent_lsn: None,
+        probe: 0,
         wal: wal.clone(),
     }
 }
@@ -419,4 +421,245 @@ async fn flushed_wal_recorded_at_a_clean_stop_must_be_there() {
         err.to_string().contains("000000010000000000000000"),
         "{err}"
     );
+}
+
+/// A backup in `dir/backup` holding segments `whole` of `wal` and, for
+/// `partial = Some((segno, commit))`, a partial object of that segment with
+/// the flushed prefix up to the end of `wal` and that commit_lsn.
+async fn backup_of(
+    dir: &std::path::Path,
+    wal: &[u8],
+    whole: &[u64],
+    partial: Option<(u64, u64)>,
+) -> ferry_storage::Location {
+    let seg = config().segment_size;
+    let root = dir.join("backup");
+    std::fs::create_dir_all(&root).expect("backup dir");
+    let backup = ferry_storage::open(&format!("file://{}", root.display()), &Default::default())
+        .expect("location");
+    for &segno in whole {
+        let range = seg.start(segno).0 as usize..seg.start(segno + 1).0 as usize;
+        backup
+            .put(
+                &ferry_safekeeper::backup::segment_key(seg, segno),
+                Bytes::copy_from_slice(&wal[range]),
+            )
+            .await
+            .expect("put");
+    }
+    if let Some((segno, commit)) = partial {
+        let name = ferry_safekeeper::partial::partial_name(
+            seg,
+            segno,
+            1,
+            Lsn(wal.len() as u64),
+            Lsn(commit),
+            3,
+        );
+        backup
+            .put(
+                &ferry_safekeeper::partial::partial_key(&name),
+                Bytes::copy_from_slice(&wal[seg.start(segno).0 as usize..]),
+            )
+            .await
+            .expect("put");
+    }
+    backup
+}
+
+/// Record boundaries of `wal` (which is whole records).
+fn boundaries(wal: &[u8]) -> Vec<u64> {
+    let mut at = 0;
+    let mut out = vec![0];
+    while at < wal.len() {
+        let len = ferry_wal::record::check(&wal[at..]).expect("record");
+        at += len;
+        out.push(at as u64);
+    }
+    out
+}
+
+#[tokio::test]
+async fn a_restored_safekeeper_holds_committed_wal_and_votes_only_after_rejoining() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let seg = config().segment_size.bytes();
+    // 3.5 segments of records of 100 bytes and more: segment ends split records.
+    let mut wal = BytesMut::new();
+    while (wal.len() as u64) < 3 * seg + seg / 2 {
+        wal.extend_from_slice(&records(7));
+    }
+    let wal = wal.freeze();
+    let ends = boundaries(&wal);
+    // The uploader knew a commit inside segment 3, at a record boundary.
+    let commit = *ends
+        .iter()
+        .find(|&&e| e > 3 * seg + seg / 4)
+        .expect("a boundary");
+    let backup = backup_of(dir.path(), &wal, &[0, 1, 2], Some((3, commit))).await;
+
+    let report = ferry_safekeeper::restore::restore_from_backup(
+        Arc::clone(&disk),
+        "restored",
+        &config(),
+        &backup,
+    )
+    .await
+    .expect("restore");
+    assert_eq!(report.whole_segments, 3);
+    assert_eq!(
+        report.restored_lsn,
+        Lsn(commit),
+        "up to the partial's commit_lsn"
+    );
+    assert!(report.partial.is_some());
+
+    let mut a = Acceptor::open(Arc::clone(&disk), "restored", config())
+        .await
+        .expect("open restored");
+    assert_eq!(a.flush_lsn(), Lsn(commit));
+    assert_eq!(a.commit_lsn(), Lsn(commit), "all of it is committed");
+    assert_eq!(a.restored_up_to(), Some(Lsn(commit)));
+    let read = a
+        .wal_reader()
+        .read_all(Lsn(0), Lsn(commit))
+        .await
+        .expect("read");
+    assert!(
+        read[..] == wal[..commit as usize],
+        "exactly the committed prefix"
+    );
+
+    let greeting = Greeting {
+        cluster_id: cluster(),
+        proposer_id: 1,
+        timeline_id: 1,
+        segment_bytes: seg,
+    };
+    let FromSafekeeper::Greeting(g) = a.handle_greeting(&greeting).expect("greeting") else {
+        panic!("not a greeting")
+    };
+    let restored = g.restored.expect("says it is restored");
+    assert_eq!(restored.flush_lsn, Lsn(commit));
+    assert!(!restored.ready, "in quarantine");
+    let e = refusal(a.handle_vote(5).await.expect_err("no vote"));
+    assert!(e.contains("restored"), "{e}");
+    assert_eq!(a.term(), 0, "a refused vote raises no term");
+    let e = refusal(
+        a.handle_elected(&elected(5, commit, &[(5, 0)]))
+            .await
+            .expect_err("a plain election cannot bring it back"),
+    );
+    assert!(e.contains("proved"), "{e}");
+    let mut rejoin = elected(5, commit, &[(1, 0), (5, commit + 100)]);
+    rejoin.rejoin = true;
+    let e = refusal(a.handle_elected(&rejoin).await.expect_err("quarantine"));
+    assert!(e.contains("quarantine"), "{e}");
+
+    a.end_quarantine();
+    let FromSafekeeper::Greeting(g) = a.handle_greeting(&greeting).expect("greeting") else {
+        panic!("not a greeting")
+    };
+    assert!(g.restored.expect("still restored").ready);
+    let mut elsewhere = rejoin.clone();
+    elsewhere.start_streaming_at = Lsn(commit - 1);
+    let e = refusal(
+        a.handle_elected(&elsewhere)
+            .await
+            .expect_err("not at its end"),
+    );
+    assert!(e.contains("rejoins at its end"), "{e}");
+    a.handle_elected(&rejoin).await.expect("brought back");
+    assert_eq!(a.restored_up_to(), None);
+    assert_eq!(a.term(), 5);
+    drop(a);
+    // Brought back for good: after a restart it votes like any safekeeper.
+    let mut a = Acceptor::open(Arc::clone(&disk), "restored", config())
+        .await
+        .expect("reopen");
+    assert_eq!(a.restored_up_to(), None);
+    let FromSafekeeper::Vote(v) = a.handle_vote(6).await.expect("vote") else {
+        panic!("not a vote")
+    };
+    assert!(v.vote_given);
+    drop(a);
+
+    // A data dir with a control file is never overwritten.
+    let before = std::fs::read(dir.path().join("restored/safekeeper.control")).expect("read");
+    let err = ferry_safekeeper::restore::restore_from_backup(
+        Arc::clone(&disk),
+        "restored",
+        &config(),
+        &backup,
+    )
+    .await
+    .expect_err("refused");
+    assert!(
+        matches!(err, ferry_safekeeper::restore::RestoreError::Exists(_)),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read(dir.path().join("restored/safekeeper.control")).expect("read"),
+        before
+    );
+}
+
+#[tokio::test]
+async fn a_restore_stops_at_the_first_gap_cuts_split_records_and_starts_over_after_a_crash() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let seg = config().segment_size.bytes();
+    let mut wal = BytesMut::new();
+    while (wal.len() as u64) < 4 * seg + 10 {
+        wal.extend_from_slice(&records(7));
+    }
+    let wal = wal.freeze();
+    let ends = boundaries(&wal);
+    // Segment 2 is missing (its upload still in flight); the partial of
+    // segment 3 is past the gap and of no use.
+    let backup = backup_of(dir.path(), &wal, &[0, 1, 3], Some((3, 3 * seg + 50))).await;
+    // A restore that crashed before its control file left WAL behind.
+    std::fs::create_dir_all(dir.path().join("sk/wal")).expect("dir");
+    std::fs::write(
+        dir.path()
+            .join("sk/wal")
+            .join(config().segment_size.file_name(0)),
+        vec![0xAB; seg as usize],
+    )
+    .expect("leftover");
+    let report =
+        ferry_safekeeper::restore::restore_from_backup(Arc::clone(&disk), "sk", &config(), &backup)
+            .await
+            .expect("restore");
+    assert_eq!(report.whole_segments, 2);
+    assert_eq!(report.partial, None);
+    let last_whole = *ends
+        .iter()
+        .rev()
+        .find(|&&e| e <= 2 * seg)
+        .expect("boundary");
+    assert_eq!(
+        report.restored_lsn,
+        Lsn(last_whole),
+        "the record split by the end of segment 1 is cut"
+    );
+    let a = Acceptor::open(Arc::clone(&disk), "sk", config())
+        .await
+        .expect("open");
+    let read = a
+        .wal_reader()
+        .read_all(Lsn(0), Lsn(last_whole))
+        .await
+        .expect("read");
+    assert!(read[..] == wal[..last_whole as usize]);
+
+    // A backup that does not start at the first segment is refused.
+    let other = tempfile::tempdir().expect("tempdir");
+    let backup = backup_of(other.path(), &wal, &[1, 2], None).await;
+    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(other.path()).expect("disk"));
+    let err = ferry_safekeeper::restore::restore_from_backup(disk, "sk", &config(), &backup)
+        .await
+        .expect_err("refused");
+    assert!(err.to_string().contains("first whole segment"), "{err}");
+    assert!(!other.path().join("sk/safekeeper.control").exists());
 }

@@ -125,6 +125,7 @@ pub async fn attempt(
                 backup_lsn: Lsn(0),
                 backup_duty: false,
                 remote_consistent_lsn: None,
+                probe: 0,
                 wal: wal.clone(),
             })]
         }
@@ -146,6 +147,7 @@ pub async fn attempt(
                     lsn: start,
                 }]),
                 timeline_start_lsn: Lsn(0),
+                rejoin: false,
             })]
         }
         RogueKind::MalformedHistory => vec![ToSafekeeper::Elected(ProposerElected {
@@ -154,6 +156,7 @@ pub async fn attempt(
             // Does not end with the message's own term.
             term_history: TermHistory(vec![TermLsn { term, lsn: Lsn(0) }]),
             timeline_start_lsn: Lsn(0),
+            rejoin: false,
         })],
         RogueKind::StaleElection => {
             if term == 0 {
@@ -167,6 +170,7 @@ pub async fn attempt(
                     lsn: Lsn(0),
                 }]),
                 timeline_start_lsn: Lsn(0),
+                rejoin: false,
             })]
         }
         RogueKind::AppendWithAGap => {
@@ -180,6 +184,7 @@ pub async fn attempt(
                 backup_lsn: Lsn(0),
                 backup_duty: false,
                 remote_consistent_lsn: None,
+                probe: 0,
                 wal: wal.clone(),
             })]
         }

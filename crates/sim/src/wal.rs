@@ -493,6 +493,7 @@ impl Sim {
             walsenders_keep_horizon: self.world.rng.random_bool(0.5),
             removal_interval: Duration::from_millis(self.world.rng.random_range(100..=2000)),
             remove_wal: true,
+            restore_quarantine: Duration::from_secs(5),
             partial_backup: self
                 .world
                 .rng

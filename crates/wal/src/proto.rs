@@ -22,7 +22,7 @@ use crate::record::MAX_RECORD_BYTES;
 use crate::{ClusterId, Lsn, Term, TermHistory};
 
 /// Version byte of every frame; bumped on any incompatible message change.
-pub const PROTOCOL_VERSION: u8 = 5;
+pub const PROTOCOL_VERSION: u8 = 6;
 /// Largest frame accepted: one maximal record plus headroom for the header fields.
 pub const MAX_FRAME_BYTES: usize = MAX_RECORD_BYTES + (64 << 10);
 /// Most WAL bytes a walsender puts in one message (Neon's MAX_SEND_SIZE).
@@ -47,6 +47,29 @@ pub struct GreetingResponse {
     /// The safekeeper's current term, so the writer can pick a higher one.
     pub term: Term,
     pub node_id: u64,
+    /// Set by a safekeeper rebuilt from the backup that has not rejoined yet:
+    /// it lost the promises of its votes, so it neither votes nor counts in an
+    /// election, and only a writer that proves it is current may bring it
+    /// back (see [`Restored`]).
+    pub restored: Option<Restored>,
+}
+
+/// A safekeeper rebuilt from the WAL backup, waiting to rejoin.
+///
+/// Its WAL is committed WAL up to `flush_lsn` and nothing else. What it forgot
+/// is which terms it voted in: a writer still holding one of those votes, or
+/// an older writer, must never get its acknowledgements. So it rejoins only a
+/// writer that (1) greeted it after its quarantine ended (`ready`; the
+/// quarantine outlasts every election that could still use a lost vote), then
+/// (2) had a quorum of the other safekeepers acknowledge an append in its
+/// term, sent after that greeting (no later term can have been elected by
+/// them), and then sends a [`ProposerElected`] with `rejoin` set and
+/// `start_streaming_at == flush_lsn`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Restored {
+    pub flush_lsn: Lsn,
+    /// The quarantine is over: a writer may start bringing it back.
+    pub ready: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -70,6 +93,10 @@ pub struct ProposerElected {
     /// The writer's history, ending with `(term, epoch start)`.
     pub term_history: TermHistory,
     pub timeline_start_lsn: Lsn,
+    /// Brings back a safekeeper restored from the backup (see [`Restored`]):
+    /// `start_streaming_at` is its flush_lsn, and its WAL below is committed
+    /// WAL, hence the writer's.
+    pub rejoin: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -90,6 +117,10 @@ pub struct AppendRequest {
     /// The lowest remote_consistent_lsn over every replica the writer heard of
     /// through any safekeeper (`None`: it heard of none yet).
     pub remote_consistent_lsn: Option<Lsn>,
+    /// The writer's probe counter; answers echo the highest one received, so
+    /// the writer knows an answer was made after a given append (it proves
+    /// the safekeeper was still in this term then).
+    pub probe: u64,
     /// Whole records, `end_lsn - begin_lsn` bytes (empty for a heartbeat); the
     /// frame's payload, not part of the postcard header.
     #[serde(skip)]
@@ -125,6 +156,8 @@ pub struct AppendResponse {
     pub commit_lsn: Lsn,
     /// WAL below this is in the remote backup, as far as this safekeeper knows.
     pub backup_lsn: Lsn,
+    /// The highest [`AppendRequest::probe`] this safekeeper received.
+    pub probe: u64,
     /// Latest feedback of each shard streaming from this safekeeper.
     pub shard_feedback: Vec<ShardFeedback>,
 }
@@ -435,6 +468,7 @@ mod tests {
                 start_streaming_at: Lsn(4096),
                 term_history: history(),
                 timeline_start_lsn: Lsn(0),
+                rejoin: true,
             }),
             ToSafekeeper::Append(AppendRequest {
                 term: 4,
@@ -445,6 +479,7 @@ mod tests {
                 backup_lsn: Lsn(0),
                 backup_duty: false,
                 remote_consistent_lsn: None,
+                probe: 3,
                 wal: Bytes::from_static(b"hello"),
             }),
             ToSafekeeper::ReadWal {
@@ -462,6 +497,10 @@ mod tests {
             FromSafekeeper::Greeting(GreetingResponse {
                 term: 3,
                 node_id: 1,
+                restored: Some(Restored {
+                    flush_lsn: Lsn(7),
+                    ready: false,
+                }),
             }),
             FromSafekeeper::Vote(VoteResponse {
                 term: 4,
@@ -476,6 +515,7 @@ mod tests {
                 flush_lsn: Lsn(4101),
                 commit_lsn: Lsn(4000),
                 backup_lsn: Lsn(0),
+                probe: 3,
                 shard_feedback: vec![feedback],
             }),
             FromSafekeeper::Wal {
@@ -563,6 +603,7 @@ mod tests {
             backup_lsn: Lsn(0),
             backup_duty: false,
             remote_consistent_lsn: None,
+            probe: 0,
             wal: Bytes::from_static(b"x"),
         }
         .is_consistent());
@@ -641,6 +682,7 @@ mod tests {
                         backup_lsn: Lsn(0),
                         backup_duty: false,
                         remote_consistent_lsn: None,
+                        probe: 0,
                         wal,
                     })
                 })

@@ -22,8 +22,8 @@ use std::collections::BTreeMap;
 
 use bytes::{Bytes, BytesMut};
 use ferry_wal::proto::{
-    AppendRequest, FromSafekeeper, Greeting, ProposerElected, ShardFeedback, ToSafekeeper,
-    VoteResponse,
+    AppendRequest, FromSafekeeper, Greeting, GreetingResponse, ProposerElected, ShardFeedback,
+    ToSafekeeper, VoteResponse,
 };
 use ferry_wal::record;
 use ferry_wal::{ClusterId, Lsn, Term, TermHistory};
@@ -189,6 +189,17 @@ enum Peer {
     Voting,
     /// Answered the vote request of this term.
     Voted(VoteResponse),
+    /// Restored from the backup, quarantine over, greeted: it does not vote;
+    /// brought back once this writer is elected and proved current.
+    Restored {
+        flush_lsn: Lsn,
+    },
+    /// Restored, and waiting for a quorum of the others to answer an append
+    /// carrying `probe` (sent after its greeting) in this term.
+    Rejoining {
+        flush_lsn: Lsn,
+        probe: u64,
+    },
     /// ProposerElected sent; waiting for its answer.
     Electing {
         start: Lsn,
@@ -242,6 +253,11 @@ pub struct Proposer {
     peer_commit: Vec<Lsn>,
     /// The highest backup_lsn any safekeeper reported; relayed to all of them.
     backup_lsn: Lsn,
+    /// Carried by every append; raised to prove a safekeeper's term after
+    /// some point (a restored safekeeper's greeting).
+    probe: u64,
+    /// The highest probe each safekeeper echoed in this term.
+    peer_probe: Vec<u64>,
 }
 
 impl Proposer {
@@ -264,6 +280,8 @@ impl Proposer {
             feedback: BTreeMap::new(),
             peer_commit: vec![Lsn(0); n],
             backup_lsn: Lsn(0),
+            probe: 0,
+            peer_probe: vec![0; n],
         }
     }
 
@@ -407,6 +425,7 @@ impl Proposer {
                     .values()
                     .map(|f| f.remote_consistent_lsn)
                     .min(),
+                probe: self.probe,
                 wal,
             }),
         }
@@ -512,7 +531,7 @@ impl Proposer {
             return actions;
         }
         match msg {
-            FromSafekeeper::Greeting(g) => self.on_greeting(peer, g.term, &mut actions),
+            FromSafekeeper::Greeting(g) => self.on_greeting(peer, &g, &mut actions),
             FromSafekeeper::Vote(v) => self.on_vote(peer, v, &mut actions),
             FromSafekeeper::Append(a) => {
                 if a.term > self.term {
@@ -534,7 +553,11 @@ impl Proposer {
                 }
                 self.peer_commit[peer] = self.peer_commit[peer].max(a.commit_lsn);
                 self.backup_lsn = self.backup_lsn.max(a.backup_lsn);
+                if a.term == self.term {
+                    self.peer_probe[peer] = self.peer_probe[peer].max(a.probe);
+                }
                 self.on_append_response(peer, a.flush_lsn, &mut actions);
+                self.bring_back_restored(&mut actions);
             }
             FromSafekeeper::Wal { begin_lsn, wal, .. } => {
                 self.on_fetched(peer, begin_lsn, wal, &mut actions)
@@ -582,8 +605,27 @@ impl Proposer {
         self.phase == Phase::Lost
     }
 
-    fn on_greeting(&mut self, peer: usize, term: Term, actions: &mut Vec<Action>) {
+    fn on_greeting(&mut self, peer: usize, g: &GreetingResponse, actions: &mut Vec<Action>) {
         if self.peers[peer] != Peer::Greeting {
+            return;
+        }
+        let term = g.term;
+        if let Some(restored) = g.restored {
+            // A safekeeper rebuilt from the backup: never a voter. In its
+            // quarantine, greet it again later.
+            if !restored.ready {
+                tracing::debug!(peer, "restored safekeeper in quarantine; greeting it later");
+                self.peers[peer] = Peer::Offline;
+                actions.push(Action::Reconnect { peer });
+                return;
+            }
+            tracing::info!(peer, flush_lsn = %restored.flush_lsn, "restored safekeeper greeted");
+            self.peers[peer] = Peer::Restored {
+                flush_lsn: restored.flush_lsn,
+            };
+            if self.phase == Phase::Elected {
+                self.start_rejoin(peer, actions);
+            }
             return;
         }
         match self.phase {
@@ -738,6 +780,75 @@ impl Proposer {
         }
         self.donor = Some(donor);
         self.start_fetch_if_needed(actions);
+        for peer in 0..self.peers.len() {
+            if matches!(self.peers[peer], Peer::Restored { .. }) {
+                self.start_rejoin(peer, actions);
+            }
+        }
+    }
+
+    /// Starts bringing back restored safekeeper `peer`, greeted after its
+    /// quarantine: a new probe goes to every streaming safekeeper.
+    fn start_rejoin(&mut self, peer: usize, actions: &mut Vec<Action>) {
+        let Peer::Restored { flush_lsn } = self.peers[peer] else {
+            return;
+        };
+        if flush_lsn > self.end_lsn() {
+            // Its WAL is committed WAL, which this writer's holds: a restored
+            // end past ours means the backup is not this timeline's.
+            tracing::error!(peer, %flush_lsn, end = %self.end_lsn(), "restored safekeeper holds WAL past this writer's end; leaving it out");
+            self.peers[peer] = Peer::Offline;
+            return;
+        }
+        self.probe += 1;
+        self.peers[peer] = Peer::Rejoining {
+            flush_lsn,
+            probe: self.probe,
+        };
+        for p in 0..self.peers.len() {
+            if let Peer::Streaming { next_send, .. } = self.peers[p] {
+                actions.push(self.append_to(p, next_send, Bytes::new()));
+            }
+        }
+        self.bring_back_restored(actions);
+    }
+
+    /// Brings back every rejoining safekeeper whose probe a quorum of the
+    /// others answered in this term: no writer of a higher term was elected
+    /// by them before that answer, and none holding the restored
+    /// safekeeper's lost votes can be elected after it (its quarantine
+    /// outlasted those elections), so its acknowledgements are safe to count.
+    fn bring_back_restored(&mut self, actions: &mut Vec<Action>) {
+        if self.phase != Phase::Elected {
+            return;
+        }
+        for peer in 0..self.peers.len() {
+            let Peer::Rejoining { flush_lsn, probe } = self.peers[peer] else {
+                continue;
+            };
+            let confirmed = (0..self.peers.len())
+                .filter(|&p| {
+                    p != peer
+                        && matches!(self.peers[p], Peer::Streaming { .. })
+                        && self.peer_probe[p] >= probe
+                })
+                .count();
+            if confirmed < self.quorum {
+                continue;
+            }
+            tracing::info!(peer, start = %flush_lsn, "bringing back a restored safekeeper");
+            self.peers[peer] = Peer::Electing { start: flush_lsn };
+            actions.push(Action::Send {
+                to: peer,
+                msg: ToSafekeeper::Elected(ProposerElected {
+                    term: self.term,
+                    start_streaming_at: flush_lsn,
+                    term_history: self.history.clone(),
+                    timeline_start_lsn: Lsn(0),
+                    rejoin: true,
+                }),
+            });
+        }
     }
 
     fn send_elected(&mut self, peer: usize, vote: &VoteResponse, actions: &mut Vec<Action>) {
@@ -756,6 +867,7 @@ impl Proposer {
                 start_streaming_at: start,
                 term_history: self.history.clone(),
                 timeline_start_lsn: Lsn(0),
+                rejoin: false,
             }),
         });
     }

@@ -91,6 +91,45 @@ impl Cluster {
         );
     }
 
+    /// Replaces safekeeper `i` by one rebuilt from a backup holding the
+    /// first `segments` whole segments of `committed` (its data dir was lost).
+    async fn restore(
+        &mut self,
+        i: usize,
+        committed: &[u8],
+        segments: u64,
+        writers: &mut [&mut Writer],
+    ) -> Lsn {
+        self.kill(i, writers);
+        std::fs::remove_dir_all(self._dir.path().join(format!("sk{i}"))).expect("wipe");
+        let root = self._dir.path().join("backup");
+        std::fs::create_dir_all(&root).expect("backup dir");
+        let backup =
+            ferry_storage::open(&format!("file://{}", root.display()), &Default::default())
+                .expect("backup");
+        let seg = SegmentSize::new(SEG).expect("segment size");
+        for segno in 0..segments {
+            let range = (segno * SEG) as usize..((segno + 1) * SEG) as usize;
+            backup
+                .put(
+                    &ferry_safekeeper::backup::segment_key(seg, segno),
+                    Bytes::copy_from_slice(&committed[range]),
+                )
+                .await
+                .expect("put");
+        }
+        let report = ferry_safekeeper::restore::restore_from_backup(
+            Arc::clone(&self.disk),
+            &format!("sk{i}"),
+            &config(i as u64),
+            &backup,
+        )
+        .await
+        .expect("restore");
+        self.start(i).await;
+        report.restored_lsn
+    }
+
     fn acceptor(&self, i: usize) -> &Acceptor {
         self.acceptors[i].as_ref().expect("running")
     }
@@ -678,4 +717,62 @@ async fn an_election_never_starts_below_the_known_commit() {
         w3.proposer.append(&batch(0, 1, 10)),
         Err(ProposerError::Superseded(_))
     ));
+}
+
+#[tokio::test]
+async fn a_restored_safekeeper_is_brought_back_by_a_current_writer_only() {
+    let mut cluster = Cluster::new(3).await;
+    let mut old = Writer::new(3, 0);
+    old.connect_all(&mut cluster).await;
+    let mut all = Vec::new();
+    for i in 0..20 {
+        let records = batch(i * 4, 4, 3000);
+        all.extend_from_slice(&records);
+        old.append(&mut cluster, &records).await.expect("append");
+    }
+    assert_eq!(old.commit_lsn, Lsn(all.len() as u64));
+    let restored = cluster.restore(2, &all, 3, &mut [&mut old]).await;
+    assert!(restored > Lsn(2 * SEG) && restored <= Lsn(3 * SEG));
+    assert!(cluster.wal(2).await == all[..restored.0 as usize]);
+
+    // A new writer is elected by the two others; the restored one, in its
+    // quarantine, is greeted again later.
+    let mut new = Writer::new(3, old.proposer.term());
+    new.connect_all(&mut cluster).await;
+    assert!(new.elected.is_some(), "elected by safekeepers 0 and 1");
+    assert!(!new.connected[2], "quarantine: greeted again later");
+    assert_eq!(cluster.acceptor(2).term(), 0, "it voted for nobody");
+
+    // After the quarantine, the superseded writer greets it first: its probe
+    // to the others meets the new term, so it stops and never brings the
+    // restored safekeeper in.
+    cluster.acceptors[2]
+        .as_mut()
+        .expect("running")
+        .end_quarantine();
+    old.connect_all(&mut cluster).await;
+    assert_eq!(old.superseded, Some(new.proposer.term()));
+    assert_eq!(cluster.acceptor(2).restored_up_to(), Some(restored));
+
+    // The current writer brings it back and catches it up from the donor.
+    new.connect_all(&mut cluster).await;
+    assert_eq!(cluster.acceptor(2).restored_up_to(), None);
+    assert_eq!(cluster.acceptor(2).term(), new.proposer.term());
+    for i in 20..24 {
+        let records = batch(i * 4, 4, 3000);
+        all.extend_from_slice(&records);
+        new.append(&mut cluster, &records).await.expect("append");
+    }
+    // It counts in the quorum again: with safekeeper 0 down, writes commit.
+    cluster.kill(0, &mut [&mut new]);
+    let records = batch(100, 4, 3000);
+    all.extend_from_slice(&records);
+    let end = new.append(&mut cluster, &records).await.expect("append");
+    assert_eq!(new.commit_lsn, end, "committed by safekeepers 1 and 2");
+    for i in 1..3 {
+        assert!(
+            cluster.wal(i).await == all,
+            "safekeeper {i} holds every acknowledged byte"
+        );
+    }
 }

@@ -85,6 +85,7 @@ async fn cluster_with(
             removal_interval: Duration::from_millis(20),
             remove_wal: true,
             partial_backup,
+            ..Default::default()
         };
         servers.push(SafekeeperServer::serve_with(listener, acceptor, config).expect("serve"));
     }

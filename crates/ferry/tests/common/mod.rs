@@ -172,6 +172,21 @@ pub fn start_safekeeper(
     cluster: &str,
     segment_bytes: u64,
 ) -> (Child, String) {
+    let extra: &[&str] = if create { &["--create"] } else { &[] };
+    let (child, addr, _) = start_safekeeper_with(id, data, listen, extra, cluster, segment_bytes);
+    (child, addr)
+}
+
+/// Starts `ferry safekeeper` with `extra` flags; returns it, the address it
+/// listens on and the lines it printed before saying so.
+pub fn start_safekeeper_with(
+    id: u64,
+    data: &std::path::Path,
+    listen: &str,
+    extra: &[&str],
+    cluster: &str,
+    segment_bytes: u64,
+) -> (Child, String, Vec<String>) {
     let mut child = Command::new(FERRY)
         .args([
             "safekeeper",
@@ -184,7 +199,7 @@ pub fn start_safekeeper(
             "--http",
             "127.0.0.1:0",
         ])
-        .args(create.then_some("--create"))
+        .args(extra)
         .args(["--segment-bytes", &segment_bytes.to_string(), "--data-dir"])
         .arg(data)
         .stdout(Stdio::piped())
@@ -192,16 +207,21 @@ pub fn start_safekeeper(
         .spawn()
         .expect("spawn safekeeper");
     let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
-    let mut line = String::new();
-    reader.read_line(&mut line).expect("read");
-    let addr = line
-        .split("listening on ")
-        .nth(1)
-        .and_then(|rest| rest.split(',').next())
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .to_string();
+    let mut before = Vec::new();
+    let addr = loop {
+        let mut line = String::new();
+        let read = reader.read_line(&mut line).expect("read");
+        assert!(
+            read > 0,
+            "safekeeper {id} exited before listening: {before:?}"
+        );
+        if let Some(rest) = line.split("listening on ").nth(1) {
+            break rest.split(',').next().unwrap_or_default().to_string();
+        }
+        before.push(line.trim_end().to_string());
+    };
     std::thread::spawn(move || for _ in reader.lines().map_while(Result::ok) {});
-    (child, addr)
+    (child, addr, before)
 }
 
 /// Safekeepers 0, 1 and 2 under `dir`, on free ports: the processes and their

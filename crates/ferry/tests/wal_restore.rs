@@ -1,0 +1,262 @@
+//! A safekeeper process whose data dir is lost is rebuilt with `ferry
+//! safekeeper --restore-from-backup` while appends go on: it restores the
+//! backed-up whole segments and the newest partial segment, does not vote,
+//! is brought back by the writer after its quarantine, catches up, and then
+//! holds every acknowledged insert like the others.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use ferry_env::TcpNetwork;
+use ferry_wal::record::Record;
+use ferry_wal::Lsn;
+use ferry_writer::driver::{encode_records, Writer, WriterConfig, WriterStatus};
+use ferry_writer::proposer::ProposerConfig;
+
+mod common;
+
+const SEG: u64 = 256 << 10;
+const CLUSTER: &str = "restore-test";
+
+fn insert(block: u64) -> Bytes {
+    encode_records(&[Record::Insert {
+        shard: 0,
+        idempotency_key: Bytes::new(),
+        table_id: 3,
+        block_number: block,
+        arrow_ipc: Bytes::from(vec![(block % 256) as u8; 2000]),
+    }])
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Flow {
+    Run,
+    Pause,
+    Stop,
+}
+
+fn lsn(s: &str) -> Lsn {
+    s.parse().unwrap_or(Lsn(0))
+}
+
+fn flush_of(s: &WriterStatus, peer: usize) -> Lsn {
+    s.peers[peer]
+        .flush_lsn
+        .as_deref()
+        .map(lsn)
+        .unwrap_or(Lsn(0))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_safekeeper_is_restored_from_the_backup_while_writes_go_on() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let backup_dir = dir.path().join("backup");
+    std::fs::create_dir_all(&backup_dir).expect("backup dir");
+    let backup_url = format!("file://{}", backup_dir.display());
+    let service = |extra: &'static [&'static str]| -> Vec<String> {
+        let mut args: Vec<String> = [
+            "--wal-backup",
+            &backup_url,
+            "--partial-backup-enabled",
+            "--partial-backup-timeout",
+            "300ms",
+            "--wal-removal-interval",
+            "200ms",
+            // Above the writer's election timeout below.
+            "--restore-quarantine",
+            "2s",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        args
+    };
+    let start = |id: u64, listen: &str, extra: &'static [&'static str]| {
+        let args = service(extra);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        common::start_safekeeper_with(
+            id,
+            &dir.path().join(format!("sk{id}")),
+            listen,
+            &args,
+            CLUSTER,
+            SEG,
+        )
+    };
+    let mut children = Vec::new();
+    let mut addrs = Vec::new();
+    for id in 0..3 {
+        let (child, addr, _) = start(id, "127.0.0.1:0", &["--create"]);
+        children.push(child);
+        addrs.push(addr);
+    }
+    let mut config = WriterConfig::new(
+        addrs.clone(),
+        ProposerConfig::new(
+            ferry_wal::ClusterId::new(CLUSTER).expect("id"),
+            3,
+            1,
+            SEG,
+            78,
+        ),
+    );
+    config.reconnect_delay = Duration::from_millis(50);
+    config.election_timeout = Duration::from_secs(1);
+    let writer = Arc::new(Writer::start(Arc::new(TcpNetwork), config));
+
+    // Appends stream one after the other while the flow is Run.
+    let (flow, mut flow_rx) = tokio::sync::watch::channel(Flow::Run);
+    let appends = {
+        let writer = Arc::clone(&writer);
+        tokio::spawn(async move {
+            let mut acked = Vec::new();
+            let mut block = 0u64;
+            loop {
+                let now = *flow_rx
+                    .wait_for(|f| *f != Flow::Pause)
+                    .await
+                    .expect("test runs");
+                if now == Flow::Stop {
+                    break;
+                }
+                let end = writer.append(insert(block)).await.expect("acknowledged");
+                acked.push((block, end));
+                block += 1;
+            }
+            acked
+        })
+    };
+    let mut status = writer.subscribe();
+    // Some whole segments in the backup first.
+    tokio::time::timeout(
+        Duration::from_secs(60),
+        status.wait_for(|s| lsn(&s.backup_lsn) >= Lsn(4 * SEG)),
+    )
+    .await
+    .expect("segments are backed up")
+    .expect("writer runs");
+    // A pause longer than the partial backup timeout: every safekeeper
+    // uploads the flushed prefix of the segment being written.
+    flow.send_replace(Flow::Pause);
+    let paused_end = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let s = writer.status();
+            if s.commit_lsn == s.end_lsn && s.waiting_appends == 0 {
+                let end = lsn(&s.end_lsn);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                if lsn(&writer.status().end_lsn) == end {
+                    return end;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("appends pause");
+    let partial_of = |end: Lsn| format!("_{:016X}_{:016X}_sk", end.0, end.0);
+    tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let uploaded = std::fs::read_dir(backup_dir.join("partial"))
+                .map(|d| {
+                    d.filter_map(Result::ok).any(|e| {
+                        e.file_name()
+                            .to_string_lossy()
+                            .contains(&partial_of(paused_end))
+                    })
+                })
+                .unwrap_or(false);
+            if uploaded {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("a partial segment holds the WAL up to the pause");
+
+    // Safekeeper 2 dies and its data dir is lost.
+    children[2].kill().expect("kill -9");
+    children[2].wait().expect("reap");
+    std::fs::remove_dir_all(dir.path().join("sk2")).expect("lose the data dir");
+    // Without the flag it refuses to come back empty.
+    let refused = std::process::Command::new(common::FERRY)
+        .args(["safekeeper", "--id", "2", "--cluster-id", CLUSTER])
+        .args(["--listen", "127.0.0.1:0", "--http", "127.0.0.1:0"])
+        .args(["--segment-bytes", &SEG.to_string(), "--data-dir"])
+        .arg(dir.path().join("sk2"))
+        .output()
+        .expect("run");
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("data was lost"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    let before_restore = lsn(&writer.status().commit_lsn);
+    let (child, _, printed) = start(2, &addrs[2], &["--restore-from-backup"]);
+    children[2] = child;
+    // Writes go on while it is in quarantine and while it is brought back
+    // (resumed only now so that the segment of the pause stays partial).
+    flow.send_replace(Flow::Run);
+    let restored = printed
+        .iter()
+        .find(|l| l.contains("whole segments"))
+        .unwrap_or_else(|| panic!("a restore report: {printed:?}"));
+    let whole: u64 = restored
+        .split("restored ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("segment count in {restored:?}"));
+    assert!(whole >= 4, "{restored}");
+    assert!(
+        restored.contains(" and partial ") && restored.contains(&format!("WAL up to {paused_end}")),
+        "whole segments and the partial one, up to the pause: {restored}"
+    );
+
+    // The writer brings it back after its quarantine, and it catches up
+    // with WAL written after it came back.
+    let after_restore = lsn(&writer.status().end_lsn);
+    assert!(after_restore >= before_restore);
+    tokio::time::timeout(
+        Duration::from_secs(60),
+        status.wait_for(|s| flush_of(s, 2) >= after_restore),
+    )
+    .await
+    .expect("the restored safekeeper is brought back and catches up")
+    .expect("writer runs");
+    flow.send_replace(Flow::Stop);
+    let acked = tokio::time::timeout(Duration::from_secs(60), appends)
+        .await
+        .expect("in time")
+        .expect("task");
+    let writer = Arc::into_inner(writer).expect("sole owner");
+    let end = writer.shutdown().await.expect("clean shutdown");
+
+    let blocks: Vec<u64> = acked.iter().map(|(b, _)| *b).collect();
+    for addr in &addrs {
+        let wal = tokio::time::timeout(
+            Duration::from_secs(30),
+            common::read_committed_wal(addr, end),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("safekeeper {addr} reaches {end}"));
+        let held: Vec<u64> = common::records_of(&wal)
+            .into_iter()
+            .filter_map(|(_, rec)| match rec {
+                Record::Insert { block_number, .. } => Some(block_number),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            held, blocks,
+            "safekeeper {addr} has every acknowledged insert once, in order"
+        );
+    }
+    for mut child in children {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}

@@ -1,0 +1,226 @@
+//! Rebuilding a lost safekeeper from the WAL backup.
+//!
+//! The backup holds whole segments (`wal/<segment>`, each uploaded only once
+//! committed) and partial objects (`partial/<segment>_<term>_<flush>_<commit>_sk<id>.partial`,
+//! whose bytes below `commit` are committed). A restore writes, into an empty
+//! data dir:
+//!
+//! 1. every whole segment from the first one on, up to the first missing one;
+//! 2. from the partial objects of that missing segment, the one with the
+//!    highest commit_lsn, cut at that commit_lsn;
+//! 3. walks the records from the start of the timeline and cuts after the
+//!    last whole one (a segment boundary may split a record);
+//! 4. only then writes the control file, with everything restored marked
+//!    committed and `restored_up_to` set.
+//!
+//! So the restored WAL is exactly a prefix of the committed WAL, and a crash
+//! before step 4 leaves no control file: the restore starts over. What the
+//! backup cannot give back is the terms the lost safekeeper voted in; the
+//! control file's `restored_up_to` keeps it from voting until a writer proven
+//! current brings it back (`ferry_wal::proto::Restored`).
+
+use std::sync::Arc;
+
+use ferry_env::Disk;
+use ferry_storage::Location;
+use ferry_wal::record::MAX_RECORD_BYTES;
+use ferry_wal::segment::SegmentSize;
+use ferry_wal::Lsn;
+
+use crate::acceptor::AcceptorConfig;
+use crate::backup::{segment_key, SEGMENTS_DIR};
+use crate::control::{ControlFile, ControlFileError, SafekeeperState, CONTROL_FILE};
+use crate::partial::{parse_partial_name, partial_key, PARTIAL_DIR};
+use crate::wal_storage::{Preallocation, WalStorage, WalStorageError};
+
+/// Why a restore did not happen.
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    /// The data dir holds a safekeeper: a restore never overwrites one.
+    #[error("{0} exists: this data dir holds a safekeeper; a restore only fills an empty one")]
+    Exists(String),
+    #[error("the WAL backup: {0}")]
+    Storage(#[from] ferry_storage::StorageError),
+    #[error(transparent)]
+    Wal(#[from] WalStorageError),
+    #[error(transparent)]
+    Control(#[from] ControlFileError),
+    #[error("local disk: {0}")]
+    Io(#[from] std::io::Error),
+    /// The backup is not what a backup of this timeline can be.
+    #[error("the WAL backup is damaged: {0}")]
+    Damaged(String),
+}
+
+/// What a restore put back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RestoreReport {
+    /// Whole segments copied (`0..whole_segments`).
+    pub whole_segments: u64,
+    /// The partial object the tail came from.
+    pub partial: Option<String>,
+    /// The restored safekeeper's WAL ends here; all of it is committed.
+    pub restored_lsn: Lsn,
+    /// WAL bytes downloaded.
+    pub bytes: u64,
+}
+
+/// Restores safekeeper `config` into `dir` (which must hold no control
+/// file) from `backup`; see the module documentation.
+pub async fn restore_from_backup(
+    disk: Arc<dyn Disk>,
+    dir: &str,
+    config: &AcceptorConfig,
+    backup: &Location,
+) -> Result<RestoreReport, RestoreError> {
+    let seg = config.segment_size;
+    let control_path = format!("{dir}/{CONTROL_FILE}");
+    match disk.metadata(&control_path).await {
+        Ok(_) => return Err(RestoreError::Exists(control_path)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e.into()),
+    }
+    let whole = whole_run(seg, backup).await?;
+    let run_end = seg.start(whole);
+    // The tail: the partial object of the first missing segment that knows
+    // the most committed WAL.
+    let mut tail: Option<(String, Lsn)> = None;
+    for (key, _) in backup.list(PARTIAL_DIR).await? {
+        let name = key.strip_prefix(&format!("{PARTIAL_DIR}/")).unwrap_or(&key);
+        let Some(p) = parse_partial_name(seg, name) else {
+            continue;
+        };
+        if p.segno == whole
+            && p.commit_lsn > run_end
+            && p.commit_lsn <= p.flush_lsn
+            && tail.as_ref().is_none_or(|(_, c)| p.commit_lsn > *c)
+        {
+            tail = Some((name.to_string(), p.commit_lsn));
+        }
+    }
+
+    // Leftovers of a restore that crashed before its control file go first.
+    let wal_dir = format!("{dir}/wal");
+    disk.create_dir_all(&wal_dir).await?;
+    for name in disk.list_dir(&wal_dir).await? {
+        disk.remove_file(&format!("{wal_dir}/{name}")).await?;
+    }
+    disk.sync_dir(&wal_dir).await?;
+
+    let mut wal = WalStorage::open(
+        Arc::clone(&disk),
+        &wal_dir,
+        seg,
+        Preallocation::Never,
+        Lsn(0),
+        Lsn(0),
+    )
+    .await?;
+    let mut bytes = 0u64;
+    for segno in 0..whole {
+        let data = backup.get(&segment_key(seg, segno)).await?;
+        if data.len() as u64 != seg.bytes() {
+            return Err(RestoreError::Damaged(format!(
+                "{} holds {} bytes, not a whole segment of {}",
+                segment_key(seg, segno),
+                data.len(),
+                seg.bytes()
+            )));
+        }
+        bytes += data.len() as u64;
+        wal.write(seg.start(segno), data).await?;
+        wal.flush().await?;
+    }
+    let mut downloaded_end = run_end;
+    if let Some((name, commit)) = &tail {
+        let len = commit.distance_from(run_end);
+        let data = backup.get_range(&partial_key(name), 0..len).await?;
+        if data.len() as u64 != len {
+            return Err(RestoreError::Damaged(format!(
+                "{} holds {} bytes, less than its commit_lsn {commit} says",
+                partial_key(name),
+                data.len()
+            )));
+        }
+        bytes += len;
+        wal.write(run_end, data).await?;
+        wal.flush().await?;
+        downloaded_end = *commit;
+    }
+    drop(wal);
+
+    // The walk finds the last whole record; a partial's commit_lsn is a
+    // record boundary, a segment end need not be.
+    let wal = WalStorage::open(
+        Arc::clone(&disk),
+        &wal_dir,
+        seg,
+        Preallocation::Never,
+        Lsn(0),
+        Lsn(0),
+    )
+    .await?;
+    let restored_lsn = wal.flush_lsn();
+    drop(wal);
+    let expected = if tail.is_some() {
+        downloaded_end
+    } else {
+        Lsn(downloaded_end.0.saturating_sub(MAX_RECORD_BYTES as u64))
+    };
+    if restored_lsn < expected {
+        return Err(RestoreError::Damaged(format!(
+            "its records end at {restored_lsn}, but it holds WAL up to {downloaded_end}"
+        )));
+    }
+
+    let mut state = SafekeeperState::new(
+        config.cluster_id.clone(),
+        config.node_id,
+        config.timeline_id,
+        seg.bytes(),
+    );
+    state.commit_lsn = restored_lsn;
+    state.durable_lsn = restored_lsn;
+    state.backup_lsn = run_end.min(restored_lsn);
+    state.restored_up_to = Some(restored_lsn);
+    ControlFile::create(disk, dir, state).await?;
+    Ok(RestoreReport {
+        whole_segments: whole,
+        partial: tail.map(|(name, _)| name),
+        restored_lsn,
+        bytes,
+    })
+}
+
+/// The number of whole segments in the backup from segment 0 on without a
+/// gap (segments past a gap are committed too, but the WAL before them is
+/// not there).
+async fn whole_run(seg: SegmentSize, backup: &Location) -> Result<u64, RestoreError> {
+    let mut segnos: Vec<u64> = backup
+        .list(SEGMENTS_DIR)
+        .await?
+        .into_iter()
+        .filter_map(|(key, _)| {
+            let name = key.strip_prefix(&format!("{SEGMENTS_DIR}/"))?;
+            match seg.parse_file_name(name) {
+                Some((segno, false)) => Some(segno),
+                _ => None,
+            }
+        })
+        .collect();
+    segnos.sort_unstable();
+    if segnos.first().is_some_and(|&first| first != 0) {
+        return Err(RestoreError::Damaged(format!(
+            "its first whole segment is {}, not the timeline's first",
+            seg.file_name(segnos[0])
+        )));
+    }
+    let mut run = 0;
+    for segno in segnos {
+        if segno != run {
+            break;
+        }
+        run += 1;
+    }
+    Ok(run)
+}
