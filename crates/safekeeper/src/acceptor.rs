@@ -1087,7 +1087,12 @@ impl Acceptor {
             // holds it.
             Err(WalStorageError::Removed { lsn }) if lsn < self.state.backup_lsn => {
                 match &self.remote {
-                    Some(remote) => Ok(remote.read(begin, self.state.backup_lsn, max).await?),
+                    // A failed read of the backup ends this request only:
+                    // the writer asks again.
+                    Some(remote) => remote
+                        .read(begin, self.state.backup_lsn, max)
+                        .await
+                        .map_err(|e| refused(self.state.term, format!("WAL backup: {e}"))),
                     None => Err(refused(
                         self.state.term,
                         WalStorageError::Removed { lsn }.to_string(),

@@ -11,7 +11,9 @@
 //! 3. walks the records from the start of the timeline and cuts after the
 //!    last whole one (a segment boundary may split a record);
 //! 4. only then writes the control file, with everything restored marked
-//!    committed and `restored_up_to` set.
+//!    committed and `restored_up_to` set, and the lost safekeeper's own
+//!    partial objects listed as `Deleting` (its gc removes them: no object
+//!    is left that no control file names).
 //!
 //! So the restored WAL is exactly a prefix of the committed WAL, and a crash
 //! before step 4 leaves no control file: the restore starts over. What the
@@ -29,7 +31,10 @@ use ferry_wal::Lsn;
 
 use crate::acceptor::AcceptorConfig;
 use crate::backup::{segment_key, SEGMENTS_DIR};
-use crate::control::{ControlFile, ControlFileError, SafekeeperState, CONTROL_FILE};
+use crate::control::{
+    ControlFile, ControlFileError, PartialRemoteSegment, SafekeeperState, UploadStatus,
+    CONTROL_FILE,
+};
 use crate::partial::{parse_partial_name, partial_key, PARTIAL_DIR};
 use crate::wal_storage::{Preallocation, WalStorage, WalStorageError};
 
@@ -85,11 +90,23 @@ pub async fn restore_from_backup(
     // The tail: the partial object of the first missing segment that knows
     // the most committed WAL.
     let mut tail: Option<(String, Lsn)> = None;
+    // The lost safekeeper's own partial objects: no control file names them
+    // any more, so the restored one adopts them for its gc to delete.
+    let mut own_partials = Vec::new();
     for (key, _) in backup.list(PARTIAL_DIR).await? {
         let name = key.strip_prefix(&format!("{PARTIAL_DIR}/")).unwrap_or(&key);
         let Some(p) = parse_partial_name(seg, name) else {
             continue;
         };
+        if p.node_id == config.node_id {
+            own_partials.push(PartialRemoteSegment {
+                status: UploadStatus::Deleting,
+                name: name.to_string(),
+                flush_lsn: p.flush_lsn,
+                commit_lsn: p.commit_lsn,
+                term: p.term,
+            });
+        }
         if p.segno == whole
             && p.commit_lsn > run_end
             && p.commit_lsn <= p.flush_lsn
@@ -183,6 +200,7 @@ pub async fn restore_from_backup(
     state.durable_lsn = restored_lsn;
     state.backup_lsn = run_end.min(restored_lsn);
     state.restored_up_to = Some(restored_lsn);
+    state.partial_backup = own_partials;
     ControlFile::create(disk, dir, state).await?;
     Ok(RestoreReport {
         whole_segments: whole,

@@ -162,6 +162,23 @@ impl SimDisk {
         s.stall_until = None;
     }
 
+    /// Loses every file and directory under `prefix` (a data dir lost with
+    /// its disk, or deleted by mistake); the node must be down.
+    pub fn lose(&self, prefix: &str) {
+        let mut s = lock(&self.state);
+        let under = |path: &String| path == prefix || path.starts_with(&format!("{prefix}/"));
+        s.current.retain(|path, _| !under(path));
+        s.synced.retain(|path, _| !under(path));
+        s.dirs.retain(|path| !under(path));
+        let live: BTreeSet<u64> = s
+            .current
+            .values()
+            .chain(s.synced.values())
+            .copied()
+            .collect();
+        s.files.retain(|id, _| live.contains(id));
+    }
+
     /// Disk operations take time from now on (`None`: none), drawn with `seed`.
     pub fn set_latency(&self, latency: Option<DiskLatency>, seed: u64) {
         lock(&self.state).latency = latency.map(|l| (l, SmallRng::seed_from_u64(seed)));

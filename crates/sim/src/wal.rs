@@ -62,6 +62,12 @@ pub enum Event {
     TakeOver,
     /// A misbehaving proposer sends a safekeeper what it must refuse.
     Rogue { safekeeper: usize, kind: RogueKind },
+    /// Safekeeper `i`'s data dir is lost (it is killed first if it runs); it
+    /// is rebuilt from the backup, perhaps after restores that crash half
+    /// way, and started. At most one per run: a second loss before the
+    /// first one's WAL is everywhere again could lose committed WAL in any
+    /// quorum system of three.
+    LoseDisk(usize),
 }
 
 /// A schedule: events at virtual times, plus the network settings.
@@ -132,6 +138,23 @@ pub fn generate_schedule(rng: &mut SmallRng) -> Schedule {
         events.push((at, event));
     }
     Schedule { events, net }
+}
+
+/// Adds one [`Event::LoseDisk`] to half of the schedules, drawn from its own
+/// generator so that the rest of every schedule stays what the seed made
+/// before disk losses existed (regression seeds keep their meaning).
+pub fn add_disk_loss(schedule: &mut Schedule, seed: u64) {
+    let mut rng = SmallRng::seed_from_u64(seed ^ 0x1055_D15C_0000_0000);
+    let Some(&(last, _)) = schedule.events.last() else {
+        return;
+    };
+    if !rng.random_bool(0.5) {
+        return;
+    }
+    let at = Duration::from_millis(rng.random_range(0..=last.as_millis() as u64));
+    let event = Event::LoseDisk(rng.random_range(0..SAFEKEEPERS));
+    let index = schedule.events.partition_point(|(t, _)| *t <= at);
+    schedule.events.insert(index, (at, event));
 }
 
 /// What one seed did.
@@ -235,6 +258,9 @@ struct Sim {
     control: Option<ferry_coord::Session>,
     /// What the recorder writes to coordination as the known commit.
     committed_tx: watch::Sender<Lsn>,
+    /// The safekeeper whose data dir was lost, and the WAL its restore put
+    /// back (checked at the end against the committed WAL).
+    restored: Option<(usize, Bytes)>,
 }
 
 /// Where the known commit lives in coordination (as in `ferry dev`).
@@ -525,6 +551,80 @@ impl Sim {
         self.seen_commits[i] = Lsn(0);
         self.log(format!("sk{i} started ({described})"));
         Ok(())
+    }
+
+    /// Loses safekeeper `i`'s data dir and rebuilds it from the backup (a
+    /// restore may crash half way; the next one starts over).
+    async fn lose_disk(&mut self, i: usize) -> Result<(), Failure> {
+        if self.restored.is_some() {
+            self.log(format!(
+                "sk{i} keeps its disk: one data dir is lost per run"
+            ));
+            return Ok(());
+        }
+        self.crash_safekeeper(i).await;
+        self.disks[i].lose(&node_name(i));
+        self.disks[i].set_failing(false);
+        self.log(format!("sk{i} lost its data dir"));
+        let disk: Arc<dyn Disk> = Arc::new(self.disks[i].clone());
+        let config = self.acceptor_config(i);
+        let dir = node_name(i);
+        let mut attempt = 0;
+        let report = loop {
+            attempt += 1;
+            if attempt > 100 {
+                return Err(self.fail(format!("sk{i}: 100 restores failed")));
+            }
+            let restore = ferry_safekeeper::restore::restore_from_backup(
+                Arc::clone(&disk),
+                &dir,
+                &config,
+                &self.world.lake,
+            );
+            let crash_after = self
+                .world
+                .rng
+                .random_bool(0.3)
+                .then(|| Duration::from_millis(self.world.rng.random_range(0..300)));
+            let result = match crash_after {
+                Some(after) => tokio::select! {
+                    r = restore => Some(r),
+                    () = tokio::time::sleep(after) => None,
+                },
+                None => Some(restore.await),
+            };
+            match result {
+                Some(Ok(report)) => break report,
+                Some(Err(ferry_safekeeper::restore::RestoreError::Exists(path))) => {
+                    return Err(
+                        self.fail(format!("sk{i}: the restore found {path} on a lost disk"))
+                    );
+                }
+                Some(Err(e)) => {
+                    self.log(format!("sk{i} restore failed: {e}"));
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                None => {
+                    self.world.crash_disk(&node_name(i));
+                    self.log(format!("sk{i} crashed while restoring"));
+                }
+            }
+        };
+        let acceptor = self.open_acceptor(i).await?;
+        let restored = acceptor
+            .wal_reader()
+            .read_all(Lsn(0), report.restored_lsn)
+            .await
+            .map_err(|e| self.fail(format!("sk{i} cannot read its restored WAL: {e}")))?;
+        drop(acceptor);
+        self.log(format!(
+            "sk{i} restored {} whole segments and partial {:?}: WAL up to {}",
+            report.whole_segments, report.partial, report.restored_lsn
+        ));
+        self.restored = Some((i, restored));
+        // It forgot its terms: the restored one starts from term 0.
+        self.seen_terms[i] = 0;
+        self.start_safekeeper(i).await
     }
 
     async fn crash_safekeeper(&mut self, i: usize) {
@@ -894,6 +994,7 @@ impl Sim {
                 self.start_writer().await?;
             }
             Event::TakeOver => self.take_over().await?,
+            Event::LoseDisk(i) => self.lose_disk(i).await?,
             Event::Fault(Fault::Partition(a, b)) => {
                 // Index SAFEKEEPERS is the current writer.
                 let name = |i: usize| {
@@ -1200,6 +1301,26 @@ impl Sim {
                 )));
             }
         }
+        // A restored safekeeper held exactly committed WAL, and was brought
+        // back (it votes again).
+        if let Some((i, restored)) = &self.restored {
+            if restored.len() > full.len() || restored[..] != full[..restored.len()] {
+                let at = (0..restored.len().min(full.len()))
+                    .find(|&k| restored[k] != full[k])
+                    .unwrap_or(restored.len().min(full.len()));
+                return Err(self.fail(format!(
+                    "sk{i} was restored with {} bytes that are not the committed WAL ({} bytes): they differ at byte {at}",
+                    restored.len(),
+                    full.len()
+                )));
+            }
+            let acceptor = self.open_acceptor(*i).await?;
+            if let Some(lsn) = acceptor.restored_up_to() {
+                return Err(self.fail(format!(
+                    "sk{i}, restored up to {lsn}, was never brought back"
+                )));
+            }
+        }
         // No safekeeper removed WAL the replica had not applied.
         let applied = walreceiver::lock(&self.received).wal.len() as u64;
         for (i, &segno) in removed.iter().enumerate() {
@@ -1286,7 +1407,8 @@ pub fn run_seed(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
 
 async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
     let mut rng = SmallRng::seed_from_u64(seed);
-    let schedule = generate_schedule(&mut rng);
+    let mut schedule = generate_schedule(&mut rng);
+    add_disk_loss(&mut schedule, seed);
     let mut world = World::new(
         seed,
         &mut rng,
@@ -1345,6 +1467,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         control_sessions,
         control: None,
         committed_tx,
+        restored: None,
     };
     let mut header = String::new();
     let _ = write!(

@@ -837,6 +837,10 @@ impl Proposer {
                 continue;
             }
             tracing::info!(peer, start = %flush_lsn, "bringing back a restored safekeeper");
+            if self.donor == Some(peer) {
+                // It lost the WAL it gave this election.
+                self.donor = None;
+            }
             self.peers[peer] = Peer::Electing { start: flush_lsn };
             actions.push(Action::Send {
                 to: peer,
@@ -1031,15 +1035,35 @@ impl Proposer {
             .min();
         let Some(begin) = needed else { return };
         let end = self.buffer.start();
-        let donor_ok = self
-            .donor
-            .filter(|&d| !matches!(self.peers[d], Peer::Offline | Peer::Greeting));
+        // The donor holds the WAL up to the epoch start unless it lost it:
+        // a donor restored from the backup since is a safekeeper like any.
+        let donor_ok = self.donor.filter(|&d| match self.peers[d] {
+            Peer::Streaming { flush_lsn, .. } => flush_lsn >= end,
+            Peer::Offline | Peer::Greeting | Peer::Restored { .. } | Peer::Rejoining { .. } => {
+                false
+            }
+            _ => true,
+        });
         let source = donor_ok.or_else(|| {
             self.peers
                 .iter()
                 .position(|p| matches!(p, Peer::Streaming { flush_lsn, .. } if *flush_lsn >= end))
         });
         let Some(source) = source else {
+            if self.donor.is_none() && self.commit_lsn < self.epoch_start_lsn {
+                // The donor lost its disk before anyone else got the WAL this
+                // term starts from: nobody holds it (so it was never
+                // committed), and this term can never commit. Nothing of it
+                // was acknowledged: give it up for a new election.
+                self.phase = Phase::Stopped;
+                actions.push(Action::Superseded {
+                    term: self.term,
+                    reason: format!(
+                        "the WAL up to this term's start {end} was lost with its donor's data; electing again"
+                    ),
+                });
+                return;
+            }
             tracing::warn!(%begin, %end, "no safekeeper can provide the WAL a lagging safekeeper needs");
             return;
         };
