@@ -152,9 +152,27 @@ pub fn add_disk_loss(schedule: &mut Schedule, seed: u64) {
         return;
     }
     let at = Duration::from_millis(rng.random_range(0..=last.as_millis() as u64));
-    let event = Event::LoseDisk(rng.random_range(0..SAFEKEEPERS));
-    let index = schedule.events.partition_point(|(t, _)| *t <= at);
-    schedule.events.insert(index, (at, event));
+    let lost = rng.random_range(0..SAFEKEEPERS);
+    let mut added = vec![(at, Event::LoseDisk(lost))];
+    if rng.random_bool(0.4) {
+        // The loss lands in a split: the old writer cannot reach `b`, a
+        // takeover's writer cannot reach `a`, and the new writer was elected
+        // by `b` and the safekeeper about to lose its data. Only the votes
+        // it forgot stop the old writer from getting a quorum with it
+        // once it is restored.
+        let a = (lost + rng.random_range(1..SAFEKEEPERS)) % SAFEKEEPERS;
+        let b = (0..SAFEKEEPERS).find(|&k| k != lost && k != a).unwrap_or(a);
+        added = vec![
+            (at, Event::Fault(Fault::Partition(SAFEKEEPERS, b))),
+            (at, Event::TakeOver),
+            (at + Duration::from_millis(100), Event::Fault(Fault::Partition(SAFEKEEPERS, a))),
+            (at + Duration::from_millis(600), Event::LoseDisk(lost)),
+        ];
+    }
+    for (at, event) in added {
+        let index = schedule.events.partition_point(|(t, _)| *t <= at);
+        schedule.events.insert(index, (at, event));
+    }
 }
 
 /// What one seed did.
