@@ -111,6 +111,11 @@ impl SimNet {
         lock(&self.state).partitions.clear();
     }
 
+    /// Repairs the cut between `a` and `b` only.
+    pub fn heal(&self, a: &str, b: &str) {
+        lock(&self.state).partitions.remove(&pair(a, b));
+    }
+
     fn partitioned(&self, a: &str, b: &str) -> bool {
         lock(&self.state).partitions.contains(&pair(a, b))
     }

@@ -68,6 +68,13 @@ pub enum Event {
     /// first one's WAL is everywhere again could lose committed WAL in any
     /// quorum system of three.
     LoseDisk(usize),
+    /// A loss inside a split, the case a restored safekeeper's lost votes
+    /// matter in: the current writer is cut off from `b` and `lost`, a
+    /// takeover's writer from `a` (so it is elected by `b` and `lost`), then
+    /// `lost` loses its data dir and is restored, and the old writer can
+    /// reach it again. The old writer must not get a quorum with it (it
+    /// still reaches `a`, which never heard of the new term).
+    SplitLoss { lost: usize, a: usize, b: usize },
 }
 
 /// A schedule: events at virtual times, plus the network settings.
@@ -155,19 +162,9 @@ pub fn add_disk_loss(schedule: &mut Schedule, seed: u64) {
     let lost = rng.random_range(0..SAFEKEEPERS);
     let mut added = vec![(at, Event::LoseDisk(lost))];
     if rng.random_bool(0.4) {
-        // The loss lands in a split: the old writer cannot reach `b`, a
-        // takeover's writer cannot reach `a`, and the new writer was elected
-        // by `b` and the safekeeper about to lose its data. Only the votes
-        // it forgot stop the old writer from getting a quorum with it
-        // once it is restored.
         let a = (lost + rng.random_range(1..SAFEKEEPERS)) % SAFEKEEPERS;
         let b = (0..SAFEKEEPERS).find(|&k| k != lost && k != a).unwrap_or(a);
-        added = vec![
-            (at, Event::Fault(Fault::Partition(SAFEKEEPERS, b))),
-            (at, Event::TakeOver),
-            (at + Duration::from_millis(100), Event::Fault(Fault::Partition(SAFEKEEPERS, a))),
-            (at + Duration::from_millis(600), Event::LoseDisk(lost)),
-        ];
+        added = vec![(at, Event::SplitLoss { lost, a, b })];
     }
     for (at, event) in added {
         let index = schedule.events.partition_point(|(t, _)| *t <= at);
@@ -645,6 +642,28 @@ impl Sim {
         self.start_safekeeper(i).await
     }
 
+    /// See [`Event::SplitLoss`].
+    async fn split_loss(&mut self, lost: usize, a: usize, b: usize) -> Result<(), Failure> {
+        if self.restored.is_some() {
+            return Ok(());
+        }
+        let old = writer_node(self.writers_started);
+        self.world.partition(&old, &node_name(b));
+        self.world.partition(&old, &node_name(lost));
+        self.take_over().await?;
+        let new = writer_node(self.writers_started);
+        self.world.partition(&new, &node_name(a));
+        let incarnation = self.writers_started;
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while !self.elected.contains_key(&incarnation) && Instant::now() < deadline {
+            self.run_until((Instant::now() + Duration::from_millis(50)).min(deadline))
+                .await?;
+        }
+        self.lose_disk(lost).await?;
+        self.world.heal(&old, &node_name(lost));
+        Ok(())
+    }
+
     async fn crash_safekeeper(&mut self, i: usize) {
         if let Some(server) = self.servers[i].take() {
             // Most crashes wait for the next write, so they land between it and
@@ -1013,6 +1032,7 @@ impl Sim {
             }
             Event::TakeOver => self.take_over().await?,
             Event::LoseDisk(i) => self.lose_disk(i).await?,
+            Event::SplitLoss { lost, a, b } => self.split_loss(lost, a, b).await?,
             Event::Fault(Fault::Partition(a, b)) => {
                 // Index SAFEKEEPERS is the current writer.
                 let name = |i: usize| {

@@ -146,6 +146,12 @@ impl World {
         self.log(format!("partition {a} | {b}"));
     }
 
+    /// Repairs the network between `a` and `b` only.
+    pub fn heal(&mut self, a: &str, b: &str) {
+        self.net.heal(a, b);
+        self.log(format!("heal {a} | {b}"));
+    }
+
     pub fn repair_all(&mut self) {
         self.net.repair_all();
         self.coord.repair_all();
