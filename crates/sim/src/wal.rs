@@ -661,7 +661,14 @@ impl Sim {
         }
         self.lose_disk(lost).await?;
         self.world.heal(&old, &node_name(lost));
-        Ok(())
+        // The split holds past the quarantine while the old writer tries to
+        // write: it must not commit anything.
+        if let Some((writer, _)) = self.old_writers.get(&(incarnation - 1)) {
+            let writer = Arc::clone(writer);
+            self.write_through(writer, incarnation - 1, 5, 100);
+        }
+        let until = Instant::now() + Duration::from_secs(8);
+        self.run_until(until).await
     }
 
     async fn crash_safekeeper(&mut self, i: usize) {
@@ -966,10 +973,14 @@ impl Sim {
         let Some(writer) = self.writer.clone() else {
             return;
         };
+        self.write_through(writer, self.writers_started, records, bytes);
+    }
+
+    /// Appends `records` inserts through writer `incarnation`.
+    fn write_through(&mut self, writer: Arc<Writer>, incarnation: u64, records: u32, bytes: usize) {
         let first = self.next_block;
         self.next_block += u64::from(records);
         let tx = self.results.0.clone();
-        let incarnation = self.writers_started;
         self.log(format!(
             "write blocks {first}..{}",
             first + u64::from(records)
