@@ -70,10 +70,13 @@ pub enum Event {
     LoseDisk(usize),
     /// A loss inside a split, the case a restored safekeeper's lost votes
     /// matter in: the current writer is cut off from `b` and `lost`, a
-    /// takeover's writer from `a` (so it is elected by `b` and `lost`), then
-    /// `lost` loses its data dir and is restored, and the old writer can
-    /// reach it again. The old writer must not get a quorum with it (it
-    /// still reaches `a`, which never heard of the new term).
+    /// takeover's writer from `a` (so it is elected by `b` and `lost`, and
+    /// commits on them), then `lost` loses its data dir and is restored, the
+    /// old writer can reach it again, and a third writer that knows no
+    /// commit starts, cut off from `b`. Neither may get a quorum with the
+    /// restored safekeeper: the old one still reaches `a`, which never heard
+    /// of the new term, and the third one would be elected by `a` and the
+    /// restored one, which lack what the new writer committed.
     SplitLoss { lost: usize, a: usize, b: usize },
 }
 
@@ -659,8 +662,23 @@ impl Sim {
             self.run_until((Instant::now() + Duration::from_millis(50)).min(deadline))
                 .await?;
         }
+        // The new writer commits on `b` and `lost` alone.
+        self.write(5, 100);
+        let until = Instant::now() + Duration::from_secs(1);
+        self.run_until(until).await?;
         self.lose_disk(lost).await?;
         self.world.heal(&old, &node_name(lost));
+        // A third writer, which knows no commit (a deployment without
+        // coordination), cannot reach `b`: it must not be elected by `a` and
+        // the restored safekeeper, which hold none of what the new writer
+        // committed.
+        if let (Some(writer), Some(status)) = (self.writer.take(), self.status.take()) {
+            self.old_writers
+                .insert(self.writers_started, (writer, status));
+        }
+        self.start_writer_knowing(Lsn(0));
+        let third = writer_node(self.writers_started);
+        self.world.partition(&third, &node_name(b));
         // The split holds past the quarantine while the old writer tries to
         // write: it must not commit anything.
         if let Some((writer, _)) = self.old_writers.get(&(incarnation - 1)) {
