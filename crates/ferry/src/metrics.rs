@@ -164,6 +164,12 @@ pub fn safekeeper(status: &ferry_safekeeper::acceptor::AcceptorStatus) -> Vec<Sa
             status.term as f64,
         ),
         gauge(
+            "ferry_safekeeper_restored_not_rejoined",
+            "1 while a safekeeper restored from the backup waits for a writer to bring it back (it does not vote)",
+            &labels,
+            f64::from(u8::from(status.restored_up_to.is_some())),
+        ),
+        gauge(
             "ferry_safekeeper_flush_lsn",
             "A safekeeper's flush_lsn (bytes)",
             &labels,
