@@ -182,7 +182,8 @@ struct Sim {
     world: World,
     sk_disks: Vec<SimDisk>,
     servers: Vec<Option<Arc<SafekeeperServer>>>,
-    writer: Arc<Writer>,
+    /// Taken by the clean shutdown at the end.
+    writer: Option<Arc<Writer>>,
     replicas: Vec<Option<ReplicaNode>>,
     /// Highest `disk_consistent_lsn` each replica reported (durable).
     reported: Arc<Mutex<Vec<Lsn>>>,
@@ -338,7 +339,9 @@ impl Sim {
     }
 
     fn send(&mut self, req: Request) {
-        let writer = Arc::clone(&self.writer);
+        let Some(writer) = self.writer.clone() else {
+            return;
+        };
         let tx = self.results.0.clone();
         self.in_flight += 1;
         tokio::spawn(async move {
@@ -427,7 +430,10 @@ impl Sim {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        self.writer
+        let Some(writer) = &self.writer else {
+            return Err(self.fail("the writer was shut down"));
+        };
+        writer
             .status()
             .commit_lsn
             .parse()
@@ -444,9 +450,37 @@ impl Sim {
             }
         }
         let deadline = Instant::now() + Duration::from_secs(120);
-        let end = self
-            .complete_inserts(deadline, "after faults stopped")
+        self.complete_inserts(deadline, "after faults stopped")
             .await?;
+        // Neon's stop_and_wait: the writer commits its shutdown checkpoint
+        // and waits until every running replica applied it durably, as it
+        // learns from their feedback relayed by the safekeepers.
+        let Some(mut writer) = self.writer.take() else {
+            return Err(self.fail("the writer was shut down already"));
+        };
+        let writer = loop {
+            match Arc::try_unwrap(writer) {
+                Ok(w) => break w,
+                Err(shared) if Instant::now() < deadline => {
+                    // An insert task still drops its handle.
+                    writer = shared;
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                Err(_) => return Err(self.fail("the writer is still shared after the inserts")),
+            }
+        };
+        let running: Vec<(u32, u32)> = (0..replicas())
+            .filter(|&i| self.replicas[i].is_some())
+            .map(|i| (i as u32 / REPLICAS_PER_SHARD, i as u32 % REPLICAS_PER_SHARD))
+            .collect();
+        let end = writer
+            .shutdown_and_wait_for_replicas(
+                &running,
+                deadline.saturating_duration_since(Instant::now()),
+            )
+            .await
+            .map_err(|e| self.fail(format!("clean shutdown with every replica applied: {e}")))?;
+        self.log(format!("writer stopped; every replica applied its checkpoint at {end}"));
         for i in 0..replicas() {
             let Some(node) = &self.replicas[i] else {
                 continue;
@@ -616,7 +650,7 @@ impl Sim {
             world,
             sk_disks,
             servers: vec![None, None, None],
-            writer,
+            writer: Some(writer),
             replicas: (0..replicas()).map(|_| None).collect(),
             reported: Arc::new(Mutex::new(vec![Lsn(0); replicas()])),
             violations: Arc::new(Mutex::new(Vec::new())),
