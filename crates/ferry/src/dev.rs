@@ -55,6 +55,8 @@ pub struct DevArgs {
 
 /// Replicas that `ferry dev` runs; each holds every shard of every table.
 const DEV_REPLICAS: u32 = 2;
+/// How long a clean stop waits for the replicas to apply the checkpoint.
+const DEV_REPLICA_STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Most safekeepers of one local quorum.
 pub const MAX_SAFEKEEPERS: u64 = 15;
@@ -408,17 +410,25 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         t.abort();
         let _ = t.await;
     }
-    for t in replica_tasks {
-        t.abort();
-        let _ = t.await;
-    }
-    drop(replicas);
     elections.abort();
     recorder.abort();
     let _ = recorder.await;
     let term = quorum.writer.status().term;
     let quorum = Arc::into_inner(quorum).context("status endpoint still holds the quorum")?;
-    let end = quorum.shutdown().await?;
+    // The replicas still stream: the writer's checkpoint reaches them and the
+    // stop waits (bounded) until both applied it, so a clean stop leaves
+    // every acknowledged insert in their parts.
+    let every_replica: Vec<(u32, u32)> = (0..DEV_REPLICAS)
+        .map(|r| (ferry_replica::ALL_SHARDS, r))
+        .collect();
+    let end = quorum
+        .shutdown_waiting_for(&every_replica, DEV_REPLICA_STOP_WAIT)
+        .await?;
+    for t in replica_tasks {
+        t.abort();
+        let _ = t.await;
+    }
+    drop(replicas);
     cluster::record_wal_state(
         &*session,
         WalState {
@@ -429,6 +439,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     .await?;
     session.close().await;
     store.shutdown().await;
+    tracing::info!(checkpoint = %end, "stopped cleanly");
     say!("ferry dev stopped cleanly; shutdown checkpoint committed at {end}");
     demo_result.unwrap_or(Ok(()))
 }

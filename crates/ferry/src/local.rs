@@ -440,10 +440,35 @@ impl LocalQuorum {
 
     /// Clean shutdown: the writer's checkpoint is committed, then the safekeepers
     /// persist their positions and stop.
-    pub async fn shutdown(self) -> anyhow::Result<Lsn> {
+    /// The clean stop that also waits, at most `timeout`, until the
+    /// `replicas` (shard, replica) applied the shutdown checkpoint durably;
+    /// a replica still behind then is reported, not an error (it catches up
+    /// from the safekeepers at its next start).
+    pub async fn shutdown_waiting_for(
+        self,
+        replicas: &[(u32, u32)],
+        timeout: std::time::Duration,
+    ) -> anyhow::Result<Lsn> {
         let writer = Arc::into_inner(self.writer)
             .context("the writer is still in use (an insert still running?)")?;
-        let end = writer.shutdown().await;
+        let end = if replicas.is_empty() {
+            writer.shutdown().await
+        } else {
+            match writer
+                .shutdown_and_wait_for_replicas(replicas, timeout)
+                .await
+            {
+                Err(ferry_writer::driver::WriterError::ReplicasBehind { end, behind }) => {
+                    tracing::warn!(?behind, %end, "replicas had not applied the shutdown checkpoint");
+                    say!(
+                        "replicas {behind:?} had not applied everything up to {end} after {}; they catch up at the next start",
+                        humantime::format_duration(timeout)
+                    );
+                    Ok(end)
+                }
+                other => other,
+            }
+        };
         for s in self.members.iter().filter_map(Member::server) {
             s.shutdown().await;
         }

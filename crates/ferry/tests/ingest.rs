@@ -1046,3 +1046,67 @@ fn the_demo_runs_and_exits_cleanly() {
     );
     assert!(stdout.contains("stopped cleanly"), "{stdout}");
 }
+
+/// A replica opened from its data dir after `ferry dev` stopped: what it made
+/// durable (opening reads its state file; no table is looked up).
+struct NoTables;
+
+#[async_trait::async_trait]
+impl ferry_replica::Tables for NoTables {
+    async fn by_id(&self, id: u64) -> Result<ferry_replica::TableRef, String> {
+        Err(format!("table {id} is not looked up here"))
+    }
+}
+
+#[test]
+fn a_clean_stop_waits_until_both_replicas_applied_the_checkpoint() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let (child, lines) = start_dev(&data);
+    let url = base_url(&lines);
+    let file = dir.path().join("events.toml");
+    std::fs::write(&file, TABLE).expect("write definition");
+    let (ok, out, err) = ferry(
+        &["table", "create", "--file", file.to_str().expect("path")],
+        &url,
+    );
+    assert!(ok, "{out}{err}");
+    let rt = runtime();
+    let c = client(&url, None);
+    for i in 0..20 {
+        rt.block_on(c.insert_body("events", Format::Ndjson, body(Format::Ndjson, 10 * i), None))
+            .expect("insert");
+    }
+    // Stop right after the last acknowledgement: the replicas have not
+    // necessarily applied it, and the shutdown checkpoint comes after it.
+    interrupt(&child);
+    let mut child = child;
+    assert_clean_exit(&mut child, &data);
+    let log = std::fs::read_to_string(common::dev_log(&data)).expect("log");
+    assert!(!log.contains("had not applied"), "{log}");
+    let end: Lsn = log
+        .split("stopped cleanly checkpoint=")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|l| l.parse().ok())
+        .unwrap_or_else(|| panic!("the checkpoint in the log: {log}"));
+    let disk: Arc<dyn ferry_env::Disk> =
+        Arc::new(ferry_env::RealDisk::open_root(&data).expect("data dir"));
+    for r in 0..2 {
+        let replica = rt
+            .block_on(ferry_replica::Replica::open(
+                Arc::clone(&disk),
+                &format!("replicas/r{r}"),
+                ferry_replica::ALL_SHARDS,
+                r,
+                ferry_env::Cpu::Inline,
+                Arc::new(NoTables),
+            ))
+            .expect("open the replica");
+        assert!(
+            replica.disk_consistent_lsn() >= end,
+            "replica {r} made {} durable, not the checkpoint at {end}",
+            replica.disk_consistent_lsn()
+        );
+    }
+}

@@ -480,7 +480,9 @@ impl Sim {
             )
             .await
             .map_err(|e| self.fail(format!("clean shutdown with every replica applied: {e}")))?;
-        self.log(format!("writer stopped; every replica applied its checkpoint at {end}"));
+        self.log(format!(
+            "writer stopped; every replica applied its checkpoint at {end}"
+        ));
         for i in 0..replicas() {
             let Some(node) = &self.replicas[i] else {
                 continue;
