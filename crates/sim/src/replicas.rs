@@ -26,7 +26,8 @@ use bytes::Bytes;
 use ferry_env::{Cpu, Disk};
 use ferry_replica::{Replica, SharedReplica, StreamConfig, TableRef, Tables};
 use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig};
-use ferry_safekeeper::server::SafekeeperServer;
+use ferry_safekeeper::backup::BackupConfig;
+use ferry_safekeeper::server::{SafekeeperServer, ServerConfig};
 use ferry_table::{Table, TableDef};
 use ferry_wal::segment::SegmentSize;
 use ferry_wal::{ClusterId, Lsn};
@@ -46,7 +47,9 @@ use crate::world::{Failure, World};
 const SAFEKEEPERS: usize = 3;
 const SHARDS: u32 = 2;
 const REPLICAS_PER_SHARD: u32 = 2;
-const SEGMENT_BYTES: u64 = 256 << 10;
+const SEGMENT_BYTES: u64 = 64 << 10;
+/// More than the WAL of the largest insert of the schedule (39 rows).
+const MAX_INSERT_WAL: u64 = 32 << 10;
 const TABLE_ID: u64 = 1;
 const PARTITIONS: [&str; 3] = ["p0", "p1", "p2"];
 /// Bytes a replica's safekeeper may fall behind another before it moves.
@@ -64,6 +67,9 @@ name = "id"
 type = "Int64"
 [[columns]]
 name = "p"
+type = "Utf8"
+[[columns]]
+name = "pad"
 type = "Utf8"
 "#,
         )
@@ -134,6 +140,11 @@ fn request(n: u64, first_id: i64, rows: usize) -> Request {
                 ids.iter()
                     .map(|i| PARTITIONS[(*i as usize / 3) % PARTITIONS.len()]),
             )),
+            // Bulk, so that the WAL spans many segments: backed up, removed
+            // and read back from the backup by replicas that were down.
+            Arc::new(StringArray::from_iter_values(
+                ids.iter().map(|i| format!("{i:0>300}")),
+            )),
         ],
     )
     .expect("batch");
@@ -184,6 +195,10 @@ struct Sim {
     servers: Vec<Option<Arc<SafekeeperServer>>>,
     /// Taken by the clean shutdown at the end.
     writer: Option<Arc<Writer>>,
+    /// Draws each safekeeper start's backup and removal settings.
+    config_rng: SmallRng,
+    /// The writer's max_replication_flush_lag (0: no back-pressure).
+    flush_lag: u64,
     replicas: Vec<Option<ReplicaNode>>,
     /// Highest `disk_consistent_lsn` each replica reported (durable).
     reported: Arc<Mutex<Vec<Lsn>>>,
@@ -224,12 +239,36 @@ impl Sim {
             Acceptor::open(disk, &sk_name(i), Self::acceptor_config(i)).await
         }
         .map_err(|e| self.fail(format!("sk{i} cannot open: {e}")))?;
-        let server =
-            SafekeeperServer::start(self.world.net.node(&sk_name(i)), &sk_name(i), acceptor)
-                .await
-                .map_err(|e| self.fail(format!("sk{i} cannot listen: {e}")))?;
+        // WAL backup to the lake and removal behind every replica, drawn at
+        // every start from a generator of their own (the schedule's draws
+        // stay as they were): a replica that was down long reads removed
+        // WAL back from the backup.
+        let config = ServerConfig {
+            backup: Some(BackupConfig {
+                location: self.world.lake.clone(),
+                parallel_jobs: self.config_rng.random_range(1..=4),
+            }),
+            walsenders_keep_horizon: self.config_rng.random_bool(0.5),
+            removal_interval: Duration::from_millis(self.config_rng.random_range(100..=2000)),
+            ..ServerConfig::default()
+        };
+        let described = format!(
+            "backup jobs {}, keep-horizon {}, removal every {:?}",
+            config.backup.as_ref().map_or(0, |b| b.parallel_jobs),
+            config.walsenders_keep_horizon,
+            config.removal_interval
+        );
+        let listener = self
+            .world
+            .net
+            .node(&sk_name(i))
+            .bind(&sk_name(i))
+            .await
+            .map_err(|e| self.fail(format!("sk{i} cannot listen: {e}")))?;
+        let server = SafekeeperServer::serve_with(listener, acceptor, config)
+            .map_err(|e| self.fail(format!("sk{i} cannot listen: {e}")))?;
         self.servers[i] = Some(Arc::new(server));
-        self.log(format!("sk{i} started"));
+        self.log(format!("sk{i} started ({described})"));
         Ok(())
     }
 
@@ -402,6 +441,21 @@ impl Sim {
     }
 
     fn check_steps(&self) -> Result<(), Failure> {
+        // Back-pressure holds the end of WAL within the limit (plus the one
+        // insert released last) of the slowest replica the writer heard of.
+        if let (Some(writer), true) = (&self.writer, self.flush_lag > 0) {
+            let s = writer.status();
+            let end: Lsn = s.end_lsn.parse().unwrap_or(Lsn(0));
+            if let Some(min) = s.overall_minimum {
+                let lag = end.distance_from(min.disk_consistent_lsn);
+                if lag > self.flush_lag + MAX_INSERT_WAL {
+                    return Err(self.fail(format!(
+                        "the end of WAL {end} ran {lag} bytes ahead of the slowest replica's {} (limit {} and one insert)",
+                        min.disk_consistent_lsn, self.flush_lag
+                    )));
+                }
+            }
+        }
         let v = self
             .violations
             .lock()
@@ -647,12 +701,23 @@ impl Sim {
         config.reconnect_delay = Duration::from_millis(50);
         config.peer_timeout = Duration::from_secs(1);
         config.reelect_when_superseded = true;
+        let mut config_rng = SmallRng::seed_from_u64(seed ^ 0x5EC0_0B0C_CA11_0000);
+        // Back-pressure in half of the runs: inserts wait while the slowest
+        // replica has durably applied less than the end of WAL minus this.
+        let flush_lag = if config_rng.random_bool(0.5) {
+            config_rng.random_range(64u64 << 10..=512 << 10)
+        } else {
+            0
+        };
+        config.back_pressure.max_flush_lag = flush_lag;
         let writer = Arc::new(Writer::start(world.net.node("writer"), config));
         let mut sim = Sim {
             world,
             sk_disks,
             servers: vec![None, None, None],
             writer: Some(writer),
+            config_rng,
+            flush_lag,
             replicas: (0..replicas()).map(|_| None).collect(),
             reported: Arc::new(Mutex::new(vec![Lsn(0); replicas()])),
             violations: Arc::new(Mutex::new(Vec::new())),
@@ -743,8 +808,14 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
     }
     let end = sim.settle().await?;
     let (rows, merges) = sim.check_replicas().await?;
+    let (mut removed, mut uploads) = (0, 0);
+    for server in sim.servers.iter().flatten() {
+        let status = server.status().await;
+        removed += status.segments_removed;
+        uploads += status.backup_uploads;
+    }
     sim.log(format!(
-        "settled at {end}: {rows} rows on all replicas, {merges} merges"
+        "settled at {end}: {rows} rows on all replicas, {merges} merges; since their last start the safekeepers uploaded {uploads} segments and removed {removed}"
     ));
     for i in 0..replicas() {
         if let Some(node) = sim.replicas[i].take() {
