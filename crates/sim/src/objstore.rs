@@ -62,6 +62,20 @@ struct State {
 pub struct FaultyObjectStore {
     inner: Arc<dyn ObjectStore>,
     state: Arc<Mutex<State>>,
+    /// Every put or delete as it starts and once it applied, for checkers
+    /// that crash a node at a chosen step of an upload protocol.
+    events: Arc<tokio::sync::watch::Sender<StoreEvent>>,
+}
+
+/// A put or delete seen by the store.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StoreEvent {
+    /// Counts every event, so that equal events in a row are told apart.
+    pub seq: u64,
+    pub key: String,
+    pub delete: bool,
+    /// False when the request arrived, true once it took effect.
+    pub applied: bool,
 }
 
 impl fmt::Debug for FaultyObjectStore {
@@ -97,7 +111,22 @@ impl FaultyObjectStore {
                 faults,
                 injected: 0,
             })),
+            events: Arc::new(tokio::sync::watch::channel(StoreEvent::default()).0),
         }
+    }
+
+    /// Follows every put and delete (see [`StoreEvent`]).
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<StoreEvent> {
+        self.events.subscribe()
+    }
+
+    fn announce(&self, location: &Path, delete: bool, applied: bool) {
+        self.events.send_modify(|e| {
+            e.seq += 1;
+            e.key = location.to_string();
+            e.delete = delete;
+            e.applied = applied;
+        });
     }
 
     pub fn set_faults(&self, faults: ObjectFaults) {
@@ -152,8 +181,10 @@ impl ObjectStore for FaultyObjectStore {
         payload: PutPayload,
         opts: PutOptions,
     ) -> Result<PutResult> {
+        self.announce(location, false, false);
         let fail_after = self.enter("put").await?;
         let result = self.inner.put_opts(location, payload, opts).await?;
+        self.announce(location, false, true);
         if fail_after {
             return Err(injected("put applied, answer lost"));
         }
@@ -194,12 +225,14 @@ impl ObjectStore for FaultyObjectStore {
                 let store = store.clone();
                 async move {
                     let location = location?;
+                    store.announce(&location, true, false);
                     let fail_after = store.enter("delete").await?;
                     let one = futures::stream::once(std::future::ready(Ok(location.clone())));
                     let mut deleted = store.inner.delete_stream(one.boxed());
                     if let Some(result) = deleted.next().await {
                         result?;
                     }
+                    store.announce(&location, true, true);
                     if fail_after {
                         return Err(injected("delete applied, answer lost"));
                     }

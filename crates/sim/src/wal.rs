@@ -78,6 +78,11 @@ pub enum Event {
     /// of the new term, and the third one would be elected by `a` and the
     /// restored one, which lack what the new writer committed.
     SplitLoss { lost: usize, a: usize, b: usize },
+    /// Safekeeper `i` crashes at its next put or delete of one of its partial
+    /// objects (within a few seconds): as the request starts (`applied`
+    /// false) or right after it took effect, so that crashes land in every
+    /// gap of the partial upload protocol; it restarts at once.
+    CrashInPartialUpload { safekeeper: usize, applied: bool },
 }
 
 /// A schedule: events at virtual times, plus the network settings.
@@ -170,6 +175,24 @@ pub fn add_disk_loss(schedule: &mut Schedule, seed: u64) {
         added = vec![(at, Event::SplitLoss { lost, a, b })];
     }
     for (at, event) in added {
+        let index = schedule.events.partition_point(|(t, _)| *t <= at);
+        schedule.events.insert(index, (at, event));
+    }
+}
+
+/// Adds up to three [`Event::CrashInPartialUpload`] to a schedule, drawn from
+/// a generator of their own (as [`add_disk_loss`]).
+pub fn add_partial_crashes(schedule: &mut Schedule, seed: u64) {
+    let mut rng = SmallRng::seed_from_u64(seed ^ 0x9A27_1A1C_0000_0000);
+    let Some(&(last, _)) = schedule.events.last() else {
+        return;
+    };
+    for _ in 0..rng.random_range(0..=3) {
+        let at = Duration::from_millis(rng.random_range(0..=last.as_millis() as u64));
+        let event = Event::CrashInPartialUpload {
+            safekeeper: rng.random_range(0..SAFEKEEPERS),
+            applied: rng.random_bool(0.5),
+        };
         let index = schedule.events.partition_point(|(t, _)| *t <= at);
         schedule.events.insert(index, (at, event));
     }
@@ -645,6 +668,40 @@ impl Sim {
         self.start_safekeeper(i).await
     }
 
+    /// See [`Event::CrashInPartialUpload`].
+    async fn crash_in_partial_upload(&mut self, i: usize, applied: bool) -> Result<(), Failure> {
+        let Some(server) = self.servers[i].clone() else {
+            return Ok(());
+        };
+        let mine = format!("_sk{i}.partial");
+        let mut events = self.world.lake_store.subscribe();
+        events.borrow_and_update();
+        let seen = tokio::time::timeout(
+            Duration::from_secs(3),
+            events.wait_for(|e| e.key.ends_with(&mine) && e.applied == applied),
+        )
+        .await
+        .ok()
+        .and_then(Result::ok)
+        .map(|e| e.clone());
+        let Some(event) = seen else {
+            self.log(format!("sk{i} made no partial upload step in 3 s"));
+            return Ok(());
+        };
+        // Nothing else runs in between: the safekeeper is killed before its
+        // next step.
+        server.kill().await;
+        self.servers[i] = None;
+        self.world.crash_disk(&node_name(i));
+        self.log(format!(
+            "sk{i} crashed {} {} of {}",
+            if event.applied { "right after" } else { "as it sent" },
+            if event.delete { "the delete" } else { "the put" },
+            event.key
+        ));
+        self.start_safekeeper(i).await
+    }
+
     /// See [`Event::SplitLoss`].
     async fn split_loss(&mut self, lost: usize, a: usize, b: usize) -> Result<(), Failure> {
         if self.restored.is_some() {
@@ -1062,6 +1119,10 @@ impl Sim {
             Event::TakeOver => self.take_over().await?,
             Event::LoseDisk(i) => self.lose_disk(i).await?,
             Event::SplitLoss { lost, a, b } => self.split_loss(lost, a, b).await?,
+            Event::CrashInPartialUpload {
+                safekeeper,
+                applied,
+            } => self.crash_in_partial_upload(safekeeper, applied).await?,
             Event::Fault(Fault::Partition(a, b)) => {
                 // Index SAFEKEEPERS is the current writer.
                 let name = |i: usize| {
@@ -1476,6 +1537,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
     let mut rng = SmallRng::seed_from_u64(seed);
     let mut schedule = generate_schedule(&mut rng);
     add_disk_loss(&mut schedule, seed);
+    add_partial_crashes(&mut schedule, seed);
     let mut world = World::new(
         seed,
         &mut rng,
