@@ -695,8 +695,16 @@ impl Sim {
         self.world.crash_disk(&node_name(i));
         self.log(format!(
             "sk{i} crashed {} {} of {}",
-            if event.applied { "right after" } else { "as it sent" },
-            if event.delete { "the delete" } else { "the put" },
+            if event.applied {
+                "right after"
+            } else {
+                "as it sent"
+            },
+            if event.delete {
+                "the delete"
+            } else {
+                "the put"
+            },
             event.key
         ));
         self.start_safekeeper(i).await

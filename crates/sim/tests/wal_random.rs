@@ -65,9 +65,14 @@ fn explain(f: &Failure) -> String {
 /// of its commit_lsn; 217 (1 of 2000; 5234, 5351, 5889 and 6032 in the next
 /// 6000) when a restored safekeeper votes before it is brought back (the
 /// refusal of its ProposerElected and the known commit mostly mask it).
+/// With crashes at a safekeeper's next step of the partial upload protocol
+/// too: 0, 5, 8 and 10 (411 of 1000; 403 without those targeted crashes,
+/// the crashes right after a write reach the same gaps) fail when the
+/// InProgress entry is kept in memory only (an object no persisted list
+/// names after a crash).
 const REGRESSION_SEEDS: &[u64] = &[
-    0, 1, 2, 3, 4, 5, 6, 7, 13, 14, 20, 21, 23, 27, 29, 31, 32, 37, 42, 44, 65, 71, 72, 85, 111,
-    121, 123, 145, 151, 163, 167, 176, 211, 217, 284, 286, 287, 363, 1000, 4883,
+    0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 13, 14, 20, 21, 23, 27, 29, 31, 32, 37, 42, 44, 65, 71, 72, 85,
+    111, 121, 123, 145, 151, 163, 167, 176, 211, 217, 284, 286, 287, 363, 1000, 4883,
 ];
 
 #[test]
