@@ -36,18 +36,6 @@ fn insert(block: u64) -> Bytes {
     }])
 }
 
-/// Every insert block number in the committed WAL of the safekeeper at `addr`.
-async fn committed_blocks(addr: &str, end: Lsn) -> Vec<u64> {
-    let wal = common::read_committed_wal(addr, end).await;
-    common::records_of(&wal)
-        .into_iter()
-        .filter_map(|(_, rec)| match rec {
-            Record::Insert { block_number, .. } => Some(block_number),
-            _ => None,
-        })
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_of_a_safekeeper_mid_stream_loses_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -132,9 +120,10 @@ async fn kill_9_of_a_safekeeper_mid_stream_loses_nothing() {
     let blocks: Vec<u64> = acked.iter().map(|(b, _)| *b).collect();
     assert!(blocks.len() > 100, "appends streamed: {}", blocks.len());
     for addr in &addrs {
-        let held = tokio::time::timeout(Duration::from_secs(30), committed_blocks(addr, end))
-            .await
-            .unwrap_or_else(|_| panic!("safekeeper {addr} reaches {end}"));
+        let held =
+            tokio::time::timeout(Duration::from_secs(30), common::committed_blocks(addr, end))
+                .await
+                .unwrap_or_else(|_| panic!("safekeeper {addr} reaches {end}"));
         assert_eq!(
             held, blocks,
             "safekeeper {addr} has every acknowledged insert once, in order"

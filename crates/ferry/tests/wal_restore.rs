@@ -237,19 +237,10 @@ async fn a_lost_safekeeper_is_restored_from_the_backup_while_writes_go_on() {
 
     let blocks: Vec<u64> = acked.iter().map(|(b, _)| *b).collect();
     for addr in &addrs {
-        let wal = tokio::time::timeout(
-            Duration::from_secs(30),
-            common::read_committed_wal(addr, end),
-        )
-        .await
-        .unwrap_or_else(|_| panic!("safekeeper {addr} reaches {end}"));
-        let held: Vec<u64> = common::records_of(&wal)
-            .into_iter()
-            .filter_map(|(_, rec)| match rec {
-                Record::Insert { block_number, .. } => Some(block_number),
-                _ => None,
-            })
-            .collect();
+        let held =
+            tokio::time::timeout(Duration::from_secs(30), common::committed_blocks(addr, end))
+                .await
+                .unwrap_or_else(|_| panic!("safekeeper {addr} reaches {end}"));
         assert_eq!(
             held, blocks,
             "safekeeper {addr} has every acknowledged insert once, in order"

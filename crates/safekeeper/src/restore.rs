@@ -124,15 +124,19 @@ pub async fn restore_from_backup(
     }
     disk.sync_dir(&wal_dir).await?;
 
-    let mut wal = WalStorage::open(
-        Arc::clone(&disk),
-        &wal_dir,
-        seg,
-        Preallocation::Never,
-        Lsn(0),
-        Lsn(0),
-    )
-    .await?;
+    // Opened from the start of the timeline with nothing known durable:
+    // empty at first, then walked to its last whole record.
+    let open_wal = || {
+        WalStorage::open(
+            Arc::clone(&disk),
+            &wal_dir,
+            seg,
+            Preallocation::Never,
+            Lsn(0),
+            Lsn(0),
+        )
+    };
+    let mut wal = open_wal().await?;
     let mut bytes = 0u64;
     for segno in 0..whole {
         let data = backup.get(&segment_key(seg, segno)).await?;
@@ -168,15 +172,7 @@ pub async fn restore_from_backup(
 
     // The walk finds the last whole record; a partial's commit_lsn is a
     // record boundary, a segment end need not be.
-    let wal = WalStorage::open(
-        Arc::clone(&disk),
-        &wal_dir,
-        seg,
-        Preallocation::Never,
-        Lsn(0),
-        Lsn(0),
-    )
-    .await?;
+    let wal = open_wal().await?;
     let restored_lsn = wal.flush_lsn();
     drop(wal);
     let expected = if tail.is_some() {

@@ -321,3 +321,15 @@ pub fn records_of(wal: &bytes::Bytes) -> Vec<(u64, ferry_wal::record::Record)> {
     }
     out
 }
+
+/// Every insert block number in the committed WAL of the safekeeper at `addr`.
+pub async fn committed_blocks(addr: &str, end: ferry_wal::Lsn) -> Vec<u64> {
+    let wal = read_committed_wal(addr, end).await;
+    records_of(&wal)
+        .into_iter()
+        .filter_map(|(_, rec)| match rec {
+            ferry_wal::record::Record::Insert { block_number, .. } => Some(block_number),
+            _ => None,
+        })
+        .collect()
+}
