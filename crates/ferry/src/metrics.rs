@@ -113,7 +113,9 @@ pub fn writer(status: &ferry_writer::driver::WriterStatus) -> Vec<Sample> {
             .map(|l| l.0 as f64)
             .unwrap_or(0.0)
     };
-    vec![
+    let end = lsn(&status.end_lsn);
+    let lag = |at: ferry_wal::Lsn| (end - at.0 as f64).max(0.0);
+    let mut out = vec![
         gauge(
             "ferry_writer_term",
             "The writer's current term",
@@ -132,7 +134,47 @@ pub fn writer(status: &ferry_writer::driver::WriterStatus) -> Vec<Sample> {
             &[],
             lsn(&status.commit_lsn),
         ),
-    ]
+    ];
+    // What back-pressure compares with its limits: the end of WAL minus each
+    // replica's received, durably applied and remote positions.
+    for fb in &status.replicas {
+        let shard = fb.shard_number.to_string();
+        let replica = fb.replica_number.to_string();
+        for (kind, at) in [
+            ("write", fb.last_received_lsn),
+            ("flush", fb.disk_consistent_lsn),
+            ("apply", fb.remote_consistent_lsn),
+        ] {
+            out.push(gauge(
+                "ferry_writer_replica_lag_bytes",
+                "WAL bytes between the end of WAL and a replica's position (write: received, flush: durably applied, apply: remote)",
+                &[("shard", &shard), ("replica", &replica), ("kind", kind)],
+                lag(at),
+            ));
+        }
+    }
+    for m in &status.shard_minimums {
+        let shard = m.shard_number.to_string();
+        for (kind, at) in [
+            ("write", m.positions.last_received_lsn),
+            ("flush", m.positions.disk_consistent_lsn),
+            ("apply", m.positions.remote_consistent_lsn),
+        ] {
+            out.push(gauge(
+                "ferry_writer_shard_lag_bytes",
+                "WAL bytes between the end of WAL and the slowest replica of a shard",
+                &[("shard", &shard), ("kind", kind)],
+                lag(at),
+            ));
+        }
+    }
+    out.push(gauge(
+        "ferry_writer_waiting_appends",
+        "Appends held back by back-pressure",
+        &[],
+        status.waiting_appends as f64,
+    ));
+    out
 }
 
 /// The figures of one safekeeper.
@@ -204,6 +246,18 @@ pub fn safekeeper(status: &ferry_safekeeper::acceptor::AcceptorStatus) -> Vec<Sa
             "Whole segments a safekeeper uploaded since it started",
             &[("safekeeper", id.as_str()), ("result", "error")],
             status.backup_upload_failures as f64,
+        ),
+        counter(
+            "ferry_safekeeper_partial_uploads",
+            "Partial segment uploads of a safekeeper since it started",
+            &[("safekeeper", id.as_str()), ("result", "ok")],
+            status.partial_uploads as f64,
+        ),
+        counter(
+            "ferry_safekeeper_partial_uploads",
+            "Partial segment uploads of a safekeeper since it started",
+            &[("safekeeper", id.as_str()), ("result", "error")],
+            status.partial_upload_failures as f64,
         ),
         gauge(
             "ferry_safekeeper_remote_consistent_lsn",

@@ -364,8 +364,28 @@ fn tables_and_inserts_in_every_format_are_committed_row_for_row() {
         "ferry_safekeeper_wal_fsyncs_total{safekeeper=\"0\"}",
         "ferry_coordination_requests_total{type=\"multi\"}",
         "ferry_wal_commit_lsn",
+        "ferry_safekeeper_partial_uploads_total{safekeeper=\"0\",result=\"error\"} 0.0",
+        "ferry_writer_waiting_appends{} 0.0",
     ] {
         assert!(metrics.contains(prefix), "{prefix} in\n{metrics}");
+    }
+    // The replicas' lag as the writer sees it, once their feedback arrived
+    // (both hold every shard: shard u32::MAX).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let metrics = http_get(&format!("{url}/metrics"));
+        let lags = [
+            "ferry_writer_replica_lag_bytes{shard=\"4294967295\",replica=\"1\",kind=\"flush\"}",
+            "ferry_writer_shard_lag_bytes{shard=\"4294967295\",kind=\"write\"}",
+        ];
+        if lags.iter().all(|l| metrics.contains(l)) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "replica lag metrics in\n{metrics}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
     }
 
     let (ok, out, err) = ferry(
