@@ -841,17 +841,7 @@ impl Proposer {
                 // It lost the WAL it gave this election.
                 self.donor = None;
             }
-            self.peers[peer] = Peer::Electing { start: flush_lsn };
-            actions.push(Action::Send {
-                to: peer,
-                msg: ToSafekeeper::Elected(ProposerElected {
-                    term: self.term,
-                    start_streaming_at: flush_lsn,
-                    term_history: self.history.clone(),
-                    timeline_start_lsn: Lsn(0),
-                    rejoin: true,
-                }),
-            });
+            self.send_elected_at(peer, flush_lsn, true, actions);
         }
     }
 
@@ -863,6 +853,18 @@ impl Proposer {
             .history
             .common_prefix_end(self.end_lsn(), &vote.term_history, vote.flush_lsn)
             .unwrap_or_else(|| self.history.0.first().map_or(Lsn(0), |e| e.lsn));
+        self.send_elected_at(peer, start, false, actions);
+    }
+
+    /// Tells `peer` this writer is elected and that it streams from `start`
+    /// (`rejoin`: a restored safekeeper brought back at its end).
+    fn send_elected_at(
+        &mut self,
+        peer: usize,
+        start: Lsn,
+        rejoin: bool,
+        actions: &mut Vec<Action>,
+    ) {
         self.peers[peer] = Peer::Electing { start };
         actions.push(Action::Send {
             to: peer,
@@ -871,7 +873,7 @@ impl Proposer {
                 start_streaming_at: start,
                 term_history: self.history.clone(),
                 timeline_start_lsn: Lsn(0),
-                rejoin: false,
+                rejoin,
             }),
         });
     }
