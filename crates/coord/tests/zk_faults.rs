@@ -15,7 +15,7 @@ use ferry_coord::{CoordError, Coordination, CreateMode, SessionState};
 
 async fn setup() -> Option<(Proxy, ZkOptions, ZkSession)> {
     let addr = common::zk_address()?;
-    let proxy = Proxy::start(addr.clone()).await;
+    let proxy = Proxy::start(addr.clone()).await.expect("proxy");
     let mut through = ZkOptions::new(proxy.addr.clone());
     through.session_timeout = Duration::from_secs(2);
     through.connect_timeout = Duration::from_secs(5);

@@ -30,6 +30,7 @@ use ferry_export::{
 };
 use ferry_replica::{Replica, SharedReplica, TableRef, Tables, ALL_SHARDS};
 use ferry_sim::objstore::{FaultyObjectStore, ObjectFaults};
+use ferry_sim::tcp_proxy::Proxy;
 use ferry_storage::{Location, S3Settings};
 use ferry_table::{Table, TableDef};
 use ferry_wal::record::Record;
@@ -194,7 +195,7 @@ struct NodeSessions {
 
 type OpenedSession = (
     i64,
-    Option<zookeeper_client::SessionInfo>,
+    Option<(zookeeper_client::SessionInfo, Arc<Proxy>)>,
     watch::Receiver<ferry_coord::SessionState>,
 );
 
@@ -204,9 +205,16 @@ impl SessionFactory for NodeSessions {
         let (session, info) = match &self.expirer {
             Expirer::Embedded(_) => (self.backend.open().await?, None),
             Expirer::Zk(options) => {
-                let s = ZkSession::connect(options).await?;
+                // Through a proxy of its own, so that a test can partition
+                // this session's owner while it expires the session.
+                let split = options.connect.find('/').unwrap_or(options.connect.len());
+                let (server, chroot) = options.connect.split_at(split);
+                let proxy = Proxy::start(server.to_string()).await.expect("proxy");
+                let mut proxied = options.clone();
+                proxied.connect = format!("{}{chroot}", proxy.addr);
+                let s = ZkSession::connect(&proxied).await?;
                 let info = s.session_info();
-                (Arc::new(s) as Session, Some(info))
+                (Arc::new(s) as Session, Some((info, Arc::new(proxy))))
             }
         };
         let n = {
@@ -233,6 +241,16 @@ impl NodeSessions {
             .expect("sessions");
     }
 
+    /// Partitions the newest session's owner from ZooKeeper, so that it can
+    /// neither make progress nor save its session (a no-op on the embedded
+    /// store, whose expiry is immediate).
+    fn partition_current(&self) {
+        let opened = self.opened.lock().expect("lock");
+        if let Some((_, Some((_, proxy)), _)) = opened.last() {
+            proxy.set_cut(true);
+        }
+    }
+
     /// Expires the newest session: its ephemerals go, its owner sees it.
     async fn expire_current(&self) {
         let (id, info, mut state) = self
@@ -246,27 +264,25 @@ impl NodeSessions {
             (Expirer::Embedded(store), _) => {
                 assert!(store.expire_session(id).await.expect("expire"));
             }
-            (Expirer::Zk(options), Some(info)) => {
-                // Attach to the session and close it. The owner's client
-                // reconnects when the attachment takes its connection and
-                // may re-attach before the close lands (the session then
-                // lives on), and a busy machine can time the attachment
-                // out: try again until the expiry is seen.
-                for attempt in 1..=30 {
+            (Expirer::Zk(options), Some((info, proxy))) => {
+                // ZooKeeper's way to expire a session from outside: attach a
+                // second client to it and close that one, while the owner is
+                // partitioned and so cannot re-attach first. Healed, the
+                // owner reconnects and is told its session expired.
+                proxy.set_cut(true);
+                let mut closed = false;
+                for attempt in 1..=5 {
                     match ZkSession::attach(options, info.clone()).await {
-                        Ok(other) => other.close().await,
-                        Err(e) => eprintln!("attaching to the session to expire it: {e}"),
+                        Ok(thief) => {
+                            thief.close().await;
+                            closed = true;
+                            break;
+                        }
+                        Err(e) => eprintln!("attach attempt {attempt}: {e}"),
                     }
-                    let ended = state.wait_for(|s| s.is_terminal());
-                    if tokio::time::timeout(Duration::from_secs(3), ended)
-                        .await
-                        .is_ok()
-                    {
-                        return;
-                    }
-                    eprintln!("attempt {attempt}: the session lives on; again");
                 }
-                panic!("could not expire session {id:#x}");
+                assert!(closed, "could not attach to session {id:#x}");
+                proxy.set_cut(false);
             }
             (Expirer::Zk(_), None) => unreachable!("ZooKeeper sessions carry their info"),
         }
@@ -1066,8 +1082,10 @@ async fn merges_during_an_export_keep_the_snapshot_parts_until_it_ends() {
 #[tokio::test]
 async fn the_exporting_node_whose_session_expires_carries_on_with_a_new_one() {
     for backend in backends() {
-        // The expiry must find parts left; if the export finished first (a
-        // slow re-attachment on a busy machine), the scenario runs again.
+        // The expiry must find parts left. The node is partitioned from
+        // coordination first (on ZooKeeper), so it cannot finish meanwhile;
+        // its uploads were seen running, so some parts are left unless the
+        // last ones were running. Then the scenario runs again.
         let mut landed = false;
         for attempt in 0..3u64 {
             let w = world(&backend, 24, 100).await;
@@ -1093,24 +1111,14 @@ async fn the_exporting_node_whose_session_expires_carries_on_with_a_new_one() {
             })
             .await;
             let sessions_before = a.sessions.opened();
-            a.sessions.expire_current().await;
+            a.sessions.partition_current();
             let key = ferry_export::TaskKey::new("t", "a", &url);
-            let left = match w
+            let (left, _) = w
                 .session
                 .children(&format!("{}/processing", key.path()))
                 .await
-            {
-                Ok((left, _)) => left,
-                // Expiring a ZooKeeper session from outside can take many
-                // tries; meanwhile the export finished and its task was
-                // removed past its TTL. The expiry found nothing: again.
-                Err(ferry_coord::CoordError::NoNode { .. }) => {
-                    eprintln!("{backend:?} attempt {attempt}: the task ended and was removed before the expiry");
-                    w.session.close().await;
-                    continue;
-                }
-                Err(e) => panic!("processing: {e}"),
-            };
+                .expect("processing");
+            a.sessions.expire_current().await;
             // A new session, and with it the parts left.
             a.sessions.wait_opened_more_than(sessions_before).await;
             let done = wait_terminal(&mut a.view, &created.transaction_id).await;

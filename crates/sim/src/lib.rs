@@ -21,7 +21,9 @@
 //! * [`rogue`]: a misbehaving proposer whose messages must all be refused;
 //! * [`wal`]: the WAL random test (safekeepers, writers, faults, invariants);
 //! * [`walreceiver`]: a replica's side of START_REPLICATION that checks every
-//!   walsender frame.
+//!   walsender frame;
+//! * [`tcp_proxy`]: not simulation: a TCP forwarder that can be cut, for tests
+//!   against real ZooKeeper.
 
 pub mod clock;
 pub mod coord;
@@ -32,6 +34,7 @@ pub mod net;
 pub mod objstore;
 pub mod replicas;
 pub mod rogue;
+pub mod tcp_proxy;
 pub mod wal;
 pub mod walreceiver;
 pub mod world;

@@ -15,8 +15,6 @@ use ferry_coord::embedded::{EmbeddedOptions, EmbeddedStore};
 use ferry_coord::zk::{ZkOptions, ZkSession};
 use ferry_coord::{Coordination, Session};
 use ferry_env::RealDisk;
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
 
 /// Generous bound for anything that should happen "soon" in a test.
 pub const SOON: Duration = Duration::from_secs(10);
@@ -100,63 +98,7 @@ impl Backend for Embedded {
     }
 }
 
-/// Forwards connections to ZooKeeper until cut. A cut behaves like a network
-/// partition: bytes stop flowing but no connection is closed (nothing answers), so
-/// the client must notice by its own timeouts. Connections held during a cut are
-/// dropped when it heals. Dropping the proxy stops accepting connections.
-pub struct Proxy {
-    pub addr: String,
-    cut: watch::Sender<bool>,
-    accept: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for Proxy {
-    fn drop(&mut self) {
-        self.accept.abort();
-    }
-}
-
-impl Proxy {
-    pub async fn start(upstream: String) -> Proxy {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr").to_string();
-        let (cut, cut_rx) = watch::channel(false);
-        let accept = tokio::spawn(async move {
-            loop {
-                let Ok((client, _)) = listener.accept().await else {
-                    return;
-                };
-                let upstream = upstream.clone();
-                let mut cut_rx = cut_rx.clone();
-                tokio::spawn(async move {
-                    if *cut_rx.borrow() {
-                        let _ = cut_rx.wait_for(|c| !*c).await;
-                        drop(client);
-                        return;
-                    }
-                    let Ok(server) = TcpStream::connect(&upstream).await else {
-                        return;
-                    };
-                    let (mut cr, mut cw) = client.into_split();
-                    let (mut sr, mut sw) = server.into_split();
-                    tokio::select! {
-                        _ = tokio::io::copy(&mut cr, &mut sw) => return,
-                        _ = tokio::io::copy(&mut sr, &mut cw) => return,
-                        _ = cut_rx.wait_for(|c| *c) => {}
-                    }
-                    // Partitioned: hold the sockets silently until healed.
-                    let _ = cut_rx.wait_for(|c| !*c).await;
-                    drop((cr, cw, sr, sw));
-                });
-            }
-        });
-        Proxy { addr, cut, accept }
-    }
-
-    pub fn set_cut(&self, cut: bool) {
-        self.cut.send_replace(cut);
-    }
-}
+pub use ferry_sim::tcp_proxy::Proxy;
 
 pub struct ZooKeeper {
     options: ZkOptions,
@@ -260,7 +202,7 @@ impl Backend for ZooKeeper {
                 None,
             ),
             Some((addr, chroot)) => {
-                let proxy = Proxy::start(addr.clone()).await;
+                let proxy = Proxy::start(addr.clone()).await.expect("proxy");
                 let mut options = self.options.clone();
                 options.connect = format!("{}{chroot}", proxy.addr);
                 let session = ZkSession::connect(&options).await.expect("connect");
