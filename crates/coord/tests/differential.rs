@@ -1413,7 +1413,7 @@ async fn run_seed(seed: u64, verbose: bool, avoid: &BTreeSet<String>) -> Result<
     let mut emb = World::new(Store::Embedded(
         Embedded::with_options(options.clone()).await,
     ));
-    let Some(zk) = ZooKeeper::with_proxies().await else {
+    let Some(zk) = ZooKeeper::new().await else {
         return Ok(());
     };
     let connect = &zk.options().connect;

@@ -103,9 +103,11 @@ pub use ferry_sim::tcp_proxy::Proxy;
 pub struct ZooKeeper {
     options: ZkOptions,
     infos: Mutex<BTreeMap<i64, zookeeper_client::SessionInfo>>,
-    /// With `ZooKeeper::with_proxies`: the server's address and the chroot, and
-    /// the proxy of every session made.
-    proxied: Option<(String, String)>,
+    /// The server's `host:port`, which sessions reach through their proxies.
+    server: String,
+    /// The chroot every session is confined to, as `/name`.
+    chroot: String,
+    /// Each session's own proxy, by session id.
     proxies: Mutex<BTreeMap<i64, Arc<Proxy>>>,
 }
 
@@ -141,7 +143,12 @@ pub fn skipped(why: &str) {
 static CHROOT_COUNTER: AtomicU64 = AtomicU64::new(0);
 
 impl ZooKeeper {
-    /// A back-end confined to a new, empty chroot.
+    /// A back-end confined to a new, empty chroot. Every session connects
+    /// through its own [`Proxy`], so that [`Backend::expire`] can expire it at
+    /// once and surely: it partitions the owner, closes the session from a
+    /// second client attached to it, and heals, so the owner learns of the
+    /// expiry when it reconnects (without the partition, the owner may
+    /// re-attach first and the session lives on).
     pub async fn new() -> Option<ZooKeeper> {
         let addr = zk_address()?;
         let root = ZkSession::connect(&ZkOptions::new(addr.clone()))
@@ -165,23 +172,10 @@ impl ZooKeeper {
         Some(ZooKeeper {
             options,
             infos: Mutex::new(BTreeMap::new()),
-            proxied: None,
+            server: addr,
+            chroot,
             proxies: Mutex::new(BTreeMap::new()),
         })
-    }
-
-    /// Like [`ZooKeeper::new`], but every session connects through its own
-    /// [`Proxy`], so that [`Backend::expire`] can expire it at once and surely:
-    /// it partitions the owner, closes the session from a second client attached
-    /// to it, and heals, so the owner learns of the expiry when it reconnects
-    /// (without the partition, the owner may reconnect first and the expiry has
-    /// to be tried again).
-    pub async fn with_proxies() -> Option<ZooKeeper> {
-        let mut zk = ZooKeeper::new().await?;
-        let connect = zk.options.connect.clone();
-        let split = connect.find('/').unwrap_or(connect.len());
-        zk.proxied = Some((connect[..split].to_string(), connect[split..].to_string()));
-        Some(zk)
     }
 
     pub fn options(&self) -> &ZkOptions {
@@ -196,29 +190,18 @@ impl Backend for ZooKeeper {
     }
 
     async fn session(&self) -> Session {
-        let (session, proxy) = match &self.proxied {
-            None => (
-                ZkSession::connect(&self.options).await.expect("connect"),
-                None,
-            ),
-            Some((addr, chroot)) => {
-                let proxy = Proxy::start(addr.clone()).await.expect("proxy");
-                let mut options = self.options.clone();
-                options.connect = format!("{}{chroot}", proxy.addr);
-                let session = ZkSession::connect(&options).await.expect("connect");
-                (session, Some(proxy))
-            }
-        };
+        let proxy = Proxy::start(self.server.clone()).await.expect("proxy");
+        let mut options = self.options.clone();
+        options.connect = format!("{}{}", proxy.addr, self.chroot);
+        let session = ZkSession::connect(&options).await.expect("connect");
         self.infos
             .lock()
             .expect("lock")
             .insert(session.session_id(), session.session_info());
-        if let Some(proxy) = proxy {
-            self.proxies
-                .lock()
-                .expect("lock")
-                .insert(session.session_id(), Arc::new(proxy));
-        }
+        self.proxies
+            .lock()
+            .expect("lock")
+            .insert(session.session_id(), Arc::new(proxy));
         Arc::new(session)
     }
 
@@ -230,10 +213,6 @@ impl Backend for ZooKeeper {
     }
 
     async fn expire(&self, session: &Session) {
-        // ZooKeeper's own way to expire a session from outside: attach a second
-        // client to it and close that one. The owner, kicked off by the attach,
-        // reconnects and may kick the second client off before its close is
-        // through, so try until the owner sees the expiry.
         let info = self
             .infos
             .lock()
@@ -241,44 +220,25 @@ impl Backend for ZooKeeper {
             .get(&session.session_id())
             .cloned()
             .expect("session made by this back-end");
-        let mut state = session.session_state();
         let proxy = self
             .proxies
             .lock()
             .expect("lock")
             .get(&session.session_id())
-            .cloned();
-        if let Some(proxy) = proxy {
-            proxy.set_cut(true);
-            let thief = ZkSession::attach(&self.options, info)
-                .await
-                .expect("attach to the session");
-            thief.close().await;
-            proxy.set_cut(false);
-            let expired = state.wait_for(|s| *s == ferry_coord::SessionState::Expired);
-            tokio::time::timeout(SOON, expired)
-                .await
-                .expect("the owner learns of the expiry in time")
-                .expect("state");
-            return;
-        }
-        // The owner's client reconnects when the attachment takes its
-        // connection, and may re-attach before the close lands (then the
-        // session lives on): try again until the expiry is seen.
-        for attempt in 1..=30 {
-            match ZkSession::attach(&self.options, info.clone()).await {
-                Ok(thief) => thief.close().await,
-                Err(e) => eprintln!("attach attempt {attempt}: {e}"),
-            }
-            let expired = state.wait_for(|s| *s == ferry_coord::SessionState::Expired);
-            if tokio::time::timeout(Duration::from_secs(3), expired)
-                .await
-                .is_ok()
-            {
-                return;
-            }
-        }
-        panic!("could not expire session {:#x}", session.session_id());
+            .cloned()
+            .expect("session made by this back-end");
+        let mut state = session.session_state();
+        proxy.set_cut(true);
+        let thief = ZkSession::attach(&self.options, info)
+            .await
+            .expect("attach to the session");
+        thief.close().await;
+        proxy.set_cut(false);
+        let expired = state.wait_for(|s| *s == ferry_coord::SessionState::Expired);
+        tokio::time::timeout(SOON, expired)
+            .await
+            .expect("the owner learns of the expiry in time")
+            .expect("state");
     }
 }
 
