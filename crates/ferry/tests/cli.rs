@@ -9,6 +9,29 @@ mod common;
 
 use common::{assert_clean_exit, http_get, interrupt, ready_line, start_dev, FERRY};
 
+/// A test that panics while its `ferry dev` runs leaves no process behind
+/// (one would hold its ports and CPU, and slow every test and benchmark
+/// after it).
+#[test]
+fn a_test_that_fails_half_way_leaves_no_ferry_process_behind() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let (pid_tx, pid_rx) = std::sync::mpsc::channel();
+    let failed = std::thread::spawn(move || {
+        let (child, _) = start_dev(&data);
+        pid_tx.send(child.id()).expect("send");
+        panic!("a failing test, on purpose");
+    })
+    .join();
+    assert!(failed.is_err());
+    let pid = pid_rx.recv().expect("the process was started");
+    // Killed and reaped by the time the panic unwound: no zombie either.
+    assert!(
+        !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        "ferry dev {pid} outlived its test"
+    );
+}
+
 #[test]
 fn dev_starts_reports_ready_and_stops_cleanly_on_ctrl_c() {
     let dir = tempfile::tempdir().expect("tempdir");

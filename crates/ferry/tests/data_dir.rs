@@ -378,12 +378,12 @@ fn the_distributed_safekeeper_is_created_only_explicitly() {
     assert!(stderr.contains("never created here"), "{stderr}");
     assert!(!dir.join("sk3").exists(), "nothing created");
     // --create makes it; a second start finds it without the flag.
-    let mut child = Command::new(FERRY)
-        .args(args(true))
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("spawn");
+    let mut child = common::Proc::spawn(
+        Command::new(FERRY)
+            .args(args(true))
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null()),
+    );
     let mut line = String::new();
     std::io::BufRead::read_line(
         &mut std::io::BufReader::new(child.stdout.take().expect("stdout")),

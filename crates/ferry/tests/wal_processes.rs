@@ -18,7 +18,7 @@ use ferry_writer::proposer::ProposerConfig;
 
 mod common;
 
-use common::FERRY;
+use common::{Proc, FERRY};
 const SEG: u64 = 1 << 20;
 const CLUSTER: &str = "processes-test";
 
@@ -160,23 +160,23 @@ async fn kill_9_of_a_safekeeper_mid_stream_loses_nothing() {
 }
 
 /// Starts `ferry writer` on `addrs`; returns it once it reports that it started.
-fn start_writer_process(addrs: &[String]) -> std::process::Child {
-    let mut child = Command::new(FERRY)
-        .args([
-            "writer",
-            "--cluster-id",
-            CLUSTER,
-            "--http",
-            "127.0.0.1:0",
-            "--segment-bytes",
-        ])
-        .arg(SEG.to_string())
-        .arg("--safekeepers")
-        .arg(addrs.join(","))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn writer");
+fn start_writer_process(addrs: &[String]) -> Proc {
+    let mut child = Proc::spawn(
+        Command::new(FERRY)
+            .args([
+                "writer",
+                "--cluster-id",
+                CLUSTER,
+                "--http",
+                "127.0.0.1:0",
+                "--segment-bytes",
+            ])
+            .arg(SEG.to_string())
+            .arg("--safekeepers")
+            .arg(addrs.join(","))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
     let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
     let mut line = String::new();
     reader.read_line(&mut line).expect("read");

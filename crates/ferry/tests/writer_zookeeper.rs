@@ -33,8 +33,8 @@ type = "Date"
 
 /// Spawns `cmd` (its stderr set by the caller) and returns it with its HTTP
 /// base URL, read from the "status on http://.../status" of its first line.
-fn spawn_node(mut cmd: Command) -> (Child, String) {
-    let mut child = cmd.stdout(Stdio::piped()).spawn().expect("spawn ferry");
+fn spawn_node(mut cmd: Command) -> (Proc, String) {
+    let mut child = Proc::spawn(cmd.stdout(Stdio::piped()));
     let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
     let mut line = String::new();
     reader.read_line(&mut line).expect("read");
@@ -54,7 +54,7 @@ fn spawn_node(mut cmd: Command) -> (Child, String) {
 }
 
 /// Starts `ferry writer`; returns it and its HTTP base URL.
-fn start_writer(addrs: &[String], zk: &str, cluster: &str) -> (Child, String) {
+fn start_writer(addrs: &[String], zk: &str, cluster: &str) -> (Proc, String) {
     let mut cmd = Command::new(FERRY);
     cmd.args([
         "writer",
@@ -77,7 +77,7 @@ fn start_writer(addrs: &[String], zk: &str, cluster: &str) -> (Child, String) {
 }
 
 /// Starts `ferry replica` of `shard`; returns it and its HTTP base URL.
-fn start_replica(addrs: &[String], zk: &str, shard: u32, dir: &std::path::Path) -> (Child, String) {
+fn start_replica(addrs: &[String], zk: &str, shard: u32, dir: &std::path::Path) -> (Proc, String) {
     let mut cmd = Command::new(FERRY);
     cmd.args(["replica", "--shard", &shard.to_string(), "--replica", "0"])
         .args([

@@ -7,6 +7,38 @@ use std::time::{Duration, Instant};
 
 pub const FERRY: &str = env!("CARGO_BIN_EXE_ferry");
 
+/// A `ferry` process that is killed (and reaped) when dropped, so a test that
+/// fails half-way leaves no server behind to hold ports, disks and CPU for the
+/// tests after it. Derefs to the [`Child`].
+pub struct Proc(Child);
+
+impl Proc {
+    pub fn spawn(cmd: &mut Command) -> Proc {
+        Proc(cmd.spawn().expect("spawn ferry"))
+    }
+}
+
+impl std::ops::Deref for Proc {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Proc {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        // Already exited and reaped: both fail, harmlessly.
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Where a `ferry dev` run on `data_dir` writes its log (beside the data dir).
 pub fn dev_log(data_dir: &std::path::Path) -> std::path::PathBuf {
     data_dir.with_extension("log")
@@ -14,7 +46,7 @@ pub fn dev_log(data_dir: &std::path::Path) -> std::path::PathBuf {
 
 /// Starts `ferry dev` on `data_dir` and returns it once it reported ready,
 /// with the lines it printed.
-pub fn start_dev(data_dir: &std::path::Path) -> (std::process::Child, Vec<String>) {
+pub fn start_dev(data_dir: &std::path::Path) -> (Proc, Vec<String>) {
     start_dev_with(data_dir, &[])
 }
 
@@ -73,19 +105,16 @@ pub fn ready_line(lines: &[String]) -> &str {
 }
 
 /// Starts `ferry dev` with extra arguments; see [`start_dev`].
-pub fn start_dev_with(
-    data_dir: &std::path::Path,
-    extra: &[&str],
-) -> (std::process::Child, Vec<String>) {
+pub fn start_dev_with(data_dir: &std::path::Path, extra: &[&str]) -> (Proc, Vec<String>) {
     let log = std::fs::File::create(dev_log(data_dir)).expect("log file");
-    let mut child = Command::new(FERRY)
-        .args(["dev", "--http", "127.0.0.1:0", "--data-dir"])
-        .arg(data_dir)
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(log)
-        .spawn()
-        .expect("spawn ferry dev");
+    let mut child = Proc::spawn(
+        Command::new(FERRY)
+            .args(["dev", "--http", "127.0.0.1:0", "--data-dir"])
+            .arg(data_dir)
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(log),
+    );
     let stdout = child.stdout.take().expect("stdout");
     let mut lines = Vec::new();
     let mut reader = BufReader::new(stdout);
@@ -118,7 +147,7 @@ pub fn expect_failure(args: &[&std::ffi::OsStr], env: &[(&str, &str)]) -> String
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let mut child = cmd.spawn().expect("spawn ferry");
+    let mut child = Proc::spawn(&mut cmd);
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         if let Some(status) = child.try_wait().expect("poll") {
@@ -134,8 +163,6 @@ pub fn expect_failure(args: &[&std::ffi::OsStr], env: &[(&str, &str)]) -> String
             return stderr;
         }
         if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
             panic!("ferry {args:?} did not fail within 60 s");
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -171,7 +198,7 @@ pub fn start_safekeeper(
     create: bool,
     cluster: &str,
     segment_bytes: u64,
-) -> (Child, String) {
+) -> (Proc, String) {
     let extra: &[&str] = if create { &["--create"] } else { &[] };
     let (child, addr, _) = start_safekeeper_with(id, data, listen, extra, cluster, segment_bytes);
     (child, addr)
@@ -186,26 +213,26 @@ pub fn start_safekeeper_with(
     extra: &[&str],
     cluster: &str,
     segment_bytes: u64,
-) -> (Child, String, Vec<String>) {
-    let mut child = Command::new(FERRY)
-        .args([
-            "safekeeper",
-            "--id",
-            &id.to_string(),
-            "--cluster-id",
-            cluster,
-            "--listen",
-            listen,
-            "--http",
-            "127.0.0.1:0",
-        ])
-        .args(extra)
-        .args(["--segment-bytes", &segment_bytes.to_string(), "--data-dir"])
-        .arg(data)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn safekeeper");
+) -> (Proc, String, Vec<String>) {
+    let mut child = Proc::spawn(
+        Command::new(FERRY)
+            .args([
+                "safekeeper",
+                "--id",
+                &id.to_string(),
+                "--cluster-id",
+                cluster,
+                "--listen",
+                listen,
+                "--http",
+                "127.0.0.1:0",
+            ])
+            .args(extra)
+            .args(["--segment-bytes", &segment_bytes.to_string(), "--data-dir"])
+            .arg(data)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null()),
+    );
     let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
     let mut before = Vec::new();
     let addr = loop {
@@ -230,7 +257,7 @@ pub fn start_three_safekeepers(
     dir: &std::path::Path,
     cluster: &str,
     segment_bytes: u64,
-) -> (Vec<Child>, Vec<String>) {
+) -> (Vec<Proc>, Vec<String>) {
     (0..3)
         .map(|id| {
             start_safekeeper(
