@@ -1008,11 +1008,19 @@ async fn backup_runs(args: &WalBenchArgs, root: &std::path::Path, n: usize) -> a
         "WAL backup to a local folder on this disk (1 MiB segments, {} parallel uploads):",
         ferry_safekeeper::backup::DEFAULT_PARALLEL_JOBS
     );
-    // Off and on alternate, three rounds each, so that a slow moment of the
-    // machine does not land on one side only; the medians are compared.
+    // Off and on alternate, six rounds each, in the order off-on, on-off,
+    // off-on, ..., so that neither a slow moment of the machine nor the
+    // write-back the previous run left behind lands on one side only; the
+    // medians are compared.
+    const ROUNDS: usize = 6;
     let mut p50s: [Vec<Duration>; 2] = [Vec::new(), Vec::new()];
-    for round in 0..3 {
-        for backup in [false, true] {
+    for round in 0..ROUNDS {
+        let order = if round % 2 == 0 {
+            [false, true]
+        } else {
+            [true, false]
+        };
+        for backup in order {
             let name = format!("backup-{}-{round}", if backup { "on" } else { "off" });
             let folder = root.join(format!("{name}-objects"));
             std::fs::create_dir_all(&folder)?;
@@ -1046,7 +1054,7 @@ async fn backup_runs(args: &WalBenchArgs, root: &std::path::Path, n: usize) -> a
     let off = p50_of(p50s[0].clone());
     let on = p50_of(p50s[1].clone());
     say!(
-        "  median p50 over 3 runs each: backup off {:.3} ms, backup on {:.3} ms: with backup on, commit latency is {:.2}x the figure with backup off ({:+.1}%)",
+        "  median p50 over {ROUNDS} runs each: backup off {:.3} ms, backup on {:.3} ms: with backup on, commit latency is {:.2}x the figure with backup off ({:+.1}%)",
         ms(off),
         ms(on),
         on.as_secs_f64() / off.as_secs_f64().max(1e-9),

@@ -180,11 +180,17 @@ fn main() -> anyhow::Result<()> {
         }
         return Ok(());
     }
+    // A benchmark's figures are its output: the nodes it runs log only what
+    // went wrong, unless RUST_LOG asks for more.
+    let default_filter = if matches!(cli.command, Command::Bench { .. }) {
+        "warn"
+    } else {
+        "info,zookeeper_client=warn"
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-                tracing_subscriber::EnvFilter::new("info,zookeeper_client=warn")
-            }),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
         )
         .with_writer(std::io::stderr)
         // Colour codes only for a terminal, never in a log file or a pipe.
