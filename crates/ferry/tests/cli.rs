@@ -207,6 +207,7 @@ fn wal_benchmark_prints_figures() {
             .args(["bench", "wal", "--mib", "2", "--appends", "64", "--dir"])
             .arg(dir.path())
             .args(extra)
+            .env_remove("RUST_LOG")
             .output()
             .expect("run bench");
         let stdout = String::from_utf8_lossy(&out.stdout);
@@ -225,9 +226,16 @@ fn wal_benchmark_prints_figures() {
             "appends per WAL fsync",
             "walsenders streaming from each safekeeper",
             "through loopback",
+            "64 writers, backup off: p50",
+            "64 writers, backup on : p50",
+            "median p50 over 6 runs each",
+            "of the WAL rate",
         ] {
             assert!(stdout.contains(needle), "no {needle:?} in:\n{stdout}");
         }
+        // The figures are the output: no node's routine log lines around them.
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!stderr.contains(" INFO "), "{stderr}");
         let topology = if extra.is_some() {
             "as separate processes"
         } else {
