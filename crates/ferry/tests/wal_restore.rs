@@ -158,7 +158,8 @@ async fn a_lost_safekeeper_is_restored_from_the_backup_while_writes_go_on() {
     let partial_of = |end: Lsn| format!("_{:016X}_{:016X}_sk", end.0, end.0);
     tokio::time::timeout(Duration::from_secs(30), async {
         loop {
-            let uploaded = std::fs::read_dir(backup_dir.join("partial"))
+            // The cluster's folder of the backup.
+            let uploaded = std::fs::read_dir(backup_dir.join(CLUSTER).join("partial"))
                 .map(|d| {
                     d.filter_map(Result::ok).any(|e| {
                         e.file_name()

@@ -523,6 +523,10 @@ impl Acceptor {
         self.wal.reader()
     }
 
+    pub fn cluster_id(&self) -> &ClusterId {
+        &self.config.cluster_id
+    }
+
     pub fn segment_size(&self) -> SegmentSize {
         self.config.segment_size
     }

@@ -24,7 +24,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use ferry_storage::Location;
 use ferry_wal::segment::SegmentSize;
-use ferry_wal::{Lsn, Term};
+use ferry_wal::{ClusterId, Lsn, Term};
 use tokio::time::Instant;
 
 use crate::wal_storage::{WalReader, WalStorageError};
@@ -49,7 +49,18 @@ pub struct BackupConfig {
     pub parallel_jobs: usize,
 }
 
-/// The key of a whole segment inside the backup location.
+/// The folder of one cluster's backup inside a backup location (named by
+/// the cluster id): clusters that share a location (one bucket for many)
+/// never overwrite each other's segments, and a restore reads only its own
+/// cluster's WAL. Every key below is relative to it.
+pub fn cluster_folder(
+    location: &Location,
+    cluster: &ClusterId,
+) -> Result<Location, ferry_storage::StorageError> {
+    location.child(cluster.as_str())
+}
+
+/// The key of a whole segment inside a cluster's backup folder.
 pub fn segment_key(seg: SegmentSize, segno: u64) -> String {
     format!("{SEGMENTS_DIR}/{}", seg.file_name(segno))
 }

@@ -4,7 +4,7 @@
 //!
 //! Every safekeeper uploads its own partial object, named
 //! `partial/<segment>_<term>_<flush:016X>_<commit:016X>_sk<id>.partial`
-//! (term: the last log term). The control file lists every remote partial
+//! in its cluster's folder of the backup (term: the last log term). The control file lists every remote partial
 //! object that may exist, and the steps are ordered so that a crash at any
 //! point leaves no object the list does not name:
 //!

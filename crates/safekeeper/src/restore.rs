@@ -1,6 +1,7 @@
 //! Rebuilding a lost safekeeper from the WAL backup.
 //!
-//! The backup holds whole segments (`wal/<segment>`, each uploaded only once
+//! The cluster's folder of the backup (only its own: another cluster's WAL
+//! is never read) holds whole segments (`wal/<segment>`, each uploaded only once
 //! committed) and partial objects (`partial/<segment>_<term>_<flush>_<commit>_sk<id>.partial`,
 //! whose bytes below `commit` are committed). A restore writes, into an empty
 //! data dir:
@@ -79,6 +80,7 @@ pub async fn restore_from_backup(
     backup: &Location,
 ) -> Result<RestoreReport, RestoreError> {
     let seg = config.segment_size;
+    let backup = &crate::backup::cluster_folder(backup, &config.cluster_id)?;
     let control_path = format!("{dir}/{CONTROL_FILE}");
     match disk.metadata(&control_path).await {
         Ok(_) => return Err(RestoreError::Exists(control_path)),

@@ -168,6 +168,13 @@ impl SafekeeperServer {
     ) -> std::io::Result<SafekeeperServer> {
         let addr = listener.local_addr()?;
         let mut acceptor = acceptor;
+        let mut config = config;
+        if let Some(backup) = &mut config.backup {
+            // From here on, the backup is this cluster's folder of it.
+            backup.location =
+                crate::backup::cluster_folder(&backup.location, acceptor.cluster_id())
+                    .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        }
         if let Some(backup) = &config.backup {
             acceptor.set_remote(crate::backup::RemoteWal {
                 location: backup.location.clone(),

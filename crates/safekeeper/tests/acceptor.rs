@@ -435,8 +435,10 @@ async fn backup_of(
     let seg = config().segment_size;
     let root = dir.join("backup");
     std::fs::create_dir_all(&root).expect("backup dir");
-    let backup = ferry_storage::open(&format!("file://{}", root.display()), &Default::default())
+    let location = ferry_storage::open(&format!("file://{}", root.display()), &Default::default())
         .expect("location");
+    let backup =
+        ferry_safekeeper::backup::cluster_folder(&location, &cluster()).expect("cluster folder");
     for &segno in whole {
         let range = seg.start(segno).0 as usize..seg.start(segno + 1).0 as usize;
         backup
@@ -464,7 +466,7 @@ async fn backup_of(
             .await
             .expect("put");
     }
-    backup
+    location
 }
 
 /// Record boundaries of `wal` (which is whole records).
@@ -652,6 +654,28 @@ async fn a_restore_stops_at_the_first_gap_cuts_split_records_and_starts_over_aft
         .await
         .expect("read");
     assert!(read[..] == wal[..last_whole as usize]);
+
+    // The same location seen by another cluster: its folder holds nothing
+    // of this cluster's WAL, so a restore of it takes none.
+    let mut stranger = config();
+    stranger.cluster_id = ClusterId::new("stranger").expect("id");
+    let report = ferry_safekeeper::restore::restore_from_backup(
+        Arc::clone(&disk),
+        "stranger",
+        &stranger,
+        &backup,
+    )
+    .await
+    .expect("restore");
+    assert_eq!(
+        (
+            report.whole_segments,
+            report.partial.clone(),
+            report.restored_lsn
+        ),
+        (0, None, Lsn(0)),
+        "{report:?}"
+    );
 
     // A backup that does not start at the first segment is refused.
     let other = tempfile::tempdir().expect("tempdir");

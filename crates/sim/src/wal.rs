@@ -447,9 +447,10 @@ impl Sim {
         self.world.fail(reason)
     }
 
-    /// The backup as it really is (no faults): what checks read.
+    /// The cluster's backup as it really is (no faults): what checks read.
     fn truth(&self) -> Result<ferry_storage::Location, Failure> {
         ferry_storage::Location::from_store("sim://truth", self.world.lake_store.truth(), "")
+            .and_then(|root| ferry_safekeeper::backup::cluster_folder(&root, &cluster_id()))
             .map_err(|e| self.fail(e.to_string()))
     }
 

@@ -81,7 +81,8 @@ pub struct Location {
     store: Arc<dyn ObjectStore>,
     /// The key prefix inside the store ("" for the whole store).
     prefix: ObjectPath,
-    /// A local folder's directory, through the disk seam: where the files
+    /// A local folder's root directory (the store's root, so a key's file
+    /// is at `<prefix>/<key>` in it), through the disk seam: where the files
     /// `object_store` stages a write in (`<key>#<n>`, renamed or linked into
     /// place when the write completes) can be found and removed.
     local: Option<LocalDir>,
@@ -372,6 +373,14 @@ impl Location {
         };
         let mut removed = 0;
         for (dir, names) in by_dir {
+            // The directory on disk: the prefix (a child location's folders)
+            // and the keys' own folders.
+            let dir = [self.prefix.as_ref(), dir]
+                .into_iter()
+                .filter(|d| !d.is_empty())
+                .collect::<Vec<_>>()
+                .join("/");
+            let dir = dir.as_str();
             let listed = match disk.list_dir(if dir.is_empty() { "." } else { dir }).await {
                 Ok(l) => l,
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
@@ -397,6 +406,30 @@ impl Location {
             }
         }
         Ok(removed)
+    }
+
+    /// The location of the folder `name` inside this one (one key segment,
+    /// checked like any): one owner's share of a location that several
+    /// share, which cannot name the others' keys.
+    pub fn child(&self, name: &str) -> Result<Location, StorageError> {
+        let prefix = self.key(name).map_err(|_| {
+            invalid(
+                &self.url,
+                format!("{name:?} is not a folder name (one key segment)"),
+            )
+        })?;
+        if name.contains('/') {
+            return Err(invalid(
+                &self.url,
+                format!("{name:?} is not a folder name (one key segment)"),
+            ));
+        }
+        Ok(Location {
+            url: format!("{}/{name}", self.url.trim_end_matches('/')),
+            store: Arc::clone(&self.store),
+            prefix,
+            local: self.local.clone(),
+        })
     }
 
     /// The URL the location was opened from.

@@ -155,6 +155,38 @@ async fn streamed_upload_over_10_mib(loc: &Location) {
     assert_eq!(loc.size("big/aborted.bin").await.expect("size"), None);
 }
 
+/// Two owners' folders of one location: each sees its own keys only, under
+/// the same names, and the parent sees both.
+async fn children_share_a_location(loc: &Location) {
+    let a = loc.child("cluster-a").expect("child");
+    let b = loc.child("cluster-b").expect("child");
+    assert_eq!(a.url(), format!("{}/cluster-a", loc.url()));
+    a.put("wal/seg", Bytes::from_static(b"of a"))
+        .await
+        .expect("put a");
+    b.put("wal/seg", Bytes::from_static(b"of b"))
+        .await
+        .expect("put b");
+    assert_eq!(a.get("wal/seg").await.expect("get"), "of a");
+    assert_eq!(b.get("wal/seg").await.expect("get"), "of b");
+    let listed = a.list("wal").await.expect("list");
+    assert_eq!(listed, [("wal/seg".to_string(), 4)]);
+    assert_eq!(
+        loc.get("cluster-b/wal/seg")
+            .await
+            .expect("get from the parent"),
+        "of b"
+    );
+    for bad in ["", "..", ".", "a/b", "a\\b"] {
+        assert!(
+            matches!(loc.child(bad), Err(StorageError::InvalidUrl { .. })),
+            "{bad:?}"
+        );
+    }
+    a.delete("wal/seg").await.expect("delete");
+    b.delete("wal/seg").await.expect("delete");
+}
+
 #[test]
 fn keys_cannot_leave_the_location() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -175,6 +207,7 @@ async fn local_directory_location() {
     let loc = open(&url, &S3Settings::default()).expect("open file location");
     create_only_refuses_existing_key(&loc).await;
     streamed_upload_over_10_mib(&loc).await;
+    children_share_a_location(&loc).await;
     assert!(dir.path().join("lake/part=1/data_abc.parquet").is_file());
     let listed = loc.list("").await.expect("list");
     let keys: Vec<&str> = listed.iter().map(|(k, _)| k.as_str()).collect();
@@ -188,6 +221,7 @@ async fn s3_location_on_the_test_server() {
     };
     create_only_refuses_existing_key(&loc).await;
     streamed_upload_over_10_mib(&loc).await;
+    children_share_a_location(&loc).await;
     let listed = loc.list("").await.expect("list");
     let keys: Vec<&str> = listed.iter().map(|(k, _)| k.as_str()).collect();
     assert_eq!(
@@ -234,6 +268,25 @@ async fn staging_files_of_cut_short_writes_are_removed_for_final_keys_only() {
             .await
             .expect("missing folder"),
         0
+    );
+    // In a child location: its files are in its folder.
+    let child = loc.child("c").expect("child");
+    std::fs::create_dir_all(dir.path().join("c/p=a")).expect("dir");
+    for name in ["c/p=a/x.parquet#1", "c/p=a/z.parquet#2", "p=a/x.parquet#4"] {
+        std::fs::write(dir.path().join(name), b"bytes").expect("write");
+    }
+    assert_eq!(
+        child
+            .remove_staging_of(&["p=a/x.parquet".to_string()])
+            .await
+            .expect("remove"),
+        1
+    );
+    assert!(!dir.path().join("c/p=a/x.parquet#1").exists());
+    assert!(dir.path().join("c/p=a/z.parquet#2").exists());
+    assert!(
+        dir.path().join("p=a/x.parquet#4").exists(),
+        "the parent's file is not the child's"
     );
     let mem = Location::from_store(
         "s3://b/x",

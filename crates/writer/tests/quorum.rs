@@ -107,10 +107,12 @@ impl Cluster {
         let backup =
             ferry_storage::open(&format!("file://{}", root.display()), &Default::default())
                 .expect("backup");
+        let folder = ferry_safekeeper::backup::cluster_folder(&backup, &cluster_id())
+            .expect("cluster folder");
         let seg = SegmentSize::new(SEG).expect("segment size");
         for segno in 0..segments {
             let range = (segno * SEG) as usize..((segno + 1) * SEG) as usize;
-            backup
+            folder
                 .put(
                     &ferry_safekeeper::backup::segment_key(seg, segno),
                     Bytes::copy_from_slice(&committed[range]),

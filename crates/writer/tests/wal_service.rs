@@ -39,6 +39,7 @@ fn seg() -> SegmentSize {
 
 struct Cluster {
     _dir: tempfile::TempDir,
+    /// The cluster's folder of the backup location.
     backup: ferry_storage::Location,
     servers: Vec<SafekeeperServer>,
 }
@@ -91,7 +92,9 @@ async fn cluster_with(
     }
     Cluster {
         _dir: dir,
-        backup,
+        // What the safekeepers write: the cluster's folder of the location.
+        backup: ferry_safekeeper::backup::cluster_folder(&backup, &cluster_id())
+            .expect("cluster folder"),
         servers,
     }
 }
