@@ -412,18 +412,16 @@ impl Location {
     /// checked like any): one owner's share of a location that several
     /// share, which cannot name the others' keys.
     pub fn child(&self, name: &str) -> Result<Location, StorageError> {
-        let prefix = self.key(name).map_err(|_| {
+        let not_a_folder = || {
             invalid(
                 &self.url,
                 format!("{name:?} is not a folder name (one key segment)"),
             )
-        })?;
+        };
         if name.contains('/') {
-            return Err(invalid(
-                &self.url,
-                format!("{name:?} is not a folder name (one key segment)"),
-            ));
+            return Err(not_a_folder());
         }
+        let prefix = self.key(name).map_err(|_| not_a_folder())?;
         Ok(Location {
             url: format!("{}/{name}", self.url.trim_end_matches('/')),
             store: Arc::clone(&self.store),
