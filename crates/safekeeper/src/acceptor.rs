@@ -21,7 +21,7 @@ use bytes::{Bytes, BytesMut};
 use ferry_env::Disk;
 use ferry_wal::proto::{
     AppendRequest, AppendResponse, FromSafekeeper, Greeting, GreetingResponse, ProposerElected,
-    Restored, ShardFeedback, ToSafekeeper, VoteResponse, MAX_SEND_BYTES,
+    Restored, ShardFeedback, ToSafekeeper, VoteResponse, MAX_READ_WAL_BYTES, MAX_SEND_BYTES,
 };
 use ferry_wal::segment::SegmentSize;
 use ferry_wal::{ClusterId, Lsn, Term};
@@ -1172,6 +1172,14 @@ impl Acceptor {
         end: Lsn,
         out: &mut Vec<FromSafekeeper>,
     ) -> Result<(), AcceptorError> {
+        if end.distance_from(begin) > MAX_READ_WAL_BYTES {
+            return Err(refused(
+                self.state.term,
+                format!(
+                    "a recovery read of {begin}..{end} asks for more than {MAX_READ_WAL_BYTES} bytes"
+                ),
+            ));
+        }
         if end < begin || end > self.flush_lsn() {
             return Err(refused(
                 self.state.term,

@@ -27,6 +27,11 @@ pub const PROTOCOL_VERSION: u8 = 6;
 pub const MAX_FRAME_BYTES: usize = MAX_RECORD_BYTES + (64 << 10);
 /// Most WAL bytes a walsender puts in one message (Neon's MAX_SEND_SIZE).
 pub const MAX_SEND_BYTES: usize = 128 << 10;
+/// Most WAL bytes one recovery read ([`ToSafekeeper::ReadWal`]) may ask for. A
+/// safekeeper answers it whole while it holds its acceptor, so one read must
+/// neither stall its appends for long nor put a whole lag into one reply; a
+/// writer reads a longer range as several reads, one after the other.
+pub const MAX_READ_WAL_BYTES: u64 = 16 << 20;
 
 /// The first message of a writer: who it is and what WAL it writes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -172,7 +177,8 @@ pub enum ToSafekeeper {
     Elected(ProposerElected),
     Append(AppendRequest),
     /// The writer elected in `term` reads flushed WAL `[begin_lsn, end_lsn)` of
-    /// this safekeeper (committed or not) to bring other safekeepers up to it.
+    /// this safekeeper (committed or not) to bring other safekeepers up to it;
+    /// at most [`MAX_READ_WAL_BYTES`] at once.
     ReadWal {
         term: Term,
         begin_lsn: Lsn,

@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 use bytes::{Bytes, BytesMut};
 use ferry_wal::proto::{
     AppendRequest, FromSafekeeper, Greeting, GreetingResponse, ProposerElected, ShardFeedback,
-    ToSafekeeper, VoteResponse,
+    ToSafekeeper, VoteResponse, MAX_READ_WAL_BYTES,
 };
 use ferry_wal::record;
 use ferry_wal::{ClusterId, Lsn, Term, TermHistory};
@@ -62,6 +62,9 @@ pub struct ProposerConfig {
     /// A safekeeper whose flush_lsn is this far behind commit_lsn or more is
     /// not given the backup duty (Neon's max_offloader_lag).
     pub max_offloader_lag_bytes: u64,
+    /// Most WAL bytes asked for in one recovery read (1 to
+    /// [`MAX_READ_WAL_BYTES`]); a longer range is read as several.
+    pub max_read_wal_bytes: u64,
 }
 
 impl ProposerConfig {
@@ -85,6 +88,7 @@ impl ProposerConfig {
             max_in_flight_bytes: 16 << 20,
             max_buffered_bytes: 256 << 20,
             max_offloader_lag_bytes: 128 << 20,
+            max_read_wal_bytes: MAX_READ_WAL_BYTES,
         }
     }
 }
@@ -227,6 +231,9 @@ struct Fetch {
     source: usize,
     begin: Lsn,
     end: Lsn,
+    /// The end of the reads asked for so far: one read at a time, each at
+    /// most `max_read_wal_bytes`.
+    requested: Lsn,
     received: BytesMut,
 }
 
@@ -1069,10 +1076,12 @@ impl Proposer {
             tracing::warn!(%begin, %end, "no safekeeper can provide the WAL a lagging safekeeper needs");
             return;
         };
+        let requested = self.read_wal_end(begin, end);
         self.fetch = Some(Fetch {
             source,
             begin,
             end,
+            requested,
             received: BytesMut::new(),
         });
         actions.push(Action::Send {
@@ -1080,9 +1089,15 @@ impl Proposer {
             msg: ToSafekeeper::ReadWal {
                 term: self.term,
                 begin_lsn: begin,
-                end_lsn: end,
+                end_lsn: requested,
             },
         });
+    }
+
+    /// The end of one recovery read from `begin` towards `end`.
+    fn read_wal_end(&self, begin: Lsn, end: Lsn) -> Lsn {
+        let most = self.config.max_read_wal_bytes.clamp(1, MAX_READ_WAL_BYTES);
+        Lsn(end.0.min(begin.0.saturating_add(most)))
     }
 
     fn on_fetched(&mut self, peer: usize, begin: Lsn, wal: Bytes, actions: &mut Vec<Action>) {
@@ -1095,6 +1110,22 @@ impl Proposer {
         fetch.received.extend_from_slice(&wal);
         let have = Lsn(fetch.begin.0 + fetch.received.len() as u64);
         if have < fetch.end {
+            if have >= fetch.requested {
+                // This read is done: the next one, from the same safekeeper.
+                let (source, end) = (fetch.source, fetch.end);
+                let next = self.read_wal_end(have, end);
+                if let Some(fetch) = self.fetch.as_mut() {
+                    fetch.requested = next;
+                }
+                actions.push(Action::Send {
+                    to: source,
+                    msg: ToSafekeeper::ReadWal {
+                        term: self.term,
+                        begin_lsn: have,
+                        end_lsn: next,
+                    },
+                });
+            }
             return;
         }
         let Some(fetch) = self.fetch.take() else {

@@ -163,13 +163,20 @@ struct Writer {
     lost: Option<Term>,
     /// The last `BehindKnownCommit`: (best flush, known commit, all voted).
     behind: Option<(Lsn, Lsn, bool)>,
+    /// Every recovery read handed to a safekeeper: `[begin, end)`.
+    reads: Vec<(Lsn, Lsn)>,
 }
 
 impl Writer {
     fn new(n: usize, min_term: Term) -> Writer {
+        Writer::with(n, min_term, |_| {})
+    }
+
+    fn with(n: usize, min_term: Term, adjust: impl FnOnce(&mut ProposerConfig)) -> Writer {
         let mut config = ProposerConfig::new(cluster_id(), n, TIMELINE, SEG, 42);
         config.min_term = min_term;
         config.max_append_bytes = 8 << 10;
+        adjust(&mut config);
         Writer {
             proposer: Proposer::new(config),
             connected: vec![false; n],
@@ -180,6 +187,7 @@ impl Writer {
             superseded: None,
             lost: None,
             behind: None,
+            reads: Vec::new(),
         }
     }
 
@@ -207,6 +215,12 @@ impl Writer {
                 match action {
                     Action::Send { to, msg } => {
                         if self.connected[to] && cluster.acceptors[to].is_some() {
+                            if let ToSafekeeper::ReadWal {
+                                begin_lsn, end_lsn, ..
+                            } = &msg
+                            {
+                                self.reads.push((*begin_lsn, *end_lsn));
+                            }
                             self.outbox.push_back((to, msg));
                         }
                     }
@@ -499,6 +513,63 @@ async fn lagging_voter_is_caught_up_from_the_donor() {
     assert!(
         cluster.wal(2).await == all,
         "the lagging voter got the donor's WAL"
+    );
+}
+
+/// A lag longer than one recovery read is read in several, each within the
+/// limit and split anywhere (not at record boundaries), and the lagging
+/// safekeeper ends with the donor's WAL byte for byte. A read above the
+/// protocol's limit is refused.
+#[tokio::test]
+async fn a_long_lag_is_read_from_the_donor_in_bounded_reads() {
+    const READ: u64 = 3001;
+    let mut cluster = Cluster::new(3).await;
+    let mut w1 = Writer::new(3, 0);
+    w1.connect_all(&mut cluster).await;
+    let first = batch(0, 5, 800);
+    w1.append(&mut cluster, &first).await.expect("append");
+    cluster.kill(2, &mut [&mut w1]);
+    let second = batch(5, 40, 800);
+    let end = w1.append(&mut cluster, &second).await.expect("append");
+    drop(w1);
+
+    cluster.kill(0, &mut []);
+    cluster.start(2).await;
+    let mut w2 = Writer::with(3, 1, |c| c.max_read_wal_bytes = READ);
+    w2.connect_all(&mut cluster).await;
+    let reads = w2.reads.clone();
+    assert_eq!(w2.elected, Some((2, end)));
+    let lag = end.distance_from(Lsn(first.len() as u64));
+    assert!(reads.len() as u64 >= lag / READ, "{reads:?}");
+    assert!(
+        reads.iter().all(|(b, e)| e.distance_from(*b) <= READ),
+        "{reads:?}"
+    );
+    assert!(
+        reads.windows(2).all(|w| w[0].1 == w[1].0),
+        "one read after the other: {reads:?}"
+    );
+    assert_eq!(reads.last().map(|r| r.1), Some(end));
+    let mut all = first.to_vec();
+    all.extend_from_slice(&second);
+    assert!(
+        cluster.wal(2).await == all,
+        "the lagging safekeeper got the donor's WAL"
+    );
+
+    // A read above the limit: refused, nothing read.
+    let acceptor = cluster.acceptors[1].as_mut().expect("running");
+    let replies = acceptor
+        .handle_batch(vec![ToSafekeeper::ReadWal {
+            term: 2,
+            begin_lsn: Lsn(0),
+            end_lsn: Lsn(ferry_wal::proto::MAX_READ_WAL_BYTES + 1),
+        }])
+        .await
+        .expect("storage");
+    assert!(
+        matches!(&replies[..], [ferry_wal::proto::FromSafekeeper::Refused { reason, .. }] if reason.contains("more than")),
+        "{replies:?}"
     );
 }
 
