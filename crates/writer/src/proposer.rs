@@ -1117,6 +1117,7 @@ impl Proposer {
                 if let Some(fetch) = self.fetch.as_mut() {
                     fetch.requested = next;
                 }
+                tracing::debug!(source, %have, %next, "next recovery read");
                 actions.push(Action::Send {
                     to: source,
                     msg: ToSafekeeper::ReadWal {
