@@ -69,10 +69,16 @@ fn explain(f: &Failure) -> String {
 /// too: 0, 5, 8 and 10 (411 of 1000; 403 without those targeted crashes,
 /// the crashes right after a write reach the same gaps) fail when the
 /// InProgress entry is kept in memory only (an object no persisted list
-/// names after a crash).
+/// names after a crash). Those counts were measured before a quarter of the
+/// runs read a lagging safekeeper's WAL in reads of a few KiB (which changed
+/// those runs' executions); measured since: 24 of 2000 (97, 123, 151, 199,
+/// 287, ...) for the plant that brings a restored safekeeper back without a
+/// quorum of the others, and 0, 2, 5, 10, 13 and 23 (126 of the first 1000)
+/// fail when a writer asks for each next read one byte past what it received
+/// (the lagging safekeeper is never caught up).
 const REGRESSION_SEEDS: &[u64] = &[
     0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 13, 14, 20, 21, 23, 27, 29, 31, 32, 37, 42, 44, 65, 71, 72, 85,
-    111, 121, 123, 145, 151, 163, 167, 176, 211, 217, 284, 286, 287, 363, 1000, 4883,
+    97, 111, 121, 123, 145, 151, 163, 167, 176, 199, 211, 217, 284, 286, 287, 363, 1000, 4883,
 ];
 
 #[test]
