@@ -483,23 +483,29 @@ async fn divergent_uncommitted_wal_is_truncated_committed_wal_never() {
     assert!(cluster.acceptor(0).commit_lsn() >= end);
 }
 
+/// Five 800-byte records on all three safekeepers, then `missed` more while
+/// safekeeper 2 is down; then safekeeper 0 goes away and 2 comes back, so 2
+/// must vote in the next election and a new writer must read the WAL it
+/// misses from the donor (safekeeper 1). Returns both batches and the end.
+async fn leave_safekeeper_2_behind(cluster: &mut Cluster, missed: u64) -> (Bytes, Bytes, Lsn) {
+    let mut w1 = Writer::new(3, 0);
+    w1.connect_all(cluster).await;
+    let first = batch(0, 5, 800);
+    w1.append(cluster, &first).await.expect("append");
+    cluster.kill(2, &mut [&mut w1]);
+    let second = batch(5, missed, 800);
+    let end = w1.append(cluster, &second).await.expect("append");
+    assert_eq!(w1.commit_lsn, end);
+    drop(w1);
+    cluster.kill(0, &mut []);
+    cluster.start(2).await;
+    (first, second, end)
+}
+
 #[tokio::test]
 async fn lagging_voter_is_caught_up_from_the_donor() {
     let mut cluster = Cluster::new(3).await;
-    let mut w1 = Writer::new(3, 0);
-    w1.connect_all(&mut cluster).await;
-    let first = batch(0, 5, 800);
-    w1.append(&mut cluster, &first).await.expect("append");
-    cluster.kill(2, &mut [&mut w1]);
-    let second = batch(5, 20, 800);
-    let end = w1.append(&mut cluster, &second).await.expect("append");
-    assert_eq!(w1.commit_lsn, end);
-    drop(w1);
-
-    // Safekeeper 2 is behind; safekeeper 0 is away, so 2 must vote, and the new
-    // writer reads the WAL it misses from the donor (safekeeper 1).
-    cluster.kill(0, &mut []);
-    cluster.start(2).await;
+    let (first, second, end) = leave_safekeeper_2_behind(&mut cluster, 20).await;
     let mut w2 = Writer::new(3, 1);
     w2.connect_all(&mut cluster).await;
     assert_eq!(w2.elected, Some((2, end)));
@@ -524,17 +530,7 @@ async fn lagging_voter_is_caught_up_from_the_donor() {
 async fn a_long_lag_is_read_from_the_donor_in_bounded_reads() {
     const READ: u64 = 3001;
     let mut cluster = Cluster::new(3).await;
-    let mut w1 = Writer::new(3, 0);
-    w1.connect_all(&mut cluster).await;
-    let first = batch(0, 5, 800);
-    w1.append(&mut cluster, &first).await.expect("append");
-    cluster.kill(2, &mut [&mut w1]);
-    let second = batch(5, 40, 800);
-    let end = w1.append(&mut cluster, &second).await.expect("append");
-    drop(w1);
-
-    cluster.kill(0, &mut []);
-    cluster.start(2).await;
+    let (first, second, end) = leave_safekeeper_2_behind(&mut cluster, 40).await;
     let mut w2 = Writer::with(3, 1, |c| c.max_read_wal_bytes = READ);
     w2.connect_all(&mut cluster).await;
     let reads = w2.reads.clone();
