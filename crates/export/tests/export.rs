@@ -207,12 +207,7 @@ impl SessionFactory for NodeSessions {
             Expirer::Zk(options) => {
                 // Through a proxy of its own, so that a test can partition
                 // this session's owner while it expires the session.
-                let split = options.connect.find('/').unwrap_or(options.connect.len());
-                let (server, chroot) = options.connect.split_at(split);
-                let proxy = Proxy::start(server.to_string()).await.expect("proxy");
-                let mut proxied = options.clone();
-                proxied.connect = format!("{}{chroot}", proxy.addr);
-                let s = ZkSession::connect(&proxied).await?;
+                let (s, proxy) = ferry_sim::tcp_proxy::connect_proxied(options).await?;
                 let info = s.session_info();
                 (Arc::new(s) as Session, Some((info, Arc::new(proxy))))
             }
@@ -265,24 +260,9 @@ impl NodeSessions {
                 assert!(store.expire_session(id).await.expect("expire"));
             }
             (Expirer::Zk(options), Some((info, proxy))) => {
-                // ZooKeeper's way to expire a session from outside: attach a
-                // second client to it and close that one, while the owner is
-                // partitioned and so cannot re-attach first. Healed, the
-                // owner reconnects and is told its session expired.
-                proxy.set_cut(true);
-                let mut closed = false;
-                for attempt in 1..=5 {
-                    match ZkSession::attach(options, info.clone()).await {
-                        Ok(thief) => {
-                            thief.close().await;
-                            closed = true;
-                            break;
-                        }
-                        Err(e) => eprintln!("attach attempt {attempt}: {e}"),
-                    }
-                }
-                assert!(closed, "could not attach to session {id:#x}");
-                proxy.set_cut(false);
+                ferry_sim::tcp_proxy::expire_proxied(options, info, &proxy)
+                    .await
+                    .unwrap_or_else(|e| panic!("could not attach to session {id:#x}: {e}"));
             }
             (Expirer::Zk(_), None) => unreachable!("ZooKeeper sessions carry their info"),
         }

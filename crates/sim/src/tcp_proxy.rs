@@ -10,6 +10,8 @@
 //! surely and at once: without the cut, the owner's client reconnects as fast
 //! as an outside client closes the session, and may win the race.
 
+use ferry_coord::zk::{ZkOptions, ZkSession};
+use ferry_coord::Coordination as _;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
@@ -70,4 +72,48 @@ async fn forward(client: TcpStream, upstream: String, mut cut: watch::Receiver<b
     // Partitioned: hold the sockets silently until healed.
     let _ = cut.wait_for(|c| !*c).await;
     drop((cr, cw, sr, sw));
+}
+
+/// Connects a ZooKeeper session as `options` say, but through a proxy of its
+/// own (`options.connect` is `host:port[/chroot]`), so that a test can
+/// partition this session's owner; see [`expire_proxied`].
+pub async fn connect_proxied(options: &ZkOptions) -> ferry_coord::Result<(ZkSession, Proxy)> {
+    let split = options.connect.find('/').unwrap_or(options.connect.len());
+    let (server, chroot) = options.connect.split_at(split);
+    let proxy = Proxy::start(server.to_string()).await.map_err(|e| {
+        ferry_coord::CoordError::ConnectionLoss {
+            detail: format!("proxy: {e}"),
+        }
+    })?;
+    let mut proxied = options.clone();
+    proxied.connect = format!("{}{chroot}", proxy.addr);
+    Ok((ZkSession::connect(&proxied).await?, proxy))
+}
+
+/// Expires, from outside, the session `info` whose owner connects through
+/// `owner`: ZooKeeper's way (attach a second client to the session and close
+/// it, through `direct` options) while the owner is partitioned, so it
+/// cannot re-attach first. Healed, the owner reconnects and is told that its
+/// session expired.
+pub async fn expire_proxied(
+    direct: &ZkOptions,
+    info: zookeeper_client::SessionInfo,
+    owner: &Proxy,
+) -> ferry_coord::Result<()> {
+    owner.set_cut(true);
+    let mut attached = Err(ferry_coord::CoordError::ConnectionLoss {
+        detail: "not attached".into(),
+    });
+    // A busy machine can time an attachment out: a few tries.
+    for _ in 0..5 {
+        attached = ZkSession::attach(direct, info.clone()).await;
+        if attached.is_ok() {
+            break;
+        }
+    }
+    if let Ok(thief) = &attached {
+        thief.close().await;
+    }
+    owner.set_cut(false);
+    attached.map(|_| ())
 }

@@ -98,15 +98,11 @@ impl Backend for Embedded {
     }
 }
 
-pub use ferry_sim::tcp_proxy::Proxy;
+pub use ferry_sim::tcp_proxy::{connect_proxied, expire_proxied, Proxy};
 
 pub struct ZooKeeper {
     options: ZkOptions,
     infos: Mutex<BTreeMap<i64, zookeeper_client::SessionInfo>>,
-    /// The server's `host:port`, which sessions reach through their proxies.
-    server: String,
-    /// The chroot every session is confined to, as `/name`.
-    chroot: String,
     /// Each session's own proxy, by session id.
     proxies: Mutex<BTreeMap<i64, Arc<Proxy>>>,
 }
@@ -172,8 +168,6 @@ impl ZooKeeper {
         Some(ZooKeeper {
             options,
             infos: Mutex::new(BTreeMap::new()),
-            server: addr,
-            chroot,
             proxies: Mutex::new(BTreeMap::new()),
         })
     }
@@ -190,10 +184,7 @@ impl Backend for ZooKeeper {
     }
 
     async fn session(&self) -> Session {
-        let proxy = Proxy::start(self.server.clone()).await.expect("proxy");
-        let mut options = self.options.clone();
-        options.connect = format!("{}{}", proxy.addr, self.chroot);
-        let session = ZkSession::connect(&options).await.expect("connect");
+        let (session, proxy) = connect_proxied(&self.options).await.expect("connect");
         self.infos
             .lock()
             .expect("lock")
@@ -228,12 +219,9 @@ impl Backend for ZooKeeper {
             .cloned()
             .expect("session made by this back-end");
         let mut state = session.session_state();
-        proxy.set_cut(true);
-        let thief = ZkSession::attach(&self.options, info)
+        expire_proxied(&self.options, info, &proxy)
             .await
             .expect("attach to the session");
-        thief.close().await;
-        proxy.set_cut(false);
         let expired = state.wait_for(|s| *s == ferry_coord::SessionState::Expired);
         tokio::time::timeout(SOON, expired)
             .await
