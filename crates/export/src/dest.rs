@@ -65,6 +65,9 @@ pub struct SourcePart {
     pub disk: Arc<dyn Disk>,
     pub path: String,
     pub meta: PartMeta,
+    /// The shard of the replica holding it, recorded in the data file's
+    /// entry (`None` for a replica of every shard).
+    pub shard: Option<u32>,
 }
 
 /// An export destination (Hive layout).
@@ -150,6 +153,11 @@ impl Destination {
             }
         };
         match schema_difference(columns, &found.columns) {
+            None if found.table != table => Err(PartFailure::Fatal(format!(
+                "the destination {} holds table {:?}, not {table:?} (a destination holds one table)",
+                self.url(),
+                found.table
+            ))),
             None => Ok(()),
             Some(detail) => Err(PartFailure::Fatal(format!(
                 "schema mismatch with the destination {} (its files were written by an export of \
@@ -188,6 +196,7 @@ impl Destination {
             rows: meta.rows,
             bytes,
             checksum: meta.checksum,
+            shard: source.shard,
         };
         if settings.file_exists != FileExistsPolicy::Overwrite {
             match self.location.size(&key).await {

@@ -7,7 +7,8 @@
 //! * `task`: commit, kill and removal, which any replica may run;
 //! * `worker`: a node's exporter (mirror, scheduling, uploads, cleanup);
 //! * `dest`: the Hive-layout destination and its commit file;
-//! * `verify`: a destination checked against its commit files;
+//! * `lake`: what a reader reads (each partition's current commit);
+//! * `verify`: a destination checked as a reader reads it;
 //! * `local`: what a node holds (its replicas' parts) and how it opens
 //!   destinations.
 //!
@@ -16,6 +17,7 @@
 //! a whole part in memory.
 
 pub mod dest;
+pub mod lake;
 pub mod local;
 pub mod model;
 pub mod request;

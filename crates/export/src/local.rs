@@ -281,6 +281,7 @@ impl LocalParts for ReplicaSet {
                     disk: Arc::clone(r.disk()),
                     path,
                     meta,
+                    shard: (r.shard() != ferry_replica::replica::ALL_SHARDS).then(|| r.shard()),
                 });
             }
         }

@@ -330,9 +330,42 @@ pub struct Metadata {
     /// the export has, checked against the destination's schema marker.
     #[serde(default)]
     pub columns: Vec<ColumnDef>,
+    /// The position of this export among the partition's commits in the
+    /// destination: one more than the current commit's when the task was
+    /// created (see [`crate::lake`]); 0 for tasks created before it existed.
+    #[serde(default)]
+    pub sequence: u64,
+    /// [`content_id`] of the snapshot.
+    #[serde(default)]
+    pub content_id: String,
 }
 
 pub const METADATA_FORMAT: u32 = 1;
+
+/// What an export holds, as an id: a digest of the table, the partition
+/// and every snapshot part's name and rows checksum (in name order). Two
+/// exports with the same id write the same files, so a request whose
+/// content the partition's current commit already has is a no-op.
+pub fn content_id(table: &str, partition_id: &str, parts: &[SnapshotPart]) -> String {
+    use sha2::Digest;
+    let mut sorted: Vec<&SnapshotPart> = parts.iter().collect();
+    sorted.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut h = sha2::Sha256::new();
+    for field in [table, partition_id] {
+        h.update((field.len() as u64).to_le_bytes());
+        h.update(field.as_bytes());
+    }
+    for p in sorted {
+        h.update((p.name.len() as u64).to_le_bytes());
+        h.update(p.name.as_bytes());
+        h.update(p.checksum.to_le_bytes());
+        h.update(p.rows.to_le_bytes());
+    }
+    h.finalize()[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
 
 /// A task's state; terminal ones never change.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -391,6 +424,11 @@ pub struct DataFile {
     pub bytes: u64,
     /// The rows checksum (ferry_replica::checksum), as in the file's footer.
     pub checksum: u32,
+    /// The shard whose replica wrote the part (absent in files exported
+    /// before it was recorded): block ranges of one shard's files never
+    /// overlap, those of different shards may.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard: Option<u32>,
 }
 
 /// `processed/<part>`.
@@ -411,7 +449,9 @@ pub struct ExceptionRecord {
 }
 
 /// The commit file `commit_<partition>_<transaction>`: every data file of
-/// the export. A reader trusts a data file only if a commit file lists it.
+/// the export. A reader reads the files of the partition's current commit
+/// (the highest `sequence`) and nothing else: older commits of the
+/// partition are superseded, their files kept for readers still on them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CommitFile {
     pub format: u32,
@@ -425,9 +465,21 @@ pub struct CommitFile {
     /// The columns of every listed file (the task's `columns`).
     #[serde(default)]
     pub columns: Vec<ColumnDef>,
+    /// The export's place among the partition's commits: the commit with
+    /// the highest sequence is the partition's current one, the only one a
+    /// reader reads ([`crate::lake`]). 0 in commit files of format 1.
+    #[serde(default)]
+    pub sequence: u64,
+    /// The commit position the snapshot included everything below.
+    #[serde(default)]
+    pub snapshot_lsn: u64,
+    /// [`content_id`] of the export's parts.
+    #[serde(default)]
+    pub content_id: String,
 }
 
-pub const COMMIT_FORMAT: u32 = 1;
+/// Format 2 adds `sequence`, `snapshot_lsn` and `content_id`.
+pub const COMMIT_FORMAT: u32 = 2;
 
 /// The destination's schema marker, `_ferry_schema.json` under its prefix:
 /// written create-only by the first export into the destination, so every

@@ -9,10 +9,12 @@ use ferry_wal::Lsn;
 use serde::{Deserialize, Serialize};
 
 use crate::dest::Destination;
+use crate::lake;
 use crate::local::{Destinations, LocalParts, SnapshotError, SnapshotRequest};
 use crate::model::{
     check_name, check_transaction_id, chunk_parts, exports_path, schema_difference, table_path,
-    ExportSettings, Metadata, SnapshotPart, TaskKey, TaskStatus, MAX_PARTS, METADATA_FORMAT,
+    CommitFile, ExportSettings, Metadata, SnapshotPart, TaskKey, TaskStatus, MAX_PARTS,
+    METADATA_FORMAT,
 };
 use crate::task;
 
@@ -28,7 +30,8 @@ pub struct ExportRequest {
     pub settings: ExportSettings,
 }
 
-/// A task created.
+/// A task created, or (with `unchanged`) the commit that already holds
+/// exactly the parts asked for.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Created {
     pub transaction_id: String,
@@ -36,6 +39,11 @@ pub struct Created {
     pub parts_count: u64,
     pub rows: u64,
     pub snapshot_lsn: u64,
+    /// Set when no task was created: the partition's current commit in the
+    /// destination (this key) has the same content, so exporting again
+    /// would change nothing a reader sees.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unchanged: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -76,6 +84,15 @@ pub enum RequestError {
         reached: Lsn,
         needed: Lsn,
         waited: Duration,
+    },
+    #[error(
+        "the partition's current export in {url} ({commit}) holds rows this node's snapshot \
+         lacks ({detail}); its replicas are behind: retry, or ask another node"
+    )]
+    StaleSnapshot {
+        url: String,
+        commit: String,
+        detail: String,
     },
     #[error("{0}")]
     NotHeld(String),
@@ -150,7 +167,15 @@ impl Requester<'_> {
             .create_task(req, &table, &destination, key, &transaction_id, &snapshot)
             .await
         {
-            Ok(created) => Ok(created),
+            Ok(created) => {
+                if created.unchanged.is_some() {
+                    // No task will use the snapshot's pins.
+                    if let Err(u) = self.parts.release_snapshot(&transaction_id).await {
+                        tracing::warn!(%transaction_id, error = %u, "could not release the snapshot's pins");
+                    }
+                }
+                Ok(created)
+            }
             Err(e) => {
                 // Pins of a task that does not exist; a node that misses
                 // this releases them once they are old (worker).
@@ -209,7 +234,17 @@ impl Requester<'_> {
         // task exists (a worker checks again before its first upload).
         match destination.schema().await {
             Ok(Some(found)) => {
-                if let Some(detail) = schema_difference(&table.def.columns, &found.columns) {
+                // One table per destination: two tables' partitions of one
+                // id would otherwise supersede each other's commits.
+                let other_table = (found.table != req.table).then(|| {
+                    format!(
+                        "it holds table {:?}; a destination holds one table",
+                        found.table
+                    )
+                });
+                if let Some(detail) =
+                    schema_difference(&table.def.columns, &found.columns).or(other_table)
+                {
                     return Err(RequestError::SchemaMismatch {
                         url: destination.url().to_string(),
                         table: found.table,
@@ -226,8 +261,17 @@ impl Requester<'_> {
             }
         }
 
+        let parts: Vec<SnapshotPart> = snapshot
+            .iter()
+            .map(|p| SnapshotPart {
+                name: p.name.to_string(),
+                rows: p.rows,
+                checksum: p.checksum,
+            })
+            .collect();
         // An existing task for the key.
-        if let Some(existing) = task::read_head(self.session, &key).await? {
+        let existing = task::read_head(self.session, &key).await?;
+        if let Some(existing) = &existing {
             let expired = existing.metadata.as_ref().is_some_and(|m| {
                 m.create_time + m.settings.ttl_seconds < self.now_unix_millis / 1000
             });
@@ -243,6 +287,32 @@ impl Requester<'_> {
                         .unwrap_or_else(|| "being created".into()),
                 });
             }
+        }
+        let content_id = crate::model::content_id(&req.table, &req.partition_id, &parts);
+        let lake_error = |e: ferry_storage::StorageError| RequestError::Destination {
+            url: destination.url().to_string(),
+            detail: e.to_string(),
+        };
+        let mut current = lake::read(destination.location(), Some(&req.partition_id))
+            .await
+            .map_err(lake_error)?;
+        // The same content committed again would be committed once: what
+        // the reader sees is already this.
+        if let Some(p) = current.partitions.first() {
+            if p.current.file.content_id == content_id {
+                tracing::info!(task = %key, commit = %p.current.key, "export unchanged: the current commit holds these parts");
+                return Ok(Created {
+                    transaction_id: p.current.file.transaction_id.clone(),
+                    key,
+                    parts_count: parts.len() as u64,
+                    rows,
+                    snapshot_lsn: p.current.file.snapshot_lsn,
+                    unchanged: Some(p.current.key.clone()),
+                });
+            }
+        }
+
+        if let Some(existing) = existing {
             // Replaced: a pending one is killed first (under its commit
             // lock, so no commit file appears for it afterwards), then the
             // task is removed.
@@ -261,16 +331,28 @@ impl Requester<'_> {
                 })?;
             }
             task::remove(self.session, &key).await?;
+            // The task replaced may have committed on its way out.
+            current = lake::read(destination.location(), Some(&req.partition_id))
+                .await
+                .map_err(lake_error)?;
         }
+        // The new commit supersedes the current one: it must hold every row
+        // the current one holds (a node whose replicas lag would otherwise
+        // take rows away from readers).
+        let sequence = match current.partitions.first() {
+            Some(p) => {
+                if let Some(detail) = lacks(&p.current.file, snapshot) {
+                    return Err(RequestError::StaleSnapshot {
+                        url: destination.url().to_string(),
+                        commit: p.current.key.clone(),
+                        detail,
+                    });
+                }
+                p.current.file.sequence + 1
+            }
+            None => 1,
+        };
 
-        let parts: Vec<SnapshotPart> = snapshot
-            .iter()
-            .map(|p| SnapshotPart {
-                name: p.name.to_string(),
-                rows: p.rows,
-                checksum: p.checksum,
-            })
-            .collect();
         let chunks = chunk_parts(&parts);
         let partition_dir = partition_dir(table, &req.partition_id);
         let metadata = Metadata {
@@ -289,6 +371,8 @@ impl Requester<'_> {
             parts_chunks: chunks.len() as u32,
             settings: req.settings.clone(),
             columns: table.def.columns.clone(),
+            sequence,
+            content_id,
         };
         ferry_coord::create_all(self.session.as_ref(), &exports_path(&req.table)).await?;
         match create(self.session, &key, &metadata, &parts, chunks).await {
@@ -313,8 +397,29 @@ impl Requester<'_> {
             parts_count: parts.len() as u64,
             rows,
             snapshot_lsn: self.commit_lsn.0,
+            unchanged: None,
         })
     }
+}
+
+/// What of `commit` the snapshot does not hold, if anything: fewer rows, or
+/// a block (a part's first or last) that no snapshot part covers.
+fn lacks(commit: &CommitFile, snapshot: &[ferry_replica::PartMeta]) -> Option<String> {
+    let rows: u64 = snapshot.iter().map(|p| p.rows).sum();
+    if rows < commit.rows {
+        return Some(format!("{} rows, the snapshot {rows}", commit.rows));
+    }
+    for f in &commit.files {
+        let Some(name) = lake::part_of(&f.path) else {
+            continue;
+        };
+        for block in [name.min_block, name.max_block] {
+            if !snapshot.iter().any(|p| p.name.covers(block)) {
+                return Some(format!("block {block} of {}", f.path));
+            }
+        }
+    }
+    None
 }
 
 /// The Hive directory of a partition: `<column>=<id>`, or

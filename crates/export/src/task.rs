@@ -605,6 +605,9 @@ async fn commit_decided(
         rows: files.iter().map(|f| f.rows).sum(),
         files,
         columns: metadata.columns.clone(),
+        sequence: metadata.sequence,
+        snapshot_lsn: metadata.snapshot_lsn,
+        content_id: metadata.content_id.clone(),
     };
     let key_written = match destination.commit(&commit).await {
         Ok(k) => k,

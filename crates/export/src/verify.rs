@@ -1,24 +1,31 @@
-//! `ferry verify`: a destination checked against its commit files. Every
-//! file a commit file lists must be there with its size, and its footer must
-//! hold the rows and rows checksum listed (with `deep`, the rows themselves
-//! are read and checksummed); data files no commit file lists are orphans,
-//! which readers must not trust (an upload whose export never committed).
+//! `ferry verify`: a destination checked as a reader reads it. Of every
+//! partition, the current commit ([`crate::lake`]) is checked whole: every
+//! file it lists must be there with its size, its footer must hold the rows
+//! and rows checksum listed (with `deep`, the rows themselves are read and
+//! checksummed), and no two of its files may hold the same blocks. Commits
+//! a later one superseded are named; data files no commit file lists are
+//! orphans, which readers must not read (an upload whose export never
+//! committed).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use bytes::Bytes;
-use ferry_replica::PartName;
 use ferry_storage::{Location, StorageError};
 use serde::Serialize;
 
-use crate::model::{schema_difference, CommitFile, DataFile, DestinationSchema, SCHEMA_KEY};
+use crate::lake::{self, part_of};
+use crate::model::{schema_difference, DataFile, DestinationSchema, SCHEMA_KEY};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct VerifyReport {
-    /// Commit files read, with the number of files each lists.
+    /// The current commit file of every partition, with the number of
+    /// files it lists.
     pub commits: Vec<(String, usize)>,
-    /// Data files checked (listed by some commit and found).
+    /// Commit files a later commit of their partition superseded.
+    pub superseded: Vec<String>,
+    /// Data files checked (listed by a current commit and found).
     pub files_checked: usize,
+    /// Rows in the current files: what a reader reads.
     pub rows: u64,
     /// Every mismatch found; empty means the destination is consistent.
     pub problems: Vec<String>,
@@ -38,9 +45,6 @@ const TAIL_BYTES: u64 = 64 << 10;
 pub async fn verify(location: &Location, deep: bool) -> Result<VerifyReport, StorageError> {
     let listing: BTreeMap<String, u64> = location.list("").await?.into_iter().collect();
     let mut report = VerifyReport::default();
-    // Every file once: a forced re-export lists the same files again (their
-    // names are deterministic), which is fine as long as the entries agree.
-    let mut listed: BTreeMap<String, DataFile> = BTreeMap::new();
     let marker = match listing.contains_key(SCHEMA_KEY) {
         true => match serde_json::from_slice::<DestinationSchema>(&location.get(SCHEMA_KEY).await?)
         {
@@ -54,19 +58,20 @@ pub async fn verify(location: &Location, deep: bool) -> Result<VerifyReport, Sto
         },
         false => None,
     };
-    for (key, _) in listing
-        .iter()
-        .filter(|(k, _)| k.starts_with("commit_") && !k.contains('/'))
-    {
-        let commit = match serde_json::from_slice::<CommitFile>(&location.get(key).await?) {
-            Ok(c) => c,
-            Err(e) => {
-                report
-                    .problems
-                    .push(format!("{key}: not a commit file: {e}"));
-                continue;
-            }
-        };
+    let view = lake::read(location, None).await?;
+    for (key, e) in &view.unreadable {
+        report
+            .problems
+            .push(format!("{key}: not a commit file: {e}"));
+    }
+    // Every file some commit lists, current or not: the rest are orphans.
+    let mut listed: BTreeSet<&str> = BTreeSet::new();
+    for p in &view.partitions {
+        for c in &p.superseded {
+            report.superseded.push(c.key.clone());
+            listed.extend(c.file.files.iter().map(|f| f.path.as_str()));
+        }
+        let (key, commit) = (&p.current.key, &p.current.file);
         report.commits.push((key.clone(), commit.files.len()));
         let rows: u64 = commit.files.iter().map(|f| f.rows).sum();
         if rows != commit.rows {
@@ -82,20 +87,18 @@ pub async fn verify(location: &Location, deep: bool) -> Result<VerifyReport, Sto
                 ));
             }
         }
+        for o in lake::overlaps(&commit.files) {
+            report
+                .problems
+                .push(format!("{key}: current files overlap: {o}"));
+        }
         for f in &commit.files {
-            match listed.get(&f.path) {
-                Some(earlier) if earlier == f => continue,
-                Some(earlier) => {
-                    report.problems.push(format!(
-                        "{}: listed by more than one commit file, differently ({} rows, {} bytes \
-                         against {} rows, {} bytes)",
-                        f.path, f.rows, f.bytes, earlier.rows, earlier.bytes
-                    ));
-                    continue;
-                }
-                None => {
-                    listed.insert(f.path.clone(), f.clone());
-                }
+            if !listed.insert(f.path.as_str()) {
+                report.problems.push(format!(
+                    "{}: listed by the current commits of two partitions",
+                    f.path
+                ));
+                continue;
             }
             match listing.get(&f.path) {
                 None => report
@@ -117,17 +120,10 @@ pub async fn verify(location: &Location, deep: bool) -> Result<VerifyReport, Sto
     }
     report.orphans = listing
         .keys()
-        .filter(|k| k.ends_with(".parquet") && !listed.contains_key(*k))
+        .filter(|k| k.ends_with(".parquet") && !listed.contains(k.as_str()))
         .cloned()
         .collect();
     Ok(report)
-}
-
-/// The part a data file holds, from its name `<part>_<checksum>.parquet`.
-fn part_of(path: &str) -> Option<PartName> {
-    let file = path.rsplit('/').next()?.strip_suffix(".parquet")?;
-    let (part, _) = file.rsplit_once('_')?;
-    PartName::parse(part)
 }
 
 async fn check_file(

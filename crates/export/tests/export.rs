@@ -694,19 +694,18 @@ async fn two_replicas_share_an_export_and_the_lake_holds_each_part_once() {
             matches!(again, Err(ferry_export::RequestError::AlreadyExists { .. })),
             "{again:?}"
         );
-        // Forced: a new transaction, a second commit file naming the same
-        // files, which verify accepts (each file once).
+        // Forced, with the same parts: the current commit holds them
+        // already, so nothing is created and nothing written.
         let mut forced = request(&url, "a");
         forced.force = true;
         let second = w.export(&a, &forced).await.expect("forced export");
-        let done = wait_terminal(&mut a.view, &second.transaction_id).await;
-        assert_eq!(done.status, TaskStatus::Completed);
+        let commit_key = ferry_export::model::commit_key("a", &created.transaction_id);
+        assert_eq!(second.unchanged.as_deref(), Some(commit_key.as_str()));
+        assert_eq!(second.transaction_id, created.transaction_id);
+        assert!(a.parts.pinned().await.is_empty(), "no pins left behind");
         let commits = w.commit_files(&url).await;
-        assert_eq!(commits.len(), 2);
-        assert_eq!(
-            commits[0].files, commits[1].files,
-            "same deterministic file names"
-        );
+        assert_eq!(commits.len(), 1);
+        assert_eq!(commits[0].sequence, 1);
         let report = ferry_export::verify::verify(&w.location(&url), true)
             .await
             .expect("verify");
@@ -983,11 +982,12 @@ async fn a_finished_task_goes_at_its_ttl_and_the_partition_can_be_exported_again
             "the task is gone from coordination"
         );
         assert!(a.parts.pinned().await.is_empty(), "its pins went with it");
-        // Not forced: accepted, the files are there already (skip policy).
+        // Not forced, and accepted: the same parts are what the current
+        // commit holds, so it answers with that commit and writes nothing.
         let second = w.export(&a, &request(&url, "a")).await.expect("again");
-        let done = wait_terminal(&mut a.view, &second.transaction_id).await;
-        assert_eq!(done.status, TaskStatus::Completed);
-        assert_eq!(w.commit_files(&url).await.len(), 2);
+        assert!(second.unchanged.is_some(), "{second:?}");
+        assert_eq!(second.transaction_id, first.transaction_id);
+        assert_eq!(w.commit_files(&url).await.len(), 1);
         w.session.close().await;
     }
 }

@@ -131,6 +131,7 @@ impl LocalParts for ScaleParts {
             disk: Arc::clone(&self.disk),
             path: Self::path(name),
             meta: meta.clone(),
+            shard: None,
         })
     }
 

@@ -243,35 +243,30 @@ pub async fn run(url: &str, rows: usize, lake_url: &str) -> anyhow::Result<()> {
         task.status
     );
     let lake = ferry_storage::open(lake_url, &Default::default())?;
-    let commit_key = task.commit_file.context("no commit file")?;
-    let commit: ferry_export::model::CommitFile =
-        serde_json::from_slice(&lake.get(&commit_key).await?)?;
-    let dir = lake_url.trim_start_matches("file://");
-    let files: Vec<String> = commit
-        .files
-        .iter()
-        .map(|f| format!("'{dir}/{}'", f.path))
-        .collect();
+    let view = ferry_export::lake::read(&lake, Some(partition.as_str())).await?;
+    let current = view
+        .partitions
+        .first()
+        .context("no commit of the partition in the lake")?;
     let report = ferry_export::verify::verify(&lake, false).await?;
     say!(
-        "demo: the lake holds {} commit files; verify: {} files checked, {} mismatches, {} orphans",
+        "demo: the lake holds {} current commits; verify: {} files checked, {} mismatches, {} orphans",
         report.commits.len(),
         report.files_checked,
         report.problems.len(),
         report.orphans.len()
     );
     say!(
-        "demo: {} rows of partition {partition} in {} files listed by {dir}/{commit_key}; read exactly those:",
-        commit.rows,
-        files.len()
+        "demo: {} rows of partition {partition} in {} files listed by {}; read exactly what `ferry lake files` prints:",
+        current.current.file.rows,
+        current.current.file.files.len(),
+        current.current.key
     );
     say!(
-        "  duckdb -c \"SELECT count(*) FROM read_parquet([{}], hive_partitioning = false)\"",
-        files.join(", ")
+        "  files=$(ferry lake files {lake_url} --full | sed \"s/.*/'&'/\" | paste -sd, -); duckdb -c \"SELECT count(*) FROM read_parquet([$files], hive_partitioning = false)\""
     );
     say!(
-        "  python3 -c \"import pandas as pd; print(len(pd.concat(pd.read_parquet(f) for f in [{}])))\"",
-        files.join(", ")
+        "  ferry lake files {lake_url} --full | python3 -c \"import sys, pandas as pd; print(len(pd.concat(pd.read_parquet(l.strip()) for l in sys.stdin)))\""
     );
     say!(
         "demo: done in {:.1} s. Next: `ferry dev` (without --demo), `ferry query partitions demo_events`, `ferry export demo_events <partition> --to file:///tmp/lake --wait`",

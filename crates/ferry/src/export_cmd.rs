@@ -149,6 +149,13 @@ pub async fn export(args: ExportArgs) -> anyhow::Result<()> {
     });
     let created: crate::exports::CreatedBody = client.post_json("/exports", &body).await?;
     for c in &created.created {
+        if let Some(commit) = &c.unchanged {
+            println!(
+                "export {} unchanged: the current commit {commit} already holds these {} parts, {} rows",
+                c.key, c.parts_count, c.rows
+            );
+            continue;
+        }
         println!(
             "export {} created: transaction {}, {} parts, {} rows (snapshot at {})",
             c.key,
@@ -162,7 +169,7 @@ pub async fn export(args: ExportArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let mut failed = Vec::new();
-    for c in &created.created {
+    for c in created.created.iter().filter(|c| c.unchanged.is_none()) {
         let view = wait(&client, &c.transaction_id, c.parts_count).await?;
         println!("{}", table_of(std::slice::from_ref(&view)));
         if view.status != TaskStatus::Completed {
@@ -263,11 +270,29 @@ pub struct VerifyArgs {
     pub json: bool,
 }
 
+/// Opens a destination to read: a local folder that does not exist is an
+/// error here (opening a location to write creates it).
+fn open_to_read(url: &str) -> anyhow::Result<ferry_storage::Location> {
+    if let Some(rest) = url.strip_prefix("file://") {
+        let dir = std::path::Path::new(rest);
+        anyhow::ensure!(
+            dir.is_dir(),
+            "{url}: no such directory (nothing was exported there)"
+        );
+    }
+    Ok(ferry_storage::open(url, &Default::default())?)
+}
+
 pub async fn verify(args: VerifyArgs) -> anyhow::Result<()> {
-    let location = ferry_storage::open(&args.url, &Default::default())?;
+    let location = open_to_read(&args.url)?;
     let report = ferry_export::verify::verify(&location, args.deep)
         .await
         .with_context(|| format!("reading {}", args.url))?;
+    anyhow::ensure!(
+        !report.commits.is_empty() || !report.orphans.is_empty() || !report.problems.is_empty(),
+        "{}: no commit file and no data file: nothing was exported there",
+        args.url
+    );
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
@@ -278,6 +303,9 @@ pub async fn verify(args: VerifyArgs) -> anyhow::Result<()> {
             report.files_checked,
             report.rows
         );
+        for c in &report.superseded {
+            println!("superseded (a later commit of its partition replaced it): {c}");
+        }
         for p in &report.problems {
             println!("MISMATCH {p}");
         }
@@ -289,4 +317,96 @@ pub async fn verify(args: VerifyArgs) -> anyhow::Result<()> {
         anyhow::bail!("{} mismatches in {}", report.problems.len(), args.url);
     }
     Ok(())
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum LakeCommand {
+    /// Prints exactly the data files a reader should read now, one per line:
+    /// of every partition, the files of its current commit (never the union
+    /// of all commit files: a re-export lists files holding the same rows as
+    /// the commit it supersedes). Reads the destination itself (S3 settings
+    /// from the AWS_* environment).
+    Files(LakeFilesArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct LakeFilesArgs {
+    /// The destination: file:///dir or s3://bucket/prefix.
+    pub url: String,
+    /// Only this partition.
+    #[arg(long)]
+    pub partition: Option<String>,
+    /// Full names instead of paths relative to the destination: absolute
+    /// local paths for file:// and s3://bucket/key for S3 (what DuckDB and
+    /// pandas open directly).
+    #[arg(long)]
+    pub full: bool,
+    /// JSON: every partition with its current commit, its files (path, rows,
+    /// bytes, checksum) and the commits it superseded.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub async fn lake(cmd: LakeCommand) -> anyhow::Result<()> {
+    let LakeCommand::Files(args) = cmd;
+    if let Some(p) = &args.partition {
+        ferry_export::model::check_name("partition id", p)?;
+    }
+    let location = open_to_read(&args.url)?;
+    let view = ferry_export::lake::read(&location, args.partition.as_deref())
+        .await
+        .with_context(|| format!("reading {}", args.url))?;
+    if let Some((key, e)) = view.unreadable.first() {
+        anyhow::bail!(
+            "{key} in {} is not a commit file ({e}): no reader can tell what is current",
+            args.url
+        );
+    }
+    let name = |path: &str| {
+        if args.full {
+            format!("{}/{path}", full_base(&args.url))
+        } else {
+            path.to_string()
+        }
+    };
+    if args.json {
+        let partitions: Vec<serde_json::Value> = view
+            .partitions
+            .iter()
+            .map(|p| {
+                json!({
+                    "partition_id": p.partition_id,
+                    "commit": p.current.key,
+                    "transaction_id": p.current.file.transaction_id,
+                    "rows": p.current.file.rows,
+                    "files": p.current.file.files.iter().map(|f| json!({
+                        "path": name(&f.path),
+                        "rows": f.rows,
+                        "bytes": f.bytes,
+                        "checksum": format!("{:08x}", f.checksum),
+                    })).collect::<Vec<_>>(),
+                    "superseded": p.superseded.iter().map(|c| c.key.clone()).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        println!(
+            "{}",
+            serde_json::to_string_pretty(
+                &json!({ "destination": args.url, "partitions": partitions })
+            )?
+        );
+    } else {
+        for (_, f) in view.current_files() {
+            println!("{}", name(&f.path));
+        }
+    }
+    Ok(())
+}
+
+/// What a relative path is appended to for a full name.
+fn full_base(url: &str) -> String {
+    match url.strip_prefix("file://") {
+        Some(dir) => dir.trim_end_matches('/').to_string(),
+        None => url.trim_end_matches('/').to_string(),
+    }
 }

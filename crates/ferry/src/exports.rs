@@ -158,6 +158,7 @@ fn request_error(e: RequestError) -> ApiError {
         RequestError::AlreadyExists { .. } => (StatusCode::CONFLICT, "export_exists"),
         RequestError::SchemaMismatch { .. } => (StatusCode::CONFLICT, "schema_mismatch"),
         RequestError::Behind { .. } => (StatusCode::SERVICE_UNAVAILABLE, "replica_behind"),
+        RequestError::StaleSnapshot { .. } => (StatusCode::SERVICE_UNAVAILABLE, "replica_behind"),
         RequestError::NotHeld(_) => (StatusCode::NOT_IMPLEMENTED, "shards_not_held"),
         RequestError::Coordination(_) => (StatusCode::SERVICE_UNAVAILABLE, "coordination"),
     };

@@ -79,6 +79,12 @@ enum Command {
     /// Checks a destination against its commit files (exit code non-zero on
     /// any mismatch; orphan files are reported).
     Verify(export_cmd::VerifyArgs),
+    /// The data lake as a reader sees it: `ferry lake files URL` prints the
+    /// files to read now.
+    Lake {
+        #[command(subcommand)]
+        command: export_cmd::LakeCommand,
+    },
     /// Reads from a node's replicas: row counts, partitions and parts.
     Query {
         #[command(subcommand)]
@@ -214,6 +220,7 @@ fn main() -> anyhow::Result<()> {
             Command::Export(args) => export_cmd::export(*args).await,
             Command::Exports(args) => export_cmd::exports(args).await,
             Command::Verify(args) => export_cmd::verify(args).await,
+            Command::Lake { command } => export_cmd::lake(command).await,
             Command::Sim { .. } | Command::Config { .. } => {
                 unreachable!("handled before the runtime starts")
             }

@@ -198,3 +198,189 @@ fn an_export_survives_kill_9_of_ferry_dev_in_the_middle() {
     interrupt(&child);
     assert_clean_exit(&mut child, &data);
 }
+
+/// The ids in the Parquet files at `paths` (absolute), with repeats.
+fn ids_in(paths: &[String]) -> Vec<i64> {
+    use arrow::array::AsArray;
+    let mut ids = Vec::new();
+    for path in paths {
+        let file = std::fs::File::open(path).expect("data file");
+        let reader = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(file)
+            .expect("parquet")
+            .build()
+            .expect("reader");
+        for batch in reader {
+            let batch = batch.expect("batch");
+            let col = batch.column_by_name("id").expect("id column");
+            ids.extend(
+                col.as_primitive::<arrow::datatypes::Int64Type>()
+                    .values()
+                    .iter(),
+            );
+        }
+    }
+    ids
+}
+
+fn ferry_ok(args: &[&str], url: &str) -> String {
+    let out = Command::new(FERRY)
+        .args(args)
+        .env("FERRY_URL", url)
+        .stdin(Stdio::null())
+        .output()
+        .expect("ferry");
+    assert!(
+        out.status.success(),
+        "ferry {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The reader's side of a re-export: export a partition, insert until the
+/// exported parts are merged, export it again. Two commit files now list
+/// files holding the same rows (the level-0 parts, then the level-1 part
+/// merged from them); what `ferry lake files` lists, what `ferry verify`
+/// counts and what a reader of those files reads hold every row once. An
+/// export of unchanged parts then changes nothing.
+#[test]
+fn a_re_export_after_merges_supersedes_and_readers_count_every_row_once() {
+    const ONE_SHARD: &str = r#"
+name = "t"
+partition_by = { column = "p", transform = "identity" }
+shard_by = { column = "id", shards = 1 }
+replicas = 1
+
+[[columns]]
+name = "id"
+type = "Int64"
+[[columns]]
+name = "p"
+type = "Utf8"
+"#;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let lake = dir.path().join("lake");
+    let lake_url = format!("file://{}", lake.display());
+    let rt = runtime();
+    let (child, lines) = start_dev(&data);
+    let url = base_url(&lines);
+    let c = Client::new(&url, None, Duration::from_secs(30)).expect("client");
+    rt.block_on(c.create_table_toml(ONE_SHARD))
+        .expect("create table");
+    let insert = |batch: i64| {
+        let body: String = (batch * 10..batch * 10 + 10)
+            .map(|id| format!("{{\"id\":{id},\"p\":\"a\"}}\n"))
+            .collect();
+        rt.block_on(c.insert_body(
+            "t",
+            Format::Ndjson,
+            Bytes::from(body),
+            Some(&format!("b{batch}")),
+        ))
+        .expect("insert");
+    };
+    for batch in 0..3 {
+        insert(batch);
+    }
+    ferry_ok(&["export", "t", "a", "--to", &lake_url, "--wait"], &url);
+    // Eight level-0 parts merge into one level-1 part.
+    for batch in 3..8 {
+        insert(batch);
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let parts = rt.block_on(c.partitions("t", 0)).expect("partitions");
+        let levels: Vec<u64> = parts[0]["parts"]
+            .as_array()
+            .expect("parts")
+            .iter()
+            .map(|p| p["name"]["level"].as_u64().expect("level"))
+            .collect();
+        if levels == [1] {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no merge: {parts}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let forced = ferry_ok(
+        &["export", "t", "a", "--to", &lake_url, "--force", "--wait"],
+        &url,
+    );
+    assert!(forced.contains("COMPLETED"), "{forced}");
+
+    // Two commit files: their union holds the first 30 rows twice.
+    let commits: Vec<serde_json::Value> = std::fs::read_dir(&lake)
+        .expect("lake")
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().starts_with("commit_a_"))
+        .map(|e| serde_json::from_slice(&std::fs::read(e.path()).expect("read")).expect("json"))
+        .collect();
+    assert_eq!(commits.len(), 2, "{commits:?}");
+    let union: Vec<String> = commits
+        .iter()
+        .flat_map(|c| c["files"].as_array().expect("files").clone())
+        .map(|f| format!("{}/{}", lake.display(), f["path"].as_str().expect("path")))
+        .collect();
+    assert_eq!(ids_in(&union).len(), 110, "the union double-counts");
+
+    // What a reader is told to read: every row once.
+    let listed = ferry_ok(&["lake", "files", &lake_url, "--full"], &url);
+    let files: Vec<String> = listed.lines().map(str::to_string).collect();
+    assert_eq!(files.len(), 1, "{listed}");
+    assert!(files[0].contains("/p=a/a_"), "{listed}");
+    let mut ids = ids_in(&files);
+    ids.sort_unstable();
+    assert_eq!(ids, (0..80).collect::<Vec<i64>>());
+    let relative = ferry_ok(&["lake", "files", &lake_url, "--partition", "a"], &url);
+    assert_eq!(
+        relative.trim(),
+        files[0]
+            .strip_prefix(&format!("{}/", lake.display()))
+            .expect("under the lake")
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&ferry_ok(&["lake", "files", &lake_url, "--json"], &url))
+            .expect("json");
+    let p = &json["partitions"][0];
+    assert_eq!(p["rows"], 80, "{json}");
+    assert_eq!(
+        p["superseded"].as_array().expect("superseded").len(),
+        1,
+        "{json}"
+    );
+
+    let verified = ferry_ok(&["verify", &lake_url, "--deep"], &url);
+    assert!(
+        verified.contains("1 data files checked, 80 rows"),
+        "{verified}"
+    );
+    assert!(verified.contains("superseded"), "{verified}");
+
+    // The same parts again: nothing to do, nothing written.
+    let again = ferry_ok(
+        &["export", "t", "a", "--to", &lake_url, "--force", "--wait"],
+        &url,
+    );
+    assert!(again.contains("unchanged"), "{again}");
+    let commits_after = std::fs::read_dir(&lake)
+        .expect("lake")
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().starts_with("commit_a_"))
+        .count();
+    assert_eq!(commits_after, 2);
+
+    // A location nothing was exported to is an error, not an empty lake.
+    let missing = format!("file://{}", dir.path().join("nowhere").display());
+    let out = Command::new(FERRY)
+        .args(["verify", &missing])
+        .output()
+        .expect("verify");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no such directory"));
+    assert!(!dir.path().join("nowhere").exists(), "verify created it");
+    interrupt(&child);
+    let mut child = child;
+    assert_clean_exit(&mut child, &data);
+}

@@ -456,6 +456,11 @@ impl Replica {
         format!("{}/parts/{table_id}/{name}.parquet", self.dir)
     }
 
+    /// The shard this replica applies ([`ALL_SHARDS`] for every one).
+    pub fn shard(&self) -> u32 {
+        self.state.shard
+    }
+
     pub fn disk(&self) -> &Arc<dyn Disk> {
         &self.disk
     }

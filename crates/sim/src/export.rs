@@ -465,6 +465,11 @@ impl Sim {
         })
         .await;
         match result {
+            Ok(c) if c.unchanged.is_some() => self.log(format!(
+                "export {tx} of {partition} to {destination} from n{i}: unchanged, {} holds its {} parts",
+                c.unchanged.as_deref().unwrap_or_default(),
+                c.parts_count
+            )),
             Ok(c) => self.log(format!(
                 "export {tx} of {partition} to {destination} from n{i}: {} parts, {} rows",
                 c.parts_count, c.rows
@@ -682,6 +687,9 @@ impl Sim {
         }
         let mut completed = 0;
         let mut killed = 0;
+        // (destination folder, partition) -> every commit file with its rows.
+        type Commits = Vec<(String, BTreeSet<i64>)>;
+        let mut by_partition: BTreeMap<(String, String), Commits> = BTreeMap::new();
         // Every commit file.
         let is_commit = |k: &str| {
             k.rsplit('/')
@@ -782,7 +790,34 @@ impl Sim {
                     asked.ids.len()
                 )));
             }
+            by_partition
+                .entry((prefix, commit.partition_id.clone()))
+                .or_default()
+                .push((k.clone(), unique));
             completed += 1;
+        }
+        // What a reader reads: of every partition, the current commit (and
+        // nothing else), which holds every row any commit of it holds.
+        for ((prefix, partition), commits) in &by_partition {
+            let dest = Location::from_store("sim://lake", self.world.lake_store.truth(), prefix)
+                .map_err(|e| self.fail(format!("the lake: {e}")))?;
+            let view = ferry_export::lake::read(&dest, Some(partition))
+                .await
+                .map_err(|e| self.fail(format!("reading {prefix}: {e}")))?;
+            let Some(current) = view.partitions.first() else {
+                return Err(self.fail(format!("{prefix}: no current commit of {partition}")));
+            };
+            let key = format!("{prefix}/{}", current.current.key);
+            let Some((_, rows)) = commits.iter().find(|(k, _)| *k == key) else {
+                return Err(self.fail(format!("{key}: current but not found")));
+            };
+            for (other, ids) in commits {
+                if let Some(id) = ids.difference(rows).next() {
+                    return Err(self.fail(format!(
+                        "a reader of {prefix} partition {partition} reads {key}, which lacks row {id} of {other}"
+                    )));
+                }
+            }
         }
         // Every task: terminal, and COMPLETED unless the schedule killed it.
         for (tx, (key, status, _)) in &tasks {

@@ -547,6 +547,33 @@ impl Location {
         Ok(out)
     }
 
+    /// The objects directly in the location's top folder (not in its
+    /// subfolders), with their sizes, sorted: a commit listing that does
+    /// not walk every data file.
+    pub async fn list_top(&self) -> Result<Vec<(String, u64)>, StorageError> {
+        let listed = self
+            .store
+            .list_with_delimiter(Some(&self.prefix))
+            .await
+            .map_err(|e| StorageError::about(e, &self.prefix))?;
+        let prefix_len = self.prefix.parts().count();
+        let mut out: Vec<(String, u64)> = listed
+            .objects
+            .into_iter()
+            .map(|meta| {
+                let rel: Vec<String> = meta
+                    .location
+                    .parts()
+                    .skip(prefix_len)
+                    .map(|p| p.as_ref().to_string())
+                    .collect();
+                (rel.join("/"), meta.size)
+            })
+            .collect();
+        out.sort();
+        Ok(out)
+    }
+
     /// The full key of `relative` (segments separated by `/`) under the prefix.
     /// Empty, `.` and `..` segments, backslashes and control characters are refused,
     /// so a key can never leave the location.
