@@ -5,7 +5,11 @@
 //! idempotency key, when its outcome is unknown (503 `outcome_unknown`, a lost
 //! connection, a timeout) or when it was refused for now (503 `overloaded`, 429).
 //! With a key, replicas apply a retried insert whose first attempt did commit
-//! only once; without one, a retry may apply it twice (at-least-once).
+//! only once; without one, a retry may apply it twice (at-least-once). A key is
+//! bound to its rows: a retry the node knows committed is answered with
+//! [`Inserted::deduplicated`] set and writes nothing; the same key with other
+//! rows is refused (409, [`ClientError::key_reused`]); a retry while the first
+//! request is still being written (409 `idempotency_key_in_flight`) is retried.
 
 use std::time::Duration;
 
@@ -20,6 +24,10 @@ pub struct Inserted {
     pub rows: u64,
     pub blocks: Vec<u64>,
     pub commit_lsn: String,
+    /// The insert had committed before under its idempotency key: nothing was
+    /// written by this request (absent from older nodes: false).
+    #[serde(default)]
+    pub deduplicated: bool,
 }
 
 /// An error the API answered, as it answered it.
@@ -63,6 +71,7 @@ impl ClientError {
             ClientError::Transport { .. } => true,
             ClientError::Api { status, body } => {
                 *status == 429
+                    || (*status == 409 && body.kind == "idempotency_key_in_flight")
                     || (*status == 503
                         && matches!(
                             body.kind.as_str(),
@@ -71,6 +80,15 @@ impl ClientError {
             }
             _ => false,
         }
+    }
+}
+
+impl ClientError {
+    /// Whether the node refused the insert because its idempotency key was
+    /// used before with other rows (409 `idempotency_key_reused`): nothing of
+    /// it was written, and sending it again will not change that.
+    pub fn key_reused(&self) -> bool {
+        matches!(self, ClientError::Api { status: 409, body } if body.kind == "idempotency_key_reused")
     }
 }
 

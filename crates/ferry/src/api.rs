@@ -35,6 +35,7 @@ impl ApiArgs {
             max_rows: self.max_rows,
             max_concurrent_inserts: self.max_concurrent_inserts as usize,
             commit_timeout: Duration::from_secs(self.commit_timeout_secs),
+            ..ApiLimits::default()
         }
     }
 

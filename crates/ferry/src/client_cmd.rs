@@ -7,6 +7,13 @@
 //! over a queue of one, so that at most three chunks exist at once (one being
 //! read, one queued, one being sent). Every chunk is one insert with its own
 //! idempotency key (`<base>-<chunk number>`); a retry reuses it.
+//!
+//! With `--idempotency-key`, the file is cut at [`KEYED_CHUNK_BYTES`] whatever
+//! the flags say (another `--chunk-bytes` is refused): a re-run with the same
+//! base must send the same rows under the same key, chunk for chunk, or it
+//! would insert them again under keys that hold other rows. Nothing on the
+//! node has to remember the first run for that to hold (its memory of keys
+//! ends with a restart; the replicas deduplicate exact retries for good).
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, IsTerminal, Read};
@@ -201,13 +208,18 @@ pub struct InsertArgs {
     /// .csv, .arrow/.arrows/.ipc, .parquet).
     #[arg(long)]
     pub format: Option<String>,
-    /// Base of the idempotency keys (`<base>-<chunk>`). Give the same base to run
-    /// the same insert again safely; default: a new one per run.
+    /// Base of the idempotency keys (`<base>-<chunk>`, at most 180 characters).
+    /// Run the same file again with the same base and nothing is inserted twice:
+    /// with a base the file is always cut into chunks of 8 MiB (8388608 bytes,
+    /// --chunk-bytes may not change that), so every chunk has the same rows
+    /// under the same key as before. A base used for other rows is refused
+    /// (409). Default: a new base per run (a re-run inserts again).
     #[arg(long)]
     pub idempotency_key: Option<String>,
-    /// Bytes of rows per request (at most the node's --max-body-bytes).
-    #[arg(long, default_value_t = 8 << 20)]
-    pub chunk_bytes: usize,
+    /// Bytes of rows per request (at most the node's --max-body-bytes; default
+    /// 8 MiB). Not with --idempotency-key, unless 8388608.
+    #[arg(long)]
+    pub chunk_bytes: Option<usize>,
     /// Attempts per chunk when the outcome is unknown or the node is busy.
     #[arg(long, default_value_t = 10)]
     pub attempts: u32,
@@ -239,22 +251,13 @@ pub async fn insert(args: InsertArgs) -> anyhow::Result<()> {
             )
         })?,
     };
-    anyhow::ensure!(
-        args.chunk_bytes >= 1024,
-        "--chunk-bytes must be at least 1024"
-    );
-    let key_len = args.idempotency_key.as_ref().map_or(0, String::len);
-    anyhow::ensure!(
-        key_len <= 200,
-        "--idempotency-key is at most 200 characters (a chunk number is added)"
-    );
+    let chunk_bytes = chunk_size(args.chunk_bytes, args.idempotency_key.as_deref())?;
     let client = args.client.client()?;
     let file =
         File::open(&args.file).with_context(|| format!("opening {}", args.file.display()))?;
     let total = file.metadata().map(|m| m.len()).unwrap_or(0);
     let base = args.idempotency_key.clone().unwrap_or_else(new_key_base);
     let (tx, mut rx) = tokio::sync::mpsc::channel::<anyhow::Result<Chunk>>(1);
-    let chunk_bytes = args.chunk_bytes;
     let path = args.file.clone();
     // A plain thread: reading and cutting the file is blocking work of this
     // command-line process, not of a node.
@@ -271,6 +274,7 @@ pub async fn insert(args: InsertArgs) -> anyhow::Result<()> {
     let progress = Progress::new(total);
     let started = Instant::now();
     let mut rows = 0u64;
+    let mut deduplicated = 0u64;
     let mut requests = 0u64;
     let mut row_offset = 0u64;
     let policy = RetryPolicy {
@@ -311,6 +315,13 @@ pub async fn insert(args: InsertArgs) -> anyhow::Result<()> {
                     body.reason.clone().unwrap_or(body.error.clone())
                 );
             }
+            Err(e) if e.key_reused() => anyhow::bail!(
+                "{}: chunk {requests}: idempotency key {key:?} was used before for other rows \
+                 (another file, a changed file, or one cut by another version of ferry); \
+                 nothing of this chunk was written, {rows} rows before it were. \
+                 Use a new --idempotency-key for other rows",
+                args.file.display()
+            ),
             Err(e) => {
                 return Err(anyhow::Error::new(e).context(format!(
                     "inserting chunk {requests} of {} ({rows} rows before it were committed)",
@@ -318,6 +329,9 @@ pub async fn insert(args: InsertArgs) -> anyhow::Result<()> {
                 )))
             }
         };
+        if inserted.deduplicated {
+            deduplicated += inserted.rows;
+        }
         rows += inserted.rows;
         row_offset += inserted.rows;
         requests += 1;
@@ -326,6 +340,9 @@ pub async fn insert(args: InsertArgs) -> anyhow::Result<()> {
     let _ = reader.join();
     progress.finish();
     let secs = started.elapsed().as_secs_f64();
+    if deduplicated > 0 {
+        say!("{deduplicated} of these rows were inserted before under the same keys and were not written again");
+    }
     say!(
         "inserted {rows} rows into {} in {requests} requests from {} ({:.1} MiB in {secs:.1} s, {:.1} MB/s, {:.0} rows/s; peak memory {} MiB; idempotency key base {base})",
         args.table,
@@ -336,6 +353,40 @@ pub async fn insert(args: InsertArgs) -> anyhow::Result<()> {
         peak_rss_mib().map_or("?".into(), |m| m.to_string()),
     );
     Ok(())
+}
+
+/// The chunk size of a run with the default chunking.
+pub const DEFAULT_CHUNK_BYTES: usize = 8 << 20;
+/// The chunk size of every run with `--idempotency-key`: fixed, so that a
+/// re-run with the same base cuts the file exactly as the first run did.
+pub const KEYED_CHUNK_BYTES: usize = DEFAULT_CHUNK_BYTES;
+/// Longest `--idempotency-key`: `-<chunk number>` is added, within the node's
+/// 200 bytes.
+const MAX_KEY_BASE: usize = 180;
+
+/// The chunk size a run uses, or why the flags are refused.
+fn chunk_size(flag: Option<usize>, base: Option<&str>) -> anyhow::Result<usize> {
+    if let Some(base) = base {
+        anyhow::ensure!(
+            !base.is_empty()
+                && base.len() <= MAX_KEY_BASE
+                && base.bytes().all(|b| b.is_ascii_graphic()),
+            "--idempotency-key must be 1 to {MAX_KEY_BASE} printable ASCII characters without spaces (a chunk number is added)"
+        );
+        match flag {
+            None => return Ok(KEYED_CHUNK_BYTES),
+            Some(n) if n == KEYED_CHUNK_BYTES => return Ok(n),
+            Some(n) => anyhow::bail!(
+                "--chunk-bytes {n} with --idempotency-key: with a key base the file is always cut into \
+                 chunks of {KEYED_CHUNK_BYTES} bytes, so that running it again with the same base sends \
+                 the same rows under the same keys (other chunks would insert rows again under keys \
+                 that held other rows); leave --chunk-bytes out"
+            ),
+        }
+    }
+    let n = flag.unwrap_or(DEFAULT_CHUNK_BYTES);
+    anyhow::ensure!(n >= 1024, "--chunk-bytes must be at least 1024");
+    Ok(n)
 }
 
 fn new_key_base() -> String {
@@ -602,5 +653,32 @@ impl Progress {
         if let Some(bar) = &self.bar {
             bar.finish_and_clear();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_base_fixes_the_chunk_size() {
+        assert_eq!(
+            chunk_size(None, None).expect("default"),
+            DEFAULT_CHUNK_BYTES
+        );
+        assert_eq!(chunk_size(Some(4096), None).expect("any"), 4096);
+        assert!(chunk_size(Some(100), None).is_err());
+        assert_eq!(
+            chunk_size(None, Some("b")).expect("keyed"),
+            KEYED_CHUNK_BYTES
+        );
+        assert_eq!(
+            chunk_size(Some(KEYED_CHUNK_BYTES), Some("b")).expect("the same size"),
+            KEYED_CHUNK_BYTES
+        );
+        let e = chunk_size(Some(4096), Some("b")).expect_err("another size");
+        assert!(e.to_string().contains("always cut"), "{e}");
+        assert!(chunk_size(None, Some(&"k".repeat(181))).is_err());
+        assert!(chunk_size(None, Some("a b")).is_err());
     }
 }

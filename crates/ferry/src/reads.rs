@@ -361,9 +361,7 @@ fn encode_row_group(
                 out.extend(std::mem::take(w.get_mut()));
             }
             None => {
-                let mut w = arrow::json::LineDelimitedWriter::new(&mut out);
-                w.write(&batch).map_err(|e| e.to_string())?;
-                w.finish().map_err(|e| e.to_string())?;
+                ferry_table::rows::write_ndjson(&batch, &mut out).map_err(|e| e.to_string())?;
             }
         }
     }

@@ -284,7 +284,10 @@ fn tables_and_inserts_in_every_format_are_committed_row_for_row() {
     assert!(commit_lsn(&url) >= end);
     let records = rt.block_on(committed_inserts(&safekeeper_addr(&lines), end));
     for (format, base, key, inserted) in &answers {
-        let mine: Vec<&Committed> = records.iter().filter(|r| r.key == key.as_bytes()).collect();
+        let mine: Vec<&Committed> = records
+            .iter()
+            .filter(|r| r.key.starts_with(format!("{key}~").as_bytes()))
+            .collect();
         assert_eq!(
             mine.iter().map(|r| r.block_number).collect::<Vec<_>>(),
             inserted.blocks,
@@ -783,7 +786,10 @@ fn a_writer_takeover_never_answers_success_for_an_uncommitted_insert() {
             let r = by_lsn
                 .get(block)
                 .unwrap_or_else(|| panic!("{key}: block {block} answered but not committed"));
-            assert_eq!(r.key, key.as_bytes(), "block {block} holds {key}'s rows");
+            assert!(
+                r.key.starts_with(format!("{key}~").as_bytes()),
+                "block {block} holds {key}'s rows"
+            );
         }
         let mine: Vec<&Committed> = inserted.blocks.iter().map(|b| by_lsn[b]).collect();
         assert_eq!(
@@ -1129,4 +1135,243 @@ fn a_clean_stop_waits_until_both_replicas_applied_the_checkpoint() {
             replica.disk_consistent_lsn()
         );
     }
+}
+
+/// Values that used to be changed on the way in or out: a JSON float for an
+/// integer or timestamp column (truncated), a CSV quote never closed (the lines
+/// after it swallowed) are refused naming the row and column, nothing
+/// committed; NaN inserted in every format reads back as NaN, not null.
+#[test]
+fn floats_for_integers_and_open_quotes_are_refused_and_nan_stays_nan() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let (mut child, lines) = start_dev(&data);
+    let url = base_url(&lines);
+    let rt = runtime();
+    let c = client(&url, None);
+    rt.block_on(c.create_table(&def())).expect("create table");
+    let good = r#"{"id":1,"small":1,"b":true,"d":"2024-01-02","ts":"2024-01-02T00:00:00Z"}"#;
+    let start = commit_lsn(&url);
+    for (what, format, text, row, column) in [
+        (
+            "2.5 for Int64",
+            Format::Ndjson,
+            format!("{good}\n{}\n", good.replace("\"id\":1", "\"id\":2.5")),
+            2,
+            "id",
+        ),
+        (
+            "-0.9 for Int32",
+            Format::Ndjson,
+            format!("{}\n{good}\n", good.replace("\"small\":1", "\"small\":-0.9")),
+            1,
+            "small",
+        ),
+        (
+            "a float for a Timestamp",
+            Format::Ndjson,
+            format!(
+                "{good}\n{good}\n{}\n",
+                good.replace("\"2024-01-02T00:00:00Z\"", "1704153600000000.5")
+            ),
+            3,
+            "ts",
+        ),
+        (
+            "a CSV quote never closed",
+            Format::Csv,
+            "id,small,b,d,ts,s\n1,1,true,2024-01-02,2024-01-02T00:00:00Z,\"open\n2,1,true,2024-01-02,2024-01-02T00:00:00Z,x\n".to_string(),
+            1,
+            "s",
+        ),
+    ] {
+        let (status, e) = api_error(rt.block_on(c.insert_body(
+            "events",
+            format,
+            Bytes::from(text),
+            Some("k"),
+        )));
+        assert_eq!((status, e.kind.as_str()), (400, "bad_row"), "{what}: {e:?}");
+        assert_eq!((e.row, e.column.as_deref()), (Some(row), Some(column)), "{what}: {e:?}");
+    }
+    assert_eq!(commit_lsn(&url), start, "refused inserts committed nothing");
+
+    // NaN in every format, read back from a replica as NDJSON and as Arrow.
+    let mut nan = expected(0);
+    let mut columns = nan.columns().to_vec();
+    columns[2] = Arc::new(Float64Array::from(vec![Some(f64::NAN), Some(f64::NAN)]));
+    nan = RecordBatch::try_new(nan.schema(), columns).expect("batch");
+    let ndjson = String::from_utf8(body(Format::Ndjson, 10).to_vec())
+        .expect("utf-8")
+        .replace("\"f\":1.5", "\"f\":\"NaN\"")
+        .replace("\"f\":null", "\"f\":\"NaN\"");
+    let csv = "ts,id,small,f,b,s,d\n\
+               2024-01-02T03:04:05.000006Z,20,1,NaN,true,,2024-01-02\n\
+               2024-03-01T00:00:00Z,21,-2,NaN,false,,1970-01-01\n";
+    let mut parquet = Vec::new();
+    {
+        let mut w = parquet::arrow::ArrowWriter::try_new(&mut parquet, def().arrow_schema(), None)
+            .expect("parquet writer");
+        w.write(&nan).expect("write");
+        w.close().expect("close");
+    }
+    let mut end = String::new();
+    for (format, body) in [
+        (Format::Ndjson, Bytes::from(ndjson)),
+        (Format::Csv, Bytes::from(csv)),
+        (Format::Arrow, ferry_table::rows::to_ipc(&nan).expect("ipc")),
+        (Format::Parquet, Bytes::from(parquet)),
+    ] {
+        end = rt
+            .block_on(c.insert_body("events", format, body, None))
+            .unwrap_or_else(|e| panic!("{format:?}: {e}"))
+            .commit_lsn;
+    }
+    let rows = http_get(&format!(
+        "{url}/tables/events/rows?partition=202401&min_lsn={end}"
+    ));
+    assert_eq!(rows.lines().count(), 4, "{rows}");
+    assert_eq!(
+        rows.matches(r#""f":"NaN""#).count(),
+        4,
+        "NaN, not null: {rows}"
+    );
+    let ipc = http_get_bytes(&format!(
+        "{url}/tables/events/rows?partition=202403&format=arrow&min_lsn={end}"
+    ));
+    let batches: Vec<RecordBatch> =
+        arrow::ipc::reader::StreamReader::try_new(std::io::Cursor::new(ipc), None)
+            .expect("an Arrow IPC stream")
+            .collect::<Result<_, _>>()
+            .expect("batches");
+    let floats: Vec<Option<f64>> = batches
+        .iter()
+        .flat_map(|b| {
+            b.column(2)
+                .as_primitive::<arrow::datatypes::Float64Type>()
+                .iter()
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert_eq!(floats.len(), 4);
+    assert!(
+        floats.iter().all(|f| f.is_some_and(f64::is_nan)),
+        "{floats:?}"
+    );
+    interrupt(&child);
+    assert_clean_exit(&mut child, &data);
+}
+
+/// `ferry insert FILE --idempotency-key BASE` run again, with other chunking
+/// flags, after a node restart, or as it was: never a row twice. Another
+/// `--chunk-bytes` with a base is refused before anything is sent.
+#[test]
+fn ferry_insert_run_again_with_the_same_base_never_duplicates() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let (child, lines) = start_dev(&data);
+    let url = base_url(&lines);
+    let rt = runtime();
+    rt.block_on(client(&url, None).create_table(&def()))
+        .expect("create table");
+    // About 10 MiB: two chunks of the fixed 8 MiB.
+    let path = dir.path().join("rows.ndjson");
+    let mut rows = 0u64;
+    {
+        use std::io::Write as _;
+        let mut w = std::io::BufWriter::new(std::fs::File::create(&path).expect("create"));
+        let mut written = 0u64;
+        let pad = "p".repeat(100);
+        while written < 10 << 20 {
+            let line = format!(
+                "{{\"id\":{rows},\"small\":1,\"b\":true,\"s\":\"{pad}\",\"d\":\"2024-01-02\",\"ts\":\"2024-01-02T03:04:05Z\"}}\n"
+            );
+            w.write_all(line.as_bytes()).expect("write");
+            written += line.len() as u64;
+            rows += 1;
+        }
+    }
+    let file = path.to_str().expect("path");
+    let insert = |url: &str, extra: &[&str]| {
+        let mut args = vec!["insert", "events", file, "--idempotency-key", "load-1"];
+        args.extend_from_slice(extra);
+        ferry(&args, url)
+    };
+    let count_everywhere = |url: &str| -> Vec<u64> {
+        let end = commit_lsn(url);
+        (0..2)
+            .map(|replica| {
+                let count: serde_json::Value = serde_json::from_str(&http_get(&format!(
+                    "{url}/tables/events/count?replica={replica}&min_lsn={end}"
+                )))
+                .expect("count JSON");
+                count["rows"].as_u64().expect("rows")
+            })
+            .collect()
+    };
+
+    let (ok, out, err) = insert(&url, &[]);
+    assert!(
+        ok && out.contains(&format!("inserted {rows} rows")),
+        "{out}{err}"
+    );
+    assert_eq!(count_everywhere(&url), [rows, rows]);
+    // Other chunks under the same base would hold other rows: refused.
+    for flag in ["1000000", "4096"] {
+        let (ok, out, err) = insert(&url, &["--chunk-bytes", flag]);
+        assert!(!ok && err.contains("always cut into chunks"), "{out}{err}");
+    }
+    // The same run again: answered from the node's memory, nothing written.
+    let before = commit_lsn(&url);
+    let (ok, out, err) = insert(&url, &["--chunk-bytes", "8388608"]);
+    assert!(
+        ok && out.contains(&format!("{rows} of these rows were inserted before")),
+        "{out}{err}"
+    );
+    assert_eq!(
+        commit_lsn(&url),
+        before,
+        "a deduplicated re-run writes nothing"
+    );
+    assert_eq!(count_everywhere(&url), [rows, rows]);
+
+    // After a restart the node remembers no key: the re-run is written again
+    // and the replicas skip every record of it.
+    let mut child = child;
+    interrupt(&child);
+    assert_clean_exit(&mut child, &data);
+    let (mut child, lines) = start_dev(&data);
+    let url = base_url(&lines);
+    let (ok, out, err) = insert(&url, &["--chunk-bytes", "1000000"]);
+    assert!(!ok && err.contains("always cut into chunks"), "{out}{err}");
+    let (ok, out, err) = insert(&url, &[]);
+    assert!(
+        ok && out.contains(&format!("inserted {rows} rows")),
+        "{out}{err}"
+    );
+    assert_eq!(count_everywhere(&url), [rows, rows], "nothing twice");
+    // Another file under the same base: refused while the node remembers it.
+    let other = dir.path().join("other.ndjson");
+    std::fs::write(
+        &other,
+        r#"{"id":-1,"small":1,"b":true,"d":"2024-01-02","ts":"2024-01-02T03:04:05Z"}"#,
+    )
+    .expect("write");
+    let (ok, out, err) = ferry(
+        &[
+            "insert",
+            "events",
+            other.to_str().expect("path"),
+            "--idempotency-key",
+            "load-1",
+        ],
+        &url,
+    );
+    assert!(
+        !ok && err.contains("was used before for other rows"),
+        "{out}{err}"
+    );
+    assert_eq!(count_everywhere(&url), [rows, rows]);
+    interrupt(&child);
+    assert_clean_exit(&mut child, &data);
 }

@@ -9,13 +9,17 @@
 //! POST   /tables/{name}/insert   rows in NDJSON, CSV, Arrow IPC or Parquet
 //! ```
 //!
-//! An insert is answered `200 {rows, blocks, commit_lsn}` only once every record
-//! it became is committed. Every error is JSON `{error, kind, row, column}`:
-//! 400 bad rows (nothing written), 401 missing or wrong token, 404 no such
-//! table, 413 body or row count over the limit, 415 unknown format, 429 too many
-//! inserts at once, 503 when the outcome is unknown (the writer lost its term or
-//! did not commit in time: retry with the same idempotency key) or when nothing
-//! was written (`"kind": "overloaded"`).
+//! An insert is answered `200 {rows, blocks, commit_lsn, deduplicated}` only
+//! once every record it became is committed. Every error is JSON `{error, kind,
+//! row, column}`: 400 bad rows (nothing written), 401 missing or wrong token,
+//! 404 no such table, 409 an idempotency key used before with other content
+//! (`idempotency_key_reused`) or being written now by another request
+//! (`idempotency_key_in_flight`; nothing written either way), 413 body or row
+//! count over the limit, 415 unknown format, 429 too many inserts at once, 503
+//! when the outcome is unknown (the writer lost its term or did not commit in
+//! time: retry with the same idempotency key) or when nothing was written
+//! (`"kind": "overloaded"`). How a key is bound to its content: see
+//! [`crate::idempotency`].
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,12 +35,12 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use ferry_env::Cpu;
 use ferry_table::{DecodeError, Format, Table, TableDef};
-use ferry_wal::record::MAX_IDEMPOTENCY_KEY_BYTES;
 use ferry_writer::driver::{Insert, Inserted, WriterError};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 
 use crate::catalog::{Catalog, CatalogError};
+use crate::idempotency::{self, Claim, KeyIndex, Refusal, MAX_KEY_BYTES};
 use crate::metrics::IngestMetrics;
 
 /// Where committed inserts go: the node's writer.
@@ -104,6 +108,11 @@ pub struct ApiLimits {
     /// How long an insert waits for its commit before answering 503 (outcome
     /// unknown).
     pub commit_timeout: Duration,
+    /// Most Arrow bytes of rows in one WAL record; a shard's rows past it are
+    /// cut into several records.
+    pub record_rows_bytes: usize,
+    /// Keyed inserts remembered to answer retries and refuse reused keys.
+    pub idempotency_keys: usize,
 }
 
 impl Default for ApiLimits {
@@ -113,6 +122,8 @@ impl Default for ApiLimits {
             max_rows: 1_000_000,
             max_concurrent_inserts: 64,
             commit_timeout: Duration::from_secs(30),
+            record_rows_bytes: RECORD_ROWS_BYTES,
+            idempotency_keys: idempotency::INDEX_KEYS,
         }
     }
 }
@@ -125,6 +136,7 @@ pub struct Api {
     pub limits: ApiLimits,
     pub metrics: Arc<IngestMetrics>,
     slots: Semaphore,
+    keys: Arc<KeyIndex>,
 }
 
 impl Api {
@@ -137,6 +149,7 @@ impl Api {
     ) -> Arc<Api> {
         Arc::new(Api {
             slots: Semaphore::new(limits.max_concurrent_inserts.max(1)),
+            keys: KeyIndex::new(limits.idempotency_keys),
             catalog,
             sink,
             cpu,
@@ -213,6 +226,9 @@ pub struct InsertResponse {
     /// shard's rows exceed one record).
     pub blocks: Vec<u64>,
     pub commit_lsn: String,
+    /// True when this answers a retry of a keyed insert that had committed:
+    /// nothing was written this time, and the rest is the first answer.
+    pub deduplicated: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -367,21 +383,21 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Bytes, ApiError> {
     };
     let bytes = v.as_bytes();
     if bytes.is_empty()
-        || bytes.len() > MAX_IDEMPOTENCY_KEY_BYTES
+        || bytes.len() > MAX_KEY_BYTES
         || !bytes.iter().all(|b| b.is_ascii_graphic())
     {
         return Err(ApiError::new(
             StatusCode::BAD_REQUEST,
             "invalid_idempotency_key",
-            format!("Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY_BYTES} printable ASCII characters"),
+            format!("Idempotency-Key must be 1 to {MAX_KEY_BYTES} printable ASCII characters without spaces ({} given)", bytes.len()),
         ));
     }
     Ok(Bytes::copy_from_slice(bytes))
 }
 
-/// Most Arrow bytes of rows in one WAL record (well under the record limit:
-/// IPC framing adds a little to the in-memory size).
-const RECORD_ROWS_BYTES: usize = 32 << 20;
+/// Most Arrow bytes of rows in one WAL record by default (well under the
+/// record limit: IPC framing adds a little to the in-memory size).
+pub const RECORD_ROWS_BYTES: usize = 32 << 20;
 
 async fn insert(
     State(api): State<Arc<Api>>,
@@ -449,10 +465,12 @@ async fn insert_rows(
     let body = read_body(api, body).await?;
     let body_len = body.len() as u64;
     let max_rows = api.limits.max_rows;
+    let record_rows_bytes = api.limits.record_rows_bytes.max(1);
+    let keyed = !key.is_empty();
     let def = table.def.clone();
     let decoded = api
         .cpu
-        .run(move || -> Result<(u64, Vec<(u32, Bytes)>), ApiError> {
+        .run(move || -> Result<Decoded, ApiError> {
             let rows =
                 ferry_table::rows::decode(&def, format, body, max_rows).map_err(|e| match e {
                     DecodeError::Row(r) => ApiError {
@@ -477,14 +495,15 @@ async fn insert_rows(
             for (shard, batch) in
                 ferry_table::rows::split_by_shard(&def, &rows).map_err(internal)?
             {
-                for slice in ferry_table::rows::slices(&batch, RECORD_ROWS_BYTES) {
+                for slice in ferry_table::rows::slices(&batch, record_rows_bytes) {
                     payloads.push((shard, ferry_table::rows::to_ipc(&slice).map_err(internal)?));
                 }
             }
-            Ok((rows.rows as u64, payloads))
+            let digest = keyed.then(|| idempotency::digest(&payloads));
+            Ok((rows.rows as u64, payloads, digest))
         })
         .await?;
-    let (rows, payloads) = decoded;
+    let (rows, payloads, digest) = decoded;
     if payloads.is_empty() {
         return Err(ApiError::new(
             StatusCode::BAD_REQUEST,
@@ -492,12 +511,45 @@ async fn insert_rows(
             "the body holds no rows",
         ));
     }
+    // A keyed insert: answered from the index when it committed before,
+    // refused when its key was used with other content or is being written.
+    let ticket = match digest {
+        None => None,
+        Some(digest) => match api.keys.claim(table.id, key.clone(), digest) {
+            Ok(Claim::Write(ticket)) => Some(ticket),
+            Ok(Claim::Done(first)) => {
+                return Ok(InsertResponse {
+                    deduplicated: true,
+                    ..first
+                })
+            }
+            Err(Refusal::Reused) => {
+                return Err(ApiError::new(
+                    StatusCode::CONFLICT,
+                    "idempotency_key_reused",
+                    "this Idempotency-Key was used with other rows; nothing was written (use a new key for new rows)",
+                ))
+            }
+            Err(Refusal::InFlight) => {
+                return Err(ApiError::new(
+                    StatusCode::CONFLICT,
+                    "idempotency_key_in_flight",
+                    "another request with this Idempotency-Key and these rows is being written now; nothing was written by this one: retry later for its answer",
+                ))
+            }
+        },
+    };
+    let count = payloads.len();
     let inserts = payloads
         .into_iter()
-        .map(|(shard, arrow_ipc)| Insert {
+        .enumerate()
+        .map(|(i, (shard, arrow_ipc))| Insert {
             table_id: table.id,
             shard,
-            idempotency_key: key.clone(),
+            idempotency_key: match &digest {
+                Some(d) => idempotency::record_key(&key, d, i, count),
+                None => Bytes::new(),
+            },
             arrow_ipc,
         })
         .collect();
@@ -513,14 +565,20 @@ async fn insert_rows(
         match tokio::time::timeout(api.limits.commit_timeout, api.sink.insert(inserts)).await {
             Ok(Ok(inserted)) => inserted,
             Ok(Err(WriterError::Overloaded)) => {
+                if let Some(t) = ticket {
+                    t.nothing_written();
+                }
                 return Err(ApiError::new(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "overloaded",
                     "the writer has too many appends waiting; nothing was written, retry later",
-                ))
+                ));
             }
             Ok(Err(WriterError::InvalidRecords(e))) => {
-                return Err(ApiError::new(StatusCode::BAD_REQUEST, "invalid_records", e))
+                if let Some(t) = ticket {
+                    t.nothing_written();
+                }
+                return Err(ApiError::new(StatusCode::BAD_REQUEST, "invalid_records", e));
             }
             Ok(Err(e)) => return Err(unknown(e.to_string())),
             Err(_) => {
@@ -535,9 +593,18 @@ async fn insert_rows(
         .observe(commit_started.elapsed().as_secs_f64());
     api.metrics.rows.inc_by(rows);
     api.metrics.bytes.inc_by(body_len);
-    Ok(InsertResponse {
+    let answer = InsertResponse {
         rows,
         blocks: inserted.block_numbers,
         commit_lsn: inserted.commit_lsn.to_string(),
-    })
+        deduplicated: false,
+    };
+    if let Some(t) = ticket {
+        t.committed(answer.clone());
+    }
+    Ok(answer)
 }
+
+/// Rows, each record's shard and Arrow IPC rows, and the digest of them all
+/// (for a keyed insert).
+type Decoded = (u64, Vec<(u32, Bytes)>, Option<idempotency::Digest>);

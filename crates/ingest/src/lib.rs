@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod catalog;
+pub mod idempotency;
 pub mod metrics;
 
 pub use api::{Api, ApiLimits, ApiToken, InsertResponse, InsertSink};

@@ -27,8 +27,12 @@
 //!   known table, key not in the window), the parts they become (one per
 //!   partition, rows in record order) and their names depend only on the
 //!   committed WAL, so every replica of a shard holds the same parts.
-//! * **Idempotency window.** A record whose (table, key) is among the last
-//!   [`DEDUP_WINDOW`] keyed records of the shard applied before it is skipped.
+//! * **Idempotency window.** A record whose (table, shard, key) is among the
+//!   last [`DEDUP_WINDOW`] keyed records of the shard applied before it is
+//!   skipped. The ingest API gives each record of a keyed insert a key of its
+//!   own (the request's key, a digest of the insert's rows, the record's
+//!   place in it), so only an exact retry of a record is skipped: never
+//!   another record of the same insert, nor a key reused for other rows.
 //! * **Hostile WAL stops the replica.** A record of a table id never handed
 //!   out, rows that do not decode or do not match the table's schema, or a
 //!   malformed record stop the replica with an error naming the LSN; it never

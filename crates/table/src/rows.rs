@@ -214,10 +214,7 @@ fn decode_ndjson(
     max_rows: usize,
 ) -> Result<Vec<RecordBatch>, DecodeError> {
     let fast = (|| -> Result<Vec<RecordBatch>, ArrowError> {
-        let reader = arrow::json::ReaderBuilder::new(relaxed(schema))
-            .with_strict_mode(true)
-            .with_batch_size(BATCH_ROWS)
-            .build(Cursor::new(body))?;
+        let reader = json_reader(schema, BATCH_ROWS, body)?;
         let mut out = Vec::new();
         let mut total = 0;
         for b in reader {
@@ -237,13 +234,84 @@ fn decode_ndjson(
             Err(DecodeError::TooManyRows { limit: max_rows })
         }
         Err(e) => Err(locate(e, |batch_rows| {
-            arrow::json::ReaderBuilder::new(relaxed(schema))
-                .with_strict_mode(true)
-                .with_batch_size(batch_rows)
-                .build(Cursor::new(body))
-                .map(|r| Box::new(r) as BatchIter<'_>)
+            json_reader(schema, batch_rows, body).map(|r| Box::new(r) as BatchIter<'_>)
         })
         .into()),
+    }
+}
+
+fn json_reader<'a>(
+    schema: &SchemaRef,
+    batch_rows: usize,
+    body: &'a [u8],
+) -> Result<arrow::json::Reader<Cursor<&'a [u8]>>, ArrowError> {
+    arrow::json::ReaderBuilder::new(relaxed(schema))
+        .with_strict_mode(true)
+        .with_batch_size(batch_rows)
+        .with_decoder_factory(Arc::new(WholeNumbers))
+        .build(Cursor::new(body))
+}
+
+/// Makes the JSON reader refuse a number with a fraction or an exponent for an
+/// integer or timestamp column. arrow-json would read `2.5` as 2 and `-0.9` as
+/// 0 (it falls back to parsing a float and truncating it): a value silently
+/// changed. Only integer literals are taken (and strings, which the reader
+/// parses strictly); `2.0` and `1e3` are refused too, so that the rule is one a
+/// user can state, and no float beyond 2^53 is ever rounded into an integer.
+#[derive(Debug)]
+struct WholeNumbers;
+
+impl arrow::json::reader::DecoderFactory for WholeNumbers {
+    fn make_default_decoder(
+        &self,
+        ctx: &arrow::json::reader::DecoderContext,
+        field: &arrow::datatypes::FieldRef,
+        is_nullable: bool,
+    ) -> Result<Option<Box<dyn arrow::json::reader::ArrayDecoder>>, ArrowError> {
+        match field.data_type() {
+            DataType::Int32 | DataType::Int64 | DataType::Timestamp(..) => {
+                let inner = ctx.make_builtin_decoder(field, is_nullable)?;
+                Ok(Some(Box::new(WholeNumberDecoder {
+                    inner,
+                    data_type: field.data_type().clone(),
+                })))
+            }
+            _ => Ok(None),
+        }
+    }
+}
+
+struct WholeNumberDecoder {
+    inner: Box<dyn arrow::json::reader::ArrayDecoder>,
+    data_type: DataType,
+}
+
+impl arrow::json::reader::ArrayDecoder for WholeNumberDecoder {
+    fn decode(
+        &mut self,
+        tape: &arrow::json::reader::Tape<'_>,
+        pos: &[u32],
+    ) -> Result<ArrayRef, ArrowError> {
+        use arrow::json::reader::TapeElement;
+        for p in pos {
+            let text = match tape.get(*p) {
+                TapeElement::Number(idx) => {
+                    let s = tape.get_string(idx);
+                    if !s.bytes().any(|b| matches!(b, b'.' | b'e' | b'E')) {
+                        continue;
+                    }
+                    s.to_string()
+                }
+                // Only values serialized from Rust floats, never JSON text.
+                TapeElement::F32(_) | TapeElement::F64(_) => "a float".to_string(),
+                _ => continue,
+            };
+            return Err(ArrowError::JsonError(format!(
+                "{text} is not a whole number: a {} column takes integer literals only (no fraction or exponent), never a value truncated",
+                self.data_type
+            )));
+        }
+        self.inner.decode(tape, pos)
     }
 }
 
@@ -307,6 +375,14 @@ fn decode_csv(
         fields.push(Field::new(name, f.data_type().clone(), true));
     }
     let csv_schema = Arc::new(Schema::new(fields));
+    if let Some((row, field)) = unterminated_quote(body) {
+        return Err(RowError {
+            row: Some(row),
+            column: csv_schema.fields().get(field).map(|f| f.name().clone()),
+            reason: "unterminated quote: a quoted value starts here and is never closed, so every line after it would be read into this one value".into(),
+        }
+        .into());
+    }
     let build = |batch_rows: usize| {
         arrow::csv::ReaderBuilder::new(Arc::clone(&csv_schema))
             .with_header(true)
@@ -342,6 +418,60 @@ fn decode_csv(
             Err(located.into())
         }
     }
+}
+
+/// Where a quoted CSV value is opened and never closed: (data row, 1-based
+/// among the rows after the header; field index in the record). The CSV
+/// readers take such a value to run to the end of the body, swallowing every
+/// line after it into one field. The states follow the csv crate's
+/// (RFC 4180: a quote opens a quoted value only at the start of a field; `""`
+/// inside one is a quote; a record with no bytes is skipped).
+fn unterminated_quote(body: &[u8]) -> Option<(u64, usize)> {
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum State {
+        FieldStart,
+        Unquoted,
+        Quoted,
+        QuoteInQuoted,
+    }
+    if !body.contains(&b'"') {
+        return None;
+    }
+    let mut state = State::FieldStart;
+    // Records ended before this one (the header is record 0), the field in
+    // the current record, and whether the current record has any byte.
+    let (mut record, mut field, mut empty) = (0u64, 0usize, true);
+    let mut opened = (0u64, 0usize);
+    for &b in body {
+        match (state, b) {
+            (State::Quoted, b'"') => state = State::QuoteInQuoted,
+            (State::Quoted, _) => {}
+            (State::QuoteInQuoted, b'"') => state = State::Quoted,
+            (_, b',') => {
+                state = State::FieldStart;
+                field += 1;
+                empty = false;
+            }
+            (_, b'\n' | b'\r') => {
+                if !empty {
+                    record += 1;
+                }
+                state = State::FieldStart;
+                field = 0;
+                empty = true;
+            }
+            (State::FieldStart, b'"') => {
+                opened = (record, field);
+                state = State::Quoted;
+                empty = false;
+            }
+            _ => {
+                state = State::Unquoted;
+                empty = false;
+            }
+        }
+    }
+    (state == State::Quoted).then_some(opened)
 }
 
 /// The column position in an arrow-csv message ("... for column 3 at line 2").
@@ -603,4 +733,57 @@ pub fn slices(batch: &RecordBatch, max_bytes: usize) -> Vec<RecordBatch> {
         .step_by(per)
         .map(|start| batch.slice(start, per.min(n - start)))
         .collect()
+}
+
+/// Writes rows as NDJSON that the insert path reads back to the same values.
+/// JSON has no NaN or infinity, and arrow-json's writer puts `null` in their
+/// place, which reads back as a missing value: here they are the strings
+/// `"NaN"`, `"Infinity"` and `"-Infinity"`, which a Float64 column takes.
+pub fn write_ndjson(batch: &RecordBatch, out: &mut Vec<u8>) -> Result<(), ArrowError> {
+    let mut w = arrow::json::WriterBuilder::new()
+        .with_encoder_factory(Arc::new(FloatsAsRead))
+        .build::<_, arrow::json::writer::LineDelimited>(out);
+    w.write(batch)?;
+    w.finish()
+}
+
+#[derive(Debug)]
+struct FloatsAsRead;
+
+impl arrow::json::EncoderFactory for FloatsAsRead {
+    fn make_default_encoder<'a>(
+        &self,
+        _field: &'a arrow::datatypes::FieldRef,
+        array: &'a dyn Array,
+        _options: &'a arrow::json::EncoderOptions,
+    ) -> Result<Option<arrow::json::writer::NullableEncoder<'a>>, ArrowError> {
+        if array.data_type() != &DataType::Float64 {
+            return Ok(None);
+        }
+        let values = array.as_primitive::<arrow::datatypes::Float64Type>();
+        Ok(Some(arrow::json::writer::NullableEncoder::new(
+            Box::new(FloatEncoder(values)),
+            array.nulls().cloned(),
+        )))
+    }
+}
+
+struct FloatEncoder<'a>(&'a arrow::array::Float64Array);
+
+impl arrow::json::Encoder for FloatEncoder<'_> {
+    fn encode(&mut self, idx: usize, out: &mut Vec<u8>) {
+        use std::io::Write as _;
+        let v = self.0.value(idx);
+        if v.is_nan() {
+            out.extend_from_slice(b"\"NaN\"");
+        } else if v == f64::INFINITY {
+            out.extend_from_slice(b"\"Infinity\"");
+        } else if v == f64::NEG_INFINITY {
+            out.extend_from_slice(b"\"-Infinity\"");
+        } else {
+            // Debug prints the shortest text that reads back to the same f64,
+            // always with a fraction or an exponent: valid JSON.
+            let _ = write!(out, "{v:?}");
+        }
+    }
 }

@@ -278,3 +278,152 @@ fn formats_from_headers_and_names() {
         assert_eq!(Format::from_content_type(f.content_type()), Some(f));
     }
 }
+
+/// A JSON number with a fraction or an exponent for an integer or timestamp
+/// column would be truncated by the reader (`2.5` as 2, `-0.9` as 0): it is
+/// refused naming its row and column, in the fast path and row by row.
+#[test]
+fn a_float_for_an_integer_or_timestamp_column_is_refused_not_truncated() {
+    let row = |i32: &str, i64: &str, ts: &str| {
+        format!(r#"{{"i32":{i32},"i64":{i64},"b":true,"d":"2024-01-02","ts":{ts}}}"#) + "\n"
+    };
+    let ok = row("1", "1", "1704164645000006");
+    for (what, bad_row, column) in [
+        ("Int64 2.5", row("1", "2.5", "1704164645000006"), "i64"),
+        ("Int64 -0.9", row("1", "-0.9", "1704164645000006"), "i64"),
+        ("Int32 2.5", row("2.5", "1", "1704164645000006"), "i32"),
+        ("Int32 2.0", row("2.0", "1", "1704164645000006"), "i32"),
+        ("Int64 1e3", row("1", "1e3", "1704164645000006"), "i64"),
+        ("Timestamp 1.5", row("1", "1", "1704164645000006.5"), "ts"),
+        ("Timestamp 1.7E15", row("1", "1", "1.7E15"), "ts"),
+    ] {
+        let e = bad(Format::Ndjson, format!("{ok}{ok}{bad_row}{ok}"));
+        assert_eq!(
+            (e.row, e.column.as_deref()),
+            (Some(3), Some(column)),
+            "{what}: {e}"
+        );
+        assert!(e.reason.contains("not a whole number"), "{what}: {e}");
+    }
+    // Integer literals (and integer text) are still taken as they are.
+    let rows = decode(
+        &table(),
+        Format::Ndjson,
+        Bytes::from(ok + &row("-7", "\"9007199254740993\"", "0")),
+        10,
+    )
+    .expect("integers");
+    let b = one_batch(&rows);
+    assert_eq!(
+        b.column(0)
+            .as_primitive::<arrow::datatypes::Int32Type>()
+            .value(1),
+        -7
+    );
+    assert_eq!(
+        b.column(1)
+            .as_primitive::<arrow::datatypes::Int64Type>()
+            .value(1),
+        9_007_199_254_740_993
+    );
+}
+
+/// NaN and infinities in a Float64 column stay themselves in every format,
+/// and NDJSON written by `write_ndjson` (what the read API answers) reads back
+/// to the same values: arrow-json's own writer would turn them into null.
+#[test]
+fn nan_and_infinities_stay_themselves_in_every_format_and_through_ndjson_out() {
+    let def = table();
+    let line = |f: &str| {
+        format!(
+            r#"{{"i32":1,"i64":1,"f":{f},"b":true,"d":"2024-01-02","ts":"2024-01-02T00:00:00Z"}}"#
+        ) + "\n"
+    };
+    let ndjson = [r#""NaN""#, r#""Infinity""#, r#""-Infinity""#, "2.5", "null"]
+        .map(line)
+        .concat();
+    let csv = "i32,i64,b,d,ts,f\n".to_string()
+        + &["NaN", "inf", "-inf", "2.5", ""]
+            .map(|f| format!("1,1,true,2024-01-02,2024-01-02T00:00:00Z,{f}\n"))
+            .concat();
+    let from_ndjson =
+        one_batch(&decode(&def, Format::Ndjson, Bytes::from(ndjson), 10).expect("ndjson"));
+    let from_csv = one_batch(&decode(&def, Format::Csv, Bytes::from(csv), 10).expect("csv"));
+    let check = |what: &str, b: &RecordBatch| {
+        let f = b.column(2).as_primitive::<arrow::datatypes::Float64Type>();
+        assert!(
+            f.is_valid(0) && f.value(0).is_nan(),
+            "{what}: NaN, not null: {f:?}"
+        );
+        assert_eq!(f.value(1), f64::INFINITY, "{what}");
+        assert_eq!(f.value(2), f64::NEG_INFINITY, "{what}");
+        assert_eq!(f.value(3), 2.5, "{what}");
+        assert!(f.is_null(4), "{what}: null stays null");
+    };
+    check("ndjson", &from_ndjson);
+    check("csv", &from_csv);
+    check(
+        "arrow",
+        &one_batch(
+            &decode(&def, Format::Arrow, to_ipc(&from_ndjson).expect("ipc"), 10).expect("arrow"),
+        ),
+    );
+    let mut parquet = Vec::new();
+    {
+        let mut w = parquet::arrow::ArrowWriter::try_new(&mut parquet, def.arrow_schema(), None)
+            .expect("writer");
+        w.write(&from_ndjson).expect("write");
+        w.close().expect("close");
+    }
+    check(
+        "parquet",
+        &one_batch(&decode(&def, Format::Parquet, Bytes::from(parquet), 10).expect("parquet")),
+    );
+    let mut out = Vec::new();
+    rows::write_ndjson(&from_ndjson, &mut out).expect("write ndjson");
+    let text = String::from_utf8(out.clone()).expect("utf-8");
+    assert!(text.contains(r#""f":"NaN""#), "{text}");
+    check(
+        "ndjson written and read again",
+        &one_batch(&decode(&def, Format::Ndjson, Bytes::from(out), 10).expect("read back")),
+    );
+    // Finite values are written so that they read back exactly.
+    let mut out = Vec::new();
+    rows::write_ndjson(&expected(&def), &mut out).expect("write ndjson");
+    assert_eq!(
+        one_batch(&decode(&def, Format::Ndjson, Bytes::from(out), 10).expect("read back")),
+        expected(&def)
+    );
+}
+
+/// A CSV quote that is never closed would make the reader take every line
+/// after it as part of one value: the body is refused naming where it opens.
+#[test]
+fn a_csv_quote_never_closed_is_refused_not_swallowing_the_lines_after_it() {
+    let head = "i32,i64,b,d,ts,s\n";
+    let good = "1,1,true,2024-01-02,2024-01-02T00:00:00Z,x\n";
+    let open = "2,2,true,2024-01-02,2024-01-02T00:00:00Z,\"abc\n";
+    let e = bad(Format::Csv, format!("{head}{good}{open}{good}{good}"));
+    assert_eq!((e.row, e.column.as_deref()), (Some(2), Some("s")), "{e}");
+    assert!(e.reason.contains("unterminated quote"), "{e}");
+    // CRLF line ends and a blank line before it count the same rows.
+    let e = bad(
+        Format::Csv,
+        format!("{head}{good}\r\n{open}{good}").replace('\n', "\r\n"),
+    );
+    assert_eq!((e.row, e.column.as_deref()), (Some(2), Some("s")), "{e}");
+    // Quotes that are closed, doubled inside a value, or in the middle of an
+    // unquoted value are fine.
+    let rows = decode(
+        &table(),
+        Format::Csv,
+        Bytes::from(format!(
+            "{head}{good}3,3,true,2024-01-02,2024-01-02T00:00:00Z,\"a \"\"b\"\"\nc\"\n4,4,true,2024-01-02,2024-01-02T00:00:00Z,5\"\n"
+        )),
+        10,
+    )
+    .expect("closed quotes");
+    let b = one_batch(&rows);
+    let s = b.column(4).as_string::<i32>();
+    assert_eq!((s.value(1), s.value(2)), ("a \"b\"\nc", "5\""));
+}

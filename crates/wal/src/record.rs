@@ -37,9 +37,11 @@ pub enum Record {
     /// Rows of one shard of one table: an Arrow IPC stream holding one record
     /// batch, the block number the writer assigned to this insert (part names
     /// derive from it; it is the LSN where the record starts, so it is unique
-    /// among committed records and grows with the WAL), and the idempotency key
-    /// of the request (empty when none was given): replicas apply a record whose
-    /// (table, shard, key) they already applied only once.
+    /// among committed records and grows with the WAL), and the record's
+    /// idempotency key (empty when the request had none; the ingest API makes
+    /// it unique to the record within its insert and bound to the insert's
+    /// rows): replicas apply a record whose (table, shard, key) they already
+    /// applied only once.
     Insert {
         table_id: u64,
         shard: u32,

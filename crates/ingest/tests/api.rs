@@ -1,0 +1,342 @@
+//! The insert API over HTTP with `ferry-client`, its records written to an
+//! in-memory WAL and applied by a real replica: idempotency keys bound to the
+//! rows they carried, and every record of an insert applied.
+
+#![allow(clippy::disallowed_methods, clippy::disallowed_types)] // a real temp dir
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use ferry_client::{Client, ClientError};
+use ferry_coord::embedded::EmbeddedStore;
+use ferry_coord::EmbeddedSessions;
+use ferry_env::{Cpu, Disk, RealDisk};
+use ferry_ingest::{Api, ApiLimits, Catalog, IngestMetrics, InsertSink};
+use ferry_replica::{Replica, TableRef, Tables};
+use ferry_table::{Format, TableDef};
+use ferry_wal::record::{self, Record};
+use ferry_wal::Lsn;
+use ferry_writer::driver::{Insert, Inserted, WriterError};
+
+fn def() -> TableDef {
+    TableDef::from_toml(
+        r#"name = "t"
+partition_by = { column = "d", transform = "month" }
+shard_by = { column = "id", shards = 3 }
+[[columns]]
+name = "id"
+type = "Int64"
+[[columns]]
+name = "d"
+type = "Date"
+[[columns]]
+name = "s"
+type = "Utf8"
+"#,
+    )
+    .expect("table")
+}
+
+/// Rows `ids` as NDJSON.
+fn body(ids: std::ops::Range<i64>) -> Bytes {
+    Bytes::from(
+        ids.map(|i| {
+            format!("{{\"id\":{i},\"d\":\"2024-01-02\",\"s\":\"row {i} padded to some length\"}}\n")
+        })
+        .collect::<String>(),
+    )
+}
+
+/// A WAL in memory: every insert is a record at the end, committed at once.
+#[derive(Default)]
+struct MemWal(Mutex<BytesMut>);
+
+impl MemWal {
+    fn bytes(&self) -> Bytes {
+        self.0.lock().expect("wal").clone().freeze()
+    }
+
+    fn inserts(&self) -> Vec<(u32, Bytes)> {
+        let wal = self.bytes();
+        let mut out = Vec::new();
+        let mut at = 0;
+        while at < wal.len() {
+            let (rec, len) = record::decode(&wal.slice(at..)).expect("record");
+            if let Record::Insert {
+                shard,
+                idempotency_key,
+                ..
+            } = rec
+            {
+                out.push((shard, idempotency_key));
+            }
+            at += len;
+        }
+        out
+    }
+}
+
+#[async_trait]
+impl InsertSink for MemWal {
+    async fn insert(&self, inserts: Vec<Insert>) -> Result<Inserted, WriterError> {
+        let mut wal = self.0.lock().expect("wal");
+        let mut block_numbers = Vec::new();
+        for i in inserts {
+            let at = wal.len() as u64;
+            Record::Insert {
+                table_id: i.table_id,
+                shard: i.shard,
+                block_number: at,
+                idempotency_key: i.idempotency_key,
+                arrow_ipc: i.arrow_ipc,
+            }
+            .encode(&mut wal);
+            block_numbers.push(at);
+        }
+        Ok(Inserted {
+            block_numbers,
+            commit_lsn: Lsn(wal.len() as u64),
+        })
+    }
+}
+
+struct Node {
+    client: Client,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+/// An API on `wal` (a new one, with an empty index of keys, is what a
+/// restarted node has).
+async fn node(catalog: &Catalog, wal: &Arc<MemWal>, limits: ApiLimits) -> Node {
+    let mut registry = prometheus_client::registry::Registry::default();
+    let api = Api::new(
+        catalog.clone(),
+        Arc::clone(wal) as Arc<dyn InsertSink>,
+        Cpu::Inline,
+        limits,
+        IngestMetrics::register(&mut registry),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let server = tokio::spawn(async move {
+        let _ = axum::serve(listener, ferry_ingest::api::router(api)).await;
+    });
+    let client =
+        Client::new(&format!("http://{addr}"), None, Duration::from_secs(30)).expect("client");
+    Node { client, server }
+}
+
+async fn catalog(dir: &std::path::Path) -> Catalog {
+    let disk = Arc::new(RealDisk::open_root(dir).expect("disk"));
+    let store = EmbeddedStore::open(disk, "coord", Default::default())
+        .await
+        .expect("store");
+    let sessions = Arc::new(EmbeddedSessions {
+        store,
+        timeout: Duration::from_secs(10),
+        metrics: Default::default(),
+    });
+    let catalog = Catalog::open(sessions).await.expect("catalog");
+    catalog.create(&def()).await.expect("create table");
+    catalog
+}
+
+struct OneTable(ferry_table::Table);
+
+#[async_trait]
+impl Tables for OneTable {
+    async fn by_id(&self, id: u64) -> Result<TableRef, String> {
+        Ok(if id == self.0.id {
+            TableRef::Known(self.0.clone())
+        } else {
+            TableRef::Unknown
+        })
+    }
+}
+
+/// Rows a fresh replica holds after applying all of `wal`.
+async fn applied_rows(dir: &std::path::Path, catalog: &Catalog, wal: &MemWal) -> u64 {
+    let table = catalog.get("t").await.expect("get").expect("table");
+    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir).expect("disk"));
+    let name = format!("replica-{}", wal.bytes().len());
+    let mut replica = Replica::open(
+        disk,
+        &name,
+        ferry_replica::ALL_SHARDS,
+        0,
+        Cpu::Inline,
+        Arc::new(OneTable(table.clone())),
+    )
+    .await
+    .expect("replica");
+    let wal = wal.bytes();
+    replica.receive(Lsn(0), &wal).await.expect("apply");
+    replica.parts(table.id).iter().map(|p| p.rows).sum()
+}
+
+fn api_error(result: Result<ferry_client::Inserted, ClientError>) -> (u16, String) {
+    match result {
+        Err(ClientError::Api { status, body }) => (status, body.kind),
+        other => panic!("expected an API error, got {other:?}"),
+    }
+}
+
+/// A shard's rows over the record size are cut into several records; with a
+/// key, each must carry its own record key, or a replica takes the second for
+/// a retry of the first and skips it.
+#[tokio::test]
+async fn every_record_of_a_keyed_insert_cut_into_slices_is_applied() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let catalog = catalog(dir.path()).await;
+    let wal = Arc::new(MemWal::default());
+    let limits = ApiLimits {
+        record_rows_bytes: 2048,
+        ..ApiLimits::default()
+    };
+    let n = node(&catalog, &wal, limits).await;
+    let inserted = n
+        .client
+        .insert_body("t", Format::Ndjson, body(0..600), Some("slices"))
+        .await
+        .expect("insert");
+    assert_eq!((inserted.rows, inserted.deduplicated), (600, false));
+    let records = wal.inserts();
+    let mut per_shard: BTreeMap<u32, usize> = BTreeMap::new();
+    for (shard, _) in &records {
+        *per_shard.entry(*shard).or_default() += 1;
+    }
+    assert!(
+        per_shard.values().all(|n| *n > 1),
+        "each shard's rows were cut into several records: {per_shard:?}"
+    );
+    let keys: BTreeSet<&Bytes> = records.iter().map(|(_, k)| k).collect();
+    assert_eq!(keys.len(), records.len(), "one key per record: {keys:?}");
+    assert!(keys.iter().all(|k| k.starts_with(b"slices~")), "{keys:?}");
+    assert_eq!(applied_rows(dir.path(), &catalog, &wal).await, 600);
+}
+
+/// A key reused with other rows is refused while the node remembers it, and
+/// applied whole as new rows once it does not (a restart); a retry of the
+/// same rows is answered from memory, or deduplicated by the replica.
+#[tokio::test]
+async fn a_key_is_bound_to_its_rows_and_never_half_applied() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let catalog = catalog(dir.path()).await;
+    let wal = Arc::new(MemWal::default());
+    let n = node(&catalog, &wal, ApiLimits::default()).await;
+    let c = &n.client;
+    let first = c
+        .insert_body("t", Format::Ndjson, body(0..10), Some("k"))
+        .await
+        .expect("insert");
+    assert!(!first.deduplicated);
+    let end = wal.bytes().len();
+
+    // The same rows again: the first answer, nothing written.
+    let again = c
+        .insert_body("t", Format::Ndjson, body(0..10), Some("k"))
+        .await
+        .expect("retry");
+    assert!(again.deduplicated, "{again:?}");
+    assert_eq!(
+        (again.rows, &again.blocks, &again.commit_lsn),
+        (10, &first.blocks, &first.commit_lsn)
+    );
+    assert_eq!(
+        wal.bytes().len(),
+        end,
+        "a deduplicated retry writes nothing"
+    );
+
+    // Other rows under the same key: 409, nothing written.
+    let (status, kind) = api_error(
+        c.insert_body("t", Format::Ndjson, body(0..30), Some("k"))
+            .await,
+    );
+    assert_eq!((status, kind.as_str()), (409, "idempotency_key_reused"));
+    let reused = c
+        .insert_body("t", Format::Ndjson, body(5..7), Some("k"))
+        .await;
+    assert!(
+        reused.as_ref().err().is_some_and(ClientError::key_reused),
+        "{reused:?}"
+    );
+    assert_eq!(wal.bytes().len(), end, "a refused reuse writes nothing");
+    // The same key in another table would be another key; here, a new key works.
+    c.insert_body("t", Format::Ndjson, body(100..103), Some("k2"))
+        .await
+        .expect("a new key");
+    assert_eq!(applied_rows(dir.path(), &catalog, &wal).await, 13);
+
+    // A restarted node has forgotten the keys: the retry is written again and
+    // the replica skips it; the reuse with other rows (touching the shards of
+    // the first and more) is applied whole, not in part.
+    drop(n);
+    let n = node(&catalog, &wal, ApiLimits::default()).await;
+    let retry = n
+        .client
+        .insert_body("t", Format::Ndjson, body(0..10), Some("k"))
+        .await
+        .expect("retry after a restart");
+    assert!(!retry.deduplicated);
+    assert!(wal.bytes().len() > end, "written again");
+    assert_eq!(
+        applied_rows(dir.path(), &catalog, &wal).await,
+        13,
+        "applied once"
+    );
+    // That retry is remembered again: the reuse is refused until the next restart.
+    let reused = n
+        .client
+        .insert_body("t", Format::Ndjson, body(0..30), Some("k"))
+        .await;
+    assert!(
+        reused.as_ref().err().is_some_and(ClientError::key_reused),
+        "{reused:?}"
+    );
+    drop(n);
+    let n = node(&catalog, &wal, ApiLimits::default()).await;
+    n.client
+        .insert_body("t", Format::Ndjson, body(0..30), Some("k"))
+        .await
+        .expect("a reuse the node does not remember");
+    assert_eq!(
+        applied_rows(dir.path(), &catalog, &wal).await,
+        43,
+        "the reuse is applied whole as new rows"
+    );
+}
+
+#[tokio::test]
+async fn idempotency_keys_longer_than_200_bytes_are_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let catalog = catalog(dir.path()).await;
+    let wal = Arc::new(MemWal::default());
+    let n = node(&catalog, &wal, ApiLimits::default()).await;
+    let long = "k".repeat(201);
+    let (status, kind) = api_error(
+        n.client
+            .insert_body("t", Format::Ndjson, body(0..3), Some(&long))
+            .await,
+    );
+    assert_eq!((status, kind.as_str()), (400, "invalid_idempotency_key"));
+    assert!(wal.bytes().is_empty());
+    n.client
+        .insert_body("t", Format::Ndjson, body(0..3), Some(&long[..200]))
+        .await
+        .expect("200 bytes fit");
+    for (_, key) in wal.inserts() {
+        assert!(key.len() <= record::MAX_IDEMPOTENCY_KEY_BYTES);
+    }
+}
