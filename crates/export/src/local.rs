@@ -337,9 +337,12 @@ pub trait Destinations: Send + Sync {
     fn open(&self, url: &str) -> Result<Location, StorageError>;
 }
 
-/// `file://` and `s3://` through `ferry_storage`, each location opened once.
+/// `file://` and `s3://` through `ferry_storage`, each location opened once;
+/// a `file://` location only under one of the node's export roots (checked
+/// before anything is created, by the request and again by every worker).
 pub struct StorageDestinations {
     s3: S3Settings,
+    roots: ferry_storage::LocalRoots,
     opened: Mutex<BTreeMap<String, Location>>,
 }
 
@@ -347,9 +350,10 @@ pub struct StorageDestinations {
 const MAX_OPEN_LOCATIONS: usize = 64;
 
 impl StorageDestinations {
-    pub fn new(s3: S3Settings) -> StorageDestinations {
+    pub fn new(s3: S3Settings, roots: ferry_storage::LocalRoots) -> StorageDestinations {
         StorageDestinations {
             s3,
+            roots,
             opened: Mutex::new(BTreeMap::new()),
         }
     }
@@ -361,6 +365,7 @@ impl Destinations for StorageDestinations {
         if let Some(l) = opened.get(url) {
             return Ok(l.clone());
         }
+        self.roots.check(url)?;
         let location = ferry_storage::open(url, &self.s3)?;
         if opened.len() >= MAX_OPEN_LOCATIONS {
             opened.clear();

@@ -438,7 +438,15 @@ impl World {
     }
 
     fn destinations(&self) -> Arc<dyn Destinations> {
-        Arc::new(StorageDestinations::new(self.s3.clone()))
+        // The base is the only local folder a request may name.
+        let roots = self
+            .base
+            .strip_prefix("file://")
+            .map(std::path::PathBuf::from);
+        Arc::new(StorageDestinations::new(
+            self.s3.clone(),
+            ferry_storage::LocalRoots::new(roots).expect("roots"),
+        ))
     }
 
     /// The real store behind a fault injector (multipart uploads included).

@@ -282,7 +282,10 @@ pub async fn export(args: ExportBenchArgs) -> anyhow::Result<()> {
 
             // The export.
             let url = format!("{base_url}/export{nodes}");
-            let dests: Arc<dyn Destinations> = Arc::new(StorageDestinations::new(s3.clone()));
+            let dests: Arc<dyn Destinations> = Arc::new(StorageDestinations::new(
+                s3.clone(),
+                ferry_storage::LocalRoots::new([dir.path().join("lake")])?,
+            ));
             let mut views = Vec::new();
             let mut tasks = Vec::new();
             for (n, replica) in replicas.iter().take(nodes).enumerate() {

@@ -223,7 +223,10 @@ pub async fn export_scale(args: ScaleBenchArgs) -> anyhow::Result<()> {
         "file://{}",
         std::path::absolute(dir.path())?.join("lake").display()
     );
-    let dests: Arc<dyn Destinations> = Arc::new(StorageDestinations::new(S3Settings::default()));
+    let dests: Arc<dyn Destinations> = Arc::new(StorageDestinations::new(
+        S3Settings::default(),
+        ferry_storage::LocalRoots::new([dir.path().join("lake")])?,
+    ));
     let mut views = Vec::new();
     let mut tasks = Vec::new();
     for n in 0..args.nodes {

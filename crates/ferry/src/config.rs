@@ -37,6 +37,7 @@ pub struct ReplicaSection {
     pub data_dir: Option<String>,
     pub http: Option<String>,
     pub api_token: Option<String>,
+    pub export_roots: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize, Serialize)]
@@ -47,6 +48,7 @@ pub struct DevSection {
     pub safekeepers: Option<u64>,
     pub segment_bytes: Option<u64>,
     pub wal_preallocation: Option<String>,
+    pub export_roots: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize, Serialize)]
@@ -99,6 +101,9 @@ safekeepers = 3
 segment_bytes = 16777216
 # When WAL segments are zero-filled ahead of time: "auto", "always" or "never".
 wal_preallocation = "auto"
+# Folders a file:// export destination must lie in (default: <data_dir>/lake).
+# Env: FERRY_EXPORT_ROOTS.
+# export_roots = ["/srv/lake"]
 
 [safekeeper]
 # Id of this safekeeper, unique in its quorum (required).
@@ -143,6 +148,9 @@ http = "127.0.0.1:7677"
 http = "127.0.0.1:7678"
 # Bearer token for its HTTP endpoint. Env: FERRY_API_TOKEN.
 # api_token = "..."
+# Folders a file:// export destination must lie in (default: <data_dir>/lake).
+# Env: FERRY_EXPORT_ROOTS.
+# export_roots = ["/srv/lake"]
 
 [api]
 # Bearer token every HTTP request must carry; at least 16 characters. Unset:
@@ -171,6 +179,7 @@ fn env_of(key: &str) -> Option<&'static str> {
         "cluster_id" => Some("FERRY_CLUSTER_ID"),
         "zookeeper" => Some("FERRY_ZOOKEEPER"),
         "api_token" => Some("FERRY_API_TOKEN"),
+        "export_roots" => Some("FERRY_EXPORT_ROOTS"),
         _ => None,
     }
 }

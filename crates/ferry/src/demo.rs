@@ -269,7 +269,7 @@ pub async fn run(url: &str, rows: usize, lake_url: &str) -> anyhow::Result<()> {
         "  ferry lake files {lake_url} --full | python3 -c \"import sys, pandas as pd; print(len(pd.concat(pd.read_parquet(l.strip()) for l in sys.stdin)))\""
     );
     say!(
-        "demo: done in {:.1} s. Next: `ferry dev` (without --demo), `ferry query partitions demo_events`, `ferry export demo_events <partition> --to file:///tmp/lake --wait`",
+        "demo: done in {:.1} s. Next: `ferry dev` (without --demo), `ferry query partitions demo_events`, `ferry export demo_events <partition> --to {lake_url} --wait`",
         started.elapsed().as_secs_f64()
     );
     Ok(())

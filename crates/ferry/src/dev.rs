@@ -32,6 +32,12 @@ pub struct DevArgs {
     /// 1 GiB; default 16 MiB); an existing data dir keeps its own.
     #[arg(long, value_parser = parse_segment_size)]
     segment_bytes: Option<SegmentSize>,
+    /// Folders a `file://` export destination must lie in, comma-separated
+    /// (created if missing; a request naming any other local folder is
+    /// refused before anything is written). Default: `<data dir>/lake`.
+    /// Env: FERRY_EXPORT_ROOTS.
+    #[arg(long, value_delimiter = ',', env = "FERRY_EXPORT_ROOTS")]
+    export_roots: Vec<PathBuf>,
     #[command(flatten)]
     pub wal: crate::local::WalServiceArgs,
     #[command(flatten)]
@@ -282,9 +288,11 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         replicas.push(shared);
     }
     // Every replica exports as its own node; requests go through the first.
-    let destinations: Arc<dyn ferry_export::Destinations> = Arc::new(
-        ferry_export::StorageDestinations::new(ferry_storage::S3Settings::default()),
-    );
+    let destinations: Arc<dyn ferry_export::Destinations> =
+        Arc::new(ferry_export::StorageDestinations::new(
+            ferry_storage::S3Settings::default(),
+            crate::paths::export_roots(&args.export_roots, &data_dir)?,
+        ));
     let mut export_views = Vec::new();
     let mut export_tasks = Vec::new();
     let mut request_parts: Option<Arc<ferry_export::ReplicaSet>> = None;

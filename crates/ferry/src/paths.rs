@@ -61,3 +61,25 @@ pub fn absolute(dir: &Path) -> anyhow::Result<PathBuf> {
     dir.canonicalize()
         .with_context(|| format!("resolving {}", dir.display()))
 }
+
+/// The export roots a node was given, or `<data dir>/lake` without any.
+pub fn export_roots(
+    given: &[std::path::PathBuf],
+    data_dir: &std::path::Path,
+) -> anyhow::Result<ferry_storage::LocalRoots> {
+    let roots = if given.is_empty() {
+        vec![data_dir.join("lake")]
+    } else {
+        given.to_vec()
+    };
+    ferry_storage::LocalRoots::new(roots.iter().cloned()).map_err(|e| {
+        anyhow::anyhow!(
+            "export roots {}: {e}",
+            roots
+                .iter()
+                .map(|r| r.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    })
+}

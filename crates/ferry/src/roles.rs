@@ -361,6 +361,12 @@ pub struct ReplicaArgs {
     /// Bearer token every HTTP request must carry. Env: FERRY_API_TOKEN.
     #[arg(long, env = "FERRY_API_TOKEN", hide_env_values = true)]
     api_token: Option<String>,
+    /// Folders a `file://` export destination must lie in, comma-separated
+    /// (created if missing; a request naming any other local folder is
+    /// refused before anything is written). Default: `<data dir>/lake`.
+    /// Env: FERRY_EXPORT_ROOTS.
+    #[arg(long, value_delimiter = ',', env = "FERRY_EXPORT_ROOTS")]
+    export_roots: Vec<PathBuf>,
 }
 
 /// How long a part a merge replaced stays on disk for readers that listed it.
@@ -436,9 +442,11 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
         ferry_export::ReplicaSet::new(vec![Arc::clone(&shared)])
             .with_remote(Arc::clone(&peers) as Arc<dyn ferry_export::RemoteShards>),
     );
-    let destinations: Arc<dyn ferry_export::Destinations> = Arc::new(
-        ferry_export::StorageDestinations::new(ferry_storage::S3Settings::default()),
-    );
+    let destinations: Arc<dyn ferry_export::Destinations> =
+        Arc::new(ferry_export::StorageDestinations::new(
+            ferry_storage::S3Settings::default(),
+            crate::paths::export_roots(&args.export_roots, &data_dir)?,
+        ));
     let exporter_name = format!("s{}r{}", args.shard, args.replica);
     let exporter = ferry_export::Exporter::new(
         ferry_export::ExporterConfig::new(exporter_name.clone()),

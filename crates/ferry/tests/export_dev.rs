@@ -55,7 +55,7 @@ fn task(rt: &tokio::runtime::Runtime, c: &Client, partition: &str) -> Option<ser
 fn an_export_survives_kill_9_of_ferry_dev_in_the_middle() {
     let dir = tempfile::tempdir().expect("tempdir");
     let data = dir.path().join("data");
-    let lake = dir.path().join("lake");
+    let lake = data.join("lake");
     let lake_url = format!("file://{}", lake.display());
     let rt = runtime();
     let (mut child, lines) = start_dev(&data);
@@ -246,28 +246,16 @@ fn ferry_ok(args: &[&str], url: &str) -> String {
 /// export of unchanged parts then changes nothing.
 #[test]
 fn a_re_export_after_merges_supersedes_and_readers_count_every_row_once() {
-    const ONE_SHARD: &str = r#"
-name = "t"
-partition_by = { column = "p", transform = "identity" }
-shard_by = { column = "id", shards = 1 }
-replicas = 1
-
-[[columns]]
-name = "id"
-type = "Int64"
-[[columns]]
-name = "p"
-type = "Utf8"
-"#;
+    let one_shard = TABLE.replace("shards = 2", "shards = 1");
     let dir = tempfile::tempdir().expect("tempdir");
     let data = dir.path().join("data");
-    let lake = dir.path().join("lake");
+    let lake = data.join("lake");
     let lake_url = format!("file://{}", lake.display());
     let rt = runtime();
     let (child, lines) = start_dev(&data);
     let url = base_url(&lines);
     let c = Client::new(&url, None, Duration::from_secs(30)).expect("client");
-    rt.block_on(c.create_table_toml(ONE_SHARD))
+    rt.block_on(c.create_table_toml(&one_shard))
         .expect("create table");
     let insert = |batch: i64| {
         let body: String = (batch * 10..batch * 10 + 10)
@@ -380,6 +368,77 @@ type = "Utf8"
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no such directory"));
     assert!(!dir.path().join("nowhere").exists(), "verify created it");
+    interrupt(&child);
+    let mut child = child;
+    assert_clean_exit(&mut child, &data);
+}
+
+/// A request names any URL and the node may run as root: a local
+/// destination outside the export roots (`<data dir>/lake` by default) is
+/// refused before anything is created, a link inside a root that leads out
+/// of it too, and a refusal leaves the node as responsive as before.
+#[test]
+fn local_destinations_outside_the_export_roots_are_refused_and_nothing_is_written() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let rt = runtime();
+    let (child, lines) = start_dev(&data);
+    let url = base_url(&lines);
+    let c = Client::new(&url, None, Duration::from_secs(30)).expect("client");
+    rt.block_on(c.create_table_toml(TABLE))
+        .expect("create table");
+    rt.block_on(c.insert_body(
+        "t",
+        Format::Ndjson,
+        Bytes::from_static(b"{\"id\":1,\"p\":\"a\"}\n"),
+        None,
+    ))
+    .expect("insert");
+    let outside = dir.path().join("outside");
+    let escape_target = dir.path().join("elsewhere");
+    std::fs::create_dir_all(&escape_target).expect("mkdir");
+    std::fs::create_dir_all(data.join("lake")).expect("mkdir");
+    std::os::unix::fs::symlink(&escape_target, data.join("lake/escape")).expect("symlink");
+    let etc_before: BTreeSet<String> = std::fs::read_dir("/etc")
+        .expect("/etc")
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    for to in [
+        format!("file://{}", outside.display()),
+        format!("file://{}/x", data.join("lake/escape").display()),
+        "file:///etc".to_string(),
+        "file:///".to_string(),
+        "file:///proc/self".to_string(),
+    ] {
+        let out = Command::new(FERRY)
+            .args(["export", "t", "a", "--to", &to])
+            .env("FERRY_URL", &url)
+            .stdin(Stdio::null())
+            .output()
+            .expect("ferry export");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{to} accepted");
+        assert!(err.contains("export root"), "{to}: {err}");
+    }
+    assert!(!outside.exists(), "a refused destination was created");
+    assert_eq!(
+        std::fs::read_dir(&escape_target).expect("dir").count(),
+        0,
+        "written through the link"
+    );
+    let etc_after: BTreeSet<String> = std::fs::read_dir("/etc")
+        .expect("/etc")
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(etc_before, etc_after);
+    let view = rt.block_on(c.get_json("/exports")).expect("exports");
+    assert_eq!(view["tasks"].as_array().expect("tasks").len(), 0, "{view}");
+    // Inside the root: exported.
+    let inside = format!("file://{}", data.join("lake/events").display());
+    let done = ferry_ok(&["export", "t", "a", "--to", &inside, "--wait"], &url);
+    assert!(done.contains("COMPLETED"), "{done}");
     interrupt(&child);
     let mut child = child;
     assert_clean_exit(&mut child, &data);

@@ -413,7 +413,7 @@ fn tables_and_inserts_in_every_format_are_committed_row_for_row() {
     assert!(ok && out.starts_with("202401\t4 rows"), "{out}");
 
     // Export through the command line: created, waited for, listed, verified.
-    let lake = format!("file://{}", dir.path().join("lake").display());
+    let lake = format!("file://{}", data.join("lake").display());
     let (ok, out, err) = ferry(
         &["export", "events", "202403", "--to", &lake, "--wait"],
         &url,

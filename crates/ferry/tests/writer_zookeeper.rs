@@ -90,6 +90,13 @@ fn start_replica(addrs: &[String], zk: &str, shard: u32, dir: &std::path::Path) 
         ])
         .arg("--data-dir")
         .arg(dir)
+        // The tests' lakes are beside the replicas' data dirs.
+        .arg("--export-roots")
+        .arg(
+            dir.parent()
+                .expect("a data dir in the test's folder")
+                .join("lake"),
+        )
         .stderr(Stdio::null());
     spawn_node(cmd)
 }

@@ -232,6 +232,78 @@ fn check_bucket(url: &str, bucket: &str) -> Result<(), StorageError> {
     }
 }
 
+/// The local folders `file://` locations that a request names may lie in:
+/// a request can name any URL, and a node often runs with more rights than
+/// its operator meant to hand out (as root, `file:///etc` would be written).
+/// Each root is created and resolved (symbolic links followed) once, when
+/// the node is configured; a location is accepted only when its folder, with
+/// the links of its deepest existing ancestor followed, lies inside one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalRoots(Vec<std::path::PathBuf>);
+
+impl LocalRoots {
+    /// Creates each root if missing and resolves it.
+    pub fn new(
+        roots: impl IntoIterator<Item = std::path::PathBuf>,
+    ) -> Result<LocalRoots, StorageError> {
+        let mut resolved = Vec::new();
+        for root in roots {
+            let io = |source| StorageError::Io {
+                dir: root.display().to_string(),
+                source,
+            };
+            // Configuration, before node code runs.
+            #[allow(clippy::disallowed_methods)]
+            std::fs::create_dir_all(&root).map_err(io)?;
+            resolved.push(root.canonicalize().map_err(io)?);
+        }
+        Ok(LocalRoots(resolved))
+    }
+
+    pub fn roots(&self) -> &[std::path::PathBuf] {
+        &self.0
+    }
+
+    /// Refuses a `file://` URL outside every root (other schemes pass).
+    pub fn check(&self, url: &str) -> Result<(), StorageError> {
+        let Some(rest) = url.strip_prefix("file://") else {
+            return Ok(());
+        };
+        let refuse = |reason: String| invalid(url, reason);
+        let parsed = Url::parse(url).map_err(|e| refuse(e.to_string()))?;
+        let dir = parsed
+            .to_file_path()
+            .map_err(|()| refuse("not an absolute directory".into()))?;
+        if rest.split('/').any(|seg| seg == "." || seg == "..") {
+            return Err(refuse("relative path segment".into()));
+        }
+        // The deepest ancestor that exists, resolved: a link inside a root
+        // that points outside it does not count as inside.
+        let mut existing = dir.as_path();
+        let resolved = loop {
+            match existing.canonicalize() {
+                Ok(r) => break r.join(dir.strip_prefix(existing).unwrap_or(existing)),
+                Err(_) => match existing.parent() {
+                    Some(p) => existing = p,
+                    None => return Err(refuse("no existing ancestor".into())),
+                },
+            }
+        };
+        if self.0.iter().any(|root| resolved.starts_with(root)) {
+            Ok(())
+        } else {
+            Err(refuse(format!(
+                "a local destination must lie under an export root ({}); set --export-roots",
+                self.0
+                    .iter()
+                    .map(|r| r.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )))
+        }
+    }
+}
+
 /// Opens a location. `file:///dir` creates the directory if missing; `s3://` does
 /// not touch the network until the first request.
 pub fn open(url: &str, s3: &S3Settings) -> Result<Location, StorageError> {
@@ -527,19 +599,10 @@ impl Location {
         } else {
             self.key(dir)?
         };
-        let prefix_len = self.prefix.parts().count();
         let mut out: Vec<(String, u64)> = self
             .store
             .list(Some(&base))
-            .map_ok(|meta| {
-                let rel: Vec<String> = meta
-                    .location
-                    .parts()
-                    .skip(prefix_len)
-                    .map(|p| p.as_ref().to_string())
-                    .collect();
-                (rel.join("/"), meta.size)
-            })
+            .map_ok(|meta| self.entry(&meta))
             .try_collect()
             .await
             .map_err(|e| StorageError::about(e, &base))?;
@@ -556,22 +619,21 @@ impl Location {
             .list_with_delimiter(Some(&self.prefix))
             .await
             .map_err(|e| StorageError::about(e, &self.prefix))?;
-        let prefix_len = self.prefix.parts().count();
-        let mut out: Vec<(String, u64)> = listed
-            .objects
-            .into_iter()
-            .map(|meta| {
-                let rel: Vec<String> = meta
-                    .location
-                    .parts()
-                    .skip(prefix_len)
-                    .map(|p| p.as_ref().to_string())
-                    .collect();
-                (rel.join("/"), meta.size)
-            })
-            .collect();
+        let mut out: Vec<(String, u64)> =
+            listed.objects.iter().map(|meta| self.entry(meta)).collect();
         out.sort();
         Ok(out)
+    }
+
+    /// A listed object as its key relative to the location, and its size.
+    fn entry(&self, meta: &object_store::ObjectMeta) -> (String, u64) {
+        let rel: Vec<String> = meta
+            .location
+            .parts()
+            .skip(self.prefix.parts().count())
+            .map(|p| p.as_ref().to_string())
+            .collect();
+        (rel.join("/"), meta.size)
     }
 
     /// The full key of `relative` (segments separated by `/`) under the prefix.

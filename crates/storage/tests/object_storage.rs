@@ -301,3 +301,43 @@ async fn staging_files_of_cut_short_writes_are_removed_for_final_keys_only() {
         0
     );
 }
+
+#[test]
+fn local_roots_take_only_folders_inside_them() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let root = dir.path().join("lake");
+    let roots = ferry_storage::LocalRoots::new([root.clone()]).expect("roots");
+    assert!(root.is_dir(), "a root is created");
+    let url = |p: &std::path::Path| format!("file://{}", p.display());
+    // Inside, existing or not yet.
+    roots.check(&url(&root)).expect("the root itself");
+    roots
+        .check(&url(&root.join("a/b")))
+        .expect("a folder to be");
+    // Other schemes are not local.
+    roots.check("s3://bucket/prefix").expect("s3");
+    // Outside: beside it, above it, a name that only starts like it.
+    for outside in [
+        dir.path().join("other"),
+        dir.path().to_path_buf(),
+        dir.path().join("lake2"),
+    ] {
+        let e = roots.check(&url(&outside)).expect_err("outside");
+        assert!(e.to_string().contains("export root"), "{e}");
+    }
+    roots.check("file:///etc").expect_err("/etc");
+    roots
+        .check(&format!("{}/../x", url(&root)))
+        .expect_err("..");
+    // A link inside that leads out.
+    let elsewhere = dir.path().join("elsewhere");
+    std::fs::create_dir(&elsewhere).expect("mkdir");
+    std::os::unix::fs::symlink(&elsewhere, root.join("link")).expect("symlink");
+    roots.check(&url(&root.join("link"))).expect_err("link");
+    roots
+        .check(&url(&root.join("link/deeper")))
+        .expect_err("below the link");
+    // No roots: no local folder at all.
+    let none = ferry_storage::LocalRoots::new([]).expect("roots");
+    none.check(&url(&root)).expect_err("no roots");
+}
