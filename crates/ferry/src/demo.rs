@@ -214,12 +214,28 @@ pub async fn run(url: &str, rows: usize, lake_url: &str) -> anyhow::Result<()> {
         )
         .await
         .context("exporting a partition")?;
-    let tx = created
-        .created
-        .first()
-        .context("no export created")?
-        .transaction_id
-        .clone();
+    let first = created.created.first().context("no export created")?;
+    let tx = first.transaction_id.clone();
+    if let Some(commit) = &first.unchanged {
+        say!("demo: partition {partition} in {lake_url} unchanged: {commit} holds its parts");
+    } else {
+        wait_for_export(&client, &partition, lake_url, &tx).await?;
+    }
+    show_lake(lake_url, &partition).await?;
+    say!(
+        "demo: done in {:.1} s. Next: `ferry dev` (without --demo), `ferry query partitions demo_events`, `ferry export demo_events <partition> --to {lake_url} --wait`",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Waits (at most 120 s) until the demo's export ends, and prints it.
+async fn wait_for_export(
+    client: &ferry_client::Client,
+    partition: &str,
+    lake_url: &str,
+    tx: &str,
+) -> anyhow::Result<()> {
     say!("demo: export of partition {partition} to {lake_url} created (transaction {tx})");
     let deadline = Instant::now() + Duration::from_secs(120);
     let task = loop {
@@ -242,8 +258,13 @@ pub async fn run(url: &str, rows: usize, lake_url: &str) -> anyhow::Result<()> {
         "the export ended {}",
         task.status
     );
+    Ok(())
+}
+
+/// The lake as a reader sees it, and the recipes that read it.
+async fn show_lake(lake_url: &str, partition: &str) -> anyhow::Result<()> {
     let lake = ferry_storage::open(lake_url, &Default::default())?;
-    let view = ferry_export::lake::read(&lake, Some(partition.as_str())).await?;
+    let view = ferry_export::lake::read(&lake, Some(partition)).await?;
     let current = view
         .partitions
         .first()
@@ -267,10 +288,6 @@ pub async fn run(url: &str, rows: usize, lake_url: &str) -> anyhow::Result<()> {
     );
     say!(
         "  ferry lake files {lake_url} --full | python3 -c \"import sys, pandas as pd; print(len(pd.concat(pd.read_parquet(l.strip()) for l in sys.stdin)))\""
-    );
-    say!(
-        "demo: done in {:.1} s. Next: `ferry dev` (without --demo), `ferry query partitions demo_events`, `ferry export demo_events <partition> --to {lake_url} --wait`",
-        started.elapsed().as_secs_f64()
     );
     Ok(())
 }

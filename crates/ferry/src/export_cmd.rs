@@ -29,7 +29,10 @@ pub struct ExportArgs {
     /// Replace a live or unexpired task for the same partition and destination.
     #[arg(long)]
     pub force: bool,
-    /// Wait until the export ends, with a progress bar; exit non-zero unless COMPLETED.
+    /// Wait until every export created ends, with a progress bar; exit
+    /// non-zero unless all are COMPLETED (with --all-partitions, also when a
+    /// partition was refused; partitions skipped for a live or unexpired
+    /// export are reported and do not count).
     #[arg(long)]
     pub wait: bool,
     #[command(flatten)]
@@ -165,10 +168,29 @@ pub async fn export(args: ExportArgs) -> anyhow::Result<()> {
             ferry_wal::Lsn(c.snapshot_lsn)
         );
     }
+    for n in &created.skipped {
+        println!(
+            "export of partition {} skipped: {}",
+            n.partition_id, n.error
+        );
+    }
+    for n in &created.failed {
+        println!(
+            "export of partition {} refused ({}): {}",
+            n.partition_id, n.kind, n.error
+        );
+    }
+    let mut failed: Vec<String> = created
+        .failed
+        .iter()
+        .map(|n| format!("{} refused", n.partition_id))
+        .collect();
     if !args.wait {
+        if !failed.is_empty() {
+            anyhow::bail!("exports not created: {}", failed.join(", "));
+        }
         return Ok(());
     }
-    let mut failed = Vec::new();
     for c in created.created.iter().filter(|c| c.unchanged.is_none()) {
         let view = wait(&client, &c.transaction_id, c.parts_count).await?;
         println!("{}", table_of(std::slice::from_ref(&view)));

@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! POST /exports        {table, partition_id | all_partitions, destination, force, settings}
-//!                      → 201 {created: [{transaction_id, key, parts_count, rows, snapshot_lsn}]}
+//!                      → 201 {created: [{transaction_id, key, parts_count, rows, snapshot_lsn,
+//!                              unchanged?}], skipped?: [{partition_id, kind, error}], failed?: [...]}
 //! GET  /exports        the status listing, from the node's mirror (no coordination read)
 //! POST /exports/kill   {transaction_id} or {table, partition_id, destination}
 //!                      → {status}
@@ -67,9 +68,28 @@ pub struct ExportBody {
     pub settings: ExportSettings,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+/// The answer to an export request. One partition: `created` holds its
+/// task (any refusal is an error answer). Every partition
+/// (`all_partitions`): each partition is requested on its own, with its own
+/// transaction id; those with a live or unexpired export are `skipped`, those
+/// refused for another reason are `failed`, and neither hides or stops the
+/// rest.
+#[derive(Debug, Default, Serialize, Deserialize)]
 pub struct CreatedBody {
     pub created: Vec<ferry_export::Created>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skipped: Vec<NotCreated>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub failed: Vec<NotCreated>,
+}
+
+/// A partition of an `all_partitions` request that got no task.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NotCreated {
+    pub partition_id: String,
+    /// The error kind an answer for this partition alone would carry.
+    pub kind: String,
+    pub error: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -178,21 +198,25 @@ async fn create(
             format!("cannot learn the commit position: {e}"),
         )
     })?;
-    let requester = Requester {
+    // Each task gets a transaction id of its own.
+    let requester = |random: u64| Requester {
         session: &api.session,
         sessions: api.sessions.as_ref(),
         parts: api.parts.as_ref(),
         destinations: api.destinations.as_ref(),
         replica_name: &api.replica_name,
         now_unix_millis: api.clock.unix_micros() / 1000,
-        random: rand::random(),
+        random,
         commit_lsn,
         wait: APPLY_WAIT,
     };
     let partitions = match (&body.partition_id, body.all_partitions) {
         (Some(p), false) => vec![p.clone()],
         (None, true) => {
-            let table = requester.table(&body.table).await.map_err(request_error)?;
+            let table = requester(0)
+                .table(&body.table)
+                .await
+                .map_err(request_error)?;
             let ids = api
                 .parts
                 .partitions(&table, commit_lsn, APPLY_WAIT)
@@ -224,20 +248,35 @@ async fn create(
             ))
         }
     };
-    let mut created = Vec::new();
+    let mut answer = CreatedBody::default();
     for partition_id in partitions {
         let req = ExportRequest {
             table: body.table.clone(),
-            partition_id,
+            partition_id: partition_id.clone(),
             destination: body.destination.clone(),
             force: body.force,
             settings: body.settings.clone(),
         };
-        // Partitions exported before the error stay exported; the error
-        // names the one that failed.
-        created.push(requester.export(&req).await.map_err(request_error)?);
+        match requester(rand::random()).export(&req).await {
+            Ok(created) => answer.created.push(created),
+            Err(e) if !body.all_partitions => return Err(request_error(e)),
+            Err(e) => {
+                let skipped = matches!(e, RequestError::AlreadyExists { .. });
+                let e = request_error(e);
+                let entry = NotCreated {
+                    partition_id,
+                    kind: e.kind.to_string(),
+                    error: e.error,
+                };
+                if skipped {
+                    answer.skipped.push(entry);
+                } else {
+                    answer.failed.push(entry);
+                }
+            }
+        }
     }
-    Ok((StatusCode::CREATED, Json(CreatedBody { created })))
+    Ok((StatusCode::CREATED, Json(answer)))
 }
 
 async fn kill(

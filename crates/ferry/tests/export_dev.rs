@@ -443,3 +443,62 @@ fn local_destinations_outside_the_export_roots_are_refused_and_nothing_is_writte
     let mut child = child;
     assert_clean_exit(&mut child, &data);
 }
+
+/// `--all-partitions`: one task, with its own transaction id, per
+/// partition; a partition whose export is still unexpired is skipped and
+/// said so, not a refusal of the whole request; `--wait` waits for every
+/// task.
+#[test]
+fn every_partition_gets_its_own_task_and_an_unexpired_one_is_skipped() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let lake_url = format!("file://{}", data.join("lake/all").display());
+    let rt = runtime();
+    let (child, lines) = start_dev(&data);
+    let url = base_url(&lines);
+    let c = Client::new(&url, None, Duration::from_secs(30)).expect("client");
+    rt.block_on(c.create_table_toml(TABLE))
+        .expect("create table");
+    let body: String = ["a", "b", "c"]
+        .iter()
+        .enumerate()
+        .flat_map(|(i, p)| {
+            (0..5).map(move |j| format!("{{\"id\":{},\"p\":\"{p}\"}}\n", i * 10 + j))
+        })
+        .collect();
+    rt.block_on(c.insert_body("t", Format::Ndjson, Bytes::from(body), None))
+        .expect("insert");
+    ferry_ok(&["export", "t", "a", "--to", &lake_url, "--wait"], &url);
+    let out = ferry_ok(
+        &[
+            "export",
+            "t",
+            "--all-partitions",
+            "--to",
+            &lake_url,
+            "--wait",
+        ],
+        &url,
+    );
+    assert!(out.contains("export of partition a skipped"), "{out}");
+    let created: Vec<&str> = out
+        .lines()
+        .filter(|l| l.contains(" created: transaction "))
+        .collect();
+    assert_eq!(created.len(), 2, "{out}");
+    let view = rt.block_on(c.get_json("/exports")).expect("exports");
+    let tasks = view["tasks"].as_array().expect("tasks");
+    assert_eq!(tasks.len(), 3, "{view}");
+    let ids: BTreeSet<&str> = tasks
+        .iter()
+        .map(|t| t["transaction_id"].as_str().expect("id"))
+        .collect();
+    assert_eq!(ids.len(), 3, "one transaction id per task: {view}");
+    assert!(tasks.iter().all(|t| t["status"] == "COMPLETED"), "{view}");
+    let files = ferry_ok(&["lake", "files", &lake_url], &url);
+    let folders: BTreeSet<&str> = files.lines().filter_map(|l| l.split('/').next()).collect();
+    assert_eq!(folders, BTreeSet::from(["p=a", "p=b", "p=c"]), "{files}");
+    interrupt(&child);
+    let mut child = child;
+    assert_clean_exit(&mut child, &data);
+}
