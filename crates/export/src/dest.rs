@@ -191,16 +191,23 @@ impl Destination {
     ) -> Result<DataFile, PartFailure> {
         let meta = &source.meta;
         let key = Self::data_key(partition_dir, &meta.name, meta.checksum);
-        let file = |bytes| DataFile {
+        let file = |bytes, crc| DataFile {
             path: key.clone(),
             rows: meta.rows,
             bytes,
             checksum: meta.checksum,
             shard: source.shard,
+            crc32c: Some(crc),
         };
         if settings.file_exists != FileExistsPolicy::Overwrite {
             match self.location.size(&key).await {
-                Ok(Some(size)) => return self.exists(settings, &key, size).map(file),
+                Ok(Some(size)) => {
+                    let size = self.exists(settings, &key, size)?;
+                    let crc = file_crc32c(&self.location, &key, size)
+                        .await
+                        .map_err(|e| classify(&e))?;
+                    return Ok(file(size, crc));
+                }
                 Ok(None) => {}
                 Err(e) => return Err(classify(&e)),
             }
@@ -216,8 +223,15 @@ impl Destination {
                     .read_range(&source.path, 0, len as usize)
                     .await
                     .map_err(|e| local(&e))?;
-                self.put_small(&key, Bytes::from(data), settings).await?;
-                return Ok(file(len));
+                let crc = crc32c::crc32c(&data);
+                if let Some(existing) = self.put_small(&key, Bytes::from(data), settings).await? {
+                    // Another writer's copy, which may differ byte for byte.
+                    let crc = file_crc32c(&self.location, &key, existing)
+                        .await
+                        .map_err(|e| classify(&e))?;
+                    return Ok(file(existing, crc));
+                }
+                return Ok(file(len, crc));
             }
             let mut upload = self
                 .location
@@ -225,6 +239,7 @@ impl Destination {
                 .await
                 .map_err(|e| classify(&e))?;
             let mut at = 0u64;
+            let mut crc = 0u32;
             while at < len {
                 let n = (len - at).min(COPY_CHUNK_BYTES as u64) as usize;
                 let chunk = source
@@ -235,6 +250,7 @@ impl Destination {
                 if chunk.len() != n {
                     return Err(local(&"the file is shorter than its footer says"));
                 }
+                crc = crc32c::crc32c_append(crc, &chunk);
                 upload
                     .write(Bytes::from(chunk))
                     .await
@@ -242,7 +258,7 @@ impl Destination {
                 at += n as u64;
             }
             upload.finish().await.map_err(|e| classify(&e))?;
-            return Ok(file(len));
+            return Ok(file(len, crc));
         }
         // Re-encoded: one row group of the source and one of the output at
         // a time; the output goes out in pieces as it is produced.
@@ -274,6 +290,7 @@ impl Destination {
             .upload(&key, budget)
             .await
             .map_err(|e| classify(&e))?;
+        let mut crc = 0u32;
         while let Some(group) = reader.next_row_group().await.map_err(|e| local(&e))? {
             let name = meta.name.clone();
             let (e, c, bytes) = cpu
@@ -289,6 +306,7 @@ impl Destination {
                 .await
                 .map_err(|e| local(&e))?;
             (encoder, check) = (e, c);
+            crc = crc32c::crc32c_append(crc, &bytes);
             if !bytes.is_empty() {
                 upload
                     .write(Bytes::from(bytes))
@@ -301,30 +319,33 @@ impl Destination {
             .run(move || encoder.finish())
             .await
             .map_err(|e| local(&e))?;
+        crc = crc32c::crc32c_append(crc, &tail);
         upload
             .write(Bytes::from(tail))
             .await
             .map_err(|e| classify(&e))?;
         upload.finish().await.map_err(|e| classify(&e))?;
-        Ok(file(out.bytes))
+        Ok(file(out.bytes, crc))
     }
 
+    /// Writes a small file; `Some(size)` when another writer's file was
+    /// there first and is kept (its bytes are not these).
     async fn put_small(
         &self,
         key: &str,
         data: Bytes,
         settings: &ExportSettings,
-    ) -> Result<(), PartFailure> {
+    ) -> Result<Option<u64>, PartFailure> {
         let result = if settings.file_exists == FileExistsPolicy::Overwrite {
             self.location.put(key, data).await
         } else {
             self.location.put_create(key, data).await
         };
         match result {
-            Ok(()) => Ok(()),
+            Ok(()) => Ok(None),
             Err(StorageError::AlreadyExists { .. }) => {
                 let size = self.location.size(key).await.map_err(|e| classify(&e))?;
-                self.exists(settings, key, size.unwrap_or(0)).map(drop)
+                self.exists(settings, key, size.unwrap_or(0)).map(Some)
             }
             Err(e) => Err(classify(&e)),
         }
@@ -373,4 +394,22 @@ impl Destination {
             .await?
             .is_some())
     }
+}
+
+/// crc32c of a whole object, read [`COPY_CHUNK_BYTES`] at a time.
+pub async fn file_crc32c(location: &Location, key: &str, size: u64) -> Result<u32, StorageError> {
+    let mut crc = 0u32;
+    let mut at = 0u64;
+    while at < size {
+        let end = (at + COPY_CHUNK_BYTES as u64).min(size);
+        let chunk = location.get_range(key, at..end).await?;
+        if chunk.is_empty() {
+            return Err(StorageError::NotFound {
+                key: format!("{key} (shorter than {size} bytes)"),
+            });
+        }
+        crc = crc32c::crc32c_append(crc, &chunk);
+        at += chunk.len() as u64;
+    }
+    Ok(crc)
 }

@@ -199,6 +199,7 @@ mod tests {
             bytes: 1,
             checksum: 0,
             shard,
+            crc32c: None,
         }
     }
 

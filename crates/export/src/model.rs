@@ -429,6 +429,11 @@ pub struct DataFile {
     /// overlap, those of different shards may.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shard: Option<u32>,
+    /// crc32c of the whole file as written (absent in files exported before
+    /// it was recorded): `ferry verify` reads every byte against it, so a
+    /// file changed anywhere (not only in its footer) is found.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crc32c: Option<u32>,
 }
 
 /// `processed/<part>`.

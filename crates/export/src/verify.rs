@@ -1,8 +1,10 @@
 //! `ferry verify`: a destination checked as a reader reads it. Of every
 //! partition, the current commit ([`crate::lake`]) is checked whole: every
 //! file it lists must be there with its size, its footer must hold the rows
-//! and rows checksum listed (with `deep`, the rows themselves are read and
-//! checksummed), and no two of its files may hold the same blocks. Commits
+//! and rows checksum listed, every byte must match the whole-file crc32c
+//! recorded (unless [`Depth::Quick`]; with [`Depth::Rows`] the rows
+//! themselves are read and checksummed too), and no two of its files may
+//! hold the same blocks. Commits
 //! a later one superseded are named; data files no commit file lists are
 //! orphans, which readers must not read (an upload whose export never
 //! committed).
@@ -39,10 +41,21 @@ impl VerifyReport {
     }
 }
 
+/// How much of each current file `verify` reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Depth {
+    /// Sizes and footers (rows and rows checksum) only.
+    Quick,
+    /// Also every byte, against the whole-file crc32c the commit recorded.
+    Bytes,
+    /// Also the rows, decoded and checksummed.
+    Rows,
+}
+
 /// Bytes fetched from the end of a file to find its footer at once.
 const TAIL_BYTES: u64 = 64 << 10;
 
-pub async fn verify(location: &Location, deep: bool) -> Result<VerifyReport, StorageError> {
+pub async fn verify(location: &Location, depth: Depth) -> Result<VerifyReport, StorageError> {
     let listing: BTreeMap<String, u64> = location.list("").await?.into_iter().collect();
     let mut report = VerifyReport::default();
     let marker = match listing.contains_key(SCHEMA_KEY) {
@@ -108,7 +121,7 @@ pub async fn verify(location: &Location, deep: bool) -> Result<VerifyReport, Sto
                     .problems
                     .push(format!("{}: {size} bytes, {key} says {}", f.path, f.bytes)),
                 Some(&size) => {
-                    if let Err(p) = check_file(location, f, size, deep).await? {
+                    if let Err(p) = check_file(location, f, size, depth).await? {
                         report.problems.push(format!("{}: {p}", f.path));
                     } else {
                         report.files_checked += 1;
@@ -130,7 +143,7 @@ async fn check_file(
     location: &Location,
     f: &DataFile,
     size: u64,
-    deep: bool,
+    depth: Depth,
 ) -> Result<Result<(), String>, StorageError> {
     let Some(name) = part_of(&f.path) else {
         return Ok(Err("not a ferry data file name".into()));
@@ -177,8 +190,24 @@ async fn check_file(
             meta.rows, meta.checksum, f.rows, f.checksum
         )));
     }
-    if deep {
+    if let (Some(want), Depth::Bytes) = (f.crc32c, depth) {
+        let got = crate::dest::file_crc32c(location, &f.path, size).await?;
+        if got != want {
+            return Ok(Err(format!(
+                "whole-file crc32c {got:08x}, the commit file {want:08x}: changed after it was written"
+            )));
+        }
+    }
+    if depth == Depth::Rows {
         let data = location.get(&f.path).await?;
+        if let Some(want) = f.crc32c {
+            let got = crc32c::crc32c(&data);
+            if got != want {
+                return Ok(Err(format!(
+                    "whole-file crc32c {got:08x}, the commit file {want:08x}: changed after it was written"
+                )));
+            }
+        }
         let rows = match ferry_replica::part::read_rows(&name, data) {
             Ok(r) => r,
             Err(e) => return Ok(Err(e.to_string())),

@@ -596,9 +596,10 @@ impl World {
     /// The destination verified, deeply: consistent, no orphans, one
     /// commit file of `parts` files and `rows` rows.
     async fn verified(&self, url: &str, parts: u64, rows: u64) {
-        let report = ferry_export::verify::verify(&self.location(url), true)
-            .await
-            .expect("verify");
+        let report =
+            ferry_export::verify::verify(&self.location(url), ferry_export::verify::Depth::Rows)
+                .await
+                .expect("verify");
         assert!(report.ok(), "{:?}: {report:?}", self.backend);
         assert!(report.orphans.is_empty(), "{report:?}");
         assert_eq!(report.commits.len(), 1, "{report:?}");
@@ -714,9 +715,10 @@ async fn two_replicas_share_an_export_and_the_lake_holds_each_part_once() {
         let commits = w.commit_files(&url).await;
         assert_eq!(commits.len(), 1);
         assert_eq!(commits[0].sequence, 1);
-        let report = ferry_export::verify::verify(&w.location(&url), true)
-            .await
-            .expect("verify");
+        let report =
+            ferry_export::verify::verify(&w.location(&url), ferry_export::verify::Depth::Rows)
+                .await
+                .expect("verify");
         assert!(report.ok() && report.orphans.is_empty(), "{report:?}");
         assert_eq!(report.rows, rows, "every file counted once");
         w.session.close().await;

@@ -269,7 +269,7 @@ async fn show_lake(lake_url: &str, partition: &str) -> anyhow::Result<()> {
         .partitions
         .first()
         .context("no commit of the partition in the lake")?;
-    let report = ferry_export::verify::verify(&lake, false).await?;
+    let report = ferry_export::verify::verify(&lake, ferry_export::verify::Depth::Bytes).await?;
     say!(
         "demo: the lake holds {} current commits; verify: {} files checked, {} mismatches, {} orphans",
         report.commits.len(),

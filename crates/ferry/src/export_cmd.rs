@@ -285,9 +285,13 @@ pub struct VerifyArgs {
     /// The destination: file:///dir or s3://bucket/prefix (S3 settings from
     /// the AWS_* environment).
     pub url: String,
-    /// Also read every listed file's rows and check their checksum.
-    #[arg(long)]
+    /// Also decode every current file's rows and check their checksum.
+    #[arg(long, conflicts_with = "quick")]
     pub deep: bool,
+    /// Check sizes and footers only, without reading every byte against the
+    /// whole-file crc32c the commit file records (the default).
+    #[arg(long)]
+    pub quick: bool,
     #[arg(long)]
     pub json: bool,
 }
@@ -307,7 +311,12 @@ fn open_to_read(url: &str) -> anyhow::Result<ferry_storage::Location> {
 
 pub async fn verify(args: VerifyArgs) -> anyhow::Result<()> {
     let location = open_to_read(&args.url)?;
-    let report = ferry_export::verify::verify(&location, args.deep)
+    let depth = match (args.quick, args.deep) {
+        (true, _) => ferry_export::verify::Depth::Quick,
+        (_, true) => ferry_export::verify::Depth::Rows,
+        _ => ferry_export::verify::Depth::Bytes,
+    };
+    let report = ferry_export::verify::verify(&location, depth)
         .await
         .with_context(|| format!("reading {}", args.url))?;
     anyhow::ensure!(

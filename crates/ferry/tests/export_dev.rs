@@ -359,6 +359,27 @@ fn a_re_export_after_merges_supersedes_and_readers_count_every_row_once() {
         .count();
     assert_eq!(commits_after, 2);
 
+    // One byte flipped in the middle of the current file's data (before its
+    // footer): the footer still agrees, the whole-file checksum does not.
+    let mut bytes = std::fs::read(&files[0]).expect("read");
+    let n = bytes.len();
+    let footer = u32::from_le_bytes(bytes[n - 8..n - 4].try_into().expect("4 bytes")) as usize;
+    let middle = (4 + (n - 8 - footer)) / 2;
+    bytes[middle] ^= 0x01;
+    std::fs::write(&files[0], &bytes).expect("write");
+    for (args, fails) in [
+        (vec!["verify", &lake_url], true),
+        (vec!["verify", &lake_url, "--deep"], true),
+        (vec!["verify", &lake_url, "--quick"], false),
+    ] {
+        let out = Command::new(FERRY).args(&args).output().expect("verify");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(!out.status.success(), fails, "{args:?}: {text}");
+        if fails {
+            assert!(text.contains("whole-file crc32c"), "{args:?}: {text}");
+        }
+    }
+
     // A location nothing was exported to is an error, not an empty lake.
     let missing = format!("file://{}", dir.path().join("nowhere").display());
     let out = Command::new(FERRY)
