@@ -438,13 +438,13 @@ fn tables_and_inserts_in_every_format_are_committed_row_for_row() {
     );
     // A stray file is an orphan (reported, not a mismatch); a changed file is
     // a mismatch.
-    std::fs::write(dir.path().join("lake/stray.parquet"), b"x").expect("stray");
+    std::fs::write(data.join("lake/stray.parquet"), b"x").expect("stray");
     let (ok, out, err) = ferry(&["verify", &lake], &url);
     assert!(
         ok && out.contains("orphan") && out.contains("stray.parquet"),
         "{out}{err}"
     );
-    let data_file = std::fs::read_dir(dir.path().join("lake/ts_month=202403"))
+    let data_file = std::fs::read_dir(data.join("lake/ts_month=202403"))
         .expect("partition dir")
         .next()
         .expect("a file")

@@ -42,6 +42,10 @@ impl RogueKind {
     ];
 }
 
+/// How far past the WAL end the caller saw a gap append begins: more than
+/// any simulated run writes, so the gap is still there when it lands.
+const ROGUE_GAP: u64 = 1 << 30;
+
 /// What came of an attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RogueOutcome {
@@ -174,7 +178,13 @@ pub async fn attempt(
             })]
         }
         RogueKind::AppendWithAGap => {
-            let begin = Lsn(flush.0 + 4096);
+            // `flush` is what the caller saw before connecting: the writer
+            // may have appended since, so a gap of a few KiB can have closed
+            // by the time the message lands, making it a plain append at
+            // the end of the WAL in the current term, which a safekeeper
+            // rightly takes (it cannot tell a rogue from the term's writer).
+            // A run writes far less than ROGUE_GAP.
+            let begin = Lsn(flush.0 + ROGUE_GAP);
             vec![ToSafekeeper::Append(AppendRequest {
                 term,
                 begin_lsn: begin,
