@@ -1329,7 +1329,12 @@ impl Sim {
         let mut uploaded_partials = Vec::new();
         for i in 0..SAFEKEEPERS {
             let acceptor = self.open_acceptor(i).await?;
-            let upto = acceptor.flush_lsn().min(committed);
+            // Up to what it knows was committed: at least every acknowledged
+            // write, and more when a later term committed writes whose
+            // answers were lost (a replica may have received those too).
+            let upto = acceptor
+                .flush_lsn()
+                .min(committed.max(acceptor.commit_lsn()));
             let state = acceptor.state().clone();
             self.check_partial_orphans(i, &objects, &state.partial_backup)?;
             self.check_one_uploaded(i, &state.partial_backup)?;
@@ -1382,17 +1387,20 @@ impl Sim {
         }
         let holders = wals
             .iter()
-            .filter(|w| w.len() as u64 == committed.0)
+            .filter(|w| w.len() as u64 >= committed.0)
             .count();
         if holders != SAFEKEEPERS {
             return Err(self.fail(format!(
                 "after catching up, committed WAL up to {committed} is on only {holders} safekeepers"
             )));
         }
-        let Some(full) = wals.iter().find(|w| w.len() as u64 == committed.0) else {
+        // The longest committed WAL (the others are prefixes of it, checked
+        // above).
+        let Some(full) = wals.iter().max_by_key(|w| w.len()) else {
             return Err(self.fail("no safekeeper holds the committed WAL"));
         };
         let full = Bytes::from(full.clone());
+        let committed = Lsn(full.len() as u64);
         // Every segment below any safekeeper's backup_lsn is in the backup,
         // whole, with the committed bytes.
         let backed_up = backup_lsns.iter().copied().max().unwrap_or(Lsn(0));

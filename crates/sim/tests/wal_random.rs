@@ -83,6 +83,10 @@ const REGRESSION_SEEDS: &[u64] = &[
     // connecting: the writer had closed the gap meanwhile, so the safekeeper
     // took a plain append of the current term (the check, not the product).
     100552,
+    // Writes whose answers were lost, committed by the next term's writer:
+    // the replica received them, the end check counted only acknowledged
+    // writes as committed (the check, not the product).
+    105173,
 ];
 
 #[test]
