@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{assert_clean_exit, http_get, interrupt, ready_line, start_dev, FERRY};
+use common::{assert_clean_exit, http_get, interrupt, ready_line, skipped, start_dev, FERRY};
 
 /// A test that panics while its `ferry dev` runs leaves no process behind
 /// (one would hold its ports and CPU, and slow every test and benchmark
@@ -315,4 +315,49 @@ fn export_scale_benchmark_prints_figures() {
         .and_then(|n| n.parse().ok())
         .expect("the largest node's size");
     assert!(largest > 0 && largest < 1 << 20, "{stdout}");
+}
+
+/// The S3 endpoint from `AWS_ENDPOINT_URL` (the name AWS's own tools use)
+/// is taken like `AWS_ENDPOINT`, plain HTTP included when it says so.
+#[test]
+fn aws_endpoint_url_names_the_s3_endpoint() {
+    let endpoint = match std::env::var("FERRY_TEST_S3_ENDPOINT") {
+        Ok(e) if !e.is_empty() => e,
+        _ => {
+            assert!(
+                std::env::var("FERRY_TEST_REQUIRE_SERVICES").as_deref() != Ok("1"),
+                "FERRY_TEST_S3_ENDPOINT is not set but services are required"
+            );
+            skipped("FERRY_TEST_S3_ENDPOINT is not set (scripts/test.sh sets it)");
+            return;
+        }
+    };
+    // A bucket of its own, made with a plain unsigned request (moto takes it).
+    let bucket = format!("endpoint-url-{}", std::process::id());
+    let host = endpoint.trim_start_matches("http://").trim_end_matches('/');
+    {
+        use std::io::{Read, Write};
+        let mut conn = std::net::TcpStream::connect(host).expect("connect");
+        write!(
+            conn,
+            "PUT /{bucket} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        )
+        .expect("send");
+        let mut answer = String::new();
+        conn.read_to_string(&mut answer).expect("answer");
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    }
+    let out = Command::new(FERRY)
+        .args(["verify", &format!("s3://{bucket}/nothing")])
+        .env_remove("AWS_ENDPOINT")
+        .env("AWS_ENDPOINT_URL", &endpoint)
+        .env("AWS_ACCESS_KEY_ID", "test")
+        .env("AWS_SECRET_ACCESS_KEY", "test")
+        .env("AWS_REGION", "us-east-1")
+        .output()
+        .expect("ferry verify");
+    let err = String::from_utf8_lossy(&out.stderr);
+    // It reached the bucket and found it empty.
+    assert!(!out.status.success());
+    assert!(err.contains("nothing was exported there"), "{err}");
 }

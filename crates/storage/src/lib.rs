@@ -374,8 +374,15 @@ pub fn open(url: &str, s3: &S3Settings) -> Result<Location, StorageError> {
                 builder = builder
                     .with_endpoint(endpoint)
                     .with_allow_http(endpoint.starts_with("http://"));
-            } else if let Ok(endpoint) = std::env::var("AWS_ENDPOINT") {
-                builder = builder.with_allow_http(endpoint.starts_with("http://"));
+            } else if let Some(endpoint) = ["AWS_ENDPOINT_URL", "AWS_ENDPOINT"]
+                .iter()
+                .find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
+            {
+                // Both names set the endpoint (object_store reads them);
+                // plain HTTP is allowed only for an endpoint that says so.
+                builder = builder
+                    .with_endpoint(&endpoint)
+                    .with_allow_http(endpoint.starts_with("http://"));
             }
             if let Some(region) = &s3.region {
                 builder = builder.with_region(region);
