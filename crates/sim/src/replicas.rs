@@ -532,8 +532,29 @@ impl Sim {
                 &running,
                 deadline.saturating_duration_since(Instant::now()),
             )
-            .await
-            .map_err(|e| self.fail(format!("clean shutdown with every replica applied: {e}")))?;
+            .await;
+        let end = match end {
+            Ok(end) => end,
+            Err(e) => {
+                // Where each replica really is, next to what the writer heard.
+                let mut at = Vec::new();
+                for i in 0..replicas() {
+                    if let Some(node) = &self.replicas[i] {
+                        let s = node.shared.lock().await.subscribe().borrow().clone();
+                        at.push(format!(
+                            "{} applied {} received {}",
+                            replica_name(i),
+                            s.disk_consistent_lsn,
+                            s.last_received_lsn
+                        ));
+                    }
+                }
+                return Err(self.fail(format!(
+                    "clean shutdown with every replica applied: {e} (replicas: {})",
+                    at.join(", ")
+                )));
+            }
+        };
         self.log(format!(
             "writer stopped; every replica applied its checkpoint at {end}"
         ));
