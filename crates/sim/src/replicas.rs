@@ -527,6 +527,7 @@ impl Sim {
             .filter(|&i| self.replicas[i].is_some())
             .map(|i| (i as u32 / REPLICAS_PER_SHARD, i as u32 % REPLICAS_PER_SHARD))
             .collect();
+        let heard = writer.subscribe();
         let end = writer
             .shutdown_and_wait_for_replicas(
                 &running,
@@ -549,9 +550,24 @@ impl Sim {
                         ));
                     }
                 }
+                let heard: Vec<String> = heard
+                    .borrow()
+                    .replicas
+                    .iter()
+                    .map(|f| {
+                        format!(
+                            "r{}{} applied {} at {}",
+                            f.shard_number,
+                            f.replica_number,
+                            f.disk_consistent_lsn,
+                            f.reply_time_micros
+                        )
+                    })
+                    .collect();
                 return Err(self.fail(format!(
-                    "clean shutdown with every replica applied: {e} (replicas: {})",
-                    at.join(", ")
+                    "clean shutdown with every replica applied: {e} (replicas: {}; the writer heard: {})",
+                    at.join(", "),
+                    heard.join(", ")
                 )));
             }
         };
