@@ -199,6 +199,43 @@ fn an_export_survives_kill_9_of_ferry_dev_in_the_middle() {
     assert_clean_exit(&mut child, &data);
 }
 
+/// `ferry dev` on a fresh data dir with table `t` created from `toml`.
+struct Dev {
+    dir: tempfile::TempDir,
+    data: std::path::PathBuf,
+    rt: tokio::runtime::Runtime,
+    child: Proc,
+    url: String,
+    client: Client,
+}
+
+impl Dev {
+    fn start(toml: &str) -> Dev {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = dir.path().join("data");
+        let rt = runtime();
+        let (child, lines) = start_dev(&data);
+        let url = base_url(&lines);
+        let client = Client::new(&url, None, Duration::from_secs(30)).expect("client");
+        rt.block_on(client.create_table_toml(toml))
+            .expect("create table");
+        Dev {
+            dir,
+            data,
+            rt,
+            child,
+            url,
+            client,
+        }
+    }
+
+    /// Ctrl-C, and a clean exit.
+    fn stop(mut self) {
+        interrupt(&self.child);
+        assert_clean_exit(&mut self.child, &self.data);
+    }
+}
+
 /// The ids in the Parquet files at `paths` (absolute), with repeats.
 fn ids_in(paths: &[String]) -> Vec<i64> {
     use arrow::array::AsArray;
@@ -246,17 +283,10 @@ fn ferry_ok(args: &[&str], url: &str) -> String {
 /// export of unchanged parts then changes nothing.
 #[test]
 fn a_re_export_after_merges_supersedes_and_readers_count_every_row_once() {
-    let one_shard = TABLE.replace("shards = 2", "shards = 1");
-    let dir = tempfile::tempdir().expect("tempdir");
-    let data = dir.path().join("data");
-    let lake = data.join("lake");
+    let dev = Dev::start(&TABLE.replace("shards = 2", "shards = 1"));
+    let (dir, rt, c, url) = (&dev.dir, &dev.rt, &dev.client, dev.url.clone());
+    let lake = dev.data.join("lake");
     let lake_url = format!("file://{}", lake.display());
-    let rt = runtime();
-    let (child, lines) = start_dev(&data);
-    let url = base_url(&lines);
-    let c = Client::new(&url, None, Duration::from_secs(30)).expect("client");
-    rt.block_on(c.create_table_toml(&one_shard))
-        .expect("create table");
     let insert = |batch: i64| {
         let body: String = (batch * 10..batch * 10 + 10)
             .map(|id| format!("{{\"id\":{id},\"p\":\"a\"}}\n"))
@@ -389,9 +419,7 @@ fn a_re_export_after_merges_supersedes_and_readers_count_every_row_once() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no such directory"));
     assert!(!dir.path().join("nowhere").exists(), "verify created it");
-    interrupt(&child);
-    let mut child = child;
-    assert_clean_exit(&mut child, &data);
+    dev.stop();
 }
 
 /// A request names any URL and the node may run as root: a local
@@ -400,14 +428,8 @@ fn a_re_export_after_merges_supersedes_and_readers_count_every_row_once() {
 /// of it too, and a refusal leaves the node as responsive as before.
 #[test]
 fn local_destinations_outside_the_export_roots_are_refused_and_nothing_is_written() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let data = dir.path().join("data");
-    let rt = runtime();
-    let (child, lines) = start_dev(&data);
-    let url = base_url(&lines);
-    let c = Client::new(&url, None, Duration::from_secs(30)).expect("client");
-    rt.block_on(c.create_table_toml(TABLE))
-        .expect("create table");
+    let dev = Dev::start(TABLE);
+    let (dir, data, rt, c, url) = (&dev.dir, &dev.data, &dev.rt, &dev.client, &dev.url);
     rt.block_on(c.insert_body(
         "t",
         Format::Ndjson,
@@ -434,7 +456,7 @@ fn local_destinations_outside_the_export_roots_are_refused_and_nothing_is_writte
     ] {
         let out = Command::new(FERRY)
             .args(["export", "t", "a", "--to", &to])
-            .env("FERRY_URL", &url)
+            .env("FERRY_URL", url)
             .stdin(Stdio::null())
             .output()
             .expect("ferry export");
@@ -458,11 +480,9 @@ fn local_destinations_outside_the_export_roots_are_refused_and_nothing_is_writte
     assert_eq!(view["tasks"].as_array().expect("tasks").len(), 0, "{view}");
     // Inside the root: exported.
     let inside = format!("file://{}", data.join("lake/events").display());
-    let done = ferry_ok(&["export", "t", "a", "--to", &inside, "--wait"], &url);
+    let done = ferry_ok(&["export", "t", "a", "--to", &inside, "--wait"], url);
     assert!(done.contains("COMPLETED"), "{done}");
-    interrupt(&child);
-    let mut child = child;
-    assert_clean_exit(&mut child, &data);
+    dev.stop();
 }
 
 /// `--all-partitions`: one task, with its own transaction id, per
@@ -471,15 +491,9 @@ fn local_destinations_outside_the_export_roots_are_refused_and_nothing_is_writte
 /// task.
 #[test]
 fn every_partition_gets_its_own_task_and_an_unexpired_one_is_skipped() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let data = dir.path().join("data");
-    let lake_url = format!("file://{}", data.join("lake/all").display());
-    let rt = runtime();
-    let (child, lines) = start_dev(&data);
-    let url = base_url(&lines);
-    let c = Client::new(&url, None, Duration::from_secs(30)).expect("client");
-    rt.block_on(c.create_table_toml(TABLE))
-        .expect("create table");
+    let dev = Dev::start(TABLE);
+    let (rt, c, url) = (&dev.rt, &dev.client, dev.url.clone());
+    let lake_url = format!("file://{}", dev.data.join("lake/all").display());
     let body: String = ["a", "b", "c"]
         .iter()
         .enumerate()
@@ -519,7 +533,5 @@ fn every_partition_gets_its_own_task_and_an_unexpired_one_is_skipped() {
     let files = ferry_ok(&["lake", "files", &lake_url], &url);
     let folders: BTreeSet<&str> = files.lines().filter_map(|l| l.split('/').next()).collect();
     assert_eq!(folders, BTreeSet::from(["p=a", "p=b", "p=c"]), "{files}");
-    interrupt(&child);
-    let mut child = child;
-    assert_clean_exit(&mut child, &data);
+    dev.stop();
 }
