@@ -24,6 +24,14 @@ pub const MAX_BATCH_MESSAGES: usize = 256;
 pub const WRITER_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 /// How often a caught-up walsender reminds its replica of the commit position.
 pub const WALSENDER_KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(1);
+/// A walsender whose replica sent no feedback for this long is closed
+/// (Postgres's `wal_sender_timeout`). A replica answers every frame, and a
+/// keepalive comes every [`WALSENDER_KEEPALIVE`], so silence means the way
+/// back is cut while WAL still flows out: without the close, the replica
+/// would apply everything while its positions never reach the writer (no
+/// back-pressure, no WAL removal, a clean stop that waits for it forever).
+/// The replica then reconnects, on a connection whose both ways work.
+pub const WALSENDER_REPLY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Default time between two looks at what WAL can be removed (Neon's 5 s).
 pub const DEFAULT_REMOVAL_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
@@ -421,6 +429,8 @@ where
     };
     let mut pos = start;
     let mut announced = Lsn(0);
+    let reply_deadline = tokio::time::sleep(WALSENDER_REPLY_TIMEOUT);
+    tokio::pin!(reply_deadline);
     // Debug: walreceivers open short walsenders to probe for lag every few
     // seconds; the replica logs its real streams at info.
     tracing::debug!(shard_number, %start, "walsender started");
@@ -464,6 +474,10 @@ where
         // `biased`: the simulator needs the same choice for the same inputs.
         tokio::select! {
             biased;
+            () = &mut reply_deadline => {
+                tracing::warn!(shard_number, at = %pos, timeout = ?WALSENDER_REPLY_TIMEOUT, "walsender closed: no feedback from its replica");
+                return Ok(());
+            }
             changed = committed.commit.changed() => {
                 if changed.is_err() {
                     return Ok(());
@@ -471,6 +485,9 @@ where
             }
             frame = reader.next::<ToSafekeeper>() => match frame? {
                 Some(ToSafekeeper::Feedback(fb)) => {
+                    reply_deadline
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + WALSENDER_REPLY_TIMEOUT);
                     // The replica's own position: what it received, never
                     // more than what was sent.
                     slot.set(fb.last_received_lsn.min(pos));

@@ -36,7 +36,14 @@ fn env(name: &str) -> Option<u64> {
 /// back-pressure in half of the runs: 106, 135, 222, 259 and 262 (5 of 300)
 /// fail when the writer ignores its lag limit (the end of WAL runs further
 /// ahead of the slowest replica than the limit and one insert).
-const REGRESSION_SEEDS: &[u64] = &[0, 1, 41, 69, 106, 135, 222, 259, 262];
+/// 100060, 100502, 100789, 89000425, 89000850: a partition cut a replica's
+/// way back to its safekeeper while WAL still flowed out; the replica applied
+/// everything, its feedback never reached the writer, and the clean stop
+/// waited for it in vain (fixed: a walsender without feedback for
+/// `WALSENDER_REPLY_TIMEOUT` closes, and the replica reconnects).
+const REGRESSION_SEEDS: &[u64] = &[
+    0, 1, 41, 69, 106, 135, 222, 259, 262, 100060, 100502, 100789, 89000425, 89000850,
+];
 
 #[test]
 fn regression_seeds() {
