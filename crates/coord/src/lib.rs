@@ -108,6 +108,61 @@ pub trait SessionFactory: Send + Sync + 'static {
     async fn open(&self) -> Result<Session>;
 }
 
+/// A session that is replaced by a new one of the same back-end once it has
+/// ended (expired or closed): what a long-running node holds, so that it
+/// outlives a session expiry. A request caught by the expiry fails once; the
+/// next one runs on the new session. Ephemerals of the old session are gone:
+/// whoever owns them must notice (they are tied to [`Coordination::session_id`]).
+#[derive(Clone)]
+pub struct RenewingSession {
+    sessions: Arc<dyn SessionFactory>,
+    current: Arc<tokio::sync::Mutex<Session>>,
+    renewals: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl RenewingSession {
+    /// Opens the first session.
+    pub async fn open(sessions: Arc<dyn SessionFactory>) -> Result<RenewingSession> {
+        let session = sessions.open().await?;
+        Ok(RenewingSession::with(sessions, session))
+    }
+
+    /// Starts from a session already open (of the same back-end as `sessions`).
+    pub fn with(sessions: Arc<dyn SessionFactory>, session: Session) -> RenewingSession {
+        RenewingSession {
+            sessions,
+            current: Arc::new(tokio::sync::Mutex::new(session)),
+            renewals: Arc::default(),
+        }
+    }
+
+    /// The live session, a new one if the last one ended.
+    pub async fn session(&self) -> Result<Session> {
+        let mut current = self.current.lock().await;
+        let ended = current.session_state().borrow().is_terminal();
+        if ended {
+            tracing::warn!(
+                session = current.session_id(),
+                "coordination session ended; opening a new one"
+            );
+            *current = self.sessions.open().await?;
+            self.renewals
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(Arc::clone(&current))
+    }
+
+    /// How many times a new session replaced an ended one.
+    pub fn renewals(&self) -> u64 {
+        self.renewals.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Closes the current session (at shutdown).
+    pub async fn close(&self) {
+        self.current.lock().await.close().await;
+    }
+}
+
 /// Sessions of an embedded store, all with one timeout.
 #[derive(Debug, Clone)]
 pub struct EmbeddedSessions {

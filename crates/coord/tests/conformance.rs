@@ -783,6 +783,31 @@ async fn a_factory_replaces_an_expired_session(b: &dyn Backend) {
     assert_eq!(stat.ephemeral_owner, new.session_id());
 }
 
+/// What a node holds: after an expiry the next request runs on a new session
+/// (the export request path and the writer's commit record rely on it).
+async fn a_renewing_session_replaces_an_expired_one(b: &dyn Backend) {
+    let renewing = ferry_coord::RenewingSession::with(b.factory(), b.session().await);
+    let old = renewing.session().await.expect("live");
+    let mut state = old.session_state();
+    b.expire(&old).await;
+    tokio::time::timeout(SOON, state.wait_for(|s| *s == SessionState::Expired))
+        .await
+        .expect("expiry observed in time")
+        .expect("state channel");
+    assert_eq!(renewing.renewals(), 0);
+    let new = renewing.session().await.expect("a new session");
+    assert_ne!(new.session_id(), old.session_id());
+    assert_eq!(renewing.renewals(), 1);
+    new.create("/renewed", b"", CreateMode::Persistent)
+        .await
+        .expect("the new session works");
+    // A live session is kept.
+    let again = renewing.session().await.expect("live");
+    assert_eq!(again.session_id(), new.session_id());
+    assert_eq!(renewing.renewals(), 1);
+    renewing.close().await;
+}
+
 /// Bad input is refused as such even on an expired session (ZooKeeper's
 /// client checks a request before it asks the server); a closed handle
 /// answers `SessionClosed` first.
@@ -823,5 +848,6 @@ conformance!(
     sequential_create_errors_name_the_prefix,
     requests_after_close_are_session_closed,
     a_factory_replaces_an_expired_session,
+    a_renewing_session_replaces_an_expired_one,
     bad_input_on_an_ended_session_is_still_bad_input,
 );

@@ -134,11 +134,35 @@ pub fn safekeepers_on_disk(wal_dir: &Path) -> Vec<(String, String)> {
 /// How often, at most, the last known commit state is written to coordination.
 pub const RECORD_WAL_STATE_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// How the writer's commit record in coordination fares, for `/status` and
+/// metrics: a writer that cannot record its commit still serves, but the guard
+/// against electing a writer on a lagging WAL quorum then checks a stale
+/// value, so an operator must see it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct WalStateRecording {
+    /// The state this writer last wrote to `/ferry/wal`.
+    pub recorded: Option<WalState>,
+    /// The last error, while recording fails.
+    pub failing: Option<String>,
+    /// Failed attempts in a row (0 when the last one succeeded).
+    pub failures_in_a_row: u64,
+    pub failures_total: u64,
+    /// New coordination sessions opened after one ended (expired or closed).
+    pub session_renewals: u64,
+}
+
+/// One failure in how many is logged while recording keeps failing (at one
+/// attempt per [`RECORD_WAL_STATE_EVERY`]: once a minute).
+const LOG_EVERY_NTH_FAILURE: u64 = 60;
+
 /// Keeps `/ferry/wal` near the writer's commit state: after the election and
-/// then at most every [`RECORD_WAL_STATE_EVERY`] while commit_lsn moves.
+/// then at most every [`RECORD_WAL_STATE_EVERY`] while commit_lsn moves. A
+/// failed write is retried at that pace until it succeeds; a session that
+/// ended (expired) is replaced by a new one. `report` tells how it fares.
 pub async fn record_commits(
-    session: ferry_coord::Session,
+    session: ferry_coord::RenewingSession,
     mut status: tokio::sync::watch::Receiver<ferry_writer::driver::WriterStatus>,
+    report: tokio::sync::watch::Sender<WalStateRecording>,
 ) {
     let mut recorded: Option<WalState> = None;
     loop {
@@ -153,17 +177,123 @@ pub async fn record_commits(
                 })
         };
         if let Some(state) = now.filter(|n| Some(*n) != recorded) {
-            match record_wal_state(&*session, state).await {
-                Ok(()) => recorded = Some(state),
-                Err(e) => tracing::warn!(
-                    error = format!("{e:#}"),
-                    "could not record the commit state"
-                ),
+            let written = async {
+                let live = session.session().await?;
+                record_wal_state(&*live, state).await
+            }
+            .await;
+            let renewals = session.renewals();
+            match written {
+                Ok(()) => {
+                    recorded = Some(state);
+                    report.send_modify(|r| {
+                        if r.failures_in_a_row > 0 {
+                            tracing::info!(
+                                failures = r.failures_in_a_row,
+                                "the commit state is recorded again"
+                            );
+                        }
+                        r.recorded = Some(state);
+                        r.failing = None;
+                        r.failures_in_a_row = 0;
+                        r.session_renewals = renewals;
+                    });
+                }
+                Err(e) => {
+                    let error = format!("{e:#}");
+                    report.send_modify(|r| {
+                        if r.failures_in_a_row % LOG_EVERY_NTH_FAILURE == 0 {
+                            tracing::error!(
+                                %error,
+                                failures_in_a_row = r.failures_in_a_row + 1,
+                                "could not record the commit state; retrying"
+                            );
+                        }
+                        r.failing = Some(error);
+                        r.failures_in_a_row += 1;
+                        r.failures_total += 1;
+                        r.session_renewals = renewals;
+                    });
+                    // Retried without waiting for the commit to move.
+                    tokio::time::sleep(RECORD_WAL_STATE_EVERY).await;
+                    continue;
+                }
             }
             tokio::time::sleep(RECORD_WAL_STATE_EVERY).await;
         }
         if status.changed().await.is_err() {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use ferry_coord::{EmbeddedSessions, RenewingSession, SessionFactory};
+    use ferry_writer::driver::WriterStatus;
+
+    use super::*;
+
+    fn synced_at(term: Term, commit_lsn: Lsn) -> WriterStatus {
+        WriterStatus {
+            term,
+            elected: true,
+            synced: true,
+            commit_lsn: commit_lsn.to_string(),
+            ..WriterStatus::default()
+        }
+    }
+
+    /// A session expiry does not stop the commit record: a new session is
+    /// taken and the record goes on moving.
+    #[tokio::test]
+    async fn the_commit_record_goes_on_after_a_session_expiry() {
+        let store = ferry_coord::embedded::EmbeddedStore::in_memory(Default::default())
+            .await
+            .expect("store");
+        let sessions: Arc<dyn SessionFactory> = Arc::new(EmbeddedSessions {
+            store: store.clone(),
+            timeout: Duration::from_secs(10),
+            metrics: Default::default(),
+        });
+        let session = RenewingSession::open(Arc::clone(&sessions))
+            .await
+            .expect("session");
+        let (status_tx, status) = tokio::sync::watch::channel(synced_at(1, Lsn(100)));
+        let (report_tx, mut report) = tokio::sync::watch::channel(WalStateRecording::default());
+        let recorder = tokio::spawn(record_commits(session.clone(), status, report_tx));
+        let recorded = |lsn: u64| {
+            move |r: &WalStateRecording| r.recorded.map(|s| s.commit_lsn) == Some(Lsn(lsn))
+        };
+        let within = Duration::from_secs(30);
+        tokio::time::timeout(within, report.wait_for(recorded(100)))
+            .await
+            .expect("recorded in time")
+            .expect("recorder runs");
+        // Expire the recorder's session.
+        let first = session.session().await.expect("live").session_id();
+        assert!(store.expire_session(first).await.expect("expire"));
+        status_tx.send_replace(synced_at(1, Lsn(200)));
+        let r = tokio::time::timeout(within, report.wait_for(recorded(200)))
+            .await
+            .expect("recorded after the expiry in time")
+            .expect("recorder runs")
+            .clone();
+        assert_eq!(r.failing, None);
+        assert_eq!(r.session_renewals, 1, "{r:?}");
+        let reader = sessions.open().await.expect("session");
+        assert_eq!(
+            read_wal_state(&*reader).await.expect("read"),
+            WalState {
+                term: 1,
+                commit_lsn: Lsn(200)
+            }
+        );
+        assert_ne!(session.session().await.expect("live").session_id(), first);
+        reader.close().await;
+        recorder.abort();
     }
 }

@@ -209,9 +209,16 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         store.shutdown().await;
         anyhow::bail!("{why}");
     }
+    let session = ferry_coord::RenewingSession::with(
+        Arc::clone(&sessions) as Arc<dyn ferry_coord::SessionFactory>,
+        session,
+    );
+    let (recording_tx, recording) =
+        tokio::sync::watch::channel(cluster::WalStateRecording::default());
     let recorder = tokio::spawn(cluster::record_commits(
-        Arc::clone(&session),
+        session.clone(),
         quorum.writer.subscribe(),
+        recording_tx,
     ));
 
     let catalog = ferry_ingest::Catalog::open(Arc::clone(&sessions) as _)
@@ -222,6 +229,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let elections = crate::metrics::count_elections(&mut registry, quorum.writer.subscribe());
     let sampled_quorum = Arc::clone(&quorum);
     let sampled_coord = Arc::clone(&coord_metrics);
+    let sampled_recording = recording.clone();
     // The exporters' listings, filled once they run.
     type ExportViews = Vec<(
         String,
@@ -240,8 +248,10 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
                     .collect()
             })
             .unwrap_or_default();
+        let commit_record = crate::metrics::commit_record(&sampled_recording.borrow());
         Box::pin(async move {
             let mut out = crate::metrics::writer(&q.writer.status());
+            out.extend(commit_record);
             for s in q.servers() {
                 out.extend(crate::metrics::safekeeper(&s.status().await));
             }
@@ -316,7 +326,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let commit_writer = Arc::clone(&quorum.writer);
     let request_parts = request_parts.context("no replica")?;
     let export_api = Arc::new(crate::exports::ExportApi {
-        session: Arc::clone(&session),
+        session: session.clone(),
         sessions: Arc::clone(&sessions) as Arc<dyn ferry_coord::SessionFactory>,
         parts: Arc::clone(&request_parts) as Arc<dyn ferry_export::LocalParts>,
         local: request_parts,
@@ -351,6 +361,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         let q = Arc::clone(&status_quorum);
         let rs = status_replicas.clone();
         let cluster_id = cluster_id.clone();
+        let commit_record = recording.borrow().clone();
         async move {
             let mut replicas = Vec::new();
             for r in &rs {
@@ -359,6 +370,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
             serde_json::json!({
                 "cluster_id": cluster_id,
                 "writer": q.writer.status(),
+                "commit_record": commit_record,
                 "safekeepers": q.member_status().await,
                 "replicas": replicas,
             })
@@ -438,7 +450,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     }
     drop(replicas);
     cluster::record_wal_state(
-        &*session,
+        &*session.session().await?,
         WalState {
             term,
             commit_lsn: end,

@@ -39,7 +39,8 @@ use tokio::sync::watch;
 pub const APPLY_WAIT: Duration = Duration::from_secs(30);
 
 pub struct ExportApi {
-    pub session: Session,
+    /// Renewed after an expiry, so that requests go on without a restart.
+    pub session: ferry_coord::RenewingSession,
     /// Kills run in sessions of their own.
     pub sessions: Arc<dyn ferry_coord::SessionFactory>,
     pub parts: Arc<dyn LocalParts>,
@@ -198,9 +199,10 @@ async fn create(
             format!("cannot learn the commit position: {e}"),
         )
     })?;
+    let session = live_session(&api.session).await?;
     // Each task gets a transaction id of its own.
     let requester = |random: u64| Requester {
-        session: &api.session,
+        session: &session,
         sessions: api.sessions.as_ref(),
         parts: api.parts.as_ref(),
         destinations: api.destinations.as_ref(),
@@ -383,7 +385,7 @@ async fn kill(
     };
     let tx = match expect {
         Some(tx) => tx,
-        None => ferry_export::task::read_head(&api.session, &key)
+        None => ferry_export::task::read_head(&live_session(&api.session).await?, &key)
             .await
             .ok()
             .flatten()
@@ -395,4 +397,15 @@ async fn kill(
         transaction_id: tx,
         status: status.to_string(),
     }))
+}
+
+/// The export requests' coordination session, a new one after an expiry.
+async fn live_session(session: &ferry_coord::RenewingSession) -> Result<Session, ApiError> {
+    session.session().await.map_err(|e| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "coordination",
+            format!("no coordination session: {e}"),
+        )
+    })
 }

@@ -106,6 +106,36 @@ pub fn coordination(metrics: &ferry_coord::CoordMetrics) -> Vec<Sample> {
     out
 }
 
+/// How the writer's commit record in coordination fares.
+pub fn commit_record(r: &crate::cluster::WalStateRecording) -> Vec<Sample> {
+    vec![
+        gauge(
+            "ferry_writer_commit_record_failing",
+            "1 while the writer cannot record its commit state in coordination (/ferry/wal)",
+            &[],
+            if r.failing.is_some() { 1.0 } else { 0.0 },
+        ),
+        gauge(
+            "ferry_writer_commit_record_lsn",
+            "The commit_lsn the writer last recorded in coordination",
+            &[],
+            r.recorded.map(|s| s.commit_lsn.0 as f64).unwrap_or(0.0),
+        ),
+        counter(
+            "ferry_writer_commit_record_failures",
+            "Failed attempts to record the commit state in coordination",
+            &[],
+            r.failures_total as f64,
+        ),
+        counter(
+            "ferry_coordination_session_renewals",
+            "New coordination sessions opened after one ended (expired or closed)",
+            &[],
+            r.session_renewals as f64,
+        ),
+    ]
+}
+
 /// The WAL figures of a writer's status.
 pub fn writer(status: &ferry_writer::driver::WriterStatus) -> Vec<Sample> {
     let lsn = |s: &str| {

@@ -177,6 +177,7 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
                 .with_context(|| format!("connecting to ZooKeeper at {connect}"))?;
             check_cluster_record(&*session, &args, n).await?;
             let known = crate::cluster::read_wal_state(&*session).await?;
+            let session = ferry_coord::RenewingSession::with(Arc::clone(&sessions), session);
             Some((sessions, session, known))
         }
     };
@@ -206,9 +207,17 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
     let mut registry = prometheus_client::registry::Registry::default();
     let elections = crate::metrics::count_elections(&mut registry, writer.subscribe());
     let status = writer.subscribe();
+    let (recording_tx, recording) =
+        tokio::sync::watch::channel(crate::cluster::WalStateRecording::default());
+    let status_recording = recording.clone();
+    let with_coordination = coordination.is_some();
     let status_route = move || {
-        let s = status.borrow().clone();
-        async move { serde_json::to_value(s).unwrap_or_default() }
+        let mut s = serde_json::to_value(status.borrow().clone()).unwrap_or_default();
+        if with_coordination {
+            s["commit_record"] =
+                serde_json::to_value(status_recording.borrow().clone()).unwrap_or_default();
+        }
+        async move { s }
     };
     let mut router = axum::Router::new();
     let mut recorder = None;
@@ -228,8 +237,9 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
         );
         router = ferry_ingest::api::router(api);
         recorder = Some(tokio::spawn(crate::cluster::record_commits(
-            Arc::clone(session),
+            session.clone(),
             writer.subscribe(),
+            recording_tx,
         )));
     }
     let sampled_writer = writer.subscribe();
@@ -237,6 +247,9 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
     let metrics = crate::metrics::NodeMetrics::new(registry, move || {
         let mut out = crate::metrics::writer(&sampled_writer.borrow());
         out.extend(crate::metrics::coordination(&sampled_coord));
+        if with_coordination {
+            out.extend(crate::metrics::commit_record(&recording.borrow()));
+        }
         Box::pin(async move { out })
     });
     let router = router.merge(crate::http::node_routes(status_route, Arc::new(metrics)));
@@ -289,11 +302,28 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
     outcome?;
     let writer = Arc::into_inner(writer)
         .context("the writer is still shared after the HTTP endpoint stopped")?;
-    let term = writer.status().term;
-    let end = writer.shutdown().await?;
+    let status = writer.status();
+    if !status.elected {
+        // Nothing of this writer's term was acknowledged: there is nothing to
+        // checkpoint, and waiting for an election could wait for ever.
+        writer.stop().await;
+        if let Some((_, session, _)) = &coordination {
+            session.close().await;
+        }
+        say!("writer stopped before it was elected; nothing to checkpoint");
+        return Ok(());
+    }
+    let term = status.term;
+    // The checkpoint needs a quorum; a second signal stops without it.
+    let end = tokio::select! {
+        end = writer.shutdown() => end?,
+        signal = shutdown.recv() => anyhow::bail!(
+            "second {signal} signal: stopped without the shutdown checkpoint (acknowledged WAL is committed; the next writer recovers the rest)"
+        ),
+    };
     if let Some((_, session, _)) = &coordination {
         crate::cluster::record_wal_state(
-            &**session,
+            &*session.session().await?,
             crate::cluster::WalState {
                 term,
                 commit_lsn: end,
@@ -458,13 +488,9 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
     );
     let export_view = exporter.subscribe();
     let exports = tokio::spawn(exporter.run());
-    let export_session = catalog
-        .session()
-        .await
-        .context("opening a coordination session for export requests")?;
     let commit_peers = Arc::clone(&peers);
     let export_api = Arc::new(crate::exports::ExportApi {
-        session: export_session,
+        session: catalog.renewing_session(),
         sessions: Arc::clone(&sessions),
         parts: request_parts,
         local: local_parts,

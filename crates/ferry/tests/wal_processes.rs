@@ -161,12 +161,17 @@ async fn kill_9_of_a_safekeeper_mid_stream_loses_nothing() {
 
 /// Starts `ferry writer` on `addrs`; returns it once it reports that it started.
 fn start_writer_process(addrs: &[String]) -> Proc {
+    start_writer_of(CLUSTER, addrs)
+}
+
+/// Starts `ferry writer` of `cluster` on `addrs`, once it reports that it started.
+fn start_writer_of(cluster: &str, addrs: &[String]) -> Proc {
     let mut child = Proc::spawn(
         Command::new(FERRY)
             .args([
                 "writer",
                 "--cluster-id",
-                CLUSTER,
+                cluster,
                 "--http",
                 "127.0.0.1:0",
                 "--segment-bytes",
@@ -181,7 +186,7 @@ fn start_writer_process(addrs: &[String]) -> Proc {
     let mut line = String::new();
     reader.read_line(&mut line).expect("read");
     assert!(
-        line.contains("writer for 3 safekeepers started"),
+        line.contains(&format!("writer for {} safekeepers started", addrs.len())),
         "{line:?}"
     );
     std::thread::spawn(move || for _ in reader.lines().map_while(Result::ok) {});
@@ -262,5 +267,72 @@ async fn a_second_writer_process_takes_over_and_the_first_exits_with_an_error() 
     for mut child in children {
         let _ = child.kill();
         let _ = child.wait();
+    }
+}
+
+/// Waits (at most 30 s) for `child` to exit: its success and its stderr.
+async fn exit_of(mut child: Proc) -> (bool, String) {
+    let waited = tokio::task::spawn_blocking(move || {
+        let status = child.wait().expect("wait");
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut stderr)
+            .expect("stderr");
+        (status.success(), stderr)
+    });
+    tokio::time::timeout(Duration::from_secs(30), waited)
+        .await
+        .expect("the writer exits in time")
+        .expect("task")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_every_safekeeper_refuses_exits_naming_the_refusal() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (children, addrs) = common::start_three_safekeepers(dir.path(), CLUSTER, SEG);
+    let writer = start_writer_of("another-cluster", &addrs);
+    let (success, stderr) = exit_of(writer).await;
+    assert!(!success, "a refused writer exits with an error: {stderr}");
+    assert!(
+        stderr.contains("every safekeeper refused this writer")
+            && stderr.contains(&format!(
+                "cluster another-cluster is not served here (this safekeeper belongs to cluster {CLUSTER})"
+            )),
+        "the refusal is named: {stderr}"
+    );
+    assert!(
+        !stderr.contains("higher term"),
+        "a refusal is not a lost election: {stderr}"
+    );
+    // One refusal per safekeeper, not a retry loop.
+    let refusals = stderr.matches("refused this writer's greeting").count();
+    assert!(refusals <= addrs.len(), "{refusals} refusals: {stderr}");
+    // The safekeepers never voted for it.
+    for addr in &addrs {
+        assert_eq!(safekeeper_term(addr).await, 0, "{addr}");
+    }
+    for mut child in children {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_that_was_never_elected_stops_on_a_signal() {
+    // Addresses where nothing listens: the writer can never be elected.
+    let addrs: Vec<String> = (0..3)
+        .map(|_| {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            l.local_addr().expect("addr").to_string()
+        })
+        .collect();
+    for signal in ["-TERM", "-INT"] {
+        let writer = start_writer_of(CLUSTER, &addrs);
+        let sent = Command::new("kill")
+            .args([signal, &writer.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(sent.success());
+        let (success, stderr) = exit_of(writer).await;
+        assert!(success, "a stop before election is clean: {stderr}");
     }
 }

@@ -24,7 +24,7 @@
 
 use std::sync::Arc;
 
-use ferry_coord::{CoordError, CreateMode, Op, Session, SessionFactory};
+use ferry_coord::{CoordError, CreateMode, Op, RenewingSession, Session, SessionFactory};
 use ferry_table::{Table, TableDef};
 
 pub const TABLES: &str = "/ferry/tables";
@@ -64,8 +64,7 @@ pub enum TableById {
 /// next one runs on the new session.
 #[derive(Clone)]
 pub struct Catalog {
-    sessions: Arc<dyn SessionFactory>,
-    current: Arc<tokio::sync::Mutex<Session>>,
+    session: RenewingSession,
 }
 
 fn table_path(name: &str) -> String {
@@ -75,10 +74,8 @@ fn table_path(name: &str) -> String {
 impl Catalog {
     /// A catalog on a session opened from `sessions`.
     pub async fn open(sessions: Arc<dyn SessionFactory>) -> Result<Catalog, CatalogError> {
-        let session = sessions.open().await?;
         let catalog = Catalog {
-            sessions,
-            current: Arc::new(tokio::sync::Mutex::new(session)),
+            session: RenewingSession::open(sessions).await?,
         };
         let s = catalog.session().await?;
         ferry_coord::create_all(&*s, TABLES).await?;
@@ -88,18 +85,17 @@ impl Catalog {
 
     /// The live session, a new one if the last one ended.
     pub async fn session(&self) -> Result<Session, CatalogError> {
-        let mut current = self.current.lock().await;
-        let ended = current.session_state().borrow().is_terminal();
-        if ended {
-            tracing::info!("coordination session ended; opening a new one");
-            *current = self.sessions.open().await?;
-        }
-        Ok(Arc::clone(&current))
+        Ok(self.session.session().await?)
+    }
+
+    /// The catalog's renewing session, for other users of the same back-end.
+    pub fn renewing_session(&self) -> RenewingSession {
+        self.session.clone()
     }
 
     /// Closes the session (at shutdown).
     pub async fn close(&self) {
-        self.current.lock().await.close().await;
+        self.session.close().await;
     }
 
     /// Creates a table, or returns the existing one if it has exactly this

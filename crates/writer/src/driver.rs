@@ -137,7 +137,7 @@ pub struct PeerStatus {
 }
 
 /// What an operator sees of a writer.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct WriterStatus {
     pub term: Term,
     pub elected: bool,
@@ -933,19 +933,24 @@ impl Driver {
                     );
                     if all_voted {
                         tracing::error!(%reason, "every safekeeper voted; the writer stops");
-                        // Nothing was sent in this attempt: it all simply fails.
-                        for (_, reply) in self.queued.drain(..) {
-                            let _ = reply.send(Err(WriterError::Stopped));
-                        }
-                        if let Some(reply) = self.shutdown.take() {
-                            let _ = reply.send(Err(WriterError::Stopped));
-                        }
+                        self.fail_pending();
                         self.refused = Some(format!("{reason} (every safekeeper answered)"));
                         self.publish_status();
                         return false;
                     }
                     self.election_blocked =
                         Some(format!("{reason}; waiting for the other safekeepers"));
+                }
+                Action::RefusedByAll { reasons } => {
+                    let reason = format!(
+                        "every safekeeper refused this writer: {}",
+                        reasons.join("; ")
+                    );
+                    tracing::error!(%reason, "the writer stops");
+                    self.fail_pending();
+                    self.refused = Some(reason);
+                    self.publish_status();
+                    return false;
                 }
                 Action::ElectionLost { term, reason } => {
                     // Queued appends wait for the next attempt (started by the
@@ -955,6 +960,17 @@ impl Driver {
             }
         }
         true
+    }
+
+    /// Fails everything waiting for an election that will not come: nothing
+    /// was sent in this attempt, so it simply did not happen.
+    fn fail_pending(&mut self) {
+        for (_, reply) in self.queued.drain(..) {
+            let _ = reply.send(Err(WriterError::Stopped));
+        }
+        if let Some(reply) = self.shutdown.take() {
+            let _ = reply.send(Err(WriterError::Stopped));
+        }
     }
 
     fn publish_status(&self) {

@@ -167,6 +167,12 @@ pub enum Action {
         known_commit_lsn: Lsn,
         all_voted: bool,
     },
+    /// Every safekeeper refused this writer's greeting (another cluster,
+    /// timeline or segment size): no election can ever succeed with this
+    /// configuration, so the writer must stop and name the refusals.
+    RefusedByAll {
+        reasons: Vec<String>,
+    },
 }
 
 /// Why [`Proposer::append`] refused.
@@ -185,6 +191,12 @@ enum Peer {
     Offline,
     /// Greeting sent.
     Greeting,
+    /// Refused the greeting: it serves another cluster, timeline or segment
+    /// size. Not greeted again in this attempt (a new attempt, after the
+    /// election timeout, tries again: that is the back-off).
+    Refused {
+        reason: String,
+    },
     /// Greeted; its term is known.
     Greeted {
         term: Term,
@@ -371,6 +383,9 @@ impl Proposer {
         if matches!(self.phase, Phase::Stopped | Phase::Lost) || peer >= self.peers.len() {
             return Vec::new();
         }
+        if matches!(self.peers[peer], Peer::Refused { .. }) {
+            return Vec::new();
+        }
         self.peers[peer] = Peer::Greeting;
         vec![Action::Send {
             to: peer,
@@ -389,7 +404,9 @@ impl Proposer {
         if peer >= self.peers.len() {
             return Vec::new();
         }
-        self.peers[peer] = Peer::Offline;
+        if !matches!(self.peers[peer], Peer::Refused { .. }) {
+            self.peers[peer] = Peer::Offline;
+        }
         let mut actions = Vec::new();
         if self.fetch.as_ref().is_some_and(|f| f.source == peer) {
             self.fetch = None;
@@ -569,6 +586,11 @@ impl Proposer {
             FromSafekeeper::Wal { begin_lsn, wal, .. } => {
                 self.on_fetched(peer, begin_lsn, wal, &mut actions)
             }
+            FromSafekeeper::Refused { reason, .. } if self.peers[peer] == Peer::Greeting => {
+                // Only identity is checked at a greeting, so this refusal is
+                // not a term contest: the safekeeper is not ours.
+                self.on_greeting_refused(peer, reason, &mut actions);
+            }
             FromSafekeeper::Refused { term, reason } => {
                 if term > self.term {
                     self.stop(term, &reason, &mut actions);
@@ -585,6 +607,24 @@ impl Proposer {
             FromSafekeeper::Keepalive { .. } => {}
         }
         actions
+    }
+
+    fn on_greeting_refused(&mut self, peer: usize, reason: String, actions: &mut Vec<Action>) {
+        tracing::warn!(peer, %reason, "safekeeper refused this writer's greeting");
+        self.peers[peer] = Peer::Refused { reason };
+        let reasons: Vec<String> = self
+            .peers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| match p {
+                Peer::Refused { reason } => Some(format!("safekeeper {i}: {reason}")),
+                _ => None,
+            })
+            .collect();
+        if reasons.len() == self.peers.len() {
+            self.phase = Phase::Lost;
+            actions.push(Action::RefusedByAll { reasons });
+        }
     }
 
     /// A higher term was seen: an elected writer is superseded and stops; one
@@ -1048,9 +1088,11 @@ impl Proposer {
         // a donor restored from the backup since is a safekeeper like any.
         let donor_ok = self.donor.filter(|&d| match self.peers[d] {
             Peer::Streaming { flush_lsn, .. } => flush_lsn >= end,
-            Peer::Offline | Peer::Greeting | Peer::Restored { .. } | Peer::Rejoining { .. } => {
-                false
-            }
+            Peer::Offline
+            | Peer::Greeting
+            | Peer::Refused { .. }
+            | Peer::Restored { .. }
+            | Peer::Rejoining { .. } => false,
             _ => true,
         });
         let source = donor_ok.or_else(|| {

@@ -165,6 +165,8 @@ struct Writer {
     behind: Option<(Lsn, Lsn, bool)>,
     /// Every recovery read handed to a safekeeper: `[begin, end)`.
     reads: Vec<(Lsn, Lsn)>,
+    /// The refusals of `RefusedByAll`.
+    refused: Option<Vec<String>>,
 }
 
 impl Writer {
@@ -188,6 +190,7 @@ impl Writer {
             lost: None,
             behind: None,
             reads: Vec::new(),
+            refused: None,
         }
     }
 
@@ -239,6 +242,7 @@ impl Writer {
                         known_commit_lsn,
                         all_voted,
                     } => self.behind = Some((best_flush_lsn, known_commit_lsn, all_voted)),
+                    Action::RefusedByAll { reasons } => self.refused = Some(reasons),
                     Action::Reconnect { peer } => {
                         self.connected[peer] = false;
                         let more = self.proposer.on_disconnected(peer);
@@ -334,6 +338,53 @@ async fn election_append_and_commit_on_three_safekeepers() {
             .append(&Bytes::from_static(b"not a record at all")),
         Err(ProposerError::InvalidRecords(_))
     ));
+}
+
+#[tokio::test]
+async fn a_writer_of_another_cluster_is_refused_by_all_and_no_term_moves() {
+    let mut cluster = Cluster::new(3).await;
+    let mut w = Writer::with(3, 0, |c| {
+        c.cluster_id = ClusterId::new("another-cluster").expect("id")
+    });
+    w.connect_all(&mut cluster).await;
+    let reasons = w.refused.clone().expect("refused by every safekeeper");
+    assert_eq!(reasons.len(), 3, "{reasons:?}");
+    assert!(
+        reasons
+            .iter()
+            .all(|r| r.contains("cluster another-cluster is not served here")),
+        "{reasons:?}"
+    );
+    assert_eq!(w.elected, None);
+    assert_eq!(w.lost, None, "a refusal is not a lost election");
+    for i in 0..3 {
+        assert_eq!(cluster.acceptor(i).term(), 0, "safekeeper {i} never voted");
+    }
+    // A reconnect does not greet a refusing safekeeper again in this attempt.
+    let again = w.proposer.on_connected(0);
+    assert!(again.is_empty(), "{again:?}");
+}
+
+#[tokio::test]
+async fn one_foreign_safekeeper_of_three_does_not_stop_the_election() {
+    let mut cluster = Cluster::new(3).await;
+    let mut foreign = config(2);
+    foreign.cluster_id = ClusterId::new("another-cluster").expect("id");
+    cluster.acceptors[2] = Some(
+        Acceptor::create(Arc::clone(&cluster.disk), "foreign-sk2", foreign)
+            .await
+            .expect("create"),
+    );
+    let mut w = Writer::new(3, 0);
+    w.connect_all(&mut cluster).await;
+    assert_eq!(w.refused, None);
+    assert_eq!(w.elected, Some((1, Lsn(0))), "the two others elect it");
+    let end = w
+        .append(&mut cluster, &batch(0, 3, 100))
+        .await
+        .expect("append");
+    assert_eq!(w.commit_lsn, end, "committed by the two others");
+    assert_eq!(cluster.acceptor(2).term(), 0);
 }
 
 #[tokio::test]
