@@ -337,12 +337,20 @@ pub async fn ingest(args: IngestBenchArgs) -> anyhow::Result<()> {
         timeout: Duration::from_secs(10),
         metrics: Default::default(),
     });
+    // With a WAL backup, as in production: the third replica below starts
+    // after the first two let the safekeepers remove old segments, and reads
+    // them back from the backup.
+    let backup = crate::paths::absolute(&root.path().join("wal-backup"))?;
+    std::fs::create_dir_all(&backup)?;
     let quorum = crate::bench::fresh_quorum(
         root.path(),
         "wal",
         3,
         true,
-        &crate::bench::QuorumOptions::default(),
+        &crate::bench::QuorumOptions {
+            backup: Some(backup),
+            ..Default::default()
+        },
     )
     .await?;
     let catalog = ferry_ingest::Catalog::open(sessions).await?;

@@ -106,6 +106,12 @@ pub enum ReplicaError {
     },
     #[error(transparent)]
     Part(#[from] part::PartError),
+    /// Every safekeeper removed the WAL this replica needs next, and no backup
+    /// holds it: the replica cannot be built from the WAL service (it needs
+    /// the WAL backup configured on the safekeepers, or a copy of a peer
+    /// replica's data).
+    #[error("the WAL this replica needs from {needed} was removed on every safekeeper and is in no backup ({horizons})")]
+    WalRemoved { needed: Lsn, horizons: String },
 }
 
 fn io(path: &str) -> impl FnOnce(std::io::Error) -> ReplicaError + '_ {

@@ -64,18 +64,55 @@ pub async fn run(
     config: StreamConfig,
 ) -> ReplicaError {
     let mut next = 0usize;
+    // Safekeepers that answered that they removed the WAL at `removed_at`
+    // (the replica's position then), with where their WAL starts. Once every
+    // one did, the WAL is gone: retrying would loop for ever.
+    let mut removed: std::collections::BTreeMap<usize, Lsn> = Default::default();
+    let mut removed_at = Lsn(0);
     loop {
         if config.safekeepers.is_empty() {
             tokio::time::sleep(config.reconnect_delay).await;
             continue;
         }
-        let addr = config.safekeepers[next % config.safekeepers.len()].clone();
+        let index = next % config.safekeepers.len();
+        let addr = config.safekeepers[index].clone();
         next += 1;
         match stream_from(&replica, network.as_ref(), clock.as_ref(), &addr, &config).await {
             Ok(()) => {}
             Err(StreamError::Replica(e)) => {
                 tracing::error!(error = %e, "replica stopped");
                 return e;
+            }
+            Err(StreamError::WalRemoved {
+                start_lsn,
+                kept_from,
+            }) => {
+                if start_lsn != removed_at {
+                    removed.clear();
+                    removed_at = start_lsn;
+                }
+                removed.insert(index, kept_from);
+                tracing::warn!(
+                    %addr,
+                    needed = %start_lsn,
+                    %kept_from,
+                    "the safekeeper removed the WAL this replica needs, and no backup holds it"
+                );
+                if removed.len() == config.safekeepers.len() {
+                    let horizons = removed
+                        .iter()
+                        .map(|(i, kept)| {
+                            format!("{} holds WAL from {kept}", config.safekeepers[*i])
+                        })
+                        .collect::<Vec<_>>()
+                        .join(", ");
+                    let e = ReplicaError::WalRemoved {
+                        needed: start_lsn,
+                        horizons,
+                    };
+                    tracing::error!(error = %e, "replica stopped");
+                    return e;
+                }
             }
             Err(StreamError::Connection(e)) => {
                 tracing::debug!(%addr, error = %e, "walreceiver connection ended");
@@ -97,6 +134,12 @@ pub async fn run(
 
 enum StreamError {
     Replica(ReplicaError),
+    /// The safekeeper removed the WAL from `start_lsn` on; it holds WAL from
+    /// `kept_from`.
+    WalRemoved {
+        start_lsn: Lsn,
+        kept_from: Lsn,
+    },
     Connection(String),
     /// Safekeeper `ahead` (an index into the configured list) announced
     /// `commit_lsn`, further than the lag allowed past the current one.
@@ -209,6 +252,15 @@ async fn stream_from(
             }
             FromSafekeeper::Refused { reason, .. } => {
                 return Err(StreamError::Connection(format!("{addr} refused: {reason}")))
+            }
+            FromSafekeeper::WalRemoved {
+                start_lsn,
+                kept_from,
+            } => {
+                return Err(StreamError::WalRemoved {
+                    start_lsn,
+                    kept_from,
+                })
             }
             _ => continue,
         };

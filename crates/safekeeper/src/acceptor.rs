@@ -647,6 +647,12 @@ impl Acceptor {
         Ok(removed)
     }
 
+    /// The lowest LSN whose WAL this safekeeper still holds locally (below
+    /// it, whole segments were removed).
+    pub fn wal_kept_from(&self) -> Lsn {
+        Lsn(self.state.last_removed_segno * self.config.segment_size.bytes())
+    }
+
     pub fn status(&self) -> AcceptorStatus {
         AcceptorStatus {
             node_id: self.config.node_id,

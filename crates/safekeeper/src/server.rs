@@ -14,9 +14,10 @@ use tokio::io::{AsyncWriteExt, BufWriter};
 use tokio::sync::{watch, Mutex};
 use tokio::task::JoinSet;
 
-use crate::acceptor::{Acceptor, AcceptorStatus};
+use crate::acceptor::{Acceptor, AcceptorError, AcceptorStatus};
 use crate::backup::{self, BackupConfig, BackupPlanner, RemoteWal};
 use crate::partial::{self, PartialBackupConfig};
+use crate::wal_storage::WalStorageError;
 
 /// Most messages handled as one batch (one fsync).
 pub const MAX_BATCH_MESSAGES: usize = 256;
@@ -440,8 +441,18 @@ where
             let wal = match committed.read(pos, commit, MAX_SEND_BYTES).await {
                 Ok(wal) => wal,
                 Err(e) => {
-                    let term = shared.acceptor.lock().await.term();
-                    proto::write_frame(&mut writer, &e.to_message(term)).await?;
+                    let acceptor = shared.acceptor.lock().await;
+                    let answer = match e {
+                        AcceptorError::Storage(WalStorageError::Removed { .. }) => {
+                            FromSafekeeper::WalRemoved {
+                                start_lsn: pos,
+                                kept_from: acceptor.wal_kept_from(),
+                            }
+                        }
+                        e => e.to_message(acceptor.term()),
+                    };
+                    drop(acceptor);
+                    proto::write_frame(&mut writer, &answer).await?;
                     writer.flush().await?;
                     return Ok(());
                 }

@@ -216,6 +216,14 @@ pub enum FromSafekeeper {
         term: Term,
         reason: String,
     },
+    /// A walsender cannot stream from `start_lsn`: this safekeeper removed
+    /// its WAL below `kept_from` and its backup does not hold it (or it has
+    /// none). A replica every safekeeper answers this way cannot be built
+    /// from the WAL service.
+    WalRemoved {
+        start_lsn: Lsn,
+        kept_from: Lsn,
+    },
 }
 
 /// A message of the protocol: a postcard header, and for some messages a bulk
@@ -535,6 +543,10 @@ mod tests {
             FromSafekeeper::Refused {
                 term: 9,
                 reason: "stale term".into(),
+            },
+            FromSafekeeper::WalRemoved {
+                start_lsn: Lsn(0),
+                kept_from: Lsn(1 << 20),
             },
         ];
         (to, from)

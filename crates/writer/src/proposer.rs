@@ -604,7 +604,8 @@ impl Proposer {
                     }
                 }
             }
-            FromSafekeeper::Keepalive { .. } => {}
+            // Walsender answers: never sent to a writer.
+            FromSafekeeper::Keepalive { .. } | FromSafekeeper::WalRemoved { .. } => {}
         }
         actions
     }

@@ -52,6 +52,14 @@ async fn cluster_with(
     keep_horizon: bool,
     partial_backup: Option<ferry_safekeeper::partial::PartialBackupConfig>,
 ) -> Cluster {
+    cluster_of(keep_horizon, partial_backup, true).await
+}
+
+async fn cluster_of(
+    keep_horizon: bool,
+    partial_backup: Option<ferry_safekeeper::partial::PartialBackupConfig>,
+    with_backup: bool,
+) -> Cluster {
     let dir = tempfile::tempdir().expect("tempdir");
     let backup_dir = dir.path().join("backup");
     std::fs::create_dir_all(&backup_dir).expect("backup dir");
@@ -78,7 +86,7 @@ async fn cluster_with(
         .expect("create");
         let listener = TcpNetwork.bind("127.0.0.1:0").await.expect("bind");
         let config = ServerConfig {
-            backup: Some(BackupConfig {
+            backup: with_backup.then(|| BackupConfig {
                 location: backup.clone(),
                 parallel_jobs: 3,
             }),
@@ -600,5 +608,76 @@ async fn partial_segments_are_backed_up_and_older_ones_removed() {
         );
         assert_eq!(status.partial_upload_failures, 0);
     }
+    writer.shutdown().await.expect("clean shutdown");
+}
+
+struct NoTables;
+
+#[async_trait::async_trait]
+impl ferry_replica::Tables for NoTables {
+    async fn by_id(&self, id: u64) -> Result<ferry_replica::TableRef, String> {
+        Err(format!("no table {id} in this test"))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_needing_wal_removed_everywhere_stops_naming_the_lsn_and_horizons() {
+    let c = cluster_of(false, None, false).await;
+    let writer = c.writer();
+    write_wal(&writer, 6 * SEG + 100).await;
+    // A replica of shard 0 applied 4 segments: without a backup the
+    // safekeepers remove the segments below it.
+    let mut shard0 = start_replication(c.servers[0].addr(), 0, Lsn(4 * SEG)).await;
+    report(&mut shard0, 0, Lsn(4 * SEG + 10), 1).await;
+    c.wait_all("segments below 4 removed everywhere", |s| {
+        s.last_removed_segno == 4
+    })
+    .await;
+    // A new replica of shard 1 needs the WAL from 0/0: no safekeeper has it.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let replica = ferry_replica::Replica::open(
+        disk,
+        "s1r0",
+        1,
+        0,
+        ferry_env::Cpu::Inline,
+        Arc::new(NoTables),
+    )
+    .await
+    .expect("replica");
+    let mut config =
+        ferry_replica::StreamConfig::new(c.servers.iter().map(|s| s.addr().to_string()).collect());
+    config.reconnect_delay = Duration::from_millis(10);
+    let stopped = tokio::time::timeout(
+        SOON,
+        ferry_replica::stream::run(
+            Arc::new(tokio::sync::Mutex::new(replica)),
+            Arc::new(TcpNetwork),
+            Arc::new(ferry_env::SystemClock),
+            config,
+        ),
+    )
+    .await
+    .expect("the replica stops instead of looping");
+    match &stopped {
+        ferry_replica::ReplicaError::WalRemoved { needed, horizons } => {
+            assert_eq!(*needed, Lsn(0));
+            assert_eq!(
+                horizons
+                    .matches(&format!("holds WAL from {}", Lsn(4 * SEG)))
+                    .count(),
+                3,
+                "{horizons}"
+            );
+        }
+        other => panic!("unexpected {other}"),
+    }
+    let message = stopped.to_string();
+    assert!(
+        message.contains("from 0/0") && message.contains("removed on every safekeeper"),
+        "{message}"
+    );
+    drop(shard0);
     writer.shutdown().await.expect("clean shutdown");
 }
