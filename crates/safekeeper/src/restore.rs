@@ -56,6 +56,15 @@ pub enum RestoreError {
     /// The backup is not what a backup of this timeline can be.
     #[error("the WAL backup is damaged: {0}")]
     Damaged(String),
+    /// The backup lacks the timeline's first segment while it holds later
+    /// ones: segments are uploaded in parallel, so the first may still be on
+    /// its way (retry once the other safekeepers have uploaded it), or it
+    /// was deleted.
+    #[error("the WAL backup does not hold the timeline's first segment {first_missing} (its first is {first_held}): retry once the running safekeepers have uploaded it")]
+    Incomplete {
+        first_missing: String,
+        first_held: String,
+    },
 }
 
 /// What a restore put back.
@@ -226,10 +235,10 @@ async fn whole_run(seg: SegmentSize, backup: &Location) -> Result<u64, RestoreEr
         .collect();
     segnos.sort_unstable();
     if segnos.first().is_some_and(|&first| first != 0) {
-        return Err(RestoreError::Damaged(format!(
-            "its first whole segment is {}, not the timeline's first",
-            seg.file_name(segnos[0])
-        )));
+        return Err(RestoreError::Incomplete {
+            first_missing: seg.file_name(0),
+            first_held: seg.file_name(segnos[0]),
+        });
     }
     let mut run = 0;
     for segno in segnos {

@@ -199,6 +199,9 @@ struct Sim {
     config_rng: SmallRng,
     /// The writer's max_replication_flush_lag (0: no back-pressure).
     flush_lag: u64,
+    /// The writer's term, its end of WAL and the slowest replica position
+    /// it knew at the last step (see `check_steps`).
+    back_pressure_seen: Option<(ferry_wal::Term, Lsn, Lsn)>,
     replicas: Vec<Option<ReplicaNode>>,
     /// Highest `disk_consistent_lsn` each replica reported (durable).
     reported: Arc<Mutex<Vec<Lsn>>>,
@@ -440,18 +443,33 @@ impl Sim {
         self.check_steps()
     }
 
-    fn check_steps(&self) -> Result<(), Failure> {
-        // Back-pressure holds the end of WAL within the limit (plus the one
-        // insert released last) of the slowest replica the writer heard of.
+    fn check_steps(&mut self) -> Result<(), Failure> {
+        // Back-pressure: the writer releases no append while the end of WAL
+        // is past the limit (plus the one insert released last) ahead of the
+        // slowest replica it heard of. The slowest position it knows can drop
+        // (a replica first heard late, through a safekeeper cut off from the
+        // writer until then): the end may be past the limit then, through no
+        // fault of the writer, but must not move until the lag is back in it.
         if let (Some(writer), true) = (&self.writer, self.flush_lag > 0) {
             let s = writer.status();
             let end: Lsn = s.end_lsn.parse().unwrap_or(Lsn(0));
-            if let Some(min) = s.overall_minimum {
-                let lag = end.distance_from(min.disk_consistent_lsn);
-                if lag > self.flush_lag + MAX_INSERT_WAL {
+            let now = s
+                .overall_minimum
+                .map(|min| (s.term, end, min.disk_consistent_lsn));
+            let previous = std::mem::replace(&mut self.back_pressure_seen, now);
+            if let (Some((term, end, min)), Some((prev_term, prev_end, prev_min))) = (now, previous)
+            {
+                let lag = end.distance_from(min);
+                // The same writer, knowing no slower replica than before,
+                // moved the end past the limit.
+                if term == prev_term
+                    && min >= prev_min
+                    && end > prev_end
+                    && lag > self.flush_lag + MAX_INSERT_WAL
+                {
                     return Err(self.fail(format!(
-                        "the end of WAL {end} ran {lag} bytes ahead of the slowest replica's {} (limit {} and one insert)",
-                        min.disk_consistent_lsn, self.flush_lag
+                        "the end of WAL {end} ran {lag} bytes ahead of the slowest replica's {min} (limit {} and one insert)",
+                        self.flush_lag
                     )));
                 }
             }
@@ -755,6 +773,7 @@ impl Sim {
             writer: Some(writer),
             config_rng,
             flush_lag,
+            back_pressure_seen: None,
             replicas: (0..replicas()).map(|_| None).collect(),
             reported: Arc::new(Mutex::new(vec![Lsn(0); replicas()])),
             violations: Arc::new(Mutex::new(Vec::new())),

@@ -302,6 +302,11 @@ struct Sim {
     /// The safekeeper whose data dir was lost, and the WAL its restore put
     /// back (checked at the end against the committed WAL).
     restored: Option<(usize, Bytes)>,
+    /// The safekeeper whose data dir was lost and whose restore has not
+    /// succeeded yet (the backup may lack what it needs until the others
+    /// upload it): it stays down, and the restore is tried again between
+    /// events, as an operator would retry, while the world goes on.
+    restoring: Option<usize>,
 }
 
 /// Where the known commit lives in coordination (as in `ferry dev`).
@@ -545,6 +550,10 @@ impl Sim {
     }
 
     async fn start_safekeeper(&mut self, i: usize) -> Result<(), Failure> {
+        if self.restoring == Some(i) {
+            self.log(format!("sk{i} waits for its restore"));
+            return Ok(());
+        }
         // A restart comes with a repaired disk.
         self.disks[i].set_failing(false);
         self.preallocation[i] = match self.world.rng.random_range(0..4) {
@@ -596,9 +605,10 @@ impl Sim {
     }
 
     /// Loses safekeeper `i`'s data dir and rebuilds it from the backup (a
-    /// restore may crash half way; the next one starts over).
+    /// restore may crash half way, or find the backup incomplete; it is
+    /// tried again later, see [`Sim::try_restore`]).
     async fn lose_disk(&mut self, i: usize) -> Result<(), Failure> {
-        if self.restored.is_some() {
+        if self.restored.is_some() || self.restoring.is_some() {
             self.log(format!(
                 "sk{i} keeps its disk: one data dir is lost per run"
             ));
@@ -608,48 +618,51 @@ impl Sim {
         self.disks[i].lose(&node_name(i));
         self.disks[i].set_failing(false);
         self.log(format!("sk{i} lost its data dir"));
+        self.restoring = Some(i);
+        self.try_restore().await
+    }
+
+    /// One attempt to rebuild the lost safekeeper from the backup; on
+    /// success it starts. A failed or crashed attempt leaves it down for the
+    /// next one.
+    async fn try_restore(&mut self) -> Result<(), Failure> {
+        let Some(i) = self.restoring else {
+            return Ok(());
+        };
         let disk: Arc<dyn Disk> = Arc::new(self.disks[i].clone());
         let config = self.acceptor_config(i);
         let dir = node_name(i);
-        let mut attempt = 0;
-        let report = loop {
-            attempt += 1;
-            if attempt > 100 {
-                return Err(self.fail(format!("sk{i}: 100 restores failed")));
+        let restore = ferry_safekeeper::restore::restore_from_backup(
+            Arc::clone(&disk),
+            &dir,
+            &config,
+            &self.world.lake,
+        );
+        let crash_after = self
+            .world
+            .rng
+            .random_bool(0.3)
+            .then(|| Duration::from_millis(self.world.rng.random_range(0..300)));
+        let result = match crash_after {
+            Some(after) => tokio::select! {
+                r = restore => Some(r),
+                () = tokio::time::sleep(after) => None,
+            },
+            None => Some(restore.await),
+        };
+        let report = match result {
+            Some(Ok(report)) => report,
+            Some(Err(ferry_safekeeper::restore::RestoreError::Exists(path))) => {
+                return Err(self.fail(format!("sk{i}: the restore found {path} on a lost disk")));
             }
-            let restore = ferry_safekeeper::restore::restore_from_backup(
-                Arc::clone(&disk),
-                &dir,
-                &config,
-                &self.world.lake,
-            );
-            let crash_after = self
-                .world
-                .rng
-                .random_bool(0.3)
-                .then(|| Duration::from_millis(self.world.rng.random_range(0..300)));
-            let result = match crash_after {
-                Some(after) => tokio::select! {
-                    r = restore => Some(r),
-                    () = tokio::time::sleep(after) => None,
-                },
-                None => Some(restore.await),
-            };
-            match result {
-                Some(Ok(report)) => break report,
-                Some(Err(ferry_safekeeper::restore::RestoreError::Exists(path))) => {
-                    return Err(
-                        self.fail(format!("sk{i}: the restore found {path} on a lost disk"))
-                    );
-                }
-                Some(Err(e)) => {
-                    self.log(format!("sk{i} restore failed: {e}"));
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                None => {
-                    self.world.crash_disk(&node_name(i));
-                    self.log(format!("sk{i} crashed while restoring"));
-                }
+            Some(Err(e)) => {
+                self.log(format!("sk{i} restore failed: {e}"));
+                return Ok(());
+            }
+            None => {
+                self.world.crash_disk(&node_name(i));
+                self.log(format!("sk{i} crashed while restoring"));
+                return Ok(());
             }
         };
         let acceptor = self.open_acceptor(i).await?;
@@ -664,6 +677,7 @@ impl Sim {
             report.whole_segments, report.partial, report.restored_lsn
         ));
         self.restored = Some((i, restored));
+        self.restoring = None;
         // It forgot its terms: the restored one starts from term 0.
         self.seen_terms[i] = 0;
         self.start_safekeeper(i).await
@@ -713,7 +727,7 @@ impl Sim {
 
     /// See [`Event::SplitLoss`].
     async fn split_loss(&mut self, lost: usize, a: usize, b: usize) -> Result<(), Failure> {
-        if self.restored.is_some() {
+        if self.restored.is_some() || self.restoring.is_some() {
             return Ok(());
         }
         let old = writer_node(self.writers_started);
@@ -1227,6 +1241,20 @@ impl Sim {
         if self.writer.is_none() {
             self.start_writer().await?;
         }
+        // A lost safekeeper is restored once the backup holds what it needs.
+        let deadline = Instant::now() + LIVENESS_BOUND;
+        while let Some(i) = self.restoring {
+            if Instant::now() >= deadline {
+                return Err(self.fail(format!(
+                    "sk{i} could not be restored within {LIVENESS_BOUND:?} after the faults stopped"
+                )));
+            }
+            self.try_restore().await?;
+            if self.restoring.is_some() {
+                self.run_until((Instant::now() + Duration::from_millis(500)).min(deadline))
+                    .await?;
+            }
+        }
         // A write must commit; one that fails (its writer superseded by a stale
         // term and restarted by its supervisor) is tried again.
         let deadline = Instant::now() + LIVENESS_BOUND;
@@ -1626,6 +1654,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         control: None,
         committed_tx,
         restored: None,
+        restoring: None,
     };
     let mut header = String::new();
     let _ = write!(
@@ -1652,6 +1681,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
     ));
     for (at, event) in &schedule.events {
         sim.run_until(sim.world.start + *at).await?;
+        sim.try_restore().await?;
         sim.log(format!("{event:?}"));
         sim.apply(event).await?;
     }
