@@ -48,6 +48,12 @@ pub struct ClusterRecord {
     pub safekeepers: usize,
     pub segment_bytes: u64,
     pub state: ClusterState,
+    /// The safekeepers' addresses in the writers' order (the order decides
+    /// which one has the backup duty), recorded by the first distributed
+    /// writer; `None` for `ferry dev`, whose safekeepers live in its process,
+    /// and for records written before addresses were recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub safekeeper_addrs: Option<Vec<String>>,
 }
 
 /// The last commit state the cluster is known to have reached.

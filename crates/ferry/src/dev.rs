@@ -492,6 +492,7 @@ async fn identify(
             safekeepers: asked_safekeepers.unwrap_or(3),
             segment_bytes: asked_segment.unwrap_or(ferry_wal::segment::DEFAULT_SEGMENT_BYTES),
             state: ClusterState::Creating,
+            safekeeper_addrs: None,
         };
         cluster::write_record(session, &record).await?;
         tracing::info!(cluster = %record.cluster_id, "creating a new cluster");

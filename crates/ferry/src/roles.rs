@@ -337,24 +337,38 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
 }
 
 /// The cluster record in coordination: written by the first writer, checked by
-/// every later one (another cluster id, number of safekeepers or segment size
-/// is refused).
+/// every later one (another cluster id, number of safekeepers, segment size,
+/// or safekeeper addresses in another order is refused).
 async fn check_cluster_record(
     session: &dyn ferry_coord::Coordination,
     args: &WriterArgs,
     n: usize,
 ) -> anyhow::Result<()> {
     use crate::cluster::{ClusterRecord, ClusterState};
+    let addrs: Vec<String> = args
+        .safekeepers
+        .iter()
+        .map(|a| a.trim().to_string())
+        .collect();
     let wanted = ClusterRecord {
         cluster_id: args.cluster_id.clone(),
         safekeepers: n,
         segment_bytes: args.segment_bytes,
         state: ClusterState::Ready,
+        safekeeper_addrs: Some(addrs.clone()),
     };
-    match crate::cluster::read_record(session).await? {
-        None => crate::cluster::write_record(session, &wanted).await,
-        Some(found) if found == wanted => Ok(()),
-        Some(found) => anyhow::bail!(
+    let Some(found) = crate::cluster::read_record(session).await? else {
+        return crate::cluster::write_record(session, &wanted).await;
+    };
+    let same_cluster = ClusterRecord {
+        safekeeper_addrs: None,
+        ..found.clone()
+    } == ClusterRecord {
+        safekeeper_addrs: None,
+        ..wanted.clone()
+    };
+    if !same_cluster {
+        anyhow::bail!(
             "the coordination store belongs to cluster {} ({} safekeepers, {}-byte segments, {:?}); this writer was started for cluster {} ({n} safekeepers, {}-byte segments)",
             found.cluster_id,
             found.safekeepers,
@@ -362,13 +376,95 @@ async fn check_cluster_record(
             found.state,
             args.cluster_id,
             args.segment_bytes
-        ),
+        );
     }
+    match &found.safekeeper_addrs {
+        // Recorded before addresses were: the first writer that knows them
+        // records them.
+        None => crate::cluster::write_record(session, &wanted).await,
+        Some(recorded) if *recorded == addrs => Ok(()),
+        Some(recorded) => {
+            let same_set = {
+                let (mut a, mut b) = (recorded.clone(), addrs.clone());
+                a.sort();
+                b.sort();
+                a == b
+            };
+            anyhow::bail!(
+                "--safekeepers {} differs from the cluster record's {}{}: the order decides which safekeeper backs WAL up, and a change of members is not made by flags",
+                addrs.join(","),
+                recorded.join(","),
+                if same_set { " (same safekeepers, another order)" } else { "" }
+            )
+        }
+    }
+}
+
+/// What a replica checks before it registers: the cluster record is its
+/// cluster's, its safekeepers are the cluster's, and its shard exists.
+async fn check_replica_against_cluster(
+    catalog: &ferry_ingest::Catalog,
+    args: &ReplicaArgs,
+) -> anyhow::Result<()> {
+    let session = catalog
+        .session()
+        .await
+        .context("reading the cluster record")?;
+    let Some(record) = crate::cluster::read_record(&*session).await? else {
+        anyhow::bail!(
+            "the coordination store holds no cluster record: start the cluster's writer first (it records cluster {})",
+            args.cluster_id
+        );
+    };
+    anyhow::ensure!(
+        record.cluster_id == args.cluster_id,
+        "the coordination store belongs to cluster {}; this replica was started for cluster {}",
+        record.cluster_id,
+        args.cluster_id
+    );
+    if let Some(recorded) = &record.safekeeper_addrs {
+        let strangers: Vec<&String> = args
+            .safekeepers
+            .iter()
+            .filter(|a| !recorded.contains(&a.trim().to_string()))
+            .collect();
+        anyhow::ensure!(
+            strangers.is_empty(),
+            "--safekeepers names {} which the cluster record does not list (its safekeepers: {})",
+            strangers
+                .iter()
+                .map(|s| s.as_str())
+                .collect::<Vec<_>>()
+                .join(","),
+            recorded.join(",")
+        );
+    }
+    let tables = catalog.list().await.context("reading the table catalog")?;
+    let shards = tables.iter().map(|t| t.def.shard_by.shards).max();
+    if let Some(shards) = shards {
+        anyhow::ensure!(
+            args.shard < shards,
+            "--shard {} does not exist: the tables have shards 0 to {} ({}); a replica of a shard no table has would hold WAL removal back for nothing",
+            args.shard,
+            shards - 1,
+            tables
+                .iter()
+                .map(|t| format!("{} has {}", t.def.name, t.def.shard_by.shards))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    Ok(())
 }
 
 #[derive(Debug, clap::Args)]
 pub struct ReplicaArgs {
-    /// The shard this replica holds.
+    /// The cluster this replica belongs to; checked against the cluster
+    /// record in coordination before the replica registers.
+    #[arg(long, env = "FERRY_CLUSTER_ID")]
+    cluster_id: ClusterId,
+    /// The shard this replica holds (of every table; it must be below the
+    /// largest table's shard count).
     #[arg(long)]
     shard: u32,
     /// Which replica of the shard (unique per shard).
@@ -426,6 +522,7 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
     let catalog = ferry_ingest::Catalog::open(Arc::clone(&sessions))
         .await
         .with_context(|| format!("opening the table catalog at {}", args.zookeeper))?;
+    check_replica_against_cluster(&catalog, &args).await?;
     crate::paths::create_dir(&data_dir)?;
     let _lock = crate::lockfile::lock_dir(&data_dir)?;
     let disk: Arc<dyn ferry_env::Disk> = Arc::new(

@@ -76,10 +76,30 @@ fn start_writer(addrs: &[String], zk: &str, cluster: &str) -> (Proc, String) {
     spawn_node(cmd)
 }
 
+/// Starts `ferry writer` expected to exit at start (its stderr is read).
+fn start_writer_or_exit(addrs: &[String], zk: &str) -> (Proc, ()) {
+    let child = Proc::spawn(
+        Command::new(FERRY)
+            .args([
+                "writer",
+                "--cluster-id",
+                CLUSTER,
+                "--safekeepers",
+                &addrs.join(","),
+            ])
+            .args(["--segment-bytes", &SEG.to_string(), "--http", "127.0.0.1:0"])
+            .args(["--zookeeper", zk])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped()),
+    );
+    (child, ())
+}
+
 /// Starts `ferry replica` of `shard`; returns it and its HTTP base URL.
 fn start_replica(addrs: &[String], zk: &str, shard: u32, dir: &std::path::Path) -> (Proc, String) {
     let mut cmd = Command::new(FERRY);
-    cmd.args(["replica", "--shard", &shard.to_string(), "--replica", "0"])
+    cmd.args(["replica", "--cluster-id", CLUSTER])
+        .args(["--shard", &shard.to_string(), "--replica", "0"])
         .args([
             "--safekeepers",
             &addrs.join(","),
@@ -99,6 +119,23 @@ fn start_replica(addrs: &[String], zk: &str, shard: u32, dir: &std::path::Path) 
         )
         .stderr(Stdio::null());
     spawn_node(cmd)
+}
+
+/// Runs `ferry replica` with `args` (after the ZooKeeper and data-dir flags)
+/// to its end; it must fail: returns its stderr.
+fn replica_refusal(zk: &str, dir: &std::path::Path, args: &[&str]) -> String {
+    let out = Command::new(FERRY)
+        .arg("replica")
+        .args(args)
+        .args(["--zookeeper", zk, "--http", "127.0.0.1:0", "--data-dir"])
+        .arg(dir)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run replica");
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "refused: {err}");
+    assert!(!dir.exists(), "a refused replica touches nothing: {err}");
+    err
 }
 
 /// Waits (at most 60 s) for `child` to exit; returns its success and stderr.
@@ -206,6 +243,73 @@ fn the_distributed_writer_serves_inserts_and_refuses_a_younger_quorum() {
     interrupt(&writer);
     let (ok, err) = wait_exit(&mut writer);
     assert!(ok, "clean stop: {err}");
+
+    // The safekeepers' order is part of the cluster record: another order
+    // would move the backup duty.
+    let mut reordered = addrs.clone();
+    reordered.reverse();
+    let (mut misordered, _) = start_writer_or_exit(&reordered, &connect);
+    let (ok, err) = wait_exit(&mut misordered);
+    assert!(
+        !ok && err.contains("same safekeepers, another order"),
+        "{err}"
+    );
+
+    // A replica is checked against the cluster before it registers: its
+    // cluster, its safekeepers, and a shard some table has.
+    let refused = dir.path().join("refused-replica");
+    let all = addrs.join(",");
+    let err = replica_refusal(
+        &connect,
+        &refused,
+        &[
+            "--cluster-id",
+            "another",
+            "--shard",
+            "0",
+            "--replica",
+            "0",
+            "--safekeepers",
+            &all,
+        ],
+    );
+    assert!(err.contains("belongs to cluster writer-zk-test"), "{err}");
+    let err = replica_refusal(
+        &connect,
+        &refused,
+        &[
+            "--cluster-id",
+            CLUSTER,
+            "--shard",
+            "5",
+            "--replica",
+            "0",
+            "--safekeepers",
+            &all,
+        ],
+    );
+    assert!(
+        err.contains("--shard 5 does not exist") && err.contains("t has 2"),
+        "{err}"
+    );
+    let err = replica_refusal(
+        &connect,
+        &refused,
+        &[
+            "--cluster-id",
+            CLUSTER,
+            "--shard",
+            "0",
+            "--replica",
+            "0",
+            "--safekeepers",
+            "127.0.0.1:1",
+        ],
+    );
+    assert!(
+        err.contains("which the cluster record does not list"),
+        "{err}"
+    );
 
     // The last known commit is in ZooKeeper, past the insert.
     let known: serde_json::Value = rt.block_on(async {
@@ -335,9 +439,24 @@ fn the_distributed_writer_serves_inserts_and_refuses_a_younger_quorum() {
         let _ = s.wait();
     }
 
-    // Safekeepers made anew (their WAL lost) cannot hold what was committed: a
-    // writer knowing the commit refuses to get elected on them.
-    let (mut fresh, fresh_addrs) = start_three_safekeepers(&dir.path().join("b"), CLUSTER, SEG);
+    // Safekeepers made anew (their WAL lost) at the same addresses cannot
+    // hold what was committed: a writer knowing the commit refuses to get
+    // elected on them.
+    let (mut fresh, fresh_addrs): (Vec<_>, Vec<_>) = addrs
+        .iter()
+        .enumerate()
+        .map(|(id, addr)| {
+            start_safekeeper(
+                id as u64,
+                &dir.path().join(format!("b/sk{id}")),
+                addr,
+                true,
+                CLUSTER,
+                SEG,
+            )
+        })
+        .unzip();
+    assert_eq!(fresh_addrs, addrs);
     let (mut writer, _) = start_writer(&fresh_addrs, &connect, CLUSTER);
     let (ok, err) = wait_exit(&mut writer);
     assert!(!ok && err.contains("refused"), "{err}");

@@ -685,8 +685,12 @@ async fn a_restore_stops_at_the_first_gap_cuts_split_records_and_starts_over_aft
         .await
         .expect_err("refused");
     assert!(
-        matches!(err, ferry_safekeeper::restore::RestoreError::Incomplete { .. })
-            && err.to_string().contains("does not hold the timeline's first segment"),
+        matches!(
+            err,
+            ferry_safekeeper::restore::RestoreError::Incomplete { .. }
+        ) && err
+            .to_string()
+            .contains("does not hold the timeline's first segment"),
         "{err}"
     );
     assert!(!other.path().join("sk/safekeeper.control").exists());
