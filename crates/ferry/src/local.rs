@@ -80,6 +80,13 @@ pub struct WalServiceArgs {
     /// lost data gave.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub restore_quarantine: std::time::Duration,
+    /// A registered replica whose feedback has not changed for this long
+    /// (e.g. `1day`, `6h`) is forgotten, with a warning: it stops holding WAL
+    /// removal and back-pressure. If it comes back later it reads the removed
+    /// WAL from the backup (without one it stops, naming the LSN it needs).
+    /// `ferry replica unregister` forgets one at once.
+    #[arg(long, default_value = "1day", value_parser = humantime::parse_duration)]
+    pub replica_expiry: std::time::Duration,
 }
 
 impl WalServiceArgs {
@@ -115,6 +122,10 @@ impl WalServiceArgs {
             "--partial-backup-enabled needs a WAL backup (--wal-backup)"
         );
         anyhow::ensure!(
+            !self.replica_expiry.is_zero(),
+            "--replica-expiry must be more than zero"
+        );
+        anyhow::ensure!(
             !self.partial_backup_timeout.is_zero(),
             "--partial-backup-timeout must be more than zero"
         );
@@ -124,6 +135,7 @@ impl WalServiceArgs {
             removal_interval: self.wal_removal_interval,
             remove_wal: !self.keep_all_wal,
             restore_quarantine: self.restore_quarantine,
+            replica_expiry: self.replica_expiry,
             partial_backup: self.partial_backup_enabled.then_some(
                 ferry_safekeeper::partial::PartialBackupConfig {
                     timeout: self.partial_backup_timeout,
@@ -390,6 +402,7 @@ impl LocalQuorum {
         // by an earlier run, never a live rival.
         config.reelect_when_superseded = true;
         config.back_pressure = spec.back_pressure;
+        config.replica_expiry = spec.safekeeper.server.replica_expiry;
         let writer = Writer::start(Arc::new(TcpNetwork), config);
         Ok(LocalQuorum {
             members,

@@ -62,7 +62,7 @@ enum Command {
     Writer(roles::WriterArgs),
     /// Runs one replica of one shard of a distributed deployment: applies the
     /// shard's committed WAL as Parquet parts and serves reads.
-    Replica(roles::ReplicaArgs),
+    Replica(roles::ReplicaCommand),
     /// Tables: create from a TOML file, list, show, drop (talks to a node over HTTP).
     Table {
         #[command(subcommand)]
@@ -213,7 +213,13 @@ fn main() -> anyhow::Result<()> {
             Command::Dev(args) => dev::run(args).await,
             Command::Safekeeper(args) => roles::safekeeper(args).await,
             Command::Writer(args) => roles::writer(args).await,
-            Command::Replica(args) => roles::replica(args).await,
+            Command::Replica(cmd) => match (cmd.action, cmd.run) {
+                (Some(roles::ReplicaAction::Unregister(args)), _) => {
+                    roles::unregister_replica(args).await
+                }
+                (None, Some(args)) => roles::replica(args).await,
+                (None, None) => anyhow::bail!("ferry replica needs its flags (see --help)"),
+            },
             Command::Table { command } => client_cmd::table(command).await,
             Command::Insert(args) => client_cmd::insert(args).await,
             Command::Query { command } => client_cmd::query(command).await,

@@ -204,6 +204,12 @@ pub fn writer(status: &ferry_writer::driver::WriterStatus) -> Vec<Sample> {
         &[],
         status.waiting_appends as f64,
     ));
+    out.push(counter(
+        "ferry_writer_replicas_forgotten",
+        "Replicas the writer forgot since it started (silent past the replica expiry)",
+        &[],
+        status.replicas_forgotten as f64,
+    ));
     out
 }
 
@@ -306,6 +312,12 @@ pub fn safekeeper(status: &ferry_safekeeper::acceptor::AcceptorStatus) -> Vec<Sa
             "WAL segments a safekeeper removed since it started",
             &labels,
             status.segments_removed as f64,
+        ),
+        counter(
+            "ferry_safekeeper_replicas_forgotten",
+            "Replicas a safekeeper forgot since it started (unregistered, or silent past the replica expiry)",
+            &labels,
+            status.replicas_forgotten as f64,
         ),
     ]
 }

@@ -86,6 +86,10 @@ pub struct WriterArgs {
     zookeeper: Option<String>,
     #[command(flatten)]
     back_pressure: crate::local::BackPressureArgs,
+    /// A replica whose feedback has not changed for this long no longer
+    /// holds back-pressure (set it like the safekeepers' --replica-expiry).
+    #[arg(long, default_value = "1day", value_parser = humantime::parse_duration)]
+    replica_expiry: std::time::Duration,
     #[command(flatten)]
     api: crate::api::ApiArgs,
 }
@@ -195,6 +199,11 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
     }
     let mut config = WriterConfig::new(args.safekeepers.clone(), proposer);
     config.back_pressure = args.back_pressure.limits();
+    anyhow::ensure!(
+        !args.replica_expiry.is_zero(),
+        "--replica-expiry must be more than zero"
+    );
+    config.replica_expiry = args.replica_expiry;
     let writer = Arc::new(Writer::start(Arc::new(TcpNetwork), config));
     let Some(http_listener) = http_listener else {
         let (term, end) = writer.wait_synced().await?;
@@ -454,6 +463,95 @@ async fn check_replica_against_cluster(
                 .join(", ")
         );
     }
+    Ok(())
+}
+
+/// `ferry replica [FLAGS]` runs a replica; `ferry replica unregister`
+/// forgets one that is gone for good.
+#[derive(Debug, clap::Args)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+pub struct ReplicaCommand {
+    #[command(subcommand)]
+    pub action: Option<ReplicaAction>,
+    #[command(flatten)]
+    pub run: Option<ReplicaArgs>,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum ReplicaAction {
+    /// Forgets a replica that is gone for good on every safekeeper (and,
+    /// through them, the writer), so that it stops holding WAL removal and
+    /// back-pressure at once instead of after --replica-expiry. A replica
+    /// started again later with this shard and number registers anew (and
+    /// reads removed WAL from the backup).
+    Unregister(UnregisterArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct UnregisterArgs {
+    /// The shard of the replica to forget.
+    #[arg(long)]
+    shard: u32,
+    /// Its number within the shard.
+    #[arg(long)]
+    replica: u32,
+    /// Every safekeeper's address, comma-separated: each one forgets it.
+    #[arg(long, value_delimiter = ',', required = true)]
+    safekeepers: Vec<String>,
+}
+
+/// How long one safekeeper may take to answer an unregistration.
+const UNREGISTER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+pub async fn unregister_replica(args: UnregisterArgs) -> anyhow::Result<()> {
+    use ferry_env::Clock as _;
+    use ferry_wal::proto::{self, ForgottenReplica, FromSafekeeper, ToSafekeeper};
+    let forget = ForgottenReplica {
+        shard_number: args.shard,
+        replica_number: args.replica,
+        // Feedback it sent up to now no longer counts; a newer one (the
+        // replica started again) registers it anew.
+        reply_time_micros: ferry_env::SystemClock.unix_micros(),
+    };
+    let mut failed = Vec::new();
+    for addr in &args.safekeepers {
+        let answer = tokio::time::timeout(UNREGISTER_TIMEOUT, async {
+            let mut conn = TcpNetwork.connect(addr).await?;
+            proto::write_frame(&mut conn, &ToSafekeeper::ForgetReplica(forget)).await?;
+            tokio::io::AsyncWriteExt::flush(&mut conn).await?;
+            match proto::read_frame::<_, FromSafekeeper>(&mut conn).await {
+                Ok(Some(FromSafekeeper::Forgotten { was_registered })) => Ok(was_registered),
+                Ok(Some(FromSafekeeper::Refused { reason, .. })) => {
+                    Err(anyhow::anyhow!("refused: {reason}"))
+                }
+                Ok(other) => Err(anyhow::anyhow!("unexpected answer {other:?}")),
+                Err(e) => Err(e.into()),
+            }
+        })
+        .await
+        .unwrap_or_else(|_| Err(anyhow::anyhow!("no answer in {UNREGISTER_TIMEOUT:?}")));
+        match answer {
+            Ok(true) => say!(
+                "{addr}: replica {} of shard {} forgotten",
+                args.replica,
+                args.shard
+            ),
+            Ok(false) => say!(
+                "{addr}: replica {} of shard {} was not registered there",
+                args.replica,
+                args.shard
+            ),
+            Err(e) => {
+                say!("{addr}: {e:#}");
+                failed.push(addr.clone());
+            }
+        }
+    }
+    anyhow::ensure!(
+        failed.is_empty(),
+        "not every safekeeper forgot the replica ({} did not); it still holds WAL removal there: run the command again once they are reachable",
+        failed.join(", ")
+    );
     Ok(())
 }
 

@@ -336,3 +336,40 @@ async fn a_writer_that_was_never_elected_stops_on_a_signal() {
         assert!(success, "a stop before election is clean: {stderr}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ferry_replica_unregister_reaches_every_safekeeper_and_names_the_ones_it_did_not() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (children, addrs) = common::start_three_safekeepers(dir.path(), CLUSTER, SEG);
+    let unregister = |addrs: &[String]| {
+        Command::new(FERRY)
+            .args(["replica", "unregister", "--shard", "1", "--replica", "0"])
+            .args(["--safekeepers", &addrs.join(",")])
+            .output()
+            .expect("run ferry replica unregister")
+    };
+    let out = unregister(&addrs);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert_eq!(
+        stdout.matches("was not registered there").count(),
+        3,
+        "{stdout}"
+    );
+    // A safekeeper that cannot be reached is named, and the exit is an error.
+    let nobody = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .to_string();
+    let mut with_gone = addrs.clone();
+    with_gone.push(nobody.clone());
+    let out = unregister(&with_gone);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains(&format!("({nobody} did not)")), "{stderr}");
+    for mut child in children {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}

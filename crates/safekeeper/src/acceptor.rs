@@ -20,8 +20,9 @@ use std::sync::Arc;
 use bytes::{Bytes, BytesMut};
 use ferry_env::Disk;
 use ferry_wal::proto::{
-    AppendRequest, AppendResponse, FromSafekeeper, Greeting, GreetingResponse, ProposerElected,
-    Restored, ShardFeedback, ToSafekeeper, VoteResponse, MAX_READ_WAL_BYTES, MAX_SEND_BYTES,
+    AppendRequest, AppendResponse, ForgottenReplica, FromSafekeeper, Greeting, GreetingResponse,
+    ProposerElected, Restored, ShardFeedback, ToSafekeeper, VoteResponse, MAX_READ_WAL_BYTES,
+    MAX_SEND_BYTES,
 };
 use ferry_wal::segment::SegmentSize;
 use ferry_wal::{ClusterId, Lsn, Term};
@@ -46,12 +47,21 @@ pub const MAX_FEEDBACK_REPLICAS: usize = 4096;
 /// The latest feedback of every replica streaming from this safekeeper, by
 /// (shard, replica): replicas of one shard never overwrite each other. Shared
 /// by the acceptor (which relays it to the writer) and its walsenders (which
-/// record it) without the acceptor's lock.
+/// record it) without the acceptor's lock. A forgotten replica (unregistered,
+/// or silent past the replica expiry) leaves a tombstone: its feedback up to
+/// the tombstone's reply time is ignored, so a stale copy relayed again does
+/// not bring it back; a newer reply (the replica came back) does.
 #[derive(Debug, Clone, Default)]
-pub struct FeedbackBoard(Arc<std::sync::Mutex<BTreeMap<(u32, u32), ShardFeedback>>>);
+pub struct FeedbackBoard(Arc<std::sync::Mutex<Board>>);
+
+#[derive(Debug, Default)]
+struct Board {
+    latest: BTreeMap<(u32, u32), ShardFeedback>,
+    forgotten: BTreeMap<(u32, u32), u64>,
+}
 
 impl FeedbackBoard {
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<(u32, u32), ShardFeedback>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Board> {
         self.0
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -61,7 +71,14 @@ impl FeedbackBoard {
     pub fn record(&self, feedback: ShardFeedback) {
         let key = (feedback.shard_number, feedback.replica_number);
         let mut board = self.lock();
-        if !board.contains_key(&key) && board.len() >= MAX_FEEDBACK_REPLICAS {
+        match board.forgotten.get(&key) {
+            Some(&up_to) if feedback.reply_time_micros <= up_to => return,
+            Some(_) => {
+                board.forgotten.remove(&key);
+            }
+            None => {}
+        }
+        if !board.latest.contains_key(&key) && board.latest.len() >= MAX_FEEDBACK_REPLICAS {
             tracing::warn!(
                 shard = key.0,
                 replica = key.1,
@@ -70,25 +87,71 @@ impl FeedbackBoard {
             return;
         }
         let newer = board
+            .latest
             .get(&key)
             .is_none_or(|old| old.reply_time_micros <= feedback.reply_time_micros);
         if newer {
-            board.insert(key, feedback);
+            board.latest.insert(key, feedback);
         }
+    }
+
+    /// Forgets a replica's feedback up to `forget.reply_time_micros`; returns
+    /// whether it was registered (and is forgotten now). Feedback newer than
+    /// that stays: the replica is alive.
+    pub fn forget(&self, forget: ForgottenReplica) -> bool {
+        let key = (forget.shard_number, forget.replica_number);
+        let mut board = self.lock();
+        let registered = board
+            .latest
+            .get(&key)
+            .is_some_and(|f| f.reply_time_micros <= forget.reply_time_micros);
+        if registered {
+            board.latest.remove(&key);
+        }
+        let up_to = board.forgotten.entry(key).or_insert(0);
+        *up_to = (*up_to).max(forget.reply_time_micros);
+        if board.forgotten.len() > MAX_FEEDBACK_REPLICAS {
+            // Bounded: the oldest tombstone goes first.
+            if let Some(oldest) = board
+                .forgotten
+                .iter()
+                .min_by_key(|(_, t)| **t)
+                .map(|(k, _)| *k)
+            {
+                board.forgotten.remove(&oldest);
+            }
+        }
+        registered
+    }
+
+    /// The tombstones, for the writer (which forgets the same replicas).
+    pub fn forgotten(&self) -> Vec<ForgottenReplica> {
+        self.lock()
+            .forgotten
+            .iter()
+            .map(
+                |(&(shard_number, replica_number), &reply_time_micros)| ForgottenReplica {
+                    shard_number,
+                    replica_number,
+                    reply_time_micros,
+                },
+            )
+            .collect()
     }
 
     /// Every replica's latest feedback, in (shard, replica) order.
     pub fn all(&self) -> Vec<ShardFeedback> {
-        self.lock().values().copied().collect()
+        self.lock().latest.values().copied().collect()
     }
 
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.lock().latest.len()
     }
 
     /// Every replica's durably applied position, for the control file.
     pub fn registered(&self) -> Vec<RegisteredReplica> {
         self.lock()
+            .latest
             .values()
             .take(MAX_REGISTERED_REPLICAS)
             .map(|f| RegisteredReplica {
@@ -101,7 +164,11 @@ impl FeedbackBoard {
 
     /// The lowest durably applied position of any replica (`None`: none known).
     pub fn min_remote_consistent(&self) -> Option<Lsn> {
-        self.lock().values().map(|f| f.remote_consistent_lsn).min()
+        self.lock()
+            .latest
+            .values()
+            .map(|f| f.remote_consistent_lsn)
+            .min()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -242,6 +309,9 @@ pub struct AcceptorStatus {
     pub last_removed_segno: u64,
     /// Segments removed since start.
     pub segments_removed: u64,
+    /// Replicas forgotten since start (unregistered, or silent past the
+    /// replica expiry): they no longer hold WAL removal.
+    pub replicas_forgotten: u64,
     /// Replicas whose feedback this safekeeper relays.
     pub replicas: usize,
     /// Appends carrying WAL received since start.
@@ -293,6 +363,7 @@ pub struct Acceptor {
     partial_uploads: u64,
     partial_upload_failures: u64,
     segments_removed: u64,
+    replicas_forgotten: u64,
     /// A restored safekeeper may be brought back only once this is set (by
     /// the server, after its quarantine; see `ferry_wal::proto::Restored`).
     quarantine_over: bool,
@@ -468,6 +539,7 @@ impl Acceptor {
             partial_uploads: 0,
             partial_upload_failures: 0,
             segments_removed: 0,
+            replicas_forgotten: 0,
             quarantine_over: false,
             probe_seen: 0,
             remote: None,
@@ -678,6 +750,7 @@ impl Acceptor {
             removal_horizon_lsn: self.removal_horizon.to_string(),
             last_removed_segno: self.state.last_removed_segno,
             segments_removed: self.segments_removed,
+            replicas_forgotten: self.replicas_forgotten,
             replicas: self.feedback.len(),
             appends_received: self.appends_received,
             wal_fsyncs: self.wal_fsyncs,
@@ -1044,6 +1117,7 @@ impl Acceptor {
             backup_lsn: self.state.backup_lsn,
             probe: self.probe_seen,
             shard_feedback: self.feedback.all(),
+            forgotten_replicas: self.feedback.forgotten(),
         })
     }
 
@@ -1116,6 +1190,27 @@ impl Acceptor {
         }
     }
 
+    /// Every registered replica's latest feedback.
+    pub fn replica_feedback(&self) -> Vec<ShardFeedback> {
+        self.feedback.all()
+    }
+
+    /// Forgets a replica (an operator unregistered it, or it was silent past
+    /// the replica expiry): it stops holding WAL removal here, and the writer
+    /// learns it with the next answer. The control file stops listing it.
+    pub async fn forget_replica(
+        &mut self,
+        forget: ForgottenReplica,
+    ) -> Result<FromSafekeeper, AcceptorError> {
+        let was_registered = self.feedback.forget(forget);
+        if was_registered {
+            self.replicas_forgotten += 1;
+            self.state.registered_replicas = self.feedback.registered();
+            self.persist_now().await?;
+        }
+        Ok(FromSafekeeper::Forgotten { was_registered })
+    }
+
     /// Handles a batch of messages from the writer that arrived together: appends
     /// in a row share one fsync and one answer (group commit). Refusals become
     /// `Refused` answers; an `Err` is a storage failure and the safekeeper must stop.
@@ -1153,6 +1248,7 @@ impl Acceptor {
                     self.record_feedback(fb);
                     Ok(None)
                 }
+                ToSafekeeper::ForgetReplica(forget) => self.forget_replica(forget).await.map(Some),
                 ToSafekeeper::StartReplication { .. } => Err(refused(
                     self.state.term,
                     "START_REPLICATION opens its own connection",

@@ -60,7 +60,17 @@ pub struct ServerConfig {
     /// election timeout: an election still holding a vote the lost data gave
     /// is over by then (`ferry_wal::proto::Restored`).
     pub restore_quarantine: std::time::Duration,
+    /// A registered replica whose feedback has not changed for this long is
+    /// forgotten: it stops holding WAL removal (and, through the writer,
+    /// back-pressure). It must outlast any stop a replica is expected to come
+    /// back from; one that comes back later reads removed WAL from the backup.
+    pub replica_expiry: std::time::Duration,
 }
+
+pub use ferry_wal::liveness::DEFAULT_REPLICA_EXPIRY;
+
+/// How often replicas are checked for expiry.
+const REPLICA_EXPIRY_CHECK: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Default [`ServerConfig::restore_quarantine`]: well above the writer's
 /// default election timeout (3 s).
@@ -75,6 +85,7 @@ impl Default for ServerConfig {
             remove_wal: true,
             partial_backup: None,
             restore_quarantine: DEFAULT_RESTORE_QUARANTINE,
+            replica_expiry: DEFAULT_REPLICA_EXPIRY,
         }
     }
 }
@@ -283,6 +294,10 @@ async fn accept_loop(
     if shared.config.remove_wal {
         let shared = Arc::clone(&shared);
         connections.spawn(async move { run_removal(&shared).await });
+    }
+    {
+        let shared = Arc::clone(&shared);
+        connections.spawn(async move { run_replica_expiry(&shared).await });
     }
     if shared.acceptor.lock().await.restored_up_to().is_some() {
         // Measured from this start: the process that lost the data is gone
@@ -577,6 +592,44 @@ async fn run_backup(shared: &Shared, config: BackupConfig) {
                     None => std::future::pending().await,
                 }
             } => {}
+        }
+    }
+}
+
+/// Forgets replicas whose feedback has not changed for the replica expiry
+/// (see [`ferry_wal::liveness`]); a control-file error stops the safekeeper.
+async fn run_replica_expiry(shared: &Shared) {
+    let mut liveness = ferry_wal::liveness::ReplicaLiveness::default();
+    loop {
+        tokio::time::sleep(REPLICA_EXPIRY_CHECK).await;
+        if shared.fatal.borrow().is_some() {
+            return;
+        }
+        let mut a = shared.acceptor.lock().await;
+        let known = a.replica_feedback();
+        let expired = liveness.expired(
+            known.iter(),
+            tokio::time::Instant::now(),
+            shared.config.replica_expiry,
+        );
+        for fb in expired {
+            tracing::warn!(
+                shard = fb.shard_number,
+                replica = fb.replica_number,
+                remote_consistent_lsn = %fb.remote_consistent_lsn,
+                expiry = ?shared.config.replica_expiry,
+                "replica silent past the replica expiry: it no longer holds WAL removal"
+            );
+            let forget = ferry_wal::proto::ForgottenReplica {
+                shard_number: fb.shard_number,
+                replica_number: fb.replica_number,
+                reply_time_micros: fb.reply_time_micros,
+            };
+            if let Err(e) = a.forget_replica(forget).await {
+                drop(a);
+                shared.fail(e.to_string());
+                return;
+            }
         }
     }
 }

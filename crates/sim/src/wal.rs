@@ -571,6 +571,7 @@ impl Sim {
             removal_interval: Duration::from_millis(self.world.rng.random_range(100..=2000)),
             remove_wal: true,
             restore_quarantine: Duration::from_secs(5),
+            replica_expiry: ferry_safekeeper::server::DEFAULT_REPLICA_EXPIRY,
             partial_backup: self
                 .world
                 .rng
@@ -629,6 +630,9 @@ impl Sim {
         let Some(i) = self.restoring else {
             return Ok(());
         };
+        // Each attempt comes with a working disk (one that failed meanwhile
+        // was replaced).
+        self.disks[i].set_failing(false);
         let disk: Arc<dyn Disk> = Arc::new(self.disks[i].clone());
         let config = self.acceptor_config(i);
         let dir = node_name(i);

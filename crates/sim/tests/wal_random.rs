@@ -93,6 +93,10 @@ const REGRESSION_SEEDS: &[u64] = &[
     // segment 0 (the harness, not the product: the restore is now retried
     // between events, and the backup's state is named as incomplete).
     89008903,
+    // The same harness change let a disk failure land on the safekeeper
+    // waiting for its restore, and no later attempt repaired it (each
+    // attempt now comes with a working disk).
+    89002764,
 ];
 
 #[test]

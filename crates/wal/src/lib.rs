@@ -14,6 +14,7 @@
 //! simulator).
 
 mod cluster;
+pub mod liveness;
 mod lsn;
 pub mod proto;
 pub mod record;

@@ -165,6 +165,19 @@ pub struct AppendResponse {
     pub probe: u64,
     /// Latest feedback of each shard streaming from this safekeeper.
     pub shard_feedback: Vec<ShardFeedback>,
+    /// Replicas this safekeeper forgot (unregistered, or silent past the
+    /// replica expiry), each with the newest reply time forgotten: the writer
+    /// forgets them too, so that they hold neither removal nor back-pressure.
+    pub forgotten_replicas: Vec<ForgottenReplica>,
+}
+
+/// A replica whose feedback up to `reply_time_micros` no longer counts; a
+/// newer reply (the replica came back) registers it again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForgottenReplica {
+    pub shard_number: u32,
+    pub replica_number: u32,
+    pub reply_time_micros: u64,
 }
 
 /// Everything a safekeeper receives.
@@ -190,6 +203,10 @@ pub enum ToSafekeeper {
         start_lsn: Lsn,
     },
     Feedback(ShardFeedback),
+    /// An operator unregisters a replica that is gone for good: its feedback
+    /// up to `reply_time_micros` (the operator's clock) stops holding WAL
+    /// removal and back-pressure. Answered with [`FromSafekeeper::Forgotten`].
+    ForgetReplica(ForgottenReplica),
 }
 
 /// Everything a safekeeper sends.
@@ -223,6 +240,11 @@ pub enum FromSafekeeper {
     WalRemoved {
         start_lsn: Lsn,
         kept_from: Lsn,
+    },
+    /// The answer to [`ToSafekeeper::ForgetReplica`]: whether the replica was
+    /// registered here.
+    Forgotten {
+        was_registered: bool,
     },
 }
 
@@ -506,6 +528,11 @@ mod tests {
                 start_lsn: Lsn(77),
             },
             ToSafekeeper::Feedback(feedback),
+            ToSafekeeper::ForgetReplica(ForgottenReplica {
+                shard_number: 1,
+                replica_number: 2,
+                reply_time_micros: 3,
+            }),
         ];
         let from = vec![
             FromSafekeeper::Greeting(GreetingResponse {
@@ -531,6 +558,11 @@ mod tests {
                 backup_lsn: Lsn(0),
                 probe: 3,
                 shard_feedback: vec![feedback],
+                forgotten_replicas: vec![ForgottenReplica {
+                    shard_number: 4,
+                    replica_number: 5,
+                    reply_time_micros: 6,
+                }],
             }),
             FromSafekeeper::Wal {
                 begin_lsn: Lsn(77),
@@ -547,6 +579,9 @@ mod tests {
             FromSafekeeper::WalRemoved {
                 start_lsn: Lsn(0),
                 kept_from: Lsn(1 << 20),
+            },
+            FromSafekeeper::Forgotten {
+                was_registered: true,
             },
         ];
         (to, from)

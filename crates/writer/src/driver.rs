@@ -13,7 +13,9 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use ferry_env::Network;
-use ferry_wal::proto::{self, FrameReader, FromSafekeeper, ShardFeedback, ToSafekeeper};
+use ferry_wal::proto::{
+    self, ForgottenReplica, FrameReader, FromSafekeeper, ShardFeedback, ToSafekeeper,
+};
 use ferry_wal::record::Record;
 use ferry_wal::{Lsn, Term};
 use serde::Serialize;
@@ -62,6 +64,10 @@ pub struct WriterConfig {
     pub reelect_when_superseded: bool,
     /// Inserts wait while the slowest replica lags this far behind.
     pub back_pressure: BackPressure,
+    /// A replica whose feedback has not changed for this long is forgotten:
+    /// it no longer holds back-pressure or the removal horizon relayed to
+    /// the safekeepers (which forget it after the same time).
+    pub replica_expiry: Duration,
 }
 
 /// Neon's `max_replication_{write,flush,apply}_lag`: the most WAL bytes the
@@ -104,6 +110,7 @@ impl WriterConfig {
             max_pending_appends: 100_000,
             reelect_when_superseded: false,
             back_pressure: BackPressure::default(),
+            replica_expiry: ferry_wal::liveness::DEFAULT_REPLICA_EXPIRY,
         }
     }
 }
@@ -169,6 +176,9 @@ pub struct WriterStatus {
     pub shard_minimums: Vec<ShardMinimum>,
     /// The lowest positions over all replicas of all shards.
     pub overall_minimum: Option<ReplicaPositions>,
+    /// Replicas this writer forgot since it started (silent past the
+    /// replica expiry: they no longer hold back-pressure).
+    pub replicas_forgotten: u64,
 }
 
 /// The slowest replica positions of one shard.
@@ -283,6 +293,7 @@ impl Writer {
             replicas: Vec::new(),
             shard_minimums: Vec::new(),
             overall_minimum: None,
+            replicas_forgotten: 0,
         };
         let (status_tx, status) = watch::channel(status0);
         let driver = Driver {
@@ -299,6 +310,8 @@ impl Writer {
             superseded_by: None,
             election_blocked: None,
             refused: None,
+            liveness: Default::default(),
+            replicas_forgotten: 0,
             config,
         };
         let task = tokio::spawn(driver.run(events_rx, commands_rx));
@@ -575,6 +588,9 @@ struct Driver {
     superseded_by: Option<Term>,
     election_blocked: Option<String>,
     refused: Option<String>,
+    /// When each replica's feedback last changed (for the replica expiry).
+    liveness: ferry_wal::liveness::ReplicaLiveness,
+    replicas_forgotten: u64,
 }
 
 impl Driver {
@@ -839,7 +855,35 @@ impl Driver {
             }
             return Vec::new();
         }
+        self.expire_replicas();
         self.proposer.heartbeat()
+    }
+
+    /// Forgets replicas silent past the replica expiry (see
+    /// [`ferry_wal::liveness`]).
+    fn expire_replicas(&mut self) {
+        let now = tokio::time::Instant::now();
+        let known: Vec<_> = self.proposer.replica_feedback().copied().collect();
+        for fb in self
+            .liveness
+            .expired(known.iter(), now, self.config.replica_expiry)
+        {
+            tracing::warn!(
+                shard = fb.shard_number,
+                replica = fb.replica_number,
+                disk_consistent_lsn = %fb.disk_consistent_lsn,
+                expiry = ?self.config.replica_expiry,
+                "replica silent past the replica expiry: it no longer holds back-pressure"
+            );
+            let forgotten = self.proposer.forget_replica(ForgottenReplica {
+                shard_number: fb.shard_number,
+                replica_number: fb.replica_number,
+                reply_time_micros: fb.reply_time_micros,
+            });
+            if forgotten {
+                self.replicas_forgotten += 1;
+            }
+        }
     }
 
     /// Carries out actions; returns false when the writer must stop.
@@ -1015,6 +1059,7 @@ impl Driver {
                 })
                 .collect(),
             overall_minimum: self.proposer.overall_minimum(),
+            replicas_forgotten: self.replicas_forgotten,
         };
         self.status.send_if_modified(|old| {
             if *old == status {

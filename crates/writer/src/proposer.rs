@@ -22,8 +22,8 @@ use std::collections::BTreeMap;
 
 use bytes::{Bytes, BytesMut};
 use ferry_wal::proto::{
-    AppendRequest, FromSafekeeper, Greeting, GreetingResponse, ProposerElected, ShardFeedback,
-    ToSafekeeper, VoteResponse, MAX_READ_WAL_BYTES,
+    AppendRequest, ForgottenReplica, FromSafekeeper, Greeting, GreetingResponse, ProposerElected,
+    ShardFeedback, ToSafekeeper, VoteResponse, MAX_READ_WAL_BYTES,
 };
 use ferry_wal::record;
 use ferry_wal::{ClusterId, Lsn, Term, TermHistory};
@@ -268,6 +268,8 @@ pub struct Proposer {
     truncate_lsn: Lsn,
     /// The newest feedback of each (shard, replica), relayed by safekeepers.
     feedback: BTreeMap<(u32, u32), ShardFeedback>,
+    /// Forgotten replicas: their feedback up to this reply time is ignored.
+    forgotten: BTreeMap<(u32, u32), u64>,
     /// The commit_lsn each safekeeper last reported (it learns it from appends).
     peer_commit: Vec<Lsn>,
     /// The highest backup_lsn any safekeeper reported; relayed to all of them.
@@ -297,6 +299,7 @@ impl Proposer {
             commit_lsn: Lsn(0),
             truncate_lsn: Lsn(0),
             feedback: BTreeMap::new(),
+            forgotten: BTreeMap::new(),
             peer_commit: vec![Lsn(0); n],
             backup_lsn: Lsn(0),
             probe: 0,
@@ -323,6 +326,35 @@ impl Proposer {
     /// End of the WAL this writer has produced or recovered.
     pub fn end_lsn(&self) -> Lsn {
         self.buffer.end()
+    }
+
+    /// Forgets a replica's feedback up to `forget.reply_time_micros` (a
+    /// safekeeper forgot it: unregistered, or silent past the replica
+    /// expiry; or this writer's own expiry): it stops holding back-pressure
+    /// and the removal horizon this writer relays. Returns whether it was
+    /// known. A newer reply registers it again.
+    pub fn forget_replica(&mut self, forget: ForgottenReplica) -> bool {
+        let key = (forget.shard_number, forget.replica_number);
+        let known = self
+            .feedback
+            .get(&key)
+            .is_some_and(|f| f.reply_time_micros <= forget.reply_time_micros);
+        if known {
+            self.feedback.remove(&key);
+        }
+        let up_to = self.forgotten.entry(key).or_insert(0);
+        *up_to = (*up_to).max(forget.reply_time_micros);
+        if self.forgotten.len() > MAX_FEEDBACK_REPLICAS {
+            if let Some(oldest) = self
+                .forgotten
+                .iter()
+                .min_by_key(|(_, t)| **t)
+                .map(|(k, _)| *k)
+            {
+                self.forgotten.remove(&oldest);
+            }
+        }
+        known
     }
 
     /// The latest feedback of every replica, in (shard, replica) order.
@@ -562,8 +594,18 @@ impl Proposer {
                     self.stop(a.term, "a safekeeper is in a higher term", &mut actions);
                     return actions;
                 }
+                for forget in &a.forgotten_replicas {
+                    self.forget_replica(*forget);
+                }
                 for fb in &a.shard_feedback {
                     let key = (fb.shard_number, fb.replica_number);
+                    if self
+                        .forgotten
+                        .get(&key)
+                        .is_some_and(|up_to| fb.reply_time_micros <= *up_to)
+                    {
+                        continue;
+                    }
                     let newer = self
                         .feedback
                         .get(&key)
@@ -605,7 +647,9 @@ impl Proposer {
                 }
             }
             // Walsender answers: never sent to a writer.
-            FromSafekeeper::Keepalive { .. } | FromSafekeeper::WalRemoved { .. } => {}
+            FromSafekeeper::Keepalive { .. }
+            | FromSafekeeper::WalRemoved { .. }
+            | FromSafekeeper::Forgotten { .. } => {}
         }
         actions
     }

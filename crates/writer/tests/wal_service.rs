@@ -60,6 +60,21 @@ async fn cluster_of(
     partial_backup: Option<ferry_safekeeper::partial::PartialBackupConfig>,
     with_backup: bool,
 ) -> Cluster {
+    cluster_expiring(
+        keep_horizon,
+        partial_backup,
+        with_backup,
+        Default::default(),
+    )
+    .await
+}
+
+async fn cluster_expiring(
+    keep_horizon: bool,
+    partial_backup: Option<ferry_safekeeper::partial::PartialBackupConfig>,
+    with_backup: bool,
+    defaults: ServerConfig,
+) -> Cluster {
     let dir = tempfile::tempdir().expect("tempdir");
     let backup_dir = dir.path().join("backup");
     std::fs::create_dir_all(&backup_dir).expect("backup dir");
@@ -94,7 +109,7 @@ async fn cluster_of(
             removal_interval: Duration::from_millis(20),
             remove_wal: true,
             partial_backup,
-            ..Default::default()
+            ..defaults.clone()
         };
         servers.push(SafekeeperServer::serve_with(listener, acceptor, config).expect("serve"));
     }
@@ -679,5 +694,149 @@ async fn a_replica_needing_wal_removed_everywhere_stops_naming_the_lsn_and_horiz
         "{message}"
     );
     drop(shard0);
+    writer.shutdown().await.expect("clean shutdown");
+}
+
+/// Reports replica `(shard, 0)` at `lsn` on `conn` every 200 ms, each time
+/// with a newer reply time, until dropped: a live replica.
+fn keep_reporting(
+    mut conn: ferry_env::BoxConnection,
+    shard: u32,
+    lsn: Lsn,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        for at in 1.. {
+            report(&mut conn, shard, lsn, at).await;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_silent_past_the_expiry_stops_holding_removal_and_back_pressure() {
+    let expiry = Duration::from_secs(5);
+    let c = cluster_expiring(
+        false,
+        None,
+        true,
+        ServerConfig {
+            replica_expiry: expiry,
+            ..Default::default()
+        },
+    )
+    .await;
+    let mut config = WriterConfig::new(
+        c.servers.iter().map(|s| s.addr().to_string()).collect(),
+        ProposerConfig::new(cluster_id(), 3, 1, SEG, 5),
+    );
+    config.heartbeat = Duration::from_millis(20);
+    config.replica_expiry = expiry;
+    let writer = Writer::start(Arc::new(TcpNetwork), config);
+    write_wal(&writer, 6 * SEG + 100).await;
+    // Shard 1's replica applied 2 segments and went away for good; shard 0's
+    // applied everything and keeps reporting.
+    let mut gone = start_replication(c.servers[0].addr(), 1, Lsn(2 * SEG)).await;
+    report(&mut gone, 1, Lsn(2 * SEG + 10), 1).await;
+    c.wait_all("the gone replica registered everywhere", |s| {
+        s.last_removed_segno == 2
+    })
+    .await;
+    drop(gone);
+    let alive = keep_reporting(
+        start_replication(c.servers[1].addr(), 0, Lsn(6 * SEG)).await,
+        0,
+        Lsn(6 * SEG + 10),
+    );
+    // Past the expiry, every safekeeper forgets it and removes behind the
+    // live replica; the writer forgets it too.
+    c.wait_all("removal past the gone replica everywhere", |s| {
+        s.last_removed_segno == 6
+    })
+    .await;
+    let statuses = c.statuses().await;
+    assert_eq!(
+        statuses.iter().map(|s| s.replicas).collect::<Vec<_>>(),
+        [0, 1, 0],
+        "only the live replica is registered, where it streams: {statuses:#?}"
+    );
+    assert_eq!(
+        statuses
+            .iter()
+            .map(|s| s.replicas_forgotten)
+            .collect::<Vec<_>>(),
+        [1, 0, 0],
+        "the safekeeper it streamed from forgot it, once: {statuses:#?}"
+    );
+    let mut status = writer.subscribe();
+    tokio::time::timeout(
+        SOON,
+        status.wait_for(|s| s.replicas.iter().all(|r| r.shard_number == 0)),
+    )
+    .await
+    .expect("the writer forgets it in time")
+    .expect("writer runs");
+    alive.abort();
+    writer.shutdown().await.expect("clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unregistered_replica_stops_holding_removal_at_once() {
+    let c = cluster(false).await;
+    let writer = c.writer();
+    write_wal(&writer, 6 * SEG + 100).await;
+    let mut gone = start_replication(c.servers[0].addr(), 1, Lsn(2 * SEG)).await;
+    report(&mut gone, 1, Lsn(2 * SEG + 10), 1).await;
+    c.wait_all("held by the gone replica", |s| s.last_removed_segno == 2)
+        .await;
+    drop(gone);
+    let alive = keep_reporting(
+        start_replication(c.servers[1].addr(), 0, Lsn(6 * SEG)).await,
+        0,
+        Lsn(6 * SEG + 10),
+    );
+    // An operator unregisters it (what `ferry replica unregister` sends).
+    let forget = ferry_wal::proto::ForgottenReplica {
+        shard_number: 1,
+        replica_number: 0,
+        reply_time_micros: 1_000,
+    };
+    let mut registered = 0;
+    for server in &c.servers {
+        let mut conn = TcpNetwork.connect(server.addr()).await.expect("connect");
+        proto::write_frame(&mut conn, &ToSafekeeper::ForgetReplica(forget))
+            .await
+            .expect("send");
+        match proto::read_frame::<_, FromSafekeeper>(&mut conn).await {
+            Ok(Some(FromSafekeeper::Forgotten { was_registered })) => {
+                registered += u32::from(was_registered)
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert!(registered >= 1, "known where it streamed");
+    c.wait_all("removal past the unregistered replica", |s| {
+        s.last_removed_segno == 6
+    })
+    .await;
+    let mut status = writer.subscribe();
+    tokio::time::timeout(
+        SOON,
+        status.wait_for(|s| s.replicas.iter().all(|r| r.shard_number == 0)),
+    )
+    .await
+    .expect("the writer forgets it in time")
+    .expect("writer runs");
+    // Its old feedback relayed again does not bring it back; a newer one does.
+    let mut back = start_replication(c.servers[2].addr(), 1, Lsn(2 * SEG)).await;
+    report(&mut back, 1, Lsn(2 * SEG + 10), 999).await;
+    report(&mut back, 1, Lsn(6 * SEG + 10), 2_000).await;
+    tokio::time::timeout(
+        SOON,
+        status.wait_for(|s| s.replicas.iter().any(|r| r.shard_number == 1)),
+    )
+    .await
+    .expect("registered anew")
+    .expect("writer runs");
+    alive.abort();
     writer.shutdown().await.expect("clean shutdown");
 }

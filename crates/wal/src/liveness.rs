@@ -1,0 +1,108 @@
+//! When a replica stopped talking, by the observer's own clock.
+//!
+//! A replica that stopped for good would hold WAL removal (and the writer's
+//! back-pressure) at its last position for ever. Safekeepers and the writer
+//! each watch every replica's feedback: feedback whose reply time has not
+//! changed for the replica expiry is forgotten. The observer's clock is used,
+//! never the replica's (whose clock may be off), and only changes count, so
+//! the same feedback relayed again and again does not keep a gone replica
+//! alive.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::proto::ShardFeedback;
+
+/// Default replica expiry, for safekeepers and writers alike: a day.
+pub const DEFAULT_REPLICA_EXPIRY: Duration = Duration::from_secs(24 * 3600);
+
+/// The last change of each replica's feedback, as one observer saw it.
+#[derive(Debug, Default)]
+pub struct ReplicaLiveness {
+    /// (shard, replica) → (the reply time last seen, when it was first seen).
+    changed: BTreeMap<(u32, u32), (u64, Instant)>,
+}
+
+impl ReplicaLiveness {
+    /// Looks at the feedback known `now`; returns the replicas whose feedback
+    /// has not changed for `expiry`. Replicas no longer in `current` are
+    /// dropped from the watch.
+    pub fn expired<'a>(
+        &mut self,
+        current: impl Iterator<Item = &'a ShardFeedback>,
+        now: Instant,
+        expiry: Duration,
+    ) -> Vec<ShardFeedback> {
+        let mut seen = BTreeMap::new();
+        let mut expired = Vec::new();
+        for fb in current {
+            let key = (fb.shard_number, fb.replica_number);
+            let since = match self.changed.get(&key) {
+                Some(&(reply, since)) if reply == fb.reply_time_micros => since,
+                _ => now,
+            };
+            if now.saturating_duration_since(since) >= expiry {
+                expired.push(*fb);
+            }
+            seen.insert(key, (fb.reply_time_micros, since));
+        }
+        self.changed = seen;
+        expired
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Lsn;
+
+    fn fb(replica: u32, reply: u64) -> ShardFeedback {
+        ShardFeedback {
+            shard_number: 0,
+            replica_number: replica,
+            last_received_lsn: Lsn(1),
+            disk_consistent_lsn: Lsn(1),
+            remote_consistent_lsn: Lsn(1),
+            reply_time_micros: reply,
+        }
+    }
+
+    #[test]
+    fn only_feedback_that_stopped_changing_expires() {
+        let expiry = Duration::from_secs(10);
+        let mut l = ReplicaLiveness::default();
+        let start = Instant::now();
+        assert!(l
+            .expired([fb(0, 1), fb(1, 1)].iter(), start, expiry)
+            .is_empty());
+        // Replica 0 keeps replying; replica 1 is silent, relayed unchanged.
+        let later = start + Duration::from_secs(6);
+        assert!(l
+            .expired([fb(0, 2), fb(1, 1)].iter(), later, expiry)
+            .is_empty());
+        let expired = l.expired([fb(0, 3), fb(1, 1)].iter(), start + expiry, expiry);
+        assert_eq!(expired, vec![fb(1, 1)]);
+        // Replica 0 changed 4 s before: not expired yet.
+        assert!(l
+            .expired([fb(0, 3)].iter(), start + Duration::from_secs(15), expiry)
+            .is_empty());
+        // A replica back with a new reply starts over.
+        assert!(l
+            .expired(
+                [fb(0, 3), fb(1, 9)].iter(),
+                start + Duration::from_secs(16),
+                expiry
+            )
+            .is_empty());
+        assert_eq!(
+            l.expired(
+                [fb(0, 3), fb(1, 9)].iter(),
+                start + Duration::from_secs(20),
+                expiry
+            ),
+            vec![fb(0, 3)]
+        );
+    }
+}
