@@ -199,6 +199,9 @@ struct Sim {
     config_rng: SmallRng,
     /// The writer's max_replication_flush_lag (0: no back-pressure).
     flush_lag: u64,
+    /// Writer's and safekeepers' replica expiry in this run.
+    replica_expiry: Duration,
+    expiry_rng: SmallRng,
     /// The writer's term, its end of WAL and the slowest replica position
     /// it knew at the last step (see `check_steps`).
     back_pressure_seen: Option<(ferry_wal::Term, Lsn, Lsn)>,
@@ -253,13 +256,15 @@ impl Sim {
             }),
             walsenders_keep_horizon: self.config_rng.random_bool(0.5),
             removal_interval: Duration::from_millis(self.config_rng.random_range(100..=2000)),
+            replica_expiry: self.replica_expiry,
             ..ServerConfig::default()
         };
         let described = format!(
-            "backup jobs {}, keep-horizon {}, removal every {:?}",
+            "backup jobs {}, keep-horizon {}, removal every {:?}, replica expiry {:?}",
             config.backup.as_ref().map_or(0, |b| b.parallel_jobs),
             config.walsenders_keep_horizon,
-            config.removal_interval
+            config.removal_interval,
+            config.replica_expiry
         );
         let listener = self
             .world
@@ -376,6 +381,16 @@ impl Sim {
             self.world.crash_disk(&name);
             self.replica_crashes += 1;
             self.log(format!("{name} crashed"));
+            // With a short replica expiry, some crashed replicas stay down
+            // past it: forgotten, WAL removed past them, they come back
+            // reading it from the backup.
+            if self.replica_expiry < ferry_wal::liveness::DEFAULT_REPLICA_EXPIRY
+                && self.expiry_rng.random_bool(0.3)
+            {
+                let down = self.replica_expiry * 2 + Duration::from_secs(2);
+                self.log(format!("{name} stays down {down:?}"));
+                tokio::time::sleep(down).await;
+            }
         }
         self.start_replica(i).await
     }
@@ -765,6 +780,17 @@ impl Sim {
             0
         };
         config.back_pressure.max_flush_lag = flush_lag;
+        // A short replica expiry in a third of the runs (a generator of its
+        // own, so the other draws stay as they were): a replica down or cut
+        // off that long is forgotten by the writer and the safekeepers, WAL
+        // is removed past it, and it reads that WAL back from the backup.
+        let mut expiry_rng = SmallRng::seed_from_u64(seed ^ 0xE4B1_12E5_0000_0001);
+        let replica_expiry = if expiry_rng.random_bool(1.0 / 3.0) {
+            Duration::from_millis(expiry_rng.random_range(1000..=4000))
+        } else {
+            ferry_wal::liveness::DEFAULT_REPLICA_EXPIRY
+        };
+        config.replica_expiry = replica_expiry;
         let writer = Arc::new(Writer::start(world.net.node("writer"), config));
         let mut sim = Sim {
             world,
@@ -773,6 +799,8 @@ impl Sim {
             writer: Some(writer),
             config_rng,
             flush_lag,
+            replica_expiry,
+            expiry_rng,
             back_pressure_seen: None,
             replicas: (0..replicas()).map(|_| None).collect(),
             reported: Arc::new(Mutex::new(vec![Lsn(0); replicas()])),
@@ -864,14 +892,19 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
     }
     let end = sim.settle().await?;
     let (rows, merges) = sim.check_replicas().await?;
-    let (mut removed, mut uploads) = (0, 0);
+    let (mut removed, mut uploads, mut forgotten) = (0, 0, 0);
     for server in sim.servers.iter().flatten() {
         let status = server.status().await;
         removed += status.segments_removed;
         uploads += status.backup_uploads;
+        forgotten += status.replicas_forgotten;
     }
+    let writer_forgot = sim
+        .writer
+        .as_ref()
+        .map_or(0, |w| w.status().replicas_forgotten);
     sim.log(format!(
-        "settled at {end}: {rows} rows on all replicas, {merges} merges; since their last start the safekeepers uploaded {uploads} segments and removed {removed}"
+        "settled at {end}: {rows} rows on all replicas, {merges} merges; since their last start the safekeepers uploaded {uploads} segments, removed {removed} and forgot {forgotten} replicas (the writer {writer_forgot})"
     ));
     for i in 0..replicas() {
         if let Some(node) = sim.replicas[i].take() {
