@@ -369,7 +369,12 @@ pub fn open(url: &str, s3: &S3Settings) -> Result<Location, StorageError> {
             let bucket = parsed.host_str().unwrap_or_default();
             check_bucket(url, bucket)?;
             let prefix = parse_prefix(url, parsed.path())?;
-            let mut builder = AmazonS3Builder::from_env().with_bucket_name(bucket);
+            // Every upload carries its SHA-256 (`x-amz-checksum-sha256`, per
+            // part for multipart uploads): S3 refuses bytes that changed on
+            // the way, and stores the checksum with the object.
+            let mut builder = AmazonS3Builder::from_env()
+                .with_bucket_name(bucket)
+                .with_checksum_algorithm(object_store::aws::Checksum::SHA256);
             if let Some(endpoint) = &s3.endpoint {
                 builder = builder
                     .with_endpoint(endpoint)

@@ -230,6 +230,110 @@ async fn s3_location_on_the_test_server() {
         "exactly the two objects, relative to the location"
     );
     assert_eq!(loc.list("part=1").await.expect("list").len(), 1);
+    // The multipart upload carried its checksum: the server verified and
+    // stored it (the listing names the algorithm).
+    let listing = list_raw(&s3_endpoint().expect("endpoint"), &loc).await;
+    let big = listing
+        .split("<Contents>")
+        .find(|c| c.contains("big/object.bin"))
+        .unwrap_or_default();
+    assert!(
+        big.contains("<ChecksumAlgorithm>SHA256</ChecksumAlgorithm>"),
+        "{listing}"
+    );
+}
+
+/// The raw ListObjectsV2 answer for the location's bucket (plain unsigned
+/// HTTP, which the test server accepts).
+async fn list_raw(endpoint: &str, loc: &Location) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let host = endpoint.trim_start_matches("http://").trim_end_matches('/');
+    let bucket = loc
+        .url()
+        .trim_start_matches("s3://")
+        .split('/')
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    let mut conn = tokio::net::TcpStream::connect(host)
+        .await
+        .expect("connect to S3 server");
+    let request =
+        format!("GET /{bucket}?list-type=2 HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+    conn.write_all(request.as_bytes()).await.expect("send");
+    let mut response = String::new();
+    conn.read_to_string(&mut response).await.expect("read");
+    assert!(response.starts_with("HTTP/1.1 200"), "list: {response}");
+    response
+}
+
+/// An upload to S3 carries the SHA-256 of its bytes, so that S3 refuses
+/// bytes changed on the way: checked on the request itself, received by a
+/// stand-in server.
+#[tokio::test]
+async fn an_s3_upload_carries_the_sha256_of_its_bytes() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let endpoint = format!("http://{}", listener.local_addr().expect("addr"));
+    let server = tokio::spawn(async move {
+        let (mut conn, _) = listener.accept().await.expect("accept");
+        let mut request = Vec::new();
+        let mut buf = [0u8; 4096];
+        // Headers, then the body of the length they give.
+        let (head, body_len) = loop {
+            let n = conn.read(&mut buf).await.expect("read");
+            assert!(n > 0, "request cut short");
+            request.extend_from_slice(&buf[..n]);
+            if let Some(end) = request.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&request[..end]).to_string();
+                let len = head
+                    .lines()
+                    .find_map(|l| {
+                        l.to_ascii_lowercase()
+                            .strip_prefix("content-length:")
+                            .map(|v| v.trim().parse::<usize>().unwrap_or(0))
+                    })
+                    .unwrap_or(0);
+                break (head, end + 4 + len);
+            }
+        };
+        while request.len() < body_len {
+            let n = conn.read(&mut buf).await.expect("read");
+            assert!(n > 0, "body cut short");
+            request.extend_from_slice(&buf[..n]);
+        }
+        conn.write_all(
+            b"HTTP/1.1 200 OK\r\nETag: \"e\"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        )
+        .await
+        .expect("answer");
+        head
+    });
+    let settings = S3Settings {
+        endpoint: Some(endpoint),
+        region: Some("us-east-1".into()),
+        access_key_id: Some("test".into()),
+        secret_access_key: Some("test".into()),
+        session_token: None,
+    };
+    let loc = open("s3://bucket/prefix", &settings).expect("open");
+    loc.put("k", bytes::Bytes::from_static(b"hello"))
+        .await
+        .expect("put");
+    let head = server.await.expect("server");
+    let checksum = head
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .starts_with("x-amz-checksum-sha256:")
+                .then(|| l.split_once(':').map(|(_, v)| v.trim().to_string()))
+                .flatten()
+        })
+        .unwrap_or_else(|| panic!("no checksum header in {head}"));
+    // SHA-256 of "hello", base64.
+    assert_eq!(checksum, "LPJNul+wow4m6DsqxbninhsWHlwfp0JecwQzYpOLmCQ=");
 }
 
 #[tokio::test]
