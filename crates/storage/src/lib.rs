@@ -40,6 +40,9 @@ pub enum StorageError {
     AlreadyExists { key: String },
     #[error("object {key} not found")]
     NotFound { key: String },
+    /// A local folder that does not take files: nothing is written.
+    #[error("{url} is not a writable folder: {reason}")]
+    NotWritable { url: String, reason: String },
     #[error(transparent)]
     ObjectStore(#[from] object_store::Error),
 }
@@ -89,7 +92,46 @@ pub struct Location {
 }
 
 #[derive(Clone)]
-struct LocalDir(Arc<dyn ferry_env::Disk>);
+struct LocalDir {
+    disk: Arc<dyn ferry_env::Disk>,
+    /// Whether files can be created in the folder, found by the first write
+    /// (a read never touches it). A folder that refuses them (a pseudo file
+    /// system such as `/proc`, read-only media) would send `object_store`'s
+    /// local writer into an endless create-and-retry loop: writes are
+    /// refused up front instead.
+    writable: Arc<tokio::sync::OnceCell<Result<(), String>>>,
+}
+
+impl LocalDir {
+    fn new(disk: Arc<dyn ferry_env::Disk>) -> LocalDir {
+        LocalDir {
+            disk,
+            writable: Arc::default(),
+        }
+    }
+
+    /// Creates and removes a probe file, once per location.
+    async fn check_writable(&self) -> Result<(), String> {
+        self.writable
+            .get_or_init(|| async {
+                let probe = format!(".ferry-write-probe-{}", std::process::id());
+                match self.disk.create_new(&probe).await {
+                    Ok(file) => {
+                        drop(file);
+                        self.disk
+                            .remove_file(&probe)
+                            .await
+                            .map_err(|e| format!("cannot remove a file created in it: {e}"))
+                    }
+                    // Left by a writer of this process that was cut short.
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+                    Err(e) => Err(format!("cannot create files in it: {e}")),
+                }
+            })
+            .await
+            .clone()
+    }
+}
 
 impl std::fmt::Debug for LocalDir {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -362,7 +404,7 @@ pub fn open(url: &str, s3: &S3Settings) -> Result<Location, StorageError> {
                 url: url.to_string(),
                 store: Arc::new(store),
                 prefix: ObjectPath::default(),
-                local: Some(LocalDir(Arc::new(disk))),
+                local: Some(LocalDir::new(Arc::new(disk))),
             })
         }
         "s3" => {
@@ -441,7 +483,7 @@ impl Location {
     /// multipart upload cut short is removed by the bucket's
     /// `AbortIncompleteMultipartUpload` lifecycle rule.
     pub async fn remove_staging_of(&self, keys: &[String]) -> Result<usize, StorageError> {
-        let Some(LocalDir(disk)) = &self.local else {
+        let Some(LocalDir { disk, .. }) = &self.local else {
             return Ok(0);
         };
         let mut by_dir: std::collections::BTreeMap<&str, std::collections::BTreeSet<&str>> =
@@ -514,6 +556,22 @@ impl Location {
         })
     }
 
+    /// Refuses writes to a local folder that takes no files.
+    async fn check_writable(&self) -> Result<(), StorageError> {
+        match &self.local {
+            Some(local) => {
+                local
+                    .check_writable()
+                    .await
+                    .map_err(|reason| StorageError::NotWritable {
+                        url: self.url.clone(),
+                        reason,
+                    })
+            }
+            None => Ok(()),
+        }
+    }
+
     /// The URL the location was opened from.
     pub fn url(&self) -> &str {
         &self.url
@@ -524,6 +582,7 @@ impl Location {
     /// nothing (S3 `If-None-Match: *`; an atomic link on a local directory).
     pub async fn put_create(&self, key: &str, data: Bytes) -> Result<(), StorageError> {
         let key = self.key(key)?;
+        self.check_writable().await?;
         self.store
             .put_opts(
                 &key,
@@ -538,6 +597,7 @@ impl Location {
     /// Writes `data` at `key`, replacing what is there.
     pub async fn put(&self, key: &str, data: Bytes) -> Result<(), StorageError> {
         let key = self.key(key)?;
+        self.check_writable().await?;
         self.store
             .put(&key, PutPayload::from(data))
             .await
@@ -548,6 +608,7 @@ impl Location {
     /// Starts a streamed upload to `key` within `budget`.
     pub async fn upload(&self, key: &str, budget: UploadBudget) -> Result<Upload, StorageError> {
         let key = self.key(key)?;
+        self.check_writable().await?;
         let upload = self
             .store
             .put_multipart(&key)

@@ -445,3 +445,29 @@ fn local_roots_take_only_folders_inside_them() {
     let none = ferry_storage::LocalRoots::new([]).expect("roots");
     none.check(&url(&root)).expect_err("no roots");
 }
+
+/// A folder that takes no files (here a pseudo file system) refuses writes
+/// at once: `object_store`'s local writer would retry creating the file for
+/// ever, holding a thread that a stopping process then waits for.
+#[tokio::test]
+async fn a_folder_that_takes_no_files_refuses_writes_at_once() {
+    if !std::path::Path::new("/proc/self/status").exists() {
+        return;
+    }
+    let loc = open("file:///proc/self", &Default::default()).expect("open");
+    let refused = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        (
+            loc.put("b.parquet", bytes::Bytes::from_static(b"x")).await,
+            loc.put_create("c.parquet", bytes::Bytes::from_static(b"x"))
+                .await,
+            loc.upload("d.parquet", Default::default()).await.map(drop),
+        )
+    })
+    .await
+    .expect("answered in time, not a retry loop");
+    for r in [refused.0, refused.1, refused.2] {
+        assert!(matches!(r, Err(StorageError::NotWritable { .. })), "{r:?}");
+    }
+    // Reads still work.
+    assert!(loc.get("status").await.is_ok());
+}
