@@ -816,18 +816,23 @@ pub async fn stop_quorum(quorum: BenchQuorum) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A fresh temporary directory for one benchmark run inside `dir` (created
+/// if missing), or inside the working folder, so that the figures are for
+/// that disk; removed when dropped.
+pub fn scratch_dir(
+    dir: Option<&std::path::Path>,
+    prefix: &str,
+) -> anyhow::Result<tempfile::TempDir> {
+    let dir = dir.unwrap_or(std::path::Path::new("."));
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in(dir)
+        .with_context(|| format!("creating a temporary directory in {}", dir.display()))
+}
+
 pub async fn wal(args: WalBenchArgs) -> anyhow::Result<()> {
-    let tmp = match &args.dir {
-        Some(d) => {
-            std::fs::create_dir_all(d)?;
-            tempfile::Builder::new()
-                .prefix("ferry-bench-wal-")
-                .tempdir_in(d)?
-        }
-        None => tempfile::Builder::new()
-            .prefix("ferry-bench-wal-")
-            .tempdir_in(".")?,
-    };
+    let tmp = scratch_dir(args.dir.as_deref(), "ferry-bench-wal-")?;
     let n = args.safekeepers.max(1);
     let disk = disk_limits(tmp.path(), n, args.mib.clamp(64, 256))?;
     say!(

@@ -321,14 +321,7 @@ pub async fn ingest(args: IngestBenchArgs) -> anyhow::Result<()> {
     let ipc_alone = decode_alone(&schema, Format::Arrow, &ipc)?;
 
     // A fresh node: embedded coordination, three safekeepers, the API on loopback.
-    let root = match &args.dir {
-        Some(d) => tempfile::Builder::new()
-            .prefix("ferry-bench-ingest-")
-            .tempdir_in(d)?,
-        None => tempfile::Builder::new()
-            .prefix("ferry-bench-ingest-")
-            .tempdir_in(".")?,
-    };
+    let root = crate::bench::scratch_dir(args.dir.as_deref(), "ferry-bench-ingest-")?;
     let disk = Arc::new(ferry_env::RealDisk::open_root(root.path())?);
     let store =
         ferry_coord::embedded::EmbeddedStore::open(disk, "coord", Default::default()).await?;

@@ -361,3 +361,50 @@ fn aws_endpoint_url_names_the_s3_endpoint() {
     assert!(!out.status.success());
     assert!(err.contains("nothing was exported there"), "{err}");
 }
+
+/// Runs `ferry bench` with `args` and `--dir` a folder that does not exist
+/// yet (it is created); asserts it succeeds and prints each of `needles`.
+fn bench_smoke(args: &[&str], needles: &[&str]) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = Command::new(FERRY)
+        .arg("bench")
+        .args(args)
+        .arg("--dir")
+        .arg(dir.path().join("not-yet"))
+        .env_remove("RUST_LOG")
+        .env_remove("FERRY_TEST_S3_ENDPOINT")
+        .output()
+        .expect("run bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for needle in needles {
+        assert!(stdout.contains(needle), "no {needle:?} in:\n{stdout}");
+    }
+}
+
+/// A smoke run at a tiny size: a hang (its third replica once waited for
+/// ever for removed WAL) or a crash fails the suite; no figure is judged.
+#[test]
+fn ingest_benchmark_runs_at_a_tiny_size() {
+    bench_smoke(
+        &["ingest", "--rows", "20000", "--rows-per-request", "5000"],
+        &[
+            "NDJSON through HTTP into committed WAL",
+            "until both replicas applied it as parts",
+            "merges alone",
+        ],
+    );
+}
+
+/// A smoke run at a tiny size (the local half; the S3 half needs moto).
+#[test]
+fn export_benchmark_runs_at_a_tiny_size() {
+    bench_smoke(
+        &["export", "--mib", "4", "--parts", "8"],
+        &["local folder, 1 node(s)", "local folder, 2 node(s)"],
+    );
+}
