@@ -277,6 +277,9 @@ pub async fn insert(args: InsertArgs) -> anyhow::Result<()> {
     let mut deduplicated = 0u64;
     let mut requests = 0u64;
     let mut row_offset = 0u64;
+    // The highest commit_lsn answered: a read with `--min-lsn` at it sees
+    // every row of the file.
+    let mut last_commit: Option<(ferry_wal::Lsn, String)> = None;
     let policy = RetryPolicy {
         attempts: args.attempts.max(1),
         ..RetryPolicy::default()
@@ -332,6 +335,11 @@ pub async fn insert(args: InsertArgs) -> anyhow::Result<()> {
         if inserted.deduplicated {
             deduplicated += inserted.rows;
         }
+        if let Ok(lsn) = inserted.commit_lsn.parse::<ferry_wal::Lsn>() {
+            if last_commit.as_ref().is_none_or(|(l, _)| lsn > *l) {
+                last_commit = Some((lsn, inserted.commit_lsn.clone()));
+            }
+        }
         rows += inserted.rows;
         row_offset += inserted.rows;
         requests += 1;
@@ -352,6 +360,9 @@ pub async fn insert(args: InsertArgs) -> anyhow::Result<()> {
         rows as f64 / secs.max(1e-9),
         peak_rss_mib().map_or("?".into(), |m| m.to_string()),
     );
+    if let Some((_, lsn)) = last_commit {
+        say!("last commit_lsn {lsn} (read with --min-lsn {lsn} to see every row)");
+    }
     Ok(())
 }
 

@@ -885,6 +885,36 @@ fn ferry_insert_streams_a_large_file_with_bounded_memory() {
         stdout.contains(&format!("inserted {rows} rows into events")),
         "{stdout}"
     );
+    // The last commit_lsn, in the LSN form, reads every row back.
+    let last = stdout
+        .split("last commit_lsn ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .unwrap_or_else(|| panic!("no last commit_lsn in {stdout}"))
+        .to_string();
+    assert!(last.parse::<ferry_wal::Lsn>().is_ok(), "{last}");
+    let counted = Command::new(FERRY)
+        .args([
+            "query",
+            "count",
+            "events",
+            "--min-lsn",
+            &last,
+            "--url",
+            &url,
+        ])
+        .output()
+        .expect("ferry query count");
+    assert!(
+        counted.status.success(),
+        "{}",
+        String::from_utf8_lossy(&counted.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&counted.stdout).trim(),
+        rows.to_string(),
+        "every row, read at the last commit_lsn"
+    );
     let peak: u64 = stdout
         .split("peak memory ")
         .nth(1)
