@@ -16,7 +16,9 @@ use crate::client_cmd::ClientArgs;
 pub struct ExportArgs {
     #[command(subcommand)]
     pub command: Option<ExportCommand>,
-    /// The table.
+    /// The table. One named like a subcommand (`kill`, `help`) goes after
+    /// `--`, as any word there is a table and partition: `ferry export --to
+    /// URL -- kill P`.
     pub table: Option<String>,
     /// The partition id (see `ferry query partitions`).
     pub partition: Option<String>,

@@ -533,5 +533,22 @@ fn every_partition_gets_its_own_task_and_an_unexpired_one_is_skipped() {
     let files = ferry_ok(&["lake", "files", &lake_url], &url);
     let folders: BTreeSet<&str> = files.lines().filter_map(|l| l.split('/').next()).collect();
     assert_eq!(folders, BTreeSet::from(["p=a", "p=b", "p=c"]), "{files}");
+
+    // Tables named like a subcommand of `ferry export` (`kill`, `help`) are
+    // exported too: after `--`, every word is the table and partition.
+    for name in ["kill", "help"] {
+        rt.block_on(c.create_table_toml(&TABLE.replace("name = \"t\"", &format!("name = \"{name}\""))))
+            .expect("create table");
+        rt.block_on(c.insert_body(
+            name,
+            Format::Ndjson,
+            Bytes::from("{\"id\":1,\"p\":\"a\"}\n"),
+            None,
+        ))
+        .expect("insert");
+        let to = format!("file://{}", dev.data.join(format!("lake/{name}")).display());
+        let out = ferry_ok(&["export", "--to", &to, "--wait", "--", name, "a"], &url);
+        assert!(out.contains("COMPLETED"), "{out}");
+    }
     dev.stop();
 }
