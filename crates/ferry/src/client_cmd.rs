@@ -55,6 +55,8 @@ pub enum TableCommand {
     /// Creates a table from a TOML definition (a no-op if the same definition
     /// exists; another definition under the name is refused).
     Create {
+        /// The TOML file with the definition (`name`, `partition_by`,
+        /// `shard_by`, `[[columns]]`).
         #[arg(long)]
         file: PathBuf,
         #[command(flatten)]
@@ -67,12 +69,14 @@ pub enum TableCommand {
     },
     /// Shows one table's definition (as TOML).
     Show {
+        /// The table's name.
         name: String,
         #[command(flatten)]
         client: ClientArgs,
     },
     /// Drops a table nothing uses.
     Drop {
+        /// The table's name.
         name: String,
         #[command(flatten)]
         client: ClientArgs,
@@ -128,7 +132,9 @@ pub async fn table(cmd: TableCommand) -> anyhow::Result<()> {
 pub enum QueryCommand {
     /// Rows of a table (or one partition) on a replica.
     Count {
+        /// The table.
         table: String,
+        /// Count one partition only (its id, see `ferry query partitions`).
         #[arg(long)]
         partition: Option<String>,
         /// Which replica of the node answers.
@@ -142,7 +148,9 @@ pub enum QueryCommand {
     },
     /// The partitions of a table on a replica, with their parts.
     Partitions {
+        /// The table.
         table: String,
+        /// Which replica of the node answers.
         #[arg(long, default_value_t = 0)]
         replica: usize,
         #[command(flatten)]

@@ -48,12 +48,17 @@ pub enum ExportCommand {
     /// Kills a PENDING export (by transaction id, or by table, partition and
     /// destination): every replica stops its uploads, no commit file appears.
     Kill {
+        /// The export's transaction id (as `ferry export` and `ferry
+        /// exports` print it); or name it by the three below.
         #[arg(long)]
         transaction_id: Option<String>,
+        /// The exported table (with --partition and --to).
         #[arg(long)]
         table: Option<String>,
+        /// The exported partition.
         #[arg(long)]
         partition: Option<String>,
+        /// The export's destination URL.
         #[arg(long)]
         to: Option<String>,
         #[command(flatten)]
@@ -294,6 +299,7 @@ pub struct VerifyArgs {
     /// whole-file crc32c the commit file records (the default).
     #[arg(long)]
     pub quick: bool,
+    /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
 }

@@ -94,6 +94,7 @@ enum Command {
     /// Runs the separate `ferry-sim` binary installed beside this one (the
     /// product carries no simulator), e.g. `ferry sim wal --seeds 2000`.
     Sim {
+        /// Everything `ferry-sim` takes: a workload and its flags.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<std::ffi::OsString>,
     },
@@ -114,7 +115,10 @@ enum ConfigCommand {
     /// Prints a configuration file with every setting, its default and what it does.
     Example,
     /// Checks a configuration file (unknown keys, wrong types) and says what it sets.
-    Check { file: PathBuf },
+    Check {
+        /// The TOML configuration file to check.
+        file: PathBuf,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -239,4 +243,35 @@ fn main() -> anyhow::Result<()> {
             },
         }
     })
+}
+
+#[cfg(test)]
+mod help_tests {
+    use clap::CommandFactory;
+
+    /// Every subcommand and argument says what it is for in `--help`.
+    #[test]
+    fn every_argument_and_subcommand_has_help() {
+        fn walk(cmd: &clap::Command, path: &str, missing: &mut Vec<String>) {
+            for arg in cmd.get_arguments() {
+                let id = arg.get_id().as_str();
+                if matches!(id, "help" | "version") {
+                    continue;
+                }
+                if arg.get_help().is_none() && arg.get_long_help().is_none() {
+                    missing.push(format!("{path} --{id}"));
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                let name = format!("{path} {}", sub.get_name());
+                if sub.get_name() != "help" && sub.get_about().is_none() {
+                    missing.push(name.clone());
+                }
+                walk(sub, &name, missing);
+            }
+        }
+        let mut missing = Vec::new();
+        walk(&super::Cli::command(), "ferry", &mut missing);
+        assert!(missing.is_empty(), "no help text: {missing:#?}");
+    }
 }

@@ -537,8 +537,10 @@ fn every_partition_gets_its_own_task_and_an_unexpired_one_is_skipped() {
     // Tables named like a subcommand of `ferry export` (`kill`, `help`) are
     // exported too: after `--`, every word is the table and partition.
     for name in ["kill", "help"] {
-        rt.block_on(c.create_table_toml(&TABLE.replace("name = \"t\"", &format!("name = \"{name}\""))))
-            .expect("create table");
+        rt.block_on(
+            c.create_table_toml(&TABLE.replace("name = \"t\"", &format!("name = \"{name}\""))),
+        )
+        .expect("create table");
         rt.block_on(c.insert_body(
             name,
             Format::Ndjson,
