@@ -170,7 +170,20 @@ pub fn default_data_dir() -> PathBuf {
     PathBuf::from("ferry-data")
 }
 
-fn main() -> anyhow::Result<()> {
+/// Errors are printed as one readable chain (`error: what: why: ...`),
+/// never as a debug dump with a backtrace, whatever `RUST_BACKTRACE` says.
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            use std::io::Write as _;
+            let _ = writeln!(std::io::stderr(), "error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> anyhow::Result<()> {
     let args = config::apply(std::env::args_os().collect())?;
     let cli = Cli::parse_from(args);
     let _ = &cli.config; // applied above, before parsing

@@ -408,3 +408,30 @@ fn export_benchmark_runs_at_a_tiny_size() {
         &["local folder, 1 node(s)", "local folder, 2 node(s)"],
     );
 }
+
+/// `ferry config check` names the file, the line and what is wrong, as one
+/// readable error: no debug dump, even with backtraces asked for.
+#[test]
+fn config_check_errors_are_readable() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("ferry.toml");
+    std::fs::write(&file, "[dev]\nhttp = \"127.0.0.1:1\"\nbogus = \"x\"\n").expect("write");
+    let out = Command::new(FERRY)
+        .args(["config", "check"])
+        .arg(&file)
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .expect("run ferry config check");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.starts_with("error: configuration file ")
+            && stderr.contains("line 3")
+            && stderr.contains("unknown field `bogus`"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("backtrace") && !stderr.contains("Caused by"),
+        "{stderr}"
+    );
+}
