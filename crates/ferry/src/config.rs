@@ -30,6 +30,7 @@ pub struct FileConfig {
 #[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ReplicaSection {
+    pub cluster_id: Option<String>,
     pub shard: Option<u32>,
     pub replica: Option<u32>,
     pub safekeepers: Option<Vec<String>>,
@@ -49,6 +50,18 @@ pub struct DevSection {
     pub segment_bytes: Option<u64>,
     pub wal_preallocation: Option<String>,
     pub export_roots: Option<Vec<String>>,
+    pub wal_backup: Option<String>,
+    pub wal_backup_parallel_jobs: Option<u64>,
+    pub walsenders_keep_horizon: Option<bool>,
+    pub wal_removal_interval: Option<String>,
+    pub keep_all_wal: Option<bool>,
+    pub partial_backup_enabled: Option<bool>,
+    pub partial_backup_timeout: Option<String>,
+    pub restore_quarantine: Option<String>,
+    pub replica_expiry: Option<String>,
+    pub max_replication_write_lag: Option<u64>,
+    pub max_replication_flush_lag: Option<u64>,
+    pub max_replication_apply_lag: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize, Serialize)]
@@ -62,6 +75,16 @@ pub struct SafekeeperSection {
     pub segment_bytes: Option<u64>,
     pub wal_preallocation: Option<String>,
     pub http: Option<String>,
+    pub restore_from_backup: Option<bool>,
+    pub wal_backup: Option<String>,
+    pub wal_backup_parallel_jobs: Option<u64>,
+    pub walsenders_keep_horizon: Option<bool>,
+    pub wal_removal_interval: Option<String>,
+    pub keep_all_wal: Option<bool>,
+    pub partial_backup_enabled: Option<bool>,
+    pub partial_backup_timeout: Option<String>,
+    pub restore_quarantine: Option<String>,
+    pub replica_expiry: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize, Serialize)]
@@ -72,6 +95,10 @@ pub struct WriterSection {
     pub segment_bytes: Option<u64>,
     pub http: Option<String>,
     pub zookeeper: Option<String>,
+    pub max_replication_write_lag: Option<u64>,
+    pub max_replication_flush_lag: Option<u64>,
+    pub max_replication_apply_lag: Option<u64>,
+    pub replica_expiry: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize, Serialize)]
@@ -104,6 +131,32 @@ wal_preallocation = "auto"
 # Folders a file:// export destination must lie in (default: <data_dir>/lake).
 # Env: FERRY_EXPORT_ROOTS.
 # export_roots = ["/srv/lake"]
+# Where whole WAL segments are backed up: "file:///dir" or "s3://bucket/prefix"
+# (S3 settings from the AWS_* variables). Env: FERRY_WAL_BACKUP.
+# wal_backup = "s3://backups/ferry"
+# Segment uploads in flight.
+wal_backup_parallel_jobs = 5
+# Keep the WAL the slowest active walsender has not sent yet.
+walsenders_keep_horizon = false
+# How often segments behind every consumer are removed.
+wal_removal_interval = "5s"
+# Never remove WAL segments locally.
+keep_all_wal = false
+# Also back up the flushed prefix of the segment being written (needs wal_backup).
+partial_backup_enabled = false
+# How long flush_lsn must stay in one segment before its prefix is uploaded.
+partial_backup_timeout = "15m"
+# How long a safekeeper restored from the backup waits before a writer may
+# bring it back (above every writer's election timeout, 3 s).
+restore_quarantine = "10s"
+# A replica whose feedback has not changed for this long no longer holds WAL
+# removal or back-pressure (it reads removed WAL from the backup if it comes back).
+replica_expiry = "1day"
+# Inserts wait while the end of WAL is this many bytes ahead of what the
+# slowest replica received / made durable / applied remotely (0: no limit).
+max_replication_write_lag = 0
+max_replication_flush_lag = 0
+max_replication_apply_lag = 0
 
 [safekeeper]
 # Id of this safekeeper, unique in its quorum (required).
@@ -121,6 +174,30 @@ segment_bytes = 16777216
 wal_preallocation = "auto"
 # HTTP endpoint: /status and /metrics.
 http = "127.0.0.1:7676"
+# Rebuild the safekeeper from wal_backup if its data dir holds no control
+# file (its data was lost); with one present it starts as it is.
+restore_from_backup = false
+# Where whole WAL segments are backed up: "file:///dir" or "s3://bucket/prefix"
+# (S3 settings from the AWS_* variables). Env: FERRY_WAL_BACKUP.
+# wal_backup = "s3://backups/ferry"
+# Segment uploads in flight.
+wal_backup_parallel_jobs = 5
+# Keep the WAL the slowest active walsender has not sent yet.
+walsenders_keep_horizon = false
+# How often segments behind every consumer are removed.
+wal_removal_interval = "5s"
+# Never remove WAL segments locally.
+keep_all_wal = false
+# Also back up the flushed prefix of the segment being written (needs wal_backup).
+partial_backup_enabled = false
+# How long flush_lsn must stay in one segment before its prefix is uploaded.
+partial_backup_timeout = "15m"
+# How long a safekeeper restored from the backup waits before a writer may
+# bring it back (above every writer's election timeout, 3 s).
+restore_quarantine = "10s"
+# A replica whose feedback has not changed for this long no longer holds WAL
+# removal or back-pressure (it reads removed WAL from the backup if it comes back).
+replica_expiry = "1day"
 
 [writer]
 # The cluster whose safekeepers it writes to (required). Env: FERRY_CLUSTER_ID.
@@ -133,8 +210,19 @@ http = "127.0.0.1:7677"
 # ZooKeeper ensemble host:port[,host:port...][/chroot] holding the cluster
 # record, the last known commit and the table catalog. Env: FERRY_ZOOKEEPER.
 # zookeeper = "10.0.0.9:2181/ferry"
+# Inserts wait while the end of WAL is this many bytes ahead of what the
+# slowest replica received / made durable / applied remotely (0: no limit).
+max_replication_write_lag = 0
+max_replication_flush_lag = 0
+max_replication_apply_lag = 0
+# A replica whose feedback has not changed for this long no longer holds
+# back-pressure (as the safekeepers' replica_expiry).
+replica_expiry = "1day"
 
 [replica]
+# The cluster it belongs to, checked against the cluster record (required).
+# Env: FERRY_CLUSTER_ID.
+# cluster_id = "prod"
 # The shard it holds and which replica of the shard it is (required).
 # shard = 0
 # replica = 0
@@ -180,6 +268,7 @@ fn env_of(key: &str) -> Option<&'static str> {
         "zookeeper" => Some("FERRY_ZOOKEEPER"),
         "api_token" => Some("FERRY_API_TOKEN"),
         "export_roots" => Some("FERRY_EXPORT_ROOTS"),
+        "wal_backup" => Some("FERRY_WAL_BACKUP"),
         _ => None,
     }
 }

@@ -198,7 +198,13 @@ fn run() -> anyhow::Result<()> {
                     .with_context(|| format!("reading {}", file.display()))?;
                 let parsed = config::parse(&text)
                     .with_context(|| format!("configuration file {}", file.display()))?;
-                say!("{} is valid: {parsed:?}", file.display());
+                let settings =
+                    toml::to_string(&parsed).context("showing the configuration's settings")?;
+                say!(
+                    "{} is valid; it sets:\n{}",
+                    file.display(),
+                    settings.trim_end()
+                );
             }
         }
         return Ok(());
@@ -286,5 +292,69 @@ mod help_tests {
         let mut missing = Vec::new();
         walk(&super::Cli::command(), "ferry", &mut missing);
         assert!(missing.is_empty(), "no help text: {missing:#?}");
+    }
+}
+
+#[cfg(test)]
+mod config_tests {
+    use clap::CommandFactory;
+
+    /// The lines of `[section]` in the example file.
+    fn section(name: &str) -> String {
+        let start = format!("[{name}]\n");
+        let text = crate::config::EXAMPLE;
+        let at = text.find(&start).unwrap_or_else(|| panic!("no [{name}]"));
+        let rest = &text[at + start.len()..];
+        rest[..rest.find("\n[").unwrap_or(rest.len())].to_string()
+    }
+
+    /// Every flag of every role can be set in the file, and the example
+    /// lists it (set or commented out) in the role's section, or in `[api]`
+    /// for the insert API's; per-invocation flags are the exceptions.
+    #[test]
+    fn every_flag_of_every_role_has_a_key_in_the_example() {
+        let cli = super::Cli::command();
+        let per_invocation = ["help", "config", "demo", "demo-rows", "sync"];
+        let api = section("api");
+        let mut missing = Vec::new();
+        for role in ["dev", "safekeeper", "writer", "replica"] {
+            let cmd = cli.find_subcommand(role).expect("role");
+            let own = section(role);
+            for arg in cmd.get_arguments() {
+                let Some(long) = arg.get_long() else { continue };
+                if per_invocation.contains(&long) {
+                    continue;
+                }
+                let key = long.replace('-', "_");
+                let listed = |text: &str| {
+                    text.lines().any(|l| {
+                        let l = l.trim_start_matches("# ");
+                        l.starts_with(&format!("{key} = "))
+                    })
+                };
+                let in_api = matches!(role, "dev" | "writer") && listed(&api);
+                if !listed(&own) && !in_api {
+                    missing.push(format!("[{role}] {key}"));
+                }
+            }
+        }
+        assert!(missing.is_empty(), "not in the example: {missing:?}");
+        // With every commented-out key set, the example still parses: each
+        // key is one the file takes.
+        let all: String = crate::config::EXAMPLE
+            .lines()
+            .map(|l| match l.strip_prefix("# ") {
+                Some(rest)
+                    if rest.split(" = ").next().is_some_and(|k| {
+                        !k.is_empty() && k.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+                    }) && rest.contains(" = ") =>
+                {
+                    rest.to_string()
+                }
+                _ => l.to_string(),
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
+        crate::config::parse(&all).unwrap_or_else(|e| panic!("{e}\n{all}"));
     }
 }
