@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 use ferry_env::Disk;
+use ferry_wal::liveness::Tombstones;
 use ferry_wal::proto::{
     AppendRequest, AppendResponse, ForgottenReplica, FromSafekeeper, Greeting, GreetingResponse,
     ProposerElected, Restored, ShardFeedback, ToSafekeeper, VoteResponse, MAX_READ_WAL_BYTES,
@@ -57,7 +58,7 @@ pub struct FeedbackBoard(Arc<std::sync::Mutex<Board>>);
 #[derive(Debug, Default)]
 struct Board {
     latest: BTreeMap<(u32, u32), ShardFeedback>,
-    forgotten: BTreeMap<(u32, u32), u64>,
+    forgotten: Tombstones,
 }
 
 impl FeedbackBoard {
@@ -71,12 +72,8 @@ impl FeedbackBoard {
     pub fn record(&self, feedback: ShardFeedback) {
         let key = (feedback.shard_number, feedback.replica_number);
         let mut board = self.lock();
-        match board.forgotten.get(&key) {
-            Some(&up_to) if feedback.reply_time_micros <= up_to => return,
-            Some(_) => {
-                board.forgotten.remove(&key);
-            }
-            None => {}
+        if board.forgotten.hides(&feedback) {
+            return;
         }
         if !board.latest.contains_key(&key) && board.latest.len() >= MAX_FEEDBACK_REPLICAS {
             tracing::warn!(
@@ -108,35 +105,13 @@ impl FeedbackBoard {
         if registered {
             board.latest.remove(&key);
         }
-        let up_to = board.forgotten.entry(key).or_insert(0);
-        *up_to = (*up_to).max(forget.reply_time_micros);
-        if board.forgotten.len() > MAX_FEEDBACK_REPLICAS {
-            // Bounded: the oldest tombstone goes first.
-            if let Some(oldest) = board
-                .forgotten
-                .iter()
-                .min_by_key(|(_, t)| **t)
-                .map(|(k, _)| *k)
-            {
-                board.forgotten.remove(&oldest);
-            }
-        }
+        board.forgotten.add(forget);
         registered
     }
 
     /// The tombstones, for the writer (which forgets the same replicas).
     pub fn forgotten(&self) -> Vec<ForgottenReplica> {
-        self.lock()
-            .forgotten
-            .iter()
-            .map(
-                |(&(shard_number, replica_number), &reply_time_micros)| ForgottenReplica {
-                    shard_number,
-                    replica_number,
-                    reply_time_micros,
-                },
-            )
-            .collect()
+        self.lock().forgotten.list()
     }
 
     /// Every replica's latest feedback, in (shard, replica) order.

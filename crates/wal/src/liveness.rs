@@ -13,7 +13,59 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::proto::ShardFeedback;
+use crate::proto::{ForgottenReplica, ShardFeedback};
+
+/// Most tombstones kept; past it the oldest goes first.
+pub const MAX_TOMBSTONES: usize = 4096;
+
+/// Forgotten replicas, each with the newest reply time forgotten: feedback
+/// at or below it is stale (a copy relayed again) and ignored; newer
+/// feedback means the replica came back, and clears the tombstone.
+#[derive(Debug, Default, Clone)]
+pub struct Tombstones(BTreeMap<(u32, u32), u64>);
+
+impl Tombstones {
+    /// Whether `fb` is forgotten feedback (and must be ignored). Newer
+    /// feedback clears the tombstone.
+    pub fn hides(&mut self, fb: &ShardFeedback) -> bool {
+        let key = (fb.shard_number, fb.replica_number);
+        match self.0.get(&key) {
+            Some(&up_to) if fb.reply_time_micros <= up_to => true,
+            Some(_) => {
+                self.0.remove(&key);
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// Records that feedback up to `forget.reply_time_micros` is forgotten.
+    pub fn add(&mut self, forget: ForgottenReplica) {
+        let up_to = self
+            .0
+            .entry((forget.shard_number, forget.replica_number))
+            .or_insert(0);
+        *up_to = (*up_to).max(forget.reply_time_micros);
+        if self.0.len() > MAX_TOMBSTONES {
+            if let Some(oldest) = self.0.iter().min_by_key(|(_, t)| **t).map(|(k, _)| *k) {
+                self.0.remove(&oldest);
+            }
+        }
+    }
+
+    pub fn list(&self) -> Vec<ForgottenReplica> {
+        self.0
+            .iter()
+            .map(
+                |(&(shard_number, replica_number), &reply_time_micros)| ForgottenReplica {
+                    shard_number,
+                    replica_number,
+                    reply_time_micros,
+                },
+            )
+            .collect()
+    }
+}
 
 /// Default replica expiry, for safekeepers and writers alike: a day.
 pub const DEFAULT_REPLICA_EXPIRY: Duration = Duration::from_secs(24 * 3600);

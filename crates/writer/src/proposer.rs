@@ -268,8 +268,8 @@ pub struct Proposer {
     truncate_lsn: Lsn,
     /// The newest feedback of each (shard, replica), relayed by safekeepers.
     feedback: BTreeMap<(u32, u32), ShardFeedback>,
-    /// Forgotten replicas: their feedback up to this reply time is ignored.
-    forgotten: BTreeMap<(u32, u32), u64>,
+    /// Forgotten replicas: their feedback up to a tombstone is ignored.
+    forgotten: ferry_wal::liveness::Tombstones,
     /// The commit_lsn each safekeeper last reported (it learns it from appends).
     peer_commit: Vec<Lsn>,
     /// The highest backup_lsn any safekeeper reported; relayed to all of them.
@@ -299,7 +299,7 @@ impl Proposer {
             commit_lsn: Lsn(0),
             truncate_lsn: Lsn(0),
             feedback: BTreeMap::new(),
-            forgotten: BTreeMap::new(),
+            forgotten: Default::default(),
             peer_commit: vec![Lsn(0); n],
             backup_lsn: Lsn(0),
             probe: 0,
@@ -342,18 +342,7 @@ impl Proposer {
         if known {
             self.feedback.remove(&key);
         }
-        let up_to = self.forgotten.entry(key).or_insert(0);
-        *up_to = (*up_to).max(forget.reply_time_micros);
-        if self.forgotten.len() > MAX_FEEDBACK_REPLICAS {
-            if let Some(oldest) = self
-                .forgotten
-                .iter()
-                .min_by_key(|(_, t)| **t)
-                .map(|(k, _)| *k)
-            {
-                self.forgotten.remove(&oldest);
-            }
-        }
+        self.forgotten.add(forget);
         known
     }
 
@@ -599,11 +588,7 @@ impl Proposer {
                 }
                 for fb in &a.shard_feedback {
                     let key = (fb.shard_number, fb.replica_number);
-                    if self
-                        .forgotten
-                        .get(&key)
-                        .is_some_and(|up_to| fb.reply_time_micros <= *up_to)
-                    {
+                    if self.forgotten.hides(fb) {
                         continue;
                     }
                     let newer = self
