@@ -191,9 +191,9 @@ enum Peer {
     Offline,
     /// Greeting sent.
     Greeting,
-    /// Refused the greeting: it serves another cluster, timeline or segment
-    /// size. Not greeted again in this attempt (a new attempt, after the
-    /// election timeout, tries again: that is the back-off).
+    /// Refused the greeting (another cluster, timeline or segment size, or a
+    /// safekeeper stopped on a disk error). Greeted again on its next
+    /// connection; every safekeeper refused at once stops the writer.
     Refused {
         reason: String,
     },
@@ -268,6 +268,8 @@ pub struct Proposer {
     truncate_lsn: Lsn,
     /// The newest feedback of each (shard, replica), relayed by safekeepers.
     feedback: BTreeMap<(u32, u32), ShardFeedback>,
+    /// The last greeting refusal logged per safekeeper.
+    refusals_logged: Vec<Option<String>>,
     /// Forgotten replicas: their feedback up to a tombstone is ignored.
     forgotten: ferry_wal::liveness::Tombstones,
     /// The commit_lsn each safekeeper last reported (it learns it from appends).
@@ -300,6 +302,7 @@ impl Proposer {
             truncate_lsn: Lsn(0),
             feedback: BTreeMap::new(),
             forgotten: Default::default(),
+            refusals_logged: vec![None; n],
             peer_commit: vec![Lsn(0); n],
             backup_lsn: Lsn(0),
             probe: 0,
@@ -404,9 +407,6 @@ impl Proposer {
         if matches!(self.phase, Phase::Stopped | Phase::Lost) || peer >= self.peers.len() {
             return Vec::new();
         }
-        if matches!(self.peers[peer], Peer::Refused { .. }) {
-            return Vec::new();
-        }
         self.peers[peer] = Peer::Greeting;
         vec![Action::Send {
             to: peer,
@@ -425,9 +425,7 @@ impl Proposer {
         if peer >= self.peers.len() {
             return Vec::new();
         }
-        if !matches!(self.peers[peer], Peer::Refused { .. }) {
-            self.peers[peer] = Peer::Offline;
-        }
+        self.peers[peer] = Peer::Offline;
         let mut actions = Vec::new();
         if self.fetch.as_ref().is_some_and(|f| f.source == peer) {
             self.fetch = None;
@@ -640,7 +638,12 @@ impl Proposer {
     }
 
     fn on_greeting_refused(&mut self, peer: usize, reason: String, actions: &mut Vec<Action>) {
-        tracing::warn!(peer, %reason, "safekeeper refused this writer's greeting");
+        // A new connection greets again (the safekeeper may have been
+        // repaired or restarted meanwhile); the same refusal is logged once.
+        if self.refusals_logged[peer].as_deref() != Some(reason.as_str()) {
+            tracing::warn!(peer, %reason, "safekeeper refused this writer's greeting");
+            self.refusals_logged[peer] = Some(reason.clone());
+        }
         self.peers[peer] = Peer::Refused { reason };
         let reasons: Vec<String> = self
             .peers

@@ -360,7 +360,7 @@ async fn a_writer_of_another_cluster_is_refused_by_all_and_no_term_moves() {
     for i in 0..3 {
         assert_eq!(cluster.acceptor(i).term(), 0, "safekeeper {i} never voted");
     }
-    // A reconnect does not greet a refusing safekeeper again in this attempt.
+    // It stopped: nothing is greeted any more.
     let again = w.proposer.on_connected(0);
     assert!(again.is_empty(), "{again:?}");
 }
