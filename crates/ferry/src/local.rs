@@ -198,6 +198,10 @@ pub async fn start_safekeeper(
     })
 }
 
+/// How long a restore is retried while the backup is incomplete or the
+/// object store fails, before the safekeeper gives up starting.
+const RESTORE_RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(300);
+
 /// Rebuilds safekeeper `dir` from the backup when it has no control file;
 /// one that has its control file starts as it is (the flag can stay on).
 async fn restore_if_lost(
@@ -227,14 +231,43 @@ async fn restore_if_lost(
         backup.location.url(),
         node_dir.display()
     );
-    let report = ferry_safekeeper::restore::restore_from_backup(
-        Arc::clone(disk),
-        dir,
-        config,
-        &backup.location,
-    )
-    .await
-    .with_context(|| format!("restoring safekeeper {} from the backup", config.node_id))?;
+    // The backup may be briefly incomplete (the running safekeepers upload
+    // segments in parallel) or the object store briefly unreachable: the
+    // restore is retried with back-off for a while. A restore cleans up
+    // after an attempt that stopped midway, so an attempt starts afresh.
+    let mut waited = std::time::Duration::ZERO;
+    let mut pause = std::time::Duration::from_secs(1);
+    let report = loop {
+        use ferry_safekeeper::restore::RestoreError;
+        match ferry_safekeeper::restore::restore_from_backup(
+            Arc::clone(disk),
+            dir,
+            config,
+            &backup.location,
+        )
+        .await
+        {
+            Ok(report) => break report,
+            Err(e @ (RestoreError::Incomplete { .. } | RestoreError::Storage(_)))
+                if waited < RESTORE_RETRY_FOR =>
+            {
+                say!(
+                    "safekeeper {}: restore attempt failed ({e}); retrying in {}",
+                    config.node_id,
+                    humantime::format_duration(pause)
+                );
+                tokio::time::sleep(pause).await;
+                waited += pause;
+                pause = (pause * 2).min(std::time::Duration::from_secs(30));
+            }
+            Err(e) => {
+                return Err(anyhow::Error::new(e).context(format!(
+                    "restoring safekeeper {} from the backup",
+                    config.node_id
+                )))
+            }
+        }
+    };
     say!(
         "safekeeper {}: restored {} whole segments{} ({} bytes), WAL up to {}; it votes again once a writer brings it back (after {})",
         config.node_id,

@@ -1,5 +1,6 @@
 //! A safekeeper process whose data dir is lost is rebuilt with `ferry
-//! safekeeper --restore-from-backup` while appends go on: it restores the
+//! safekeeper --restore-from-backup` while appends go on (retrying while the
+//! backup lacks its first segment): it restores the
 //! backed-up whole segments and the newest partial segment, does not vote,
 //! is brought back by the writer after its quarantine, catches up, and then
 //! holds every acknowledged insert like the others.
@@ -196,7 +197,47 @@ async fn a_lost_safekeeper_is_restored_from_the_backup_while_writes_go_on() {
         String::from_utf8_lossy(&refused.stderr)
     );
     let before_restore = lsn(&writer.status().commit_lsn);
-    let (child, _, printed) = start(2, &addrs[2], &["--restore-from-backup"]);
+    // The backup is briefly incomplete (segment 0 away, as while the first
+    // segment's upload is still running): the restore is retried, and ends
+    // once segment 0 is back.
+    let segments = backup_dir.join(CLUSTER).join("wal");
+    let first_segment = std::fs::read_dir(&segments)
+        .expect("segments")
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .min()
+        .expect("a whole segment in the backup");
+    let aside = dir.path().join("segment-0-aside");
+    std::fs::rename(&first_segment, &aside).expect("move segment 0 away");
+    let mut retried = 0;
+    let (child, _, printed) = {
+        let args = service(&["--restore-from-backup"]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        common::start_safekeeper_watching(
+            2,
+            &dir.path().join("sk2"),
+            &addrs[2],
+            &args,
+            CLUSTER,
+            SEG,
+            |line| {
+                if line.contains("restore attempt failed") {
+                    assert!(
+                        line.contains("does not hold the timeline's first segment"),
+                        "{line}"
+                    );
+                    retried += 1;
+                    if retried == 1 {
+                        std::fs::rename(&aside, &first_segment).expect("segment 0 back");
+                    }
+                }
+            },
+        )
+    };
+    assert!(
+        retried >= 1,
+        "the incomplete backup was retried: {printed:?}"
+    );
     children[2] = child;
     // Writes go on while it is in quarantine and while it is brought back
     // (resumed only now so that the segment of the pause stays partial).

@@ -97,6 +97,12 @@ const REGRESSION_SEEDS: &[u64] = &[
     // waiting for its restore, and no later attempt repaired it (each
     // attempt now comes with a working disk).
     89002764,
+    // A restored safekeeper behind the others' removal horizon was caught up
+    // by a writer reading the donors' WAL backup in reads of a few KiB with
+    // 1 in 10 backup reads failing: each failure restarted the whole read
+    // from its start, so it never ended (the product: a read now resumes
+    // where it stopped).
+    89112261, 89109983, 89112384,
 ];
 
 #[test]

@@ -240,7 +240,11 @@ enum Phase {
 /// A read of WAL the writer does not hold, from an up-to-date safekeeper.
 #[derive(Debug, Clone)]
 struct Fetch {
-    source: usize,
+    /// The safekeeper read from; `None` while paused: the source went away and
+    /// no other can serve yet. What was received is kept, so a long read (from
+    /// a peer's WAL backup, where a transient failure is common) resumes from
+    /// where it stopped instead of starting over.
+    source: Option<usize>,
     begin: Lsn,
     end: Lsn,
     /// The end of the reads asked for so far: one read at a time, each at
@@ -427,10 +431,7 @@ impl Proposer {
         }
         self.peers[peer] = Peer::Offline;
         let mut actions = Vec::new();
-        if self.fetch.as_ref().is_some_and(|f| f.source == peer) {
-            self.fetch = None;
-            self.start_fetch_if_needed(&mut actions);
-        }
+        self.pause_fetch_from(peer, &mut actions);
         actions
     }
 
@@ -623,10 +624,7 @@ impl Proposer {
                     tracing::warn!(peer, %reason, "safekeeper refused; reconnecting to it");
                     self.peers[peer] = Peer::Offline;
                     actions.push(Action::Reconnect { peer });
-                    if self.fetch.as_ref().is_some_and(|f| f.source == peer) {
-                        self.fetch = None;
-                        self.start_fetch_if_needed(&mut actions);
-                    }
+                    self.pause_fetch_from(peer, &mut actions);
                 }
             }
             // Walsender answers: never sent to a writer.
@@ -1043,7 +1041,9 @@ impl Proposer {
     /// safekeeper's flush when all stream, else below the commit once the buffer
     /// is over its limit (a returning safekeeper then reads from a peer).
     fn trim_buffer(&mut self) {
-        if self.fetch.is_some() {
+        // A running read ends at the buffer's start: the buffer stays put
+        // until it lands. A paused one reads on to the new start on resuming.
+        if self.fetch.as_ref().is_some_and(|f| f.source.is_some()) {
             return;
         }
         let streaming = self.streaming_flushes();
@@ -1100,10 +1100,23 @@ impl Proposer {
         }
     }
 
-    /// Starts reading WAL below the buffer that a safekeeper needs, from the donor
-    /// or from a safekeeper that already streams in this term.
+    /// A read from `peer` stops (it went away or refused): kept with what it
+    /// received and resumed from another safekeeper, or from this one when it
+    /// is back.
+    fn pause_fetch_from(&mut self, peer: usize, actions: &mut Vec<Action>) {
+        if let Some(fetch) = self.fetch.as_mut().filter(|f| f.source == Some(peer)) {
+            fetch.source = None;
+            self.start_fetch_if_needed(actions);
+        }
+    }
+
+    /// Starts (or resumes) reading WAL below the buffer that a safekeeper needs,
+    /// from the donor or from a safekeeper that already streams in this term.
+    /// Below the buffer's start every such safekeeper holds the same WAL (each
+    /// was truncated to its common point with the donor), so a read may change
+    /// source midway.
     fn start_fetch_if_needed(&mut self, actions: &mut Vec<Action>) {
-        if self.fetch.is_some() || self.phase != Phase::Elected {
+        if self.phase != Phase::Elected || self.fetch.as_ref().is_some_and(|f| f.source.is_some()) {
             return;
         }
         let needed = self
@@ -1115,8 +1128,17 @@ impl Proposer {
             })
             .filter(|lsn| *lsn < self.buffer.start())
             .min();
-        let Some(begin) = needed else { return };
+        let Some(needed) = needed else {
+            self.fetch = None;
+            return;
+        };
         let end = self.buffer.start();
+        // A paused read resumes when it still covers what is needed.
+        let (begin, received) = match self.fetch.take() {
+            Some(paused) if paused.begin <= needed => (paused.begin, paused.received),
+            _ => (needed, BytesMut::new()),
+        };
+        let have = Lsn(begin.0 + received.len() as u64);
         // The donor holds the WAL up to the epoch start unless it lost it:
         // a donor restored from the backup since is a safekeeper like any.
         let donor_ok = self.donor.filter(|&d| match self.peers[d] {
@@ -1148,22 +1170,37 @@ impl Proposer {
                 });
                 return;
             }
-            tracing::warn!(%begin, %end, "no safekeeper can provide the WAL a lagging safekeeper needs");
+            tracing::warn!(%begin, %have, %end, "no safekeeper can provide the WAL a lagging safekeeper needs yet");
+            self.fetch = Some(Fetch {
+                source: None,
+                begin,
+                end,
+                requested: have,
+                received,
+            });
             return;
         };
-        let requested = self.read_wal_end(begin, end);
+        if have > begin {
+            tracing::info!(source, %begin, %have, %end, "resuming a recovery read");
+        }
+        let requested = self.read_wal_end(have, end);
         self.fetch = Some(Fetch {
-            source,
+            source: Some(source),
             begin,
             end,
             requested,
-            received: BytesMut::new(),
+            received,
         });
+        if have >= end {
+            // Paused right at its end (a read returned more than asked).
+            self.finish_fetch(source, actions);
+            return;
+        }
         actions.push(Action::Send {
             to: source,
             msg: ToSafekeeper::ReadWal {
                 term: self.term,
-                begin_lsn: begin,
+                begin_lsn: have,
                 end_lsn: requested,
             },
         });
@@ -1179,46 +1216,52 @@ impl Proposer {
         let Some(fetch) = self.fetch.as_mut() else {
             return;
         };
-        if fetch.source != peer || begin != Lsn(fetch.begin.0 + fetch.received.len() as u64) {
+        if fetch.source != Some(peer) || begin != Lsn(fetch.begin.0 + fetch.received.len() as u64) {
             return;
         }
         fetch.received.extend_from_slice(&wal);
         let have = Lsn(fetch.begin.0 + fetch.received.len() as u64);
-        if have < fetch.end {
-            if have >= fetch.requested {
-                // This read is done: the next one, from the same safekeeper.
-                let (source, end) = (fetch.source, fetch.end);
-                let next = self.read_wal_end(have, end);
-                if let Some(fetch) = self.fetch.as_mut() {
-                    fetch.requested = next;
-                }
-                tracing::debug!(source, %have, %next, "next recovery read");
-                actions.push(Action::Send {
-                    to: source,
-                    msg: ToSafekeeper::ReadWal {
-                        term: self.term,
-                        begin_lsn: have,
-                        end_lsn: next,
-                    },
-                });
-            }
+        if have >= fetch.end {
+            self.finish_fetch(peer, actions);
             return;
         }
+        if have >= fetch.requested {
+            // This read is done: the next one, from the same safekeeper.
+            let end = fetch.end;
+            let next = self.read_wal_end(have, end);
+            if let Some(fetch) = self.fetch.as_mut() {
+                fetch.requested = next;
+            }
+            tracing::debug!(source = peer, %have, %next, "next recovery read");
+            actions.push(Action::Send {
+                to: peer,
+                msg: ToSafekeeper::ReadWal {
+                    term: self.term,
+                    begin_lsn: have,
+                    end_lsn: next,
+                },
+            });
+        }
+    }
+
+    /// The read reached the buffer's start: its WAL goes in front of the
+    /// buffer and the lagging safekeepers are sent what they miss.
+    fn finish_fetch(&mut self, last_source: usize, actions: &mut Vec<Action>) {
         let Some(fetch) = self.fetch.take() else {
             return;
         };
-        if have > fetch.end {
-            tracing::warn!(peer, "recovery read returned more than asked");
-        }
         let mut received = fetch.received;
+        if received.len() as u64 > fetch.end.distance_from(fetch.begin) {
+            tracing::warn!(last_source, "recovery read returned more than asked");
+        }
         received.truncate(fetch.end.distance_from(fetch.begin) as usize);
         let data = received.freeze();
         let ends = match record_ends(&data) {
             Ok(ends) => ends,
             Err(e) => {
-                tracing::error!(peer, error = %e, "recovered WAL is not whole records");
-                self.peers[peer] = Peer::Offline;
-                actions.push(Action::Reconnect { peer });
+                tracing::error!(last_source, error = %e, "recovered WAL is not whole records");
+                self.peers[last_source] = Peer::Offline;
+                actions.push(Action::Reconnect { peer: last_source });
                 return;
             }
         };

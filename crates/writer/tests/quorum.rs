@@ -167,6 +167,9 @@ struct Writer {
     reads: Vec<(Lsn, Lsn)>,
     /// The refusals of `RefusedByAll`.
     refused: Option<Vec<String>>,
+    /// Recovery reads (by their index in `reads`) that the safekeeper
+    /// refuses instead of answering, as one whose backup read failed does.
+    failing_reads: Vec<usize>,
 }
 
 impl Writer {
@@ -190,6 +193,7 @@ impl Writer {
             lost: None,
             behind: None,
             reads: Vec::new(),
+            failing_reads: Vec::new(),
             refused: None,
         }
     }
@@ -219,10 +223,21 @@ impl Writer {
                     Action::Send { to, msg } => {
                         if self.connected[to] && cluster.acceptors[to].is_some() {
                             if let ToSafekeeper::ReadWal {
-                                begin_lsn, end_lsn, ..
+                                term,
+                                begin_lsn,
+                                end_lsn,
                             } = &msg
                             {
                                 self.reads.push((*begin_lsn, *end_lsn));
+                                if self.failing_reads.contains(&(self.reads.len() - 1)) {
+                                    let refusal = ferry_wal::proto::FromSafekeeper::Refused {
+                                        term: *term,
+                                        reason: "WAL backup: injected get failure".into(),
+                                    };
+                                    let more = self.proposer.on_message(to, refusal);
+                                    self.pending.extend(more);
+                                    continue;
+                                }
                             }
                             self.outbox.push_back((to, msg));
                         }
@@ -618,6 +633,46 @@ async fn a_long_lag_is_read_from_the_donor_in_bounded_reads() {
         matches!(&replies[..], [ferry_wal::proto::FromSafekeeper::Refused { reason, .. }] if reason.contains("more than")),
         "{replies:?}"
     );
+}
+
+/// A recovery read that fails midway (the source's backup read failed, or
+/// its connection broke) resumes where it stopped once a source is back:
+/// nothing already received is read again, so a long read over a flaky
+/// object store still ends.
+#[tokio::test]
+async fn a_failed_recovery_read_resumes_where_it_stopped() {
+    const READ: u64 = 3001;
+    let mut cluster = Cluster::new(3).await;
+    let (first, second, end) = leave_safekeeper_2_behind(&mut cluster, 40).await;
+    let mut w2 = Writer::with(3, 1, |c| c.max_read_wal_bytes = READ);
+    w2.failing_reads = vec![2, 5];
+    w2.connect_all(&mut cluster).await;
+    assert_eq!(w2.elected, Some((2, end)));
+    // The donor (the only source) refused read 2: the read waits for it.
+    assert_eq!(w2.reads.len(), 3, "{:?}", w2.reads);
+    w2.connect_all(&mut cluster).await;
+    assert_eq!(w2.reads.len(), 6, "read 5 refused too: {:?}", w2.reads);
+    w2.connect_all(&mut cluster).await;
+    let reads = w2.reads.clone();
+    assert_eq!(reads.first().map(|r| r.0), Some(Lsn(first.len() as u64)));
+    for (i, pair) in reads.windows(2).enumerate() {
+        let expected_begin = if w2.failing_reads.contains(&i) {
+            pair[0].0 // the refused read is asked again, from its own start
+        } else {
+            pair[0].1
+        };
+        assert_eq!(pair[1].0, expected_begin, "read {}: {reads:?}", i + 1);
+    }
+    assert_eq!(reads.last().map(|r| r.1), Some(end));
+    let mut all = first.to_vec();
+    all.extend_from_slice(&second);
+    assert!(
+        cluster.wal(2).await == all,
+        "the lagging safekeeper got the donor's WAL"
+    );
+    let third = batch(45, 2, 800);
+    let end3 = w2.append(&mut cluster, &third).await.expect("append");
+    assert_eq!(w2.commit_lsn, end3, "safekeepers 1 and 2 commit together");
 }
 
 /// Delivers `msg` to safekeeper `to` and hands every answer to `proposer`;

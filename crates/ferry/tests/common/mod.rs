@@ -214,6 +214,20 @@ pub fn start_safekeeper_with(
     cluster: &str,
     segment_bytes: u64,
 ) -> (Proc, String, Vec<String>) {
+    start_safekeeper_watching(id, data, listen, extra, cluster, segment_bytes, |_| {})
+}
+
+/// [`start_safekeeper_with`], handing each line it prints before it listens
+/// to `on_line` as it comes (to act on what a starting safekeeper reports).
+pub fn start_safekeeper_watching(
+    id: u64,
+    data: &std::path::Path,
+    listen: &str,
+    extra: &[&str],
+    cluster: &str,
+    segment_bytes: u64,
+    mut on_line: impl FnMut(&str),
+) -> (Proc, String, Vec<String>) {
     let mut child = Proc::spawn(
         Command::new(FERRY)
             .args([
@@ -245,6 +259,7 @@ pub fn start_safekeeper_with(
         if let Some(rest) = line.split("listening on ").nth(1) {
             break rest.split(',').next().unwrap_or_default().to_string();
         }
+        on_line(line.trim_end());
         before.push(line.trim_end().to_string());
     };
     std::thread::spawn(move || for _ in reader.lines().map_while(Result::ok) {});
