@@ -47,16 +47,10 @@ impl PartFailure {
 
 /// Classifies a storage error of a data-file or commit write.
 pub fn classify(e: &StorageError) -> PartFailure {
-    match e {
-        StorageError::InvalidUrl { .. }
-        | StorageError::UnsupportedScheme { .. }
-        | StorageError::InvalidKey { .. } => PartFailure::Fatal(e.to_string()),
-        StorageError::ObjectStore(
-            object_store::Error::NotImplemented { .. }
-            | object_store::Error::NotSupported { .. }
-            | object_store::Error::InvalidPath { .. },
-        ) => PartFailure::Fatal(e.to_string()),
-        _ => PartFailure::Retryable(e.to_string()),
+    if e.is_permanent() {
+        PartFailure::Fatal(e.to_string())
+    } else {
+        PartFailure::Retryable(e.to_string())
     }
 }
 

@@ -11,6 +11,7 @@
 //! destination of another schema.
 #![allow(clippy::disallowed_methods, clippy::disallowed_types)]
 
+use ferry_testkit::services::{self, create_bucket, optional_service};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -104,19 +105,6 @@ fn wal(inserts: i64, rows: i64) -> (Bytes, Lsn) {
     (bytes.freeze(), end)
 }
 
-fn service(var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(v) if !v.is_empty() => Some(v),
-        _ => {
-            assert!(
-                std::env::var("FERRY_TEST_REQUIRE_SERVICES").as_deref() != Ok("1"),
-                "{var} is not set but services are required"
-            );
-            None
-        }
-    }
-}
-
 /// The back-end pairs a scenario runs on.
 #[derive(Debug, Clone)]
 enum Backend {
@@ -128,20 +116,15 @@ enum Backend {
 
 fn backends() -> Vec<Backend> {
     let mut out = vec![Backend::Embedded];
-    match (service("FERRY_TEST_ZK"), service("FERRY_TEST_S3_ENDPOINT")) {
+    match (
+        optional_service(services::ZOOKEEPER),
+        optional_service(services::S3_ENDPOINT),
+    ) {
         (Some(zk), Some(s3)) => out.push(Backend::Real { zk, s3 }),
-        _ => {
-            use std::io::Write as _;
-            let test = std::thread::current()
-                .name()
-                .unwrap_or("a test")
-                .to_string();
-            let _ = writeln!(
-                std::io::stderr(),
-                "SKIPPED the ZooKeeper + S3 half of {test}: FERRY_TEST_ZK or \
-                 FERRY_TEST_S3_ENDPOINT is not set (scripts/test.sh sets them)"
-            );
-        }
+        _ => services::skipped(
+            "the ZooKeeper + S3 half did not run: FERRY_TEST_ZK or FERRY_TEST_S3_ENDPOINT \
+             is not set (scripts/test.sh sets them)",
+        ),
     }
     out
 }
@@ -154,25 +137,6 @@ fn unique() -> u128 {
         .map(|d| d.as_nanos())
         .unwrap_or_default();
     nanos ^ ((N.fetch_add(1, Ordering::Relaxed) as u128) << 100)
-}
-
-/// Creates a bucket with a plain unsigned request, which moto accepts.
-async fn create_bucket(endpoint: &str, bucket: &str) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let host = endpoint.trim_start_matches("http://").trim_end_matches('/');
-    let mut conn = tokio::net::TcpStream::connect(host)
-        .await
-        .expect("connect to S3");
-    let request = format!(
-        "PUT /{bucket} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-    );
-    conn.write_all(request.as_bytes()).await.expect("send");
-    let mut response = String::new();
-    conn.read_to_string(&mut response).await.expect("read");
-    assert!(
-        response.starts_with("HTTP/1.1 200"),
-        "create bucket: {response}"
-    );
 }
 
 /// How a test ends a node's coordination session as if it expired.
@@ -391,7 +355,7 @@ async fn world(backend: &Backend, inserts: i64, rows: i64) -> World {
                         region: Some("us-east-1".into()),
                         access_key_id: Some("test".into()),
                         secret_access_key: Some("test".into()),
-                        session_token: None,
+                        ..S3Settings::default()
                     },
                     Arc::new(store),
                     "base".to_string(),

@@ -711,7 +711,7 @@ pub async fn fresh_quorum(
             backup: Some(ferry_safekeeper::backup::BackupConfig {
                 location: ferry_storage::open(
                     &format!("file://{}", dir.display()),
-                    &ferry_storage::S3Settings::default(),
+                    &crate::s3_settings_from_env(),
                 )?,
                 parallel_jobs: ferry_safekeeper::backup::DEFAULT_PARALLEL_JOBS,
             }),

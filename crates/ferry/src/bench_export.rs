@@ -206,7 +206,7 @@ pub async fn export(args: ExportBenchArgs) -> anyhow::Result<()> {
                 region: Some("us-east-1".into()),
                 access_key_id: Some("test".into()),
                 secret_access_key: Some("test".into()),
-                session_token: None,
+                ..S3Settings::default()
             },
         ));
     } else {

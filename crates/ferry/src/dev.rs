@@ -146,7 +146,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let creating = record.state == ClusterState::Creating;
     let known = cluster::read_wal_state(&*session).await?;
     let lake_url = format!("file://{}", data_dir.join("lake").display());
-    let lake = ferry_storage::open(&lake_url, &ferry_storage::S3Settings::default())
+    let lake = ferry_storage::open(&lake_url, &crate::s3_settings_from_env())
         .context("opening the object storage")?;
 
     let segment =
@@ -300,7 +300,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     // Every replica exports as its own node; requests go through the first.
     let destinations: Arc<dyn ferry_export::Destinations> =
         Arc::new(ferry_export::StorageDestinations::new(
-            ferry_storage::S3Settings::default(),
+            crate::s3_settings_from_env(),
             crate::paths::export_roots(&args.export_roots, &data_dir)?,
         ));
     let mut export_views = Vec::new();

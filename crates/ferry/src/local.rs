@@ -107,7 +107,7 @@ impl WalServiceArgs {
         };
         let backup = match url {
             Some(url) => Some(BackupConfig {
-                location: ferry_storage::open(&url, &ferry_storage::S3Settings::default())
+                location: ferry_storage::open(&url, &crate::s3_settings_from_env())
                     .with_context(|| format!("the WAL backup location {url}"))?,
                 parallel_jobs: self.wal_backup_parallel_jobs as usize,
             }),

@@ -170,6 +170,13 @@ pub fn default_data_dir() -> PathBuf {
     PathBuf::from("ferry-data")
 }
 
+/// S3 settings from the process environment (`AWS_ENDPOINT_URL`,
+/// `AWS_REGION`, credentials, ...): the one place the environment is read
+/// for object storage; libraries take the settings as data.
+pub fn s3_settings_from_env() -> ferry_storage::S3Settings {
+    ferry_storage::S3Settings::default().with_aws_env(std::env::vars())
+}
+
 /// Errors are printed as one readable chain (`error: what: why: ...`),
 /// never as a debug dump with a backtrace, whatever `RUST_BACKTRACE` says.
 fn main() -> std::process::ExitCode {

@@ -669,7 +669,7 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
     );
     let destinations: Arc<dyn ferry_export::Destinations> =
         Arc::new(ferry_export::StorageDestinations::new(
-            ferry_storage::S3Settings::default(),
+            crate::s3_settings_from_env(),
             crate::paths::export_roots(&args.export_roots, &data_dir)?,
         ));
     let exporter_name = format!("s{}r{}", args.shard, args.replica);

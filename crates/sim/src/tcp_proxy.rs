@@ -10,6 +10,9 @@
 //! surely and at once: without the cut, the owner's client reconnects as fast
 //! as an outside client closes the session, and may win the race.
 
+// Real sockets are this module's purpose: it stands between real processes.
+#![allow(clippy::disallowed_types)]
+
 use ferry_coord::zk::{ZkOptions, ZkSession};
 use ferry_coord::Coordination as _;
 use tokio::net::{TcpListener, TcpStream};

@@ -5,6 +5,7 @@
 
 use ferry_sim::export::run_seed;
 use ferry_sim::world::Failure;
+use ferry_testkit::seeds::{run_seeds, SeedWindow};
 
 fn explain(f: &Failure) -> String {
     let tail: Vec<&str> = f
@@ -20,10 +21,6 @@ fn explain(f: &Failure) -> String {
         f.seed,
         tail.join("\n")
     )
-}
-
-fn env(name: &str) -> Option<u64> {
-    std::env::var(name).ok().and_then(|v| v.parse().ok())
 }
 
 /// Seeds that found real defects while the workload was written: a commit
@@ -58,38 +55,23 @@ const REGRESSION_SEEDS: &[u64] = &[0, 1, 2, 4, 9, 14, 18, 26, 36, 59, 142, 157, 
 
 #[test]
 fn regression_seeds() {
-    for &seed in REGRESSION_SEEDS {
-        if let Err(f) = run_seed(seed, false) {
-            panic!("{}", explain(&f));
-        }
-    }
+    run_seeds(
+        REGRESSION_SEEDS.iter().copied(),
+        |s| run_seed(s, false),
+        explain,
+    );
 }
 
 #[test]
 fn random_seeds() {
-    let seeds = env("FERRY_SIM_SEEDS").unwrap_or(1000);
-    let day = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() / 86_400)
-        .unwrap_or(0);
-    let base = env("FERRY_SIM_BASE_SEED").unwrap_or(day * 10_000);
+    let window = SeedWindow::today("export", 1000, |day| day * 10_000);
+    let outcomes = window.run(|s| run_seed(s, false), explain);
+    let completed: u64 = outcomes.iter().map(|o| o.completed as u64).sum();
+    let killed: u64 = outcomes.iter().map(|o| o.killed as u64).sum();
+    let crashes: u64 = outcomes.iter().map(|o| o.crashes as u64).sum();
     eprintln!(
-        "export random_seeds: seeds {base}..{} (FERRY_SIM_BASE_SEED={base} FERRY_SIM_SEEDS={seeds} repeats this window)",
-        base + seeds
-    );
-    let (mut completed, mut killed, mut crashes) = (0, 0, 0);
-    for seed in base..base + seeds {
-        match run_seed(seed, false) {
-            Ok(o) => {
-                completed += o.completed;
-                killed += o.killed;
-                crashes += o.crashes;
-            }
-            Err(f) => panic!("{}", explain(&f)),
-        }
-    }
-    eprintln!(
-        "{seeds} seeds: {completed} commit files checked, {killed} killed, {crashes} crashes"
+        "{} seeds: {completed} commit files checked, {killed} killed, {crashes} crashes",
+        outcomes.len()
     );
     assert!(
         completed > 0 && killed > 0 && crashes > 0,

@@ -4,6 +4,7 @@
 
 use ferry_sim::replicas::{run_lagging_safekeeper, run_seed};
 use ferry_sim::world::Failure;
+use ferry_testkit::seeds::{run_seeds, SeedWindow};
 
 fn explain(f: &Failure) -> String {
     let tail: Vec<&str> = f
@@ -19,10 +20,6 @@ fn explain(f: &Failure) -> String {
         f.seed,
         tail.join("\n")
     )
-}
-
-fn env(name: &str) -> Option<u64> {
-    std::env::var(name).ok().and_then(|v| v.parse().ok())
 }
 
 /// Seeds that caught planted bugs (200 seeds from 0 with each plant): a level-0
@@ -58,37 +55,23 @@ const REGRESSION_SEEDS: &[u64] = &[
 
 #[test]
 fn regression_seeds() {
-    for &seed in REGRESSION_SEEDS {
-        if let Err(f) = run_seed(seed, false) {
-            panic!("{}", explain(&f));
-        }
-    }
+    run_seeds(
+        REGRESSION_SEEDS.iter().copied(),
+        |s| run_seed(s, false),
+        explain,
+    );
 }
 
 #[test]
 fn random_seeds() {
-    let seeds = env("FERRY_SIM_SEEDS").unwrap_or(200);
-    let day = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() / 86_400)
-        .unwrap_or(0);
-    let base = env("FERRY_SIM_BASE_SEED").unwrap_or(day * 1_000);
+    let window = SeedWindow::today("replicas", 200, |day| day * 1_000);
+    let outcomes = window.run(|s| run_seed(s, false), explain);
+    let crashes: u64 = outcomes.iter().map(|o| o.replica_crashes as u64).sum();
+    let merges: u64 = outcomes.iter().map(|o| o.merges).sum();
     eprintln!(
-        "replica random_seeds: seeds {base}..{} (FERRY_SIM_BASE_SEED={base} FERRY_SIM_SEEDS={seeds} repeats this window)",
-        base + seeds
+        "{} seeds: {crashes} replica crashes, {merges} merges",
+        outcomes.len()
     );
-    let mut crashes = 0;
-    let mut merges = 0;
-    for seed in base..base + seeds {
-        match run_seed(seed, false) {
-            Ok(o) => {
-                crashes += o.replica_crashes;
-                merges += o.merges;
-            }
-            Err(f) => panic!("{}", explain(&f)),
-        }
-    }
-    eprintln!("{seeds} seeds: {crashes} replica crashes, {merges} merges");
     assert!(
         crashes > 0 && merges > 0,
         "the schedules reach crashes and merges"

@@ -2,6 +2,7 @@
 //! determinism check. A failure prints the seed and the command that replays it.
 
 use ferry_sim::wal::{run_seed, Failure};
+use ferry_testkit::seeds::{run_seeds, SeedWindow};
 
 fn explain(f: &Failure) -> String {
     let tail: Vec<&String> = f
@@ -107,42 +108,17 @@ const REGRESSION_SEEDS: &[u64] = &[
 
 #[test]
 fn regression_seeds() {
-    for &seed in REGRESSION_SEEDS {
-        if let Err(f) = run_seed(seed, false) {
-            panic!("{}", explain(&f));
-        }
-    }
+    run_seeds(
+        REGRESSION_SEEDS.iter().copied(),
+        |s| run_seed(s, false),
+        explain,
+    );
 }
 
 #[test]
 fn random_seeds() {
-    // A different window of seeds each day keeps finding new schedules while any
-    // single run stays reproducible from the printed seed and window.
-    let day = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() / 86_400);
-    let base = std::env::var("FERRY_SIM_BASE_SEED")
-        .ok()
-        .and_then(|s| s.parse::<u64>().ok())
-        .unwrap_or(100_000 + (day % 10_000) * 1_000);
-    let count = std::env::var("FERRY_SIM_SEEDS")
-        .ok()
-        .and_then(|s| s.parse::<u64>().ok())
-        .unwrap_or(200);
-    // Straight to stderr, past libtest's capture: every run says what it explored.
-    {
-        use std::io::Write as _;
-        let _ = writeln!(
-            std::io::stderr(),
-            "random_seeds: seeds {base}..{} (FERRY_SIM_BASE_SEED={base} FERRY_SIM_SEEDS={count} repeats this window)",
-            base + count
-        );
-    }
-    for seed in base..base + count {
-        if let Err(f) = run_seed(seed, false) {
-            panic!("{}", explain(&f));
-        }
-    }
+    let window = SeedWindow::today("wal", 200, |day| 100_000 + (day % 10_000) * 1_000);
+    window.run(|s| run_seed(s, false), explain);
 }
 
 #[test]

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use futures::TryStreamExt;
-use object_store::aws::AmazonS3Builder;
+use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::local::LocalFileSystem;
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, WriteMultipart};
@@ -48,6 +48,28 @@ pub enum StorageError {
 }
 
 impl StorageError {
+    /// Whether retrying the same request can never succeed (a bad URL or
+    /// key, an operation the store does not offer), as opposed to a failure
+    /// of the moment (network, throttling, a server error). Callers decide
+    /// retries on this, never on `object_store`'s variants.
+    pub fn is_permanent(&self) -> bool {
+        match self {
+            StorageError::InvalidUrl { .. }
+            | StorageError::UnsupportedScheme { .. }
+            | StorageError::InvalidKey { .. } => true,
+            StorageError::ObjectStore(e) => matches!(
+                e,
+                object_store::Error::NotImplemented { .. }
+                    | object_store::Error::NotSupported { .. }
+                    | object_store::Error::InvalidPath { .. }
+            ),
+            StorageError::Io { .. }
+            | StorageError::AlreadyExists { .. }
+            | StorageError::NotFound { .. }
+            | StorageError::NotWritable { .. } => false,
+        }
+    }
+
     fn about(e: object_store::Error, key: &ObjectPath) -> StorageError {
         match e {
             object_store::Error::AlreadyExists { .. } => StorageError::AlreadyExists {
@@ -61,10 +83,13 @@ impl StorageError {
     }
 }
 
-/// S3 connection settings. Anything left `None` comes from the usual AWS
-/// environment variables (`AWS_ENDPOINT`, `AWS_REGION`, `AWS_ACCESS_KEY_ID`,
-/// `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, ...).
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+/// S3 connection settings. Anything left `None` comes from the AWS
+/// variables in `aws_env` (`AWS_ENDPOINT_URL`, `AWS_REGION`,
+/// `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, the
+/// web-identity and container credential variables, ...): the binary reads
+/// the process environment once, at its edge ([`S3Settings::with_aws_env`]),
+/// so this library never does and a test states all it uses.
+#[derive(Clone, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct S3Settings {
     /// Endpoint of an S3-compatible server, e.g. `http://127.0.0.1:9000`; path-style
@@ -74,6 +99,44 @@ pub struct S3Settings {
     pub access_key_id: Option<String>,
     pub secret_access_key: Option<String>,
     pub session_token: Option<String>,
+    /// `AWS_*` variables (name, value), applied as `object_store` reads them.
+    #[serde(skip)]
+    pub aws_env: Vec<(String, String)>,
+}
+
+impl S3Settings {
+    /// Adds the `AWS_*` variables among `vars` (the process environment,
+    /// read by the binary).
+    pub fn with_aws_env(mut self, vars: impl IntoIterator<Item = (String, String)>) -> Self {
+        self.aws_env
+            .extend(vars.into_iter().filter(|(k, _)| k.starts_with("AWS_")));
+        self
+    }
+
+    fn aws_var(&self, name: &str) -> Option<&str> {
+        self.aws_env
+            .iter()
+            .find(|(k, v)| k == name && !v.is_empty())
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Secrets stay out of logs and error messages.
+impl std::fmt::Debug for S3Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let redact = |v: &Option<String>| v.as_ref().map(|_| "<set>");
+        f.debug_struct("S3Settings")
+            .field("endpoint", &self.endpoint)
+            .field("region", &self.region)
+            .field("access_key_id", &redact(&self.access_key_id))
+            .field("secret_access_key", &redact(&self.secret_access_key))
+            .field("session_token", &redact(&self.session_token))
+            .field(
+                "aws_env",
+                &self.aws_env.iter().map(|(k, _)| k).collect::<Vec<_>>(),
+            )
+            .finish()
+    }
 }
 
 /// An opened location. Its store and prefix are private: a key outside the
@@ -294,9 +357,9 @@ impl LocalRoots {
                 dir: root.display().to_string(),
                 source,
             };
-            // Configuration, before node code runs.
-            #[allow(clippy::disallowed_methods)]
-            std::fs::create_dir_all(&root).map_err(io)?;
+            // Created through the disk seam (the real disk: configuration,
+            // before node code runs).
+            ferry_env::RealDisk::open_root(&root).map_err(io)?;
             resolved.push(root.canonicalize().map_err(io)?);
         }
         Ok(LocalRoots(resolved))
@@ -388,18 +451,13 @@ pub fn open(url: &str, s3: &S3Settings) -> Result<Location, StorageError> {
                 check_segment(segment).map_err(|reason| invalid(url, reason))?;
             }
             // Opening a location is configuration, done once before node code
-            // runs (the simulator uses in-memory stores instead); the directory
-            // must exist for `LocalFileSystem`.
-            #[allow(clippy::disallowed_methods)]
-            std::fs::create_dir_all(&dir).map_err(|source| StorageError::Io {
-                dir: dir.display().to_string(),
-                source,
-            })?;
-            let store = LocalFileSystem::new_with_prefix(&dir)?;
+            // runs (the simulator uses in-memory stores instead). The disk
+            // creates the directory, which `LocalFileSystem` needs.
             let disk = ferry_env::RealDisk::open_root(&dir).map_err(|source| StorageError::Io {
                 dir: dir.display().to_string(),
                 source,
             })?;
+            let store = LocalFileSystem::new_with_prefix(&dir)?;
             Ok(Location {
                 url: url.to_string(),
                 store: Arc::new(store),
@@ -414,7 +472,13 @@ pub fn open(url: &str, s3: &S3Settings) -> Result<Location, StorageError> {
             // Every upload carries its SHA-256 (`x-amz-checksum-sha256`, per
             // part for multipart uploads): S3 refuses bytes that changed on
             // the way, and stores the checksum with the object.
-            let mut builder = AmazonS3Builder::from_env()
+            let mut builder = AmazonS3Builder::new();
+            for (name, value) in &s3.aws_env {
+                if let Ok(key) = name.to_ascii_lowercase().parse::<AmazonS3ConfigKey>() {
+                    builder = builder.with_config(key, value);
+                }
+            }
+            let mut builder = builder
                 .with_bucket_name(bucket)
                 .with_checksum_algorithm(object_store::aws::Checksum::SHA256);
             if let Some(endpoint) = &s3.endpoint {
@@ -423,12 +487,12 @@ pub fn open(url: &str, s3: &S3Settings) -> Result<Location, StorageError> {
                     .with_allow_http(endpoint.starts_with("http://"));
             } else if let Some(endpoint) = ["AWS_ENDPOINT_URL", "AWS_ENDPOINT"]
                 .iter()
-                .find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
+                .find_map(|k| s3.aws_var(k))
             {
                 // Both names set the endpoint (object_store reads them);
                 // plain HTTP is allowed only for an endpoint that says so.
                 builder = builder
-                    .with_endpoint(&endpoint)
+                    .with_endpoint(endpoint)
                     .with_allow_http(endpoint.starts_with("http://"));
             }
             if let Some(region) = &s3.region {
@@ -759,13 +823,39 @@ mod tests {
     }
 
     #[test]
+    fn s3_settings_take_aws_variables_as_data_and_hide_secrets() {
+        let s3 = S3Settings::default().with_aws_env([
+            (
+                "AWS_ENDPOINT_URL".to_string(),
+                "http://127.0.0.1:1".to_string(),
+            ),
+            ("AWS_SECRET_ACCESS_KEY".to_string(), "hunter2".to_string()),
+            ("AWS_ACCESS_KEY_ID".to_string(), "key".to_string()),
+            ("HOME".to_string(), "/root".to_string()),
+        ]);
+        assert_eq!(s3.aws_env.len(), 3, "only AWS_ variables: {s3:?}");
+        assert_eq!(s3.aws_var("AWS_ENDPOINT_URL"), Some("http://127.0.0.1:1"));
+        let shown = format!("{s3:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        let with_key = S3Settings {
+            secret_access_key: Some("hunter3".into()),
+            ..S3Settings::default()
+        };
+        assert!(!format!("{with_key:?}").contains("hunter3"));
+        // The credentials come from the variables (without them the store
+        // refuses to open: MissingAccessKeyId).
+        open("s3://bucket/p", &s3).expect("open with credentials from the variables");
+        assert!(open("s3://bucket/p", &with_key).is_err());
+    }
+
+    #[test]
     fn s3_prefix_and_keys() {
         let s3 = S3Settings {
             endpoint: Some("http://127.0.0.1:1".into()),
             region: Some("us-east-1".into()),
             access_key_id: Some("k".into()),
             secret_access_key: Some("s".into()),
-            session_token: None,
+            ..S3Settings::default()
         };
         let loc = open("s3://lake-bucket/exports/2026/", &s3).expect("open");
         assert_eq!(loc.prefix.as_ref(), "exports/2026");

@@ -6,50 +6,7 @@
 
 use bytes::Bytes;
 use ferry_storage::{open, Location, S3Settings, StorageError, UploadBudget};
-
-fn s3_endpoint() -> Option<String> {
-    match std::env::var("FERRY_TEST_S3_ENDPOINT") {
-        Ok(e) if !e.is_empty() => Some(e),
-        _ => {
-            assert!(
-                std::env::var("FERRY_TEST_REQUIRE_SERVICES").as_deref() != Ok("1"),
-                "FERRY_TEST_S3_ENDPOINT is not set but services are required"
-            );
-            // Straight to stderr, past libtest's capture of `eprintln!`, so a
-            // plain `cargo test` shows which test did not run.
-            use std::io::Write as _;
-            let test = std::thread::current()
-                .name()
-                .unwrap_or("a test")
-                .to_string();
-            let _ = writeln!(
-                std::io::stderr(),
-                "SKIPPED {test}: FERRY_TEST_S3_ENDPOINT is not set: this S3 test did not run (scripts/test.sh runs it)"
-            );
-            None
-        }
-    }
-}
-
-/// Creates a bucket on the test server (object_store cannot) with a plain,
-/// unsigned HTTP request, which moto accepts.
-async fn create_bucket(endpoint: &str, bucket: &str) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let host = endpoint.trim_start_matches("http://").trim_end_matches('/');
-    let mut conn = tokio::net::TcpStream::connect(host)
-        .await
-        .expect("connect to S3 server");
-    let request = format!(
-        "PUT /{bucket} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-    );
-    conn.write_all(request.as_bytes()).await.expect("send");
-    let mut response = String::new();
-    conn.read_to_string(&mut response).await.expect("read");
-    assert!(
-        response.starts_with("HTTP/1.1 200"),
-        "create bucket: {response}"
-    );
-}
+use ferry_testkit::services::{create_bucket, s3_endpoint};
 
 async fn s3_location() -> Option<Location> {
     let endpoint = s3_endpoint()?;
@@ -64,7 +21,7 @@ async fn s3_location() -> Option<Location> {
         region: Some("us-east-1".into()),
         access_key_id: Some("test".into()),
         secret_access_key: Some("test".into()),
-        session_token: None,
+        ..S3Settings::default()
     };
     Some(open(&format!("s3://{bucket}/lake/prefix"), &settings).expect("open s3 location"))
 }
@@ -316,7 +273,7 @@ async fn an_s3_upload_carries_the_sha256_of_its_bytes() {
         region: Some("us-east-1".into()),
         access_key_id: Some("test".into()),
         secret_access_key: Some("test".into()),
-        session_token: None,
+        ..S3Settings::default()
     };
     let loc = open("s3://bucket/prefix", &settings).expect("open");
     loc.put("k", bytes::Bytes::from_static(b"hello"))

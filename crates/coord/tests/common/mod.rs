@@ -5,6 +5,8 @@
 #![allow(clippy::disallowed_methods, clippy::disallowed_types)]
 #![allow(dead_code)]
 
+#[allow(unused_imports)] // each test binary uses some of them
+pub use ferry_testkit::services::{skipped, zookeeper as zk_address};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -105,35 +107,6 @@ pub struct ZooKeeper {
     infos: Mutex<BTreeMap<i64, zookeeper_client::SessionInfo>>,
     /// Each session's own proxy, by session id.
     proxies: Mutex<BTreeMap<i64, Arc<Proxy>>>,
-}
-
-/// The address of the test ZooKeeper, or `None` (with a note) when the suite runs
-/// without services. `FERRY_TEST_REQUIRE_SERVICES=1` (set by scripts/test.sh) turns
-/// a missing server into a failure, so CI can never skip these tests silently.
-pub fn zk_address() -> Option<String> {
-    match std::env::var("FERRY_TEST_ZK") {
-        Ok(addr) if !addr.is_empty() => Some(addr),
-        _ => {
-            assert!(
-                std::env::var("FERRY_TEST_REQUIRE_SERVICES").as_deref() != Ok("1"),
-                "FERRY_TEST_ZK is not set but services are required"
-            );
-            skipped("FERRY_TEST_ZK is not set: this ZooKeeper test did not run (scripts/test.sh runs it)");
-            None
-        }
-    }
-}
-
-/// Says on the test binary's stderr, past libtest's output capture (which
-/// only catches `eprintln!`), that the current test did not run, so that a plain
-/// `cargo test` shows it in its normal output.
-pub fn skipped(why: &str) {
-    use std::io::Write as _;
-    let test = std::thread::current()
-        .name()
-        .unwrap_or("a test")
-        .to_string();
-    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
 }
 
 static CHROOT_COUNTER: AtomicU64 = AtomicU64::new(0);

@@ -1,6 +1,8 @@
 //! Running `ferry dev` as an operator does, shared by the process tests.
 #![allow(dead_code)]
 
+#[allow(unused_imports)] // each test binary uses some of them
+pub use ferry_testkit::services::{skipped, zookeeper as zk_address};
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -179,16 +181,6 @@ pub fn status_url(lines: &[String]) -> String {
         .to_string()
 }
 
-/// Says on stderr, past libtest's capture, that part of a test did not run.
-pub fn skipped(why: &str) {
-    use std::io::Write as _;
-    let test = std::thread::current()
-        .name()
-        .unwrap_or("a test")
-        .to_string();
-    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
-}
-
 /// Starts `ferry safekeeper` (`--create` for a new one) and returns it with the
 /// address it listens on.
 pub fn start_safekeeper(
@@ -285,22 +277,6 @@ pub fn start_three_safekeepers(
             )
         })
         .unzip()
-}
-
-/// The address of the test ZooKeeper, or `None` (with a note) when the suite runs
-/// without services; `FERRY_TEST_REQUIRE_SERVICES=1` makes a missing one a failure.
-pub fn zk_address() -> Option<String> {
-    match std::env::var("FERRY_TEST_ZK") {
-        Ok(addr) if !addr.is_empty() => Some(addr),
-        _ => {
-            assert!(
-                std::env::var("FERRY_TEST_REQUIRE_SERVICES").as_deref() != Ok("1"),
-                "FERRY_TEST_ZK is not set but services are required"
-            );
-            skipped("FERRY_TEST_ZK is not set: this ZooKeeper test did not run (scripts/test.sh runs it)");
-            None
-        }
-    }
 }
 
 /// The committed WAL from LSN 0 up to `end`, as the walsender of the safekeeper

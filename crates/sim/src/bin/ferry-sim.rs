@@ -5,6 +5,10 @@
 //! paused clock the simulator needs (tokio's `test-util`); `ferry sim ...`
 //! runs this one when it is installed beside `ferry`.
 
+// The wall clock measures the runs (seeds per second), outside the simulated
+// world; no simulated node reads it.
+#![allow(clippy::disallowed_methods)]
+
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};

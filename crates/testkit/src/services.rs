@@ -1,0 +1,110 @@
+//! Real services from the environment: `scripts/test.sh` starts ZooKeeper
+//! and an S3 server and sets `FERRY_TEST_ZK` and `FERRY_TEST_S3_ENDPOINT`.
+//! A plain `cargo test` without them skips what needs them, and says so;
+//! `FERRY_TEST_REQUIRE_SERVICES=1` (also set by the script) turns a missing
+//! service into a failure, so CI can never skip these tests silently.
+
+/// The ZooKeeper address (`host:port`) tests run against.
+pub const ZOOKEEPER: &str = "FERRY_TEST_ZK";
+/// The S3 endpoint (`http://host:port`) tests run against.
+pub const S3_ENDPOINT: &str = "FERRY_TEST_S3_ENDPOINT";
+const REQUIRE: &str = "FERRY_TEST_REQUIRE_SERVICES";
+
+/// The service named by the environment variable `var`, or `None` (with a
+/// SKIPPED note naming the current test) when it is not set.
+///
+/// # Panics
+/// When the variable is not set but services are required.
+pub fn service(var: &str) -> Option<String> {
+    let found = optional_service(var);
+    if found.is_none() {
+        skipped(&format!(
+            "{var} is not set: this part did not run (scripts/test.sh runs it)"
+        ));
+    }
+    found
+}
+
+/// [`service`] without the note, for a test that says itself what it skips.
+///
+/// # Panics
+/// When the variable is not set but services are required.
+pub fn optional_service(var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(v) if !v.is_empty() => Some(v),
+        _ => {
+            assert!(
+                std::env::var(REQUIRE).as_deref() != Ok("1"),
+                "{var} is not set but services are required"
+            );
+            None
+        }
+    }
+}
+
+/// The test ZooKeeper's address, or `None` (noted) without one.
+pub fn zookeeper() -> Option<String> {
+    service(ZOOKEEPER)
+}
+
+/// The test S3 endpoint, or `None` (noted) without one.
+pub fn s3_endpoint() -> Option<String> {
+    service(S3_ENDPOINT)
+}
+
+/// Says on the test binary's stderr, past libtest's output capture (which
+/// only catches `eprintln!`), that (part of) the current test did not run,
+/// so a plain `cargo test` shows it in its normal output.
+pub fn skipped(why: &str) {
+    use std::io::Write as _;
+    let test = std::thread::current()
+        .name()
+        .unwrap_or("a test")
+        .to_string();
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
+}
+
+/// A name no other test (in this or a concurrent run) uses: `prefix`, the
+/// wall-clock nanoseconds and a process-wide counter.
+pub fn unique_name(prefix: &str) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    #[allow(clippy::disallowed_methods)] // a name, not a clock any node reads
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    format!(
+        "{prefix}-{nanos}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Creates `bucket` on the test S3 server with a plain unsigned request,
+/// which moto accepts (`object_store` cannot create buckets).
+///
+/// # Panics
+/// When the server cannot be reached or refuses.
+#[allow(clippy::disallowed_types)] // the test S3 server is a real socket
+pub async fn create_bucket(endpoint: &str, bucket: &str) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let host = endpoint.trim_start_matches("http://").trim_end_matches('/');
+    let mut conn = tokio::net::TcpStream::connect(host)
+        .await
+        .unwrap_or_else(|e| panic!("connect to the S3 server {host}: {e}"));
+    let request = format!(
+        "PUT /{bucket} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    conn.write_all(request.as_bytes())
+        .await
+        .unwrap_or_else(|e| panic!("send to the S3 server: {e}"));
+    let mut response = String::new();
+    conn.read_to_string(&mut response)
+        .await
+        .unwrap_or_else(|e| panic!("read from the S3 server: {e}"));
+    assert!(
+        response.starts_with("HTTP/1.1 200"),
+        "create bucket {bucket}: {response}"
+    );
+}
