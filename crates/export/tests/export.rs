@@ -30,10 +30,10 @@ use ferry_export::{
     Requester, StorageDestinations, TaskStatus,
 };
 use ferry_replica::{Replica, SharedReplica, TableRef, Tables, ALL_SHARDS};
-use ferry_sim::objstore::{FaultyObjectStore, ObjectFaults};
-use ferry_sim::tcp_proxy::Proxy;
 use ferry_storage::{Location, S3Settings};
 use ferry_table::{Table, TableDef};
+use ferry_testkit::objstore::{FaultyObjectStore, ObjectFaults};
+use ferry_testkit::tcp_proxy::Proxy;
 use ferry_wal::record::Record;
 use ferry_wal::Lsn;
 use futures::TryStreamExt;
@@ -171,7 +171,7 @@ impl SessionFactory for NodeSessions {
             Expirer::Zk(options) => {
                 // Through a proxy of its own, so that a test can partition
                 // this session's owner while it expires the session.
-                let (s, proxy) = ferry_sim::tcp_proxy::connect_proxied(options).await?;
+                let (s, proxy) = ferry_testkit::tcp_proxy::connect_proxied(options).await?;
                 let info = s.session_info();
                 (Arc::new(s) as Session, Some((info, Arc::new(proxy))))
             }
@@ -224,7 +224,7 @@ impl NodeSessions {
                 assert!(store.expire_session(id).await.expect("expire"));
             }
             (Expirer::Zk(options), Some((info, proxy))) => {
-                ferry_sim::tcp_proxy::expire_proxied(options, info, &proxy)
+                ferry_testkit::tcp_proxy::expire_proxied(options, info, &proxy)
                     .await
                     .unwrap_or_else(|e| panic!("could not attach to session {id:#x}: {e}"));
             }

@@ -17,13 +17,12 @@
 //! * [`coord`]: coordination with ZooKeeper's failure behaviour (latency, loss
 //!   before or after apply, partitions that expire sessions, abandoned sessions);
 //! * [`objstore`]: object storage with errors, latency and failures after a
-//!   successful write;
+//!   successful write (from `ferry-testkit`, which tests outside the
+//!   simulator use too);
 //! * [`rogue`]: a misbehaving proposer whose messages must all be refused;
 //! * [`wal`]: the WAL random test (safekeepers, writers, faults, invariants);
 //! * [`walreceiver`]: a replica's side of START_REPLICATION that checks every
 //!   walsender frame;
-//! * [`tcp_proxy`]: not simulation: a TCP forwarder that can be cut, for tests
-//!   against real ZooKeeper.
 
 pub mod clock;
 pub mod coord;
@@ -31,10 +30,9 @@ pub mod disk;
 pub mod export;
 pub mod faults;
 pub mod net;
-pub mod objstore;
+pub use ferry_testkit::objstore;
 pub mod replicas;
 pub mod rogue;
-pub mod tcp_proxy;
 pub mod wal;
 pub mod walreceiver;
 pub mod world;

@@ -100,7 +100,7 @@ impl Backend for Embedded {
     }
 }
 
-pub use ferry_sim::tcp_proxy::{connect_proxied, expire_proxied, Proxy};
+pub use ferry_testkit::tcp_proxy::{connect_proxied, expire_proxied, Proxy};
 
 pub struct ZooKeeper {
     options: ZkOptions,
