@@ -206,6 +206,9 @@ struct Sim {
     /// it knew at the last step (see `check_steps`).
     back_pressure_seen: Option<(ferry_wal::Term, Lsn, Lsn)>,
     replicas: Vec<Option<ReplicaNode>>,
+    /// Replicas kept down past the replica expiry, and until when: the
+    /// events go on meanwhile (safekeeper crashes and restarts too).
+    down_until: Vec<Option<Instant>>,
     /// Highest `disk_consistent_lsn` each replica reported (durable).
     reported: Arc<Mutex<Vec<Lsn>>>,
     violations: Arc<Mutex<Vec<String>>>,
@@ -382,17 +385,55 @@ impl Sim {
             self.replica_crashes += 1;
             self.log(format!("{name} crashed"));
             // With a short replica expiry, some crashed replicas stay down
-            // past it: forgotten, WAL removed past them, they come back
-            // reading it from the backup.
+            // past it while the events go on: forgotten, WAL removed past
+            // them, they come back reading it from the backup.
             if self.replica_expiry < ferry_wal::liveness::DEFAULT_REPLICA_EXPIRY
                 && self.expiry_rng.random_bool(0.3)
             {
                 let down = self.replica_expiry * 2 + Duration::from_secs(2);
                 self.log(format!("{name} stays down {down:?}"));
-                tokio::time::sleep(down).await;
+                self.down_until[i] = Some(Instant::now() + down);
+                return Ok(());
             }
+        } else if self.down_until[i].is_some() {
+            // Kept down: it comes back when its time is up.
+            return Ok(());
         }
         self.start_replica(i).await
+    }
+
+    /// Starts the replicas kept down whose time is up (all of them when
+    /// `all`). A replica silent that long must be forgotten by the writer,
+    /// which has run all along: no feedback of it relayed again by a
+    /// safekeeper (one restarted meanwhile still lists it until its own
+    /// expiry) may bring it back.
+    async fn restart_kept_down(&mut self, all: bool) -> Result<(), Failure> {
+        for i in 0..replicas() {
+            let Some(until) = self.down_until[i] else {
+                continue;
+            };
+            if !all && Instant::now() < until {
+                continue;
+            }
+            self.down_until[i] = None;
+            let (shard, replica) = (i as u32 / REPLICAS_PER_SHARD, i as u32 % REPLICAS_PER_SHARD);
+            if let Some(writer) = &self.writer {
+                let held = writer
+                    .status()
+                    .replicas
+                    .iter()
+                    .any(|f| f.shard_number == shard && f.replica_number == replica);
+                if held && Instant::now() >= until {
+                    return Err(self.fail(format!(
+                        "{} was down for twice the replica expiry ({:?}) and more, yet the writer still holds its feedback",
+                        replica_name(i),
+                        self.replica_expiry
+                    )));
+                }
+            }
+            self.start_replica(i).await?;
+        }
+        Ok(())
     }
 
     fn send(&mut self, req: Request) {
@@ -531,6 +572,10 @@ impl Sim {
     /// retried until acknowledged, every replica caught up and merges settled.
     async fn settle(&mut self) -> Result<Lsn, Failure> {
         self.world.repair_all();
+        if let Some(latest) = self.down_until.iter().flatten().max().copied() {
+            tokio::time::sleep_until(latest).await;
+        }
+        self.restart_kept_down(true).await?;
         for i in 0..SAFEKEEPERS {
             if self.servers[i].is_none() {
                 self.start_safekeeper(i, false).await?;
@@ -803,6 +848,7 @@ impl Sim {
             expiry_rng,
             back_pressure_seen: None,
             replicas: (0..replicas()).map(|_| None).collect(),
+            down_until: vec![None; replicas()],
             reported: Arc::new(Mutex::new(vec![Lsn(0); replicas()])),
             violations: Arc::new(Mutex::new(Vec::new())),
             acked: BTreeMap::new(),
@@ -887,6 +933,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
     sim.log(format!("seed {seed}: {} events", events.len()));
     for (at, event) in &events {
         tokio::time::sleep_until(sim.world.start + *at).await;
+        sim.restart_kept_down(false).await?;
         sim.log(format!("{event:?}"));
         sim.apply(event).await?;
     }

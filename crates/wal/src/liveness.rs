@@ -157,4 +157,47 @@ mod tests {
             vec![fb(0, 3)]
         );
     }
+
+    fn forget(replica: u32, up_to: u64) -> ForgottenReplica {
+        ForgottenReplica {
+            shard_number: 0,
+            replica_number: replica,
+            reply_time_micros: up_to,
+        }
+    }
+
+    /// A forgotten replica's feedback relayed again (by a safekeeper
+    /// restarted with it in its control file, or delayed on the way) stays
+    /// forgotten; feedback newer than the tombstone means the replica is
+    /// back, and clears it.
+    #[test]
+    fn a_tombstone_hides_stale_feedback_until_the_replica_replies_again() {
+        let mut t = Tombstones::default();
+        assert!(!t.hides(&fb(1, 5)), "nothing forgotten yet");
+        t.add(forget(1, 5));
+        assert!(t.hides(&fb(1, 5)), "the forgotten feedback itself");
+        assert!(t.hides(&fb(1, 4)), "older feedback");
+        assert!(!t.hides(&fb(0, 5)), "another replica");
+        assert_eq!(t.list(), vec![forget(1, 5)]);
+        // An older tombstone does not lower the newer one.
+        t.add(forget(1, 3));
+        assert!(t.hides(&fb(1, 4)));
+        assert!(!t.hides(&fb(1, 6)), "the replica replied again");
+        assert!(!t.hides(&fb(1, 5)), "its tombstone is gone");
+        assert!(t.list().is_empty());
+    }
+
+    #[test]
+    fn tombstones_are_bounded_and_the_oldest_goes_first() {
+        let mut t = Tombstones::default();
+        for r in 0..=MAX_TOMBSTONES as u32 {
+            t.add(forget(r, 1_000 + u64::from(r)));
+        }
+        let list = t.list();
+        assert_eq!(list.len(), MAX_TOMBSTONES);
+        assert!(
+            !list.iter().any(|f| f.replica_number == 0),
+            "the oldest went"
+        );
+    }
 }
