@@ -14,7 +14,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use ferry_coord::embedded::{EmbeddedError, EmbeddedOptions, EmbeddedStore};
 use ferry_coord::{CoordError, Coordination, CreateMode, Op, SessionState};
-use ferry_env::{Disk, DiskFile, RealDisk};
+use ferry_env::RealDisk;
+use ferry_testkit::disk::{DiskHook, DiskOp, HookedDisk};
 
 const DIR: &str = "coord";
 
@@ -554,100 +555,35 @@ async fn log_of_an_unsupported_format_is_refused() {
     );
 }
 
-/// A disk that counts syncs and can be made to fail them.
-#[derive(Debug)]
-struct InstrumentedDisk {
-    inner: RealDisk,
-    syncs: Arc<AtomicU64>,
-    fail: Arc<AtomicBool>,
-}
-
-#[derive(Debug)]
-struct InstrumentedFile {
-    inner: Box<dyn DiskFile>,
+/// Counts file syncs and can be made to fail them.
+struct SyncCounter {
     syncs: Arc<AtomicU64>,
     fail: Arc<AtomicBool>,
 }
 
 #[async_trait]
-impl DiskFile for InstrumentedFile {
-    async fn read_at(&self, offset: u64, len: usize) -> io::Result<Vec<u8>> {
-        self.inner.read_at(offset, len).await
-    }
-    async fn write_at(&self, offset: u64, data: bytes::Bytes) -> io::Result<()> {
-        self.inner.write_at(offset, data).await
-    }
-    async fn set_len(&self, len: u64) -> io::Result<()> {
-        self.inner.set_len(len).await
-    }
-    async fn sync_data(&self) -> io::Result<()> {
-        if self.fail.load(Ordering::SeqCst) {
-            return Err(io::Error::other("injected fsync failure"));
+impl DiskHook for SyncCounter {
+    async fn before(&self, op: DiskOp<'_>) -> io::Result<()> {
+        if let DiskOp::SyncData(_) = op {
+            if self.fail.load(Ordering::SeqCst) {
+                return Err(io::Error::other("injected fsync failure"));
+            }
+            self.syncs.fetch_add(1, Ordering::SeqCst);
         }
-        self.syncs.fetch_add(1, Ordering::SeqCst);
-        self.inner.sync_data().await
-    }
-    async fn size(&self) -> io::Result<u64> {
-        self.inner.size().await
+        Ok(())
     }
 }
 
-#[async_trait]
-impl Disk for InstrumentedDisk {
-    async fn create_dir_all(&self, path: &str) -> io::Result<()> {
-        self.inner.create_dir_all(path).await
-    }
-    async fn open(&self, path: &str) -> io::Result<Box<dyn DiskFile>> {
-        Ok(Box::new(InstrumentedFile {
-            inner: self.inner.open(path).await?,
-            syncs: Arc::clone(&self.syncs),
-            fail: Arc::clone(&self.fail),
-        }))
-    }
-    async fn create_new(&self, path: &str) -> io::Result<Box<dyn DiskFile>> {
-        Ok(Box::new(InstrumentedFile {
-            inner: self.inner.create_new(path).await?,
-            syncs: Arc::clone(&self.syncs),
-            fail: Arc::clone(&self.fail),
-        }))
-    }
-    async fn read(&self, path: &str) -> io::Result<Vec<u8>> {
-        self.inner.read(path).await
-    }
-    async fn write_atomic(&self, path: &str, data: Vec<u8>) -> io::Result<()> {
-        self.inner.write_atomic(path, data).await
-    }
-    async fn remove_dir(&self, path: &str) -> io::Result<()> {
-        self.inner.remove_dir(path).await
-    }
-    async fn metadata(&self, path: &str) -> io::Result<ferry_env::Metadata> {
-        self.inner.metadata(path).await
-    }
-    async fn hard_link(&self, from: &str, to: &str) -> io::Result<()> {
-        self.inner.hard_link(from, to).await
-    }
-    async fn rename(&self, from: &str, to: &str) -> io::Result<()> {
-        self.inner.rename(from, to).await
-    }
-    async fn remove_file(&self, path: &str) -> io::Result<()> {
-        self.inner.remove_file(path).await
-    }
-    async fn list_dir(&self, path: &str) -> io::Result<Vec<String>> {
-        self.inner.list_dir(path).await
-    }
-    async fn sync_dir(&self, path: &str) -> io::Result<()> {
-        self.inner.sync_dir(path).await
-    }
-}
-
-fn instrumented(root: &Path) -> (Arc<InstrumentedDisk>, Arc<AtomicU64>, Arc<AtomicBool>) {
+fn instrumented(root: &Path) -> (Arc<HookedDisk>, Arc<AtomicU64>, Arc<AtomicBool>) {
     let syncs = Arc::new(AtomicU64::new(0));
     let fail = Arc::new(AtomicBool::new(false));
-    let disk = Arc::new(InstrumentedDisk {
-        inner: RealDisk::open_root(root).expect("disk"),
-        syncs: Arc::clone(&syncs),
-        fail: Arc::clone(&fail),
-    });
+    let disk = Arc::new(HookedDisk::new(
+        Arc::new(RealDisk::open_root(root).expect("disk")),
+        Arc::new(SyncCounter {
+            syncs: Arc::clone(&syncs),
+            fail: Arc::clone(&fail),
+        }),
+    ));
     (disk, syncs, fail)
 }
 

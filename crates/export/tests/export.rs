@@ -12,6 +12,7 @@
 #![allow(clippy::disallowed_methods, clippy::disallowed_types)]
 
 use ferry_testkit::services::{self, create_bucket, optional_service};
+use ferry_testkit::table::{id_p_table, FixedTables};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -29,9 +30,9 @@ use ferry_export::{
     Destinations, ExportRequest, Exporter, ExporterConfig, ExportsView, LocalParts, ReplicaSet,
     Requester, StorageDestinations, TaskStatus,
 };
-use ferry_replica::{Replica, SharedReplica, TableRef, Tables, ALL_SHARDS};
+use ferry_replica::{Replica, SharedReplica, ALL_SHARDS};
 use ferry_storage::{Location, S3Settings};
-use ferry_table::{Table, TableDef};
+use ferry_table::Table;
 use ferry_testkit::objstore::{FaultyObjectStore, ObjectFaults};
 use ferry_testkit::tcp_proxy::Proxy;
 use ferry_wal::record::Record;
@@ -41,35 +42,7 @@ use object_store::ObjectStore;
 use tokio::sync::watch;
 
 fn table() -> Table {
-    Table {
-        id: 1,
-        def: TableDef::from_toml(
-            r#"name = "t"
-partition_by = { column = "p", transform = "identity" }
-shard_by = { column = "id", shards = 2 }
-[[columns]]
-name = "id"
-type = "Int64"
-[[columns]]
-name = "p"
-type = "Utf8"
-"#,
-        )
-        .expect("table"),
-    }
-}
-
-struct FixedTables;
-
-#[async_trait]
-impl Tables for FixedTables {
-    async fn by_id(&self, id: u64) -> Result<TableRef, String> {
-        Ok(if id == 1 {
-            TableRef::Known(table())
-        } else {
-            TableRef::Unknown
-        })
-    }
+    id_p_table(1, "t", 2, &[])
 }
 
 /// WAL of `inserts` records of `rows` rows each, partitions "a" and "b".
@@ -444,7 +417,7 @@ impl World {
             ALL_SHARDS,
             0,
             Cpu::Inline,
-            Arc::new(FixedTables),
+            Arc::new(FixedTables::new([table()])),
         )
         .await
         .expect("replica");

@@ -4,6 +4,7 @@
 
 #![allow(clippy::disallowed_methods, clippy::disallowed_types)] // a real temp dir
 
+use ferry_testkit::table::FixedTables;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -15,7 +16,7 @@ use ferry_coord::embedded::EmbeddedStore;
 use ferry_coord::EmbeddedSessions;
 use ferry_env::{Cpu, Disk, RealDisk};
 use ferry_ingest::{Api, ApiLimits, Catalog, IngestMetrics, InsertSink};
-use ferry_replica::{Replica, TableRef, Tables};
+use ferry_replica::Replica;
 use ferry_table::{Format, TableDef};
 use ferry_wal::record::{self, Record};
 use ferry_wal::Lsn;
@@ -152,19 +153,6 @@ async fn catalog(dir: &std::path::Path) -> Catalog {
     catalog
 }
 
-struct OneTable(ferry_table::Table);
-
-#[async_trait]
-impl Tables for OneTable {
-    async fn by_id(&self, id: u64) -> Result<TableRef, String> {
-        Ok(if id == self.0.id {
-            TableRef::Known(self.0.clone())
-        } else {
-            TableRef::Unknown
-        })
-    }
-}
-
 /// Rows a fresh replica holds after applying all of `wal`.
 async fn applied_rows(dir: &std::path::Path, catalog: &Catalog, wal: &MemWal) -> u64 {
     let table = catalog.get("t").await.expect("get").expect("table");
@@ -176,7 +164,7 @@ async fn applied_rows(dir: &std::path::Path, catalog: &Catalog, wal: &MemWal) ->
         ferry_replica::ALL_SHARDS,
         0,
         Cpu::Inline,
-        Arc::new(OneTable(table.clone())),
+        Arc::new(FixedTables::new([table.clone()])),
     )
     .await
     .expect("replica");

@@ -4,51 +4,25 @@
 
 #![allow(clippy::disallowed_methods, clippy::disallowed_types)] // a real temp dir
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use arrow::array::{Int64Array, RecordBatch, StringArray};
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use ferry_env::{Cpu, Disk, RealDisk};
-use ferry_replica::{Replica, ReplicaError, TableRef, Tables};
-use ferry_table::{Table, TableDef};
+use ferry_replica::{Replica, ReplicaError, Tables};
+use ferry_table::Table;
+use ferry_testkit::disk::{DiskHook, DiskOp, HookedDisk};
+use ferry_testkit::table::{id_p_table, FixedTables};
 use ferry_wal::record::Record;
 use ferry_wal::Lsn;
 
 fn table() -> Table {
-    Table {
-        id: 1,
-        def: TableDef::from_toml(
-            r#"name = "t"
-partition_by = { column = "p", transform = "identity" }
-shard_by = { column = "id", shards = 2 }
-[[columns]]
-name = "id"
-type = "Int64"
-[[columns]]
-name = "p"
-type = "Utf8"
-"#,
-        )
-        .expect("table"),
-    }
-}
-
-struct FixedTables(BTreeMap<u64, TableRef>);
-
-#[async_trait]
-impl Tables for FixedTables {
-    async fn by_id(&self, id: u64) -> Result<TableRef, String> {
-        Ok(self.0.get(&id).cloned().unwrap_or(TableRef::Unknown))
-    }
+    id_p_table(1, "t", 2, &[])
 }
 
 fn tables() -> Arc<dyn Tables> {
-    Arc::new(FixedTables(BTreeMap::from([
-        (1, TableRef::Known(table())),
-        (2, TableRef::Dropped),
-    ])))
+    Arc::new(FixedTables::new([table()]).with_dropped(2))
 }
 
 /// Rows `ids` with partitions from `parts` (cycled).
@@ -395,12 +369,8 @@ async fn a_pinned_part_outlives_its_merge_and_a_restart_until_unpinned() {
     assert!(r.pinned_exports().is_empty());
 }
 
-/// A disk that logs the reads and writes of part files.
-#[derive(Debug)]
-struct LoggingDisk {
-    inner: Arc<dyn Disk>,
-    log: Arc<std::sync::Mutex<Vec<Io>>>,
-}
+/// Logs the reads and writes of files.
+struct IoLog(Arc<std::sync::Mutex<Vec<Io>>>);
 
 #[derive(Debug, Clone, PartialEq)]
 enum Io {
@@ -409,92 +379,17 @@ enum Io {
     WriteAt(String, usize),
 }
 
-#[derive(Debug)]
-struct LoggingFile {
-    path: String,
-    inner: Box<dyn ferry_env::DiskFile>,
-    log: Arc<std::sync::Mutex<Vec<Io>>>,
-}
-
-impl LoggingDisk {
-    fn file(
-        &self,
-        path: &str,
-        inner: Box<dyn ferry_env::DiskFile>,
-    ) -> Box<dyn ferry_env::DiskFile> {
-        Box::new(LoggingFile {
-            path: path.to_string(),
-            inner,
-            log: Arc::clone(&self.log),
-        })
-    }
-}
-
 #[async_trait]
-impl Disk for LoggingDisk {
-    async fn create_dir_all(&self, path: &str) -> std::io::Result<()> {
-        self.inner.create_dir_all(path).await
-    }
-    async fn remove_dir(&self, path: &str) -> std::io::Result<()> {
-        self.inner.remove_dir(path).await
-    }
-    async fn metadata(&self, path: &str) -> std::io::Result<ferry_env::Metadata> {
-        self.inner.metadata(path).await
-    }
-    async fn hard_link(&self, from: &str, to: &str) -> std::io::Result<()> {
-        self.inner.hard_link(from, to).await
-    }
-    async fn open(&self, path: &str) -> std::io::Result<Box<dyn ferry_env::DiskFile>> {
-        Ok(self.file(path, self.inner.open(path).await?))
-    }
-    async fn create_new(&self, path: &str) -> std::io::Result<Box<dyn ferry_env::DiskFile>> {
-        Ok(self.file(path, self.inner.create_new(path).await?))
-    }
-    async fn read(&self, path: &str) -> std::io::Result<Vec<u8>> {
-        self.log
-            .lock()
-            .expect("log")
-            .push(Io::ReadWhole(path.to_string()));
-        self.inner.read(path).await
-    }
-    async fn rename(&self, from: &str, to: &str) -> std::io::Result<()> {
-        self.inner.rename(from, to).await
-    }
-    async fn remove_file(&self, path: &str) -> std::io::Result<()> {
-        self.inner.remove_file(path).await
-    }
-    async fn list_dir(&self, path: &str) -> std::io::Result<Vec<String>> {
-        self.inner.list_dir(path).await
-    }
-    async fn sync_dir(&self, path: &str) -> std::io::Result<()> {
-        self.inner.sync_dir(path).await
-    }
-}
-
-#[async_trait]
-impl ferry_env::DiskFile for LoggingFile {
-    async fn read_at(&self, offset: u64, len: usize) -> std::io::Result<Vec<u8>> {
-        self.log
-            .lock()
-            .expect("log")
-            .push(Io::ReadAt(self.path.clone(), len));
-        self.inner.read_at(offset, len).await
-    }
-    async fn write_at(&self, offset: u64, data: Bytes) -> std::io::Result<()> {
-        self.log
-            .lock()
-            .expect("log")
-            .push(Io::WriteAt(self.path.clone(), data.len()));
-        self.inner.write_at(offset, data).await
-    }
-    async fn set_len(&self, len: u64) -> std::io::Result<()> {
-        self.inner.set_len(len).await
-    }
-    async fn sync_data(&self) -> std::io::Result<()> {
-        self.inner.sync_data().await
-    }
-    async fn size(&self) -> std::io::Result<u64> {
-        self.inner.size().await
+impl DiskHook for IoLog {
+    async fn before(&self, op: DiskOp<'_>) -> std::io::Result<()> {
+        let io = match op {
+            DiskOp::Read(path) => Io::ReadWhole(path.to_string()),
+            DiskOp::ReadAt { path, len, .. } => Io::ReadAt(path.to_string(), len),
+            DiskOp::WriteAt { path, len, .. } => Io::WriteAt(path.to_string(), len),
+            _ => return Ok(()),
+        };
+        self.0.lock().expect("log").push(io);
+        Ok(())
     }
 }
 
@@ -502,10 +397,10 @@ impl ferry_env::DiskFile for LoggingFile {
 async fn a_merge_streams_its_sources_a_row_group_at_a_time() {
     let dir = tempfile::tempdir().expect("tempdir");
     let log = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let disk: Arc<dyn Disk> = Arc::new(LoggingDisk {
-        inner: Arc::new(RealDisk::open_root(dir.path()).expect("disk")),
-        log: Arc::clone(&log),
-    });
+    let disk: Arc<dyn Disk> = Arc::new(HookedDisk::new(
+        Arc::new(RealDisk::open_root(dir.path()).expect("disk")),
+        Arc::new(IoLog(Arc::clone(&log))),
+    ));
     // Eight inserts of 40,000 rows: one merge of 320,000 rows, more than two
     // row groups of the result.
     let mut wal = Wal::default();

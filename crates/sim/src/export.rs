@@ -28,7 +28,6 @@ use std::time::Duration;
 
 use arrow::array::{AsArray, Int64Array, RecordBatch, StringArray};
 use arrow::datatypes::Int64Type;
-use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use ferry_coord::{Session, SessionFactory};
 use ferry_env::{Clock, Cpu, Disk};
@@ -36,9 +35,9 @@ use ferry_export::model::{CommitFile, ExportSettings, TaskKey, TaskStatus};
 use ferry_export::{
     Destination, Destinations, ExportRequest, Exporter, ExporterConfig, ReplicaSet, Requester,
 };
-use ferry_replica::{Replica, SharedReplica, TableRef, Tables, ALL_SHARDS};
+use ferry_replica::{Replica, SharedReplica, ALL_SHARDS};
 use ferry_storage::{Location, StorageError};
-use ferry_table::{Table, TableDef};
+use ferry_table::Table;
 use ferry_wal::record::Record;
 use ferry_wal::Lsn;
 use rand::rngs::SmallRng;
@@ -61,35 +60,7 @@ const SESSION_TIMEOUT: Duration = Duration::from_secs(2);
 const COMMIT_WATCH_STEP: Duration = Duration::from_millis(50);
 
 fn table() -> Table {
-    Table {
-        id: TABLE_ID,
-        def: TableDef::from_toml(
-            r#"name = "t"
-partition_by = { column = "p", transform = "identity" }
-shard_by = { column = "id", shards = 2 }
-[[columns]]
-name = "id"
-type = "Int64"
-[[columns]]
-name = "p"
-type = "Utf8"
-"#,
-        )
-        .expect("the test table is valid"),
-    }
-}
-
-struct OneTable;
-
-#[async_trait]
-impl Tables for OneTable {
-    async fn by_id(&self, id: u64) -> Result<TableRef, String> {
-        Ok(if id == TABLE_ID {
-            TableRef::Known(table())
-        } else {
-            TableRef::Unknown
-        })
-    }
+    ferry_testkit::table::id_p_table(TABLE_ID, "t", 2, &[])
 }
 
 fn partition_of(id: i64) -> &'static str {
@@ -263,7 +234,7 @@ impl Sim {
             ALL_SHARDS,
             i as u32,
             Cpu::Inline,
-            Arc::new(OneTable),
+            Arc::new(ferry_testkit::table::FixedTables::new([table()])),
         )
         .await
         .map_err(|e| self.fail(format!("{name} cannot reopen its replica: {e}")))?;

@@ -21,14 +21,13 @@ use std::time::Duration;
 
 use arrow::array::{AsArray, Int64Array, RecordBatch, StringArray};
 use arrow::datatypes::Int64Type;
-use async_trait::async_trait;
 use bytes::Bytes;
 use ferry_env::{Cpu, Disk};
-use ferry_replica::{Replica, SharedReplica, StreamConfig, TableRef, Tables};
+use ferry_replica::{Replica, SharedReplica, StreamConfig};
 use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig};
 use ferry_safekeeper::backup::BackupConfig;
 use ferry_safekeeper::server::{SafekeeperServer, ServerConfig};
-use ferry_table::{Table, TableDef};
+use ferry_table::Table;
 use ferry_wal::segment::SegmentSize;
 use ferry_wal::{ClusterId, Lsn};
 use ferry_writer::driver::{Insert, Writer, WriterConfig};
@@ -56,38 +55,7 @@ const PARTITIONS: [&str; 3] = ["p0", "p1", "p2"];
 const LAG_BYTES: u64 = 4 << 10;
 
 fn table() -> Table {
-    Table {
-        id: TABLE_ID,
-        def: TableDef::from_toml(
-            r#"name = "t"
-partition_by = { column = "p", transform = "identity" }
-shard_by = { column = "id", shards = 2 }
-[[columns]]
-name = "id"
-type = "Int64"
-[[columns]]
-name = "p"
-type = "Utf8"
-[[columns]]
-name = "pad"
-type = "Utf8"
-"#,
-        )
-        .expect("the test table is valid"),
-    }
-}
-
-struct OneTable;
-
-#[async_trait]
-impl Tables for OneTable {
-    async fn by_id(&self, id: u64) -> Result<TableRef, String> {
-        Ok(if id == TABLE_ID {
-            TableRef::Known(table())
-        } else {
-            TableRef::Unknown
-        })
-    }
+    ferry_testkit::table::id_p_table(TABLE_ID, "t", 2, &["pad"])
 }
 
 fn sk_name(i: usize) -> String {
@@ -301,7 +269,7 @@ impl Sim {
             i as u32 / REPLICAS_PER_SHARD,
             i as u32 % REPLICAS_PER_SHARD,
             Cpu::Inline,
-            Arc::new(OneTable),
+            Arc::new(ferry_testkit::table::FixedTables::new([table()])),
         )
         .await
         .map_err(|e| self.fail(format!("{name} cannot reopen: {e}")))?;

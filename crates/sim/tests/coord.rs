@@ -9,9 +9,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use ferry_coord::embedded::{EmbeddedOptions, EmbeddedStore};
 use ferry_coord::{CoordError, Coordination, CreateMode, SessionState};
-use ferry_env::{Disk, DiskFile};
 use ferry_sim::coord::{CoordFaults, SimCoordination};
 use ferry_sim::disk::SimDisk;
+use ferry_testkit::disk::{DiskHook, DiskOp, HookedDisk};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -121,95 +121,27 @@ async fn crashed_node_keeps_its_ephemerals_until_the_timeout() {
     );
 }
 
-/// A simulated disk whose file syncs never return once `frozen` is set, so that
-/// a crash catches the store between writing a group commit and syncing it.
-#[derive(Debug)]
-struct FreezingDisk {
-    inner: SimDisk,
-    frozen: Arc<AtomicBool>,
-}
-
-#[derive(Debug)]
-struct FreezingFile {
-    inner: Box<dyn DiskFile>,
-    frozen: Arc<AtomicBool>,
-}
+/// File syncs never return once `frozen` is set, so that a crash catches
+/// the store between writing a group commit and syncing it.
+struct Freeze(Arc<AtomicBool>);
 
 #[async_trait]
-impl DiskFile for FreezingFile {
-    async fn read_at(&self, offset: u64, len: usize) -> io::Result<Vec<u8>> {
-        self.inner.read_at(offset, len).await
-    }
-    async fn write_at(&self, offset: u64, data: bytes::Bytes) -> io::Result<()> {
-        self.inner.write_at(offset, data).await
-    }
-    async fn set_len(&self, len: u64) -> io::Result<()> {
-        self.inner.set_len(len).await
-    }
-    async fn sync_data(&self) -> io::Result<()> {
-        if self.frozen.load(Ordering::SeqCst) {
+impl DiskHook for Freeze {
+    async fn before(&self, op: DiskOp<'_>) -> io::Result<()> {
+        if matches!(op, DiskOp::SyncData(_)) && self.0.load(Ordering::SeqCst) {
             std::future::pending::<()>().await;
         }
-        self.inner.sync_data().await
-    }
-    async fn size(&self) -> io::Result<u64> {
-        self.inner.size().await
-    }
-}
-
-impl FreezingDisk {
-    fn wrap(&self, inner: Box<dyn DiskFile>) -> Box<dyn DiskFile> {
-        Box::new(FreezingFile {
-            inner,
-            frozen: Arc::clone(&self.frozen),
-        })
-    }
-}
-
-#[async_trait]
-impl Disk for FreezingDisk {
-    async fn create_dir_all(&self, path: &str) -> io::Result<()> {
-        self.inner.create_dir_all(path).await
-    }
-    async fn open(&self, path: &str) -> io::Result<Box<dyn DiskFile>> {
-        Ok(self.wrap(self.inner.open(path).await?))
-    }
-    async fn create_new(&self, path: &str) -> io::Result<Box<dyn DiskFile>> {
-        Ok(self.wrap(self.inner.create_new(path).await?))
-    }
-    async fn read(&self, path: &str) -> io::Result<Vec<u8>> {
-        self.inner.read(path).await
-    }
-    async fn remove_dir(&self, path: &str) -> io::Result<()> {
-        self.inner.remove_dir(path).await
-    }
-    async fn metadata(&self, path: &str) -> io::Result<ferry_env::Metadata> {
-        self.inner.metadata(path).await
-    }
-    async fn hard_link(&self, from: &str, to: &str) -> io::Result<()> {
-        self.inner.hard_link(from, to).await
-    }
-    async fn rename(&self, from: &str, to: &str) -> io::Result<()> {
-        self.inner.rename(from, to).await
-    }
-    async fn remove_file(&self, path: &str) -> io::Result<()> {
-        self.inner.remove_file(path).await
-    }
-    async fn list_dir(&self, path: &str) -> io::Result<Vec<String>> {
-        self.inner.list_dir(path).await
-    }
-    async fn sync_dir(&self, path: &str) -> io::Result<()> {
-        self.inner.sync_dir(path).await
+        Ok(())
     }
 }
 
 /// Opens the store on `disk`, with snapshots often enough that crashes also
 /// hit new logs.
 async fn open_store(disk: &SimDisk, frozen: &Arc<AtomicBool>, seed: u64) -> EmbeddedStore {
-    let disk = Arc::new(FreezingDisk {
-        inner: disk.clone(),
-        frozen: Arc::clone(frozen),
-    });
+    let disk = Arc::new(HookedDisk::new(
+        Arc::new(disk.clone()),
+        Arc::new(Freeze(Arc::clone(frozen))),
+    ));
     let options = EmbeddedOptions {
         snapshot_every_txns: 40,
         ..EmbeddedOptions::default()

@@ -8,22 +8,22 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use ferry_env::{is_being_removed, remove_tree, Disk, DiskFile, Metadata, SequentialWriter};
+use ferry_env::{is_being_removed, remove_tree, Disk, Metadata, SequentialWriter};
 use ferry_sim::disk::SimDisk;
+use ferry_testkit::disk::{DiskHook, DiskOp, HookedDisk};
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
 
-/// A disk whose process dies at its `limit`-th operation: that operation and
+/// The process dies at the disk's `limit`-th operation: that operation and
 /// every later one fail, as if the node had crashed right there.
-#[derive(Debug)]
-struct DyingDisk {
-    inner: SimDisk,
-    ops: Arc<AtomicUsize>,
+struct DieAt {
+    ops: AtomicUsize,
     limit: usize,
 }
 
-impl DyingDisk {
-    fn step(&self) -> io::Result<()> {
+#[async_trait]
+impl DiskHook for DieAt {
+    async fn before(&self, _: DiskOp<'_>) -> io::Result<()> {
         if self.ops.fetch_add(1, Ordering::SeqCst) >= self.limit {
             return Err(io::Error::other("crashed"));
         }
@@ -31,110 +31,14 @@ impl DyingDisk {
     }
 }
 
-#[derive(Debug)]
-struct DyingFile {
-    inner: Box<dyn DiskFile>,
-    ops: Arc<AtomicUsize>,
-    limit: usize,
-}
-
-impl DyingFile {
-    fn step(&self) -> io::Result<()> {
-        if self.ops.fetch_add(1, Ordering::SeqCst) >= self.limit {
-            return Err(io::Error::other("crashed"));
-        }
-        Ok(())
-    }
-}
-
-#[async_trait]
-impl DiskFile for DyingFile {
-    async fn read_at(&self, offset: u64, len: usize) -> io::Result<Vec<u8>> {
-        self.step()?;
-        self.inner.read_at(offset, len).await
-    }
-    async fn write_at(&self, offset: u64, data: Bytes) -> io::Result<()> {
-        self.step()?;
-        self.inner.write_at(offset, data).await
-    }
-    async fn set_len(&self, len: u64) -> io::Result<()> {
-        self.step()?;
-        self.inner.set_len(len).await
-    }
-    async fn sync_data(&self) -> io::Result<()> {
-        self.step()?;
-        self.inner.sync_data().await
-    }
-    async fn size(&self) -> io::Result<u64> {
-        self.step()?;
-        self.inner.size().await
-    }
-}
-
-impl DyingDisk {
-    fn wrap(&self, inner: Box<dyn DiskFile>) -> Box<dyn DiskFile> {
-        Box::new(DyingFile {
-            inner,
-            ops: Arc::clone(&self.ops),
-            limit: self.limit,
-        })
-    }
-}
-
-#[async_trait]
-impl Disk for DyingDisk {
-    async fn create_dir_all(&self, path: &str) -> io::Result<()> {
-        self.step()?;
-        self.inner.create_dir_all(path).await
-    }
-    async fn remove_dir(&self, path: &str) -> io::Result<()> {
-        self.step()?;
-        self.inner.remove_dir(path).await
-    }
-    async fn metadata(&self, path: &str) -> io::Result<Metadata> {
-        self.step()?;
-        self.inner.metadata(path).await
-    }
-    async fn hard_link(&self, from: &str, to: &str) -> io::Result<()> {
-        self.step()?;
-        self.inner.hard_link(from, to).await
-    }
-    async fn open(&self, path: &str) -> io::Result<Box<dyn DiskFile>> {
-        self.step()?;
-        Ok(self.wrap(self.inner.open(path).await?))
-    }
-    async fn create_new(&self, path: &str) -> io::Result<Box<dyn DiskFile>> {
-        self.step()?;
-        Ok(self.wrap(self.inner.create_new(path).await?))
-    }
-    async fn read(&self, path: &str) -> io::Result<Vec<u8>> {
-        self.step()?;
-        self.inner.read(path).await
-    }
-    async fn rename(&self, from: &str, to: &str) -> io::Result<()> {
-        self.step()?;
-        self.inner.rename(from, to).await
-    }
-    async fn remove_file(&self, path: &str) -> io::Result<()> {
-        self.step()?;
-        self.inner.remove_file(path).await
-    }
-    async fn list_dir(&self, path: &str) -> io::Result<Vec<String>> {
-        self.step()?;
-        self.inner.list_dir(path).await
-    }
-    async fn sync_dir(&self, path: &str) -> io::Result<()> {
-        self.step()?;
-        self.inner.sync_dir(path).await
-    }
-}
-
-fn dying(disk: &SimDisk, limit: usize) -> DyingDisk {
-    DyingDisk {
-        inner: disk.clone(),
-        ops: Arc::new(AtomicUsize::new(0)),
-        limit,
-    }
+fn dying(disk: &SimDisk, limit: usize) -> HookedDisk {
+    HookedDisk::new(
+        Arc::new(disk.clone()),
+        Arc::new(DieAt {
+            ops: AtomicUsize::new(0),
+            limit,
+        }),
+    )
 }
 
 #[tokio::test]
