@@ -31,5 +31,8 @@ pub use local::{
     StorageDestinations,
 };
 pub use model::{ExportSettings, FileExistsPolicy, TaskKey, TaskStatus};
-pub use request::{Created, ExportRequest, RequestError, Requester};
+pub use request::{
+    request_table, Created, ExportRequest, Partitions, RequestError, Requested, Requester,
+    TableRequest,
+};
 pub use worker::{Exporter, ExporterConfig, ExportsView, TaskView};

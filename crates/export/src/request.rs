@@ -96,8 +96,84 @@ pub enum RequestError {
     },
     #[error("{0}")]
     NotHeld(String),
+    #[error("table {0} has no active partitions")]
+    NoPartitions(String),
     #[error("coordination: {0}")]
     Coordination(#[from] CoordError),
+}
+
+/// Which partitions of a table a request asks to export.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Partitions {
+    One(String),
+    /// Every partition with active parts at the request's commit position.
+    All,
+}
+
+/// A request for one partition or for every partition of a table.
+#[derive(Debug, Clone)]
+pub struct TableRequest {
+    pub table: String,
+    pub partitions: Partitions,
+    pub destination: String,
+    pub force: bool,
+    pub settings: ExportSettings,
+}
+
+/// The answer to a [`TableRequest`]. For one partition, `created` holds its
+/// task (a refusal is the request's error). For every partition, each one is
+/// requested on its own, with its own transaction id: those with a live or
+/// unexpired export are `skipped`, those refused for another reason are
+/// `failed`, and neither hides or stops the rest.
+#[derive(Debug, Default)]
+pub struct Requested {
+    pub created: Vec<Created>,
+    pub skipped: Vec<(String, RequestError)>,
+    pub failed: Vec<(String, RequestError)>,
+}
+
+/// Expands a [`TableRequest`] into one export per partition.
+/// `requester(random)` is this node's [`Requester`] with `random` for the
+/// transaction id; `random()` draws one per partition.
+pub async fn request_table<'a>(
+    requester: impl Fn(u64) -> Requester<'a>,
+    random: &mut (dyn FnMut() -> u64 + Send),
+    req: &TableRequest,
+) -> Result<Requested, RequestError> {
+    let partitions = match &req.partitions {
+        Partitions::One(p) => vec![p.clone()],
+        Partitions::All => {
+            let lister = requester(0);
+            let table = lister.table(&req.table).await?;
+            let ids = lister
+                .parts
+                .partitions(&table, lister.commit_lsn, lister.wait)
+                .await
+                .map_err(|e| lister.snapshot_error(e))?;
+            if ids.is_empty() {
+                return Err(RequestError::NoPartitions(req.table.clone()));
+            }
+            ids
+        }
+    };
+    let all = req.partitions == Partitions::All;
+    let mut answer = Requested::default();
+    for partition_id in partitions {
+        let one = ExportRequest {
+            table: req.table.clone(),
+            partition_id: partition_id.clone(),
+            destination: req.destination.clone(),
+            force: req.force,
+            settings: req.settings.clone(),
+        };
+        match requester(random()).export(&one).await {
+            Ok(created) => answer.created.push(created),
+            Err(e) if !all => return Err(e),
+            Err(e @ RequestError::AlreadyExists { .. }) => answer.skipped.push((partition_id, e)),
+            Err(e) => answer.failed.push((partition_id, e)),
+        }
+    }
+    Ok(answer)
 }
 
 /// What a node needs to create tasks.

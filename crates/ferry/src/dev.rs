@@ -270,59 +270,54 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let tables: Arc<dyn ferry_replica::Tables> =
         Arc::new(crate::reads::CatalogTables(catalog.clone()));
     let safekeeper_addrs: Vec<String> = quorum.servers().map(|s| s.addr().to_string()).collect();
-    let mut replicas = Vec::new();
-    let mut replica_tasks = Vec::new();
-    for r in 0..DEV_REPLICAS {
-        let dir = format!("replicas/r{r}");
-        let replica = ferry_replica::Replica::open(
-            Arc::clone(&replica_disk),
-            &dir,
-            ferry_replica::ALL_SHARDS,
-            r,
-            ferry_env::Cpu::BlockingPool,
-            Arc::clone(&tables),
-        )
-        .await
-        .with_context(|| format!("opening replica {}", data_dir.join(&dir).display()))?;
-        let shared: ferry_replica::SharedReplica = Arc::new(tokio::sync::Mutex::new(replica));
-        replica_tasks.push(tokio::spawn(ferry_replica::stream::run(
-            Arc::clone(&shared),
-            Arc::new(ferry_env::TcpNetwork),
-            Arc::new(ferry_env::SystemClock),
-            ferry_replica::StreamConfig::new(safekeeper_addrs.clone()),
-        )));
-        replica_tasks.push(tokio::spawn(ferry_replica::run_merges(
-            Arc::clone(&shared),
-            crate::roles::REPLACED_PART_GRACE,
-        )));
-        replicas.push(shared);
-    }
     // Every replica exports as its own node; requests go through the first.
     let destinations: Arc<dyn ferry_export::Destinations> =
         Arc::new(ferry_export::StorageDestinations::new(
             crate::s3_settings_from_env(),
             crate::paths::export_roots(&args.export_roots, &data_dir)?,
         ));
+    let mut nodes = Vec::new();
     let mut export_views = Vec::new();
-    let mut export_tasks = Vec::new();
-    let mut request_parts: Option<Arc<ferry_export::ReplicaSet>> = None;
-    for (r, shared) in replicas.iter().enumerate() {
-        let parts = Arc::new(ferry_export::ReplicaSet::new(vec![Arc::clone(shared)]));
-        let exporter = ferry_export::Exporter::new(
-            ferry_export::ExporterConfig::new(format!("dev-r{r}")),
-            Arc::clone(&sessions) as Arc<dyn ferry_coord::SessionFactory>,
-            Arc::new(ferry_env::SystemClock),
-            ferry_env::Cpu::BlockingPool,
-            Arc::clone(&parts) as Arc<dyn ferry_export::LocalParts>,
-            Arc::clone(&destinations),
-        );
-        export_views.push(exporter.subscribe());
+    for r in 0..DEV_REPLICAS {
+        let dir = format!("replicas/r{r}");
+        let node = ferry_node::ReplicaNode::start(
+            ferry_node::ReplicaNodeConfig {
+                dir: dir.clone(),
+                shard: ferry_replica::ALL_SHARDS,
+                replica: r,
+                wal: ferry_node::WalSource::Safekeepers {
+                    network: Arc::new(ferry_env::TcpNetwork),
+                    config: ferry_replica::StreamConfig::new(safekeeper_addrs.clone()),
+                },
+                merges: Some(crate::roles::REPLACED_PART_GRACE),
+                export: Some(ferry_node::ExportSeams {
+                    config: ferry_export::ExporterConfig::new(format!("dev-r{r}")),
+                    sessions: Arc::clone(&sessions) as Arc<dyn ferry_coord::SessionFactory>,
+                    destinations: Arc::clone(&destinations),
+                }),
+            },
+            ferry_node::ReplicaSeams {
+                disk: Arc::clone(&replica_disk),
+                clock: Arc::new(ferry_env::SystemClock),
+                cpu: ferry_env::Cpu::BlockingPool,
+                tables: Arc::clone(&tables),
+            },
+        )
+        .await
+        .with_context(|| format!("opening replica {}", data_dir.join(&dir).display()))?;
+        let view = node
+            .exports
+            .clone()
+            .context("a dev replica runs an exporter")?;
         if let Ok(mut v) = sampled_exports.lock() {
-            v.push((format!("dev-r{r}"), exporter.subscribe()));
+            v.push((format!("dev-r{r}"), view.clone()));
         }
-        export_tasks.push(tokio::spawn(exporter.run()));
-        request_parts.get_or_insert(parts);
+        export_views.push(view);
+        nodes.push(node);
     }
+    let replicas: Vec<ferry_replica::SharedReplica> =
+        nodes.iter().map(|n| Arc::clone(&n.replica)).collect();
+    let request_parts = nodes.first().map(|n| Arc::clone(&n.parts));
     let commit_writer = Arc::clone(&quorum.writer);
     let request_parts = request_parts.context("no replica")?;
     let export_api = Arc::new(crate::exports::ExportApi {
@@ -426,9 +421,8 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     // Exporters stop first: their uploads are abandoned (a part's upload
     // leaves nothing visible unless it finished) and their locks go with
     // their sessions.
-    for t in export_tasks {
-        t.abort();
-        let _ = t.await;
+    for node in &mut nodes {
+        node.stop_exporter().await;
     }
     elections.abort();
     recorder.abort();
@@ -444,9 +438,8 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let end = quorum
         .shutdown_waiting_for(&every_replica, DEV_REPLICA_STOP_WAIT)
         .await?;
-    for t in replica_tasks {
-        t.abort();
-        let _ = t.await;
+    for node in nodes {
+        node.stop().await;
     }
     drop(replicas);
     cluster::record_wal_state(

@@ -26,9 +26,7 @@ use axum::{Json, Router};
 use ferry_coord::Session;
 use ferry_env::Clock;
 use ferry_export::model::{check_name, check_transaction_id, ExportSettings, TaskKey};
-use ferry_export::{
-    Destination, Destinations, ExportRequest, ExportsView, LocalParts, RequestError, Requester,
-};
+use ferry_export::{Destination, Destinations, ExportsView, LocalParts, RequestError, Requester};
 use ferry_ingest::api::ApiError;
 use ferry_wal::Lsn;
 use serde::{Deserialize, Serialize};
@@ -181,6 +179,7 @@ fn request_error(e: RequestError) -> ApiError {
         RequestError::Behind { .. } => (StatusCode::SERVICE_UNAVAILABLE, "replica_behind"),
         RequestError::StaleSnapshot { .. } => (StatusCode::SERVICE_UNAVAILABLE, "replica_behind"),
         RequestError::NotHeld(_) => (StatusCode::NOT_IMPLEMENTED, "shards_not_held"),
+        RequestError::NoPartitions(_) => (StatusCode::BAD_REQUEST, "empty_partition"),
         RequestError::Coordination(_) => (StatusCode::SERVICE_UNAVAILABLE, "coordination"),
     };
     ApiError::new(status, kind, e.to_string())
@@ -213,35 +212,8 @@ async fn create(
         wait: APPLY_WAIT,
     };
     let partitions = match (&body.partition_id, body.all_partitions) {
-        (Some(p), false) => vec![p.clone()],
-        (None, true) => {
-            let table = requester(0)
-                .table(&body.table)
-                .await
-                .map_err(request_error)?;
-            let ids = api
-                .parts
-                .partitions(&table, commit_lsn, APPLY_WAIT)
-                .await
-                .map_err(|e| {
-                    request_error(match e {
-                        ferry_export::SnapshotError::Behind { reached } => RequestError::Behind {
-                            reached,
-                            needed: commit_lsn,
-                            waited: APPLY_WAIT,
-                        },
-                        ferry_export::SnapshotError::NotHeld(m) => RequestError::NotHeld(m),
-                    })
-                })?;
-            if ids.is_empty() {
-                return Err(ApiError::new(
-                    StatusCode::BAD_REQUEST,
-                    "empty_partition",
-                    format!("table {} has no active partitions", body.table),
-                ));
-            }
-            ids
-        }
+        (Some(p), false) => ferry_export::Partitions::One(p.clone()),
+        (None, true) => ferry_export::Partitions::All,
         _ => {
             return Err(ApiError::new(
                 StatusCode::BAD_REQUEST,
@@ -250,34 +222,30 @@ async fn create(
             ))
         }
     };
-    let mut answer = CreatedBody::default();
-    for partition_id in partitions {
-        let req = ExportRequest {
-            table: body.table.clone(),
-            partition_id: partition_id.clone(),
-            destination: body.destination.clone(),
-            force: body.force,
-            settings: body.settings.clone(),
-        };
-        match requester(rand::random()).export(&req).await {
-            Ok(created) => answer.created.push(created),
-            Err(e) if !body.all_partitions => return Err(request_error(e)),
-            Err(e) => {
-                let skipped = matches!(e, RequestError::AlreadyExists { .. });
-                let e = request_error(e);
-                let entry = NotCreated {
-                    partition_id,
-                    kind: e.kind.to_string(),
-                    error: e.error,
-                };
-                if skipped {
-                    answer.skipped.push(entry);
-                } else {
-                    answer.failed.push(entry);
-                }
-            }
+    let request = ferry_export::TableRequest {
+        table: body.table,
+        partitions,
+        destination: body.destination,
+        force: body.force,
+        settings: body.settings,
+    };
+    // The edge's randomness: transaction ids only need to differ.
+    let requested = ferry_export::request_table(requester, &mut rand::random::<u64>, &request)
+        .await
+        .map_err(request_error)?;
+    let not_created = |(partition_id, e): (String, RequestError)| {
+        let e = request_error(e);
+        NotCreated {
+            partition_id,
+            kind: e.kind.to_string(),
+            error: e.error,
         }
-    }
+    };
+    let answer = CreatedBody {
+        created: requested.created,
+        skipped: requested.skipped.into_iter().map(not_created).collect(),
+        failed: requested.failed.into_iter().map(not_created).collect(),
+    };
     Ok((StatusCode::CREATED, Json(answer)))
 }
 

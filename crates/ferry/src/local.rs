@@ -11,7 +11,8 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use ferry_env::{Disk, Listener, Network, RealDisk, TcpNetwork};
-use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig};
+use ferry_node::{SafekeeperNodeError, SafekeeperOpen};
+use ferry_safekeeper::acceptor::AcceptorConfig;
 use ferry_safekeeper::backup::BackupConfig;
 use ferry_safekeeper::server::{SafekeeperServer, ServerConfig};
 use ferry_safekeeper::wal_storage::Preallocation;
@@ -184,14 +185,21 @@ pub async fn start_safekeeper(
     if spec.restore {
         restore_if_lost(&disk, &dir, &node_dir, &config, spec).await?;
     }
-    let acceptor = if spec.create {
-        Acceptor::create(disk, &dir, config).await
+    let open = if spec.create {
+        SafekeeperOpen::Create
     } else {
-        Acceptor::open(disk, &dir, config).await
-    }
-    .with_context(|| format!("safekeeper {id} in {}", node_dir.display()))?;
-    let server = SafekeeperServer::serve_with(listener, acceptor, spec.server.clone())
-        .with_context(|| format!("serving safekeeper {id}"))?;
+        SafekeeperOpen::Open
+    };
+    let server =
+        ferry_node::start_safekeeper(disk, &dir, open, config, listener, spec.server.clone())
+            .await
+            .map_err(|e| match e {
+                SafekeeperNodeError::State(e) => anyhow::Error::new(e)
+                    .context(format!("safekeeper {id} in {}", node_dir.display())),
+                SafekeeperNodeError::Serve(e) => {
+                    anyhow::Error::new(e).context(format!("serving safekeeper {id}"))
+                }
+            })?;
     Ok(LocalSafekeeper {
         server: Arc::new(server),
         _lock: lock,

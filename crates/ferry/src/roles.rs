@@ -628,61 +628,60 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
             .with_context(|| format!("opening {}", data_dir.display()))?,
     );
     let dir = format!("s{}r{}", args.shard, args.replica);
-    let replica = ferry_replica::Replica::open(
-        disk,
-        &dir,
-        args.shard,
-        args.replica,
-        ferry_env::Cpu::BlockingPool,
-        Arc::new(crate::reads::CatalogTables(catalog.clone())),
+    let destinations: Arc<dyn ferry_export::Destinations> =
+        Arc::new(ferry_export::StorageDestinations::new(
+            crate::s3_settings_from_env(),
+            crate::paths::export_roots(&args.export_roots, &data_dir)?,
+        ));
+    let exporter_name = dir.clone();
+    let mut node = ferry_node::ReplicaNode::start(
+        ferry_node::ReplicaNodeConfig {
+            dir: dir.clone(),
+            shard: args.shard,
+            replica: args.replica,
+            wal: ferry_node::WalSource::Safekeepers {
+                network: Arc::new(TcpNetwork),
+                config: ferry_replica::StreamConfig::new(args.safekeepers.clone()),
+            },
+            merges: Some(REPLACED_PART_GRACE),
+            export: Some(ferry_node::ExportSeams {
+                config: ferry_export::ExporterConfig::new(exporter_name.clone()),
+                sessions: Arc::clone(&sessions),
+                destinations: Arc::clone(&destinations),
+            }),
+        },
+        ferry_node::ReplicaSeams {
+            disk,
+            clock: Arc::new(ferry_env::SystemClock),
+            cpu: ferry_env::Cpu::BlockingPool,
+            tables: Arc::new(crate::reads::CatalogTables(catalog.clone())),
+        },
     )
     .await
     .with_context(|| format!("opening the replica in {}", data_dir.join(&dir).display()))?;
-    let mut status_rx = replica.subscribe();
-    let shared: ferry_replica::SharedReplica = Arc::new(tokio::sync::Mutex::new(replica));
-    let mut stream = tokio::spawn(ferry_replica::stream::run(
-        Arc::clone(&shared),
-        Arc::new(TcpNetwork),
-        Arc::new(ferry_env::SystemClock),
-        ferry_replica::StreamConfig::new(args.safekeepers.clone()),
-    ));
-    let merges = tokio::spawn(ferry_replica::run_merges(
-        Arc::clone(&shared),
-        REPLACED_PART_GRACE,
-    ));
+    let mut status_rx = node.status.clone();
+    let shared = Arc::clone(&node.replica);
     let reads = Arc::new(crate::reads::Reads {
         catalog: catalog.clone(),
         replicas: vec![Arc::clone(&shared)],
     });
     // Exports: this replica's exporter, and requests that snapshot the
     // other shards through their replicas (crate::peers).
-    let node = crate::peers::replica_node(args.shard, args.replica);
+    let registered_as = crate::peers::replica_node(args.shard, args.replica);
     let peers = Arc::new(crate::peers::Peers {
         catalog: catalog.clone(),
         token: args.api_token.clone().filter(|t| !t.is_empty()),
-        own_node: node.clone(),
+        own_node: registered_as.clone(),
     });
-    let local_parts = Arc::new(ferry_export::ReplicaSet::new(vec![Arc::clone(&shared)]));
+    let local_parts = Arc::clone(&node.parts);
     let request_parts: Arc<dyn ferry_export::LocalParts> = Arc::new(
         ferry_export::ReplicaSet::new(vec![Arc::clone(&shared)])
             .with_remote(Arc::clone(&peers) as Arc<dyn ferry_export::RemoteShards>),
     );
-    let destinations: Arc<dyn ferry_export::Destinations> =
-        Arc::new(ferry_export::StorageDestinations::new(
-            crate::s3_settings_from_env(),
-            crate::paths::export_roots(&args.export_roots, &data_dir)?,
-        ));
-    let exporter_name = format!("s{}r{}", args.shard, args.replica);
-    let exporter = ferry_export::Exporter::new(
-        ferry_export::ExporterConfig::new(exporter_name.clone()),
-        Arc::clone(&sessions),
-        Arc::new(ferry_env::SystemClock),
-        ferry_env::Cpu::BlockingPool,
-        Arc::clone(&local_parts) as Arc<dyn ferry_export::LocalParts>,
-        Arc::clone(&destinations),
-    );
-    let export_view = exporter.subscribe();
-    let exports = tokio::spawn(exporter.run());
+    let export_view = node
+        .exports
+        .clone()
+        .context("the replica node runs an exporter")?;
     let commit_peers = Arc::clone(&peers);
     let export_api = Arc::new(crate::exports::ExportApi {
         session: catalog.renewing_session(),
@@ -721,7 +720,7 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
     let registered_http = http.addr.clone();
     let registration = tokio::spawn(crate::peers::register(
         catalog.clone(),
-        node.clone(),
+        registered_as.clone(),
         status_rx.clone(),
         move |s: &ferry_replica::ReplicaStatus| crate::peers::Registration {
             http: registered_http.clone(),
@@ -729,7 +728,7 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
         },
     ));
     say!(
-        "replica {} of shard {} streaming from {}, reads and status on http://{}/status, registered as {node}",
+        "replica {} of shard {} streaming from {}, reads and status on http://{}/status, registered as {registered_as}",
         args.replica,
         args.shard,
         args.safekeepers.join(","),
@@ -737,14 +736,9 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
     );
     let outcome = tokio::select! {
         _ = shutdown.recv() => Ok(()),
-        e = &mut stream => Err(match e {
-            Ok(e) => anyhow::Error::new(e).context("the replica stopped"),
-            Err(e) => anyhow::anyhow!("the replica's stream task failed: {e}"),
-        }),
+        e = node.stopped() => Err(anyhow::Error::new(e)),
     };
-    stream.abort();
-    merges.abort();
-    exports.abort();
+    node.stop().await;
     registration.abort();
     http.stop().await;
     let _ = status_rx.borrow_and_update();

@@ -33,9 +33,9 @@ use ferry_coord::{Session, SessionFactory};
 use ferry_env::{Clock, Cpu, Disk};
 use ferry_export::model::{CommitFile, ExportSettings, TaskKey, TaskStatus};
 use ferry_export::{
-    Destination, Destinations, ExportRequest, Exporter, ExporterConfig, ReplicaSet, Requester,
+    Destination, Destinations, ExportRequest, ExporterConfig, ReplicaSet, Requester,
 };
-use ferry_replica::{Replica, SharedReplica, ALL_SHARDS};
+use ferry_replica::ALL_SHARDS;
 use ferry_storage::{Location, StorageError};
 use ferry_table::Table;
 use ferry_wal::record::Record;
@@ -133,12 +133,23 @@ fn generate(rng: &mut SmallRng) -> Vec<(Duration, Event)> {
     events
 }
 
+/// A running node: the replica node as the product assembles it (its WAL
+/// fed by the simulation), the simulation's feeder, and a session for
+/// requests and kills (the exporter has sessions of its own).
 struct Node {
-    replica: SharedReplica,
+    node: ferry_node::ReplicaNode,
     parts: Arc<ReplicaSet>,
-    /// For requests and kills (the exporter has sessions of its own).
     session: Session,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
+    feeder: tokio::task::JoinHandle<()>,
+}
+
+impl Node {
+    /// A crash: every task ends at once.
+    async fn stop(self) {
+        self.feeder.abort();
+        let _ = self.feeder.await;
+        self.node.stop().await;
+    }
 }
 
 /// What the schedule knows of an export it asked for.
@@ -228,21 +239,42 @@ impl Sim {
     async fn start_node(&mut self, i: usize) -> Result<(), Failure> {
         let name = node_name(i);
         let disk: Arc<dyn Disk> = Arc::new(self.world.disk(&name));
-        let replica = Replica::open(
-            disk,
-            "replica",
-            ALL_SHARDS,
-            i as u32,
-            Cpu::Inline,
-            Arc::new(ferry_testkit::table::FixedTables::new([table()])),
+        let mut config = ExporterConfig::new(name.clone());
+        config.tick = Duration::from_millis(100);
+        config.cleanup_interval = Duration::from_millis(500);
+        config.safety_poll = Duration::from_secs(5);
+        config.creating_grace = Duration::from_secs(30);
+        config.upload_budget = ferry_storage::UploadBudget {
+            part_bytes: 8 << 10,
+            max_in_flight: 2,
+        };
+        let clock: Arc<dyn Clock> = Arc::new(self.world.clock.clone());
+        let node = ferry_node::ReplicaNode::start(
+            ferry_node::ReplicaNodeConfig {
+                dir: "replica".into(),
+                shard: ALL_SHARDS,
+                replica: i as u32,
+                // The node applies the WAL at its own pace (the feeder below).
+                wal: ferry_node::WalSource::Fed,
+                merges: Some(Duration::from_secs(1)),
+                export: Some(ferry_node::ExportSeams {
+                    config,
+                    sessions: Arc::new(self.world.coord.factory(&name, SESSION_TIMEOUT)),
+                    destinations: Arc::new(self.lake()),
+                }),
+            },
+            ferry_node::ReplicaSeams {
+                disk,
+                clock,
+                cpu: Cpu::Inline,
+                tables: Arc::new(ferry_testkit::table::FixedTables::new([table()])),
+            },
         )
         .await
         .map_err(|e| self.fail(format!("{name} cannot reopen its replica: {e}")))?;
-        let replica: SharedReplica = Arc::new(tokio::sync::Mutex::new(replica));
-        let parts = Arc::new(ReplicaSet::new(vec![Arc::clone(&replica)]));
-        // The node applies the WAL at its own pace.
+        let replica = Arc::clone(&node.replica);
+        let parts = Arc::clone(&node.parts);
         let feeder = tokio::spawn({
-            let replica = Arc::clone(&replica);
             let mut fed = self.fed.subscribe();
             let mut rng = SmallRng::seed_from_u64(self.world.rng.random());
             async move {
@@ -266,32 +298,6 @@ impl Sim {
                 }
             }
         });
-        let merges = tokio::spawn({
-            let replica = Arc::clone(&replica);
-            async move {
-                let e = ferry_replica::run_merges(replica, Duration::from_secs(1)).await;
-                tracing::debug!(error = %e, "merges ended");
-            }
-        });
-        let mut config = ExporterConfig::new(name.clone());
-        config.tick = Duration::from_millis(100);
-        config.cleanup_interval = Duration::from_millis(500);
-        config.safety_poll = Duration::from_secs(5);
-        config.creating_grace = Duration::from_secs(30);
-        config.upload_budget = ferry_storage::UploadBudget {
-            part_bytes: 8 << 10,
-            max_in_flight: 2,
-        };
-        let clock: Arc<dyn Clock> = Arc::new(self.world.clock.clone());
-        let exporter = Exporter::new(
-            config,
-            Arc::new(self.world.coord.factory(&name, SESSION_TIMEOUT)),
-            clock,
-            Cpu::Inline,
-            Arc::clone(&parts) as _,
-            Arc::new(self.lake()),
-        );
-        let export = tokio::spawn(exporter.run());
         let session: Session = self
             .world
             .coord
@@ -299,10 +305,10 @@ impl Sim {
             .await
             .map_err(|e| self.fail(format!("{name}: no session: {e}")))?;
         self.nodes[i] = Some(Node {
-            replica,
+            node,
             parts,
             session,
-            tasks: vec![feeder, merges, export],
+            feeder,
         });
         self.log(format!("{name} started"));
         Ok(())
@@ -319,12 +325,7 @@ impl Sim {
             {
                 self.log(format!("{name} crashes right after a write"));
             }
-            for t in node.tasks {
-                t.abort();
-                let _ = t.await;
-            }
-            drop(node.parts);
-            drop(node.replica);
+            node.stop().await;
             self.world.coord.crash_node(&name);
             self.world.crash_disk(&name);
             self.crashes += 1;
@@ -968,9 +969,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         sim.asked.len()
     ));
     for node in sim.nodes.iter_mut().filter_map(Option::take) {
-        for t in node.tasks {
-            t.abort();
-        }
+        node.stop().await;
     }
     let log_hash = sim
         .world

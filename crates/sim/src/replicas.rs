@@ -23,8 +23,8 @@ use arrow::array::{AsArray, Int64Array, RecordBatch, StringArray};
 use arrow::datatypes::Int64Type;
 use bytes::Bytes;
 use ferry_env::{Cpu, Disk};
-use ferry_replica::{Replica, SharedReplica, StreamConfig};
-use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig};
+use ferry_replica::{SharedReplica, StreamConfig};
+use ferry_safekeeper::acceptor::AcceptorConfig;
 use ferry_safekeeper::backup::BackupConfig;
 use ferry_safekeeper::server::{SafekeeperServer, ServerConfig};
 use ferry_table::Table;
@@ -152,9 +152,24 @@ pub struct Outcome {
 type ResultTx = mpsc::UnboundedSender<(Request, bool)>;
 type ResultRx = mpsc::UnboundedReceiver<(Request, bool)>;
 
+/// A running replica: the node as the product assembles it, and the
+/// simulation's monitor of its reported position.
 struct ReplicaNode {
-    shared: SharedReplica,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
+    node: ferry_node::ReplicaNode,
+    monitor: tokio::task::JoinHandle<()>,
+}
+
+impl ReplicaNode {
+    fn shared(&self) -> &SharedReplica {
+        &self.node.replica
+    }
+
+    /// A crash: every task ends at once.
+    async fn stop(self) {
+        self.node.stop().await;
+        self.monitor.abort();
+        let _ = self.monitor.await;
+    }
 }
 
 struct Sim {
@@ -209,13 +224,6 @@ impl Sim {
     }
 
     async fn start_safekeeper(&mut self, i: usize, create: bool) -> Result<(), Failure> {
-        let disk: Arc<dyn Disk> = Arc::new(self.sk_disks[i].clone());
-        let acceptor = if create {
-            Acceptor::create(disk, &sk_name(i), Self::acceptor_config(i)).await
-        } else {
-            Acceptor::open(disk, &sk_name(i), Self::acceptor_config(i)).await
-        }
-        .map_err(|e| self.fail(format!("sk{i} cannot open: {e}")))?;
         // WAL backup to the lake and removal behind every replica, drawn at
         // every start from a generator of their own (the schedule's draws
         // stay as they were): a replica that was down long reads removed
@@ -244,8 +252,29 @@ impl Sim {
             .bind(&sk_name(i))
             .await
             .map_err(|e| self.fail(format!("sk{i} cannot listen: {e}")))?;
-        let server = SafekeeperServer::serve_with(listener, acceptor, config)
-            .map_err(|e| self.fail(format!("sk{i} cannot listen: {e}")))?;
+        let disk: Arc<dyn Disk> = Arc::new(self.sk_disks[i].clone());
+        let open = if create {
+            ferry_node::SafekeeperOpen::Create
+        } else {
+            ferry_node::SafekeeperOpen::Open
+        };
+        let server = ferry_node::start_safekeeper(
+            disk,
+            &sk_name(i),
+            open,
+            Self::acceptor_config(i),
+            listener,
+            config,
+        )
+        .await
+        .map_err(|e| match e {
+            ferry_node::SafekeeperNodeError::State(e) => {
+                self.fail(format!("sk{i} cannot open: {e}"))
+            }
+            ferry_node::SafekeeperNodeError::Serve(e) => {
+                self.fail(format!("sk{i} cannot listen: {e}"))
+            }
+        })?;
         self.servers[i] = Some(Arc::new(server));
         self.log(format!("sk{i} started ({described})"));
         Ok(())
@@ -263,47 +292,42 @@ impl Sim {
     async fn start_replica(&mut self, i: usize) -> Result<(), Failure> {
         let name = replica_name(i);
         let disk: Arc<dyn Disk> = Arc::new(self.world.disk(&name));
-        let replica = Replica::open(
-            disk,
-            "replica",
-            i as u32 / REPLICAS_PER_SHARD,
-            i as u32 % REPLICAS_PER_SHARD,
-            Cpu::Inline,
-            Arc::new(ferry_testkit::table::FixedTables::new([table()])),
-        )
-        .await
-        .map_err(|e| self.fail(format!("{name} cannot reopen: {e}")))?;
-        let opened = replica.disk_consistent_lsn();
-        let reported = self.reported.lock().map(|r| r[i]).unwrap_or_default();
-        if opened < reported {
-            return Err(self.fail(format!(
-                "{name} reopened at {opened}, below the {reported} it reported as durable"
-            )));
-        }
-        let mut status = replica.subscribe();
-        let shared: SharedReplica = Arc::new(tokio::sync::Mutex::new(replica));
         let mut config = StreamConfig::new((0..SAFEKEEPERS).map(sk_name).collect());
         config.reconnect_delay = Duration::from_millis(100);
         config.lag_probe_interval = Duration::from_secs(1);
         config.max_lag_bytes = LAG_BYTES;
         // Each replica starts on another safekeeper.
         config.safekeepers.rotate_left(i % SAFEKEEPERS);
-        let stream = tokio::spawn({
-            let shared = Arc::clone(&shared);
-            let net = self.world.net.node(&name);
-            let clock: ferry_env::SharedClock = Arc::new(self.world.clock.clone());
-            async move {
-                let e = ferry_replica::stream::run(shared, net, clock, config).await;
-                tracing::debug!(error = %e, "replica stream ended");
-            }
-        });
-        let merges = tokio::spawn({
-            let shared = Arc::clone(&shared);
-            async move {
-                let e = ferry_replica::run_merges(shared, Duration::from_secs(2)).await;
-                tracing::debug!(error = %e, "replica merges ended");
-            }
-        });
+        let node = ferry_node::ReplicaNode::start(
+            ferry_node::ReplicaNodeConfig {
+                dir: "replica".into(),
+                shard: i as u32 / REPLICAS_PER_SHARD,
+                replica: i as u32 % REPLICAS_PER_SHARD,
+                wal: ferry_node::WalSource::Safekeepers {
+                    network: self.world.net.node(&name),
+                    config,
+                },
+                merges: Some(Duration::from_secs(2)),
+                export: None,
+            },
+            ferry_node::ReplicaSeams {
+                disk,
+                clock: Arc::new(self.world.clock.clone()),
+                cpu: Cpu::Inline,
+                tables: Arc::new(ferry_testkit::table::FixedTables::new([table()])),
+            },
+        )
+        .await
+        .map_err(|e| self.fail(format!("{name} cannot reopen: {e}")))?;
+        let opened = node.replica.lock().await.disk_consistent_lsn();
+        let reported = self.reported.lock().map(|r| r[i]).unwrap_or_default();
+        if opened < reported {
+            node.stop().await;
+            return Err(self.fail(format!(
+                "{name} reopened at {opened}, below the {reported} it reported as durable"
+            )));
+        }
+        let mut status = node.status.clone();
         // The step check: the position never goes back.
         let monitor = tokio::spawn({
             let reported = Arc::clone(&self.reported);
@@ -326,10 +350,7 @@ impl Sim {
                 }
             }
         });
-        self.replicas[i] = Some(ReplicaNode {
-            shared,
-            tasks: vec![stream, merges, monitor],
-        });
+        self.replicas[i] = Some(ReplicaNode { node, monitor });
         self.log(format!("{} started at {opened}", replica_name(i)));
         Ok(())
     }
@@ -344,11 +365,7 @@ impl Sim {
             {
                 self.log(format!("{name} crashes right after a write"));
             }
-            for t in node.tasks {
-                t.abort();
-                let _ = t.await;
-            }
-            drop(node.shared);
+            node.stop().await;
             self.world.crash_disk(&name);
             self.replica_crashes += 1;
             self.log(format!("{name} crashed"));
@@ -587,7 +604,7 @@ impl Sim {
                 let mut at = Vec::new();
                 for i in 0..replicas() {
                     if let Some(node) = &self.replicas[i] {
-                        let s = node.shared.lock().await.subscribe().borrow().clone();
+                        let s = node.shared().lock().await.subscribe().borrow().clone();
                         at.push(format!(
                             "{} applied {} received {}",
                             replica_name(i),
@@ -624,7 +641,7 @@ impl Sim {
             let Some(node) = &self.replicas[i] else {
                 continue;
             };
-            let mut status = node.shared.lock().await.subscribe();
+            let mut status = node.shared().lock().await.subscribe();
             let reached = tokio::time::timeout_at(
                 deadline,
                 status.wait_for(|s| {
@@ -674,7 +691,7 @@ impl Sim {
             let Some(node) = &self.replicas[i] else {
                 continue;
             };
-            let r = node.shared.lock().await;
+            let r = node.shared().lock().await;
             merges += r.subscribe().borrow().merges_done;
             let mut ids = Vec::new();
             let mut parts = Vec::new();
@@ -861,7 +878,7 @@ pub fn run_lagging_safekeeper(seed: u64) -> Result<Duration, Failure> {
             let Some(node) = &sim.replicas[i] else {
                 continue;
             };
-            let mut status = node.shared.lock().await.subscribe();
+            let mut status = node.shared().lock().await.subscribe();
             let reached = tokio::time::timeout(
                 Duration::from_secs(30),
                 status.wait_for(|s| s.disk_consistent_lsn >= end || s.error.is_some()),
@@ -882,9 +899,7 @@ pub fn run_lagging_safekeeper(seed: u64) -> Result<Duration, Failure> {
         sim.settle().await?;
         sim.check_replicas().await?;
         for node in sim.replicas.iter_mut().filter_map(Option::take) {
-            for t in node.tasks {
-                t.abort();
-            }
+            node.stop().await;
         }
         Ok(took)
     })
@@ -923,9 +938,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
     ));
     for i in 0..replicas() {
         if let Some(node) = sim.replicas[i].take() {
-            for t in node.tasks {
-                t.abort();
-            }
+            node.stop().await;
         }
     }
     let log_hash = sim

@@ -588,7 +588,6 @@ impl Sim {
             config.removal_interval,
             config.partial_backup.map(|p| p.timeout)
         );
-        let acceptor = self.open_acceptor(i).await?;
         let listener = self
             .world
             .net
@@ -596,8 +595,24 @@ impl Sim {
             .bind(&node_name(i))
             .await
             .map_err(|e| self.fail(format!("sk{i} cannot listen: {e}")))?;
-        let server = SafekeeperServer::serve_with(listener, acceptor, config)
-            .map_err(|e| self.fail(format!("sk{i} cannot listen: {e}")))?;
+        let disk: Arc<dyn Disk> = Arc::new(self.disks[i].clone());
+        let server = ferry_node::start_safekeeper(
+            disk,
+            &format!("sk{i}"),
+            ferry_node::SafekeeperOpen::Open,
+            self.acceptor_config(i),
+            listener,
+            config,
+        )
+        .await
+        .map_err(|e| match e {
+            ferry_node::SafekeeperNodeError::State(e) => {
+                self.fail(format!("sk{i} cannot recover from its disk: {e}"))
+            }
+            ferry_node::SafekeeperNodeError::Serve(e) => {
+                self.fail(format!("sk{i} cannot listen: {e}"))
+            }
+        })?;
         self.servers[i] = Some(Arc::new(server));
         // A new incarnation restarts from its persisted commit_lsn.
         self.seen_commits[i] = Lsn(0);
