@@ -20,6 +20,7 @@ pub mod dest;
 pub mod lake;
 pub mod local;
 pub mod model;
+pub mod peers;
 pub mod request;
 pub mod task;
 pub mod verify;

@@ -263,7 +263,7 @@ async fn wait_for_export(
 
 /// The lake as a reader sees it, and the recipes that read it.
 async fn show_lake(lake_url: &str, partition: &str) -> anyhow::Result<()> {
-    let lake = ferry_storage::open(lake_url, &crate::s3_settings_from_env())?;
+    let lake = ferry_storage::open(lake_url, &ferry_host::s3_settings_from_env())?;
     let view = ferry_export::lake::read(&lake, Some(partition)).await?;
     let current = view
         .partitions

@@ -12,8 +12,8 @@ use ferry_safekeeper::wal_storage::Preallocation;
 use ferry_wal::segment::SegmentSize;
 use ferry_wal::ClusterId;
 
-use crate::cluster::{self, ClusterRecord, ClusterState, WalState};
-use crate::local::{LocalQuorum, Member, QuorumSpec, SafekeeperSpec};
+use ferry_host::cluster::{self, ClusterRecord, ClusterState, WalState};
+use ferry_host::local::{LocalQuorum, Member, QuorumSpec, SafekeeperSpec};
 
 #[derive(Debug, clap::Args)]
 pub struct DevArgs {
@@ -39,15 +39,15 @@ pub struct DevArgs {
     #[arg(long, value_delimiter = ',', env = "FERRY_EXPORT_ROOTS")]
     export_roots: Vec<PathBuf>,
     #[command(flatten)]
-    pub wal: crate::local::WalServiceArgs,
+    pub wal: ferry_host::local::WalServiceArgs,
     #[command(flatten)]
-    pub back_pressure: crate::local::BackPressureArgs,
+    pub back_pressure: ferry_host::local::BackPressureArgs,
     /// When WAL segments are zero-filled ahead of time: auto (while commits are
     /// small), always or never.
     #[arg(long, default_value_t = Preallocation::Auto)]
     wal_preallocation: Preallocation,
     #[command(flatten)]
-    api: crate::api::ApiArgs,
+    api: ferry_host::api::ApiArgs,
     /// Runs a demonstration and exits: creates a sample table partitioned by
     /// month, inserts generated rows spread over 12 months through the HTTP
     /// API, waits until both replicas applied them and shows their partitions
@@ -74,51 +74,25 @@ pub fn parse_segment_size(s: &str) -> Result<SegmentSize, String> {
     SegmentSize::new(bytes).map_err(|e| e.to_string())
 }
 
-/// SIGINT (Ctrl-C) and SIGTERM, caught from the moment this is made: made at
-/// start-up, before a process says it is ready, so that a signal sent right
-/// after that line always means a clean stop (not the default: death).
-pub struct ShutdownSignal {
-    interrupt: tokio::signal::unix::Signal,
-    terminate: tokio::signal::unix::Signal,
-}
-
-impl ShutdownSignal {
-    pub fn install() -> anyhow::Result<ShutdownSignal> {
-        use tokio::signal::unix::{signal, SignalKind};
-        Ok(ShutdownSignal {
-            interrupt: signal(SignalKind::interrupt()).context("installing a SIGINT handler")?,
-            terminate: signal(SignalKind::terminate()).context("installing a SIGTERM handler")?,
-        })
-    }
-
-    /// Waits for either signal; says which.
-    pub async fn recv(&mut self) -> &'static str {
-        tokio::select! {
-            _ = self.interrupt.recv() => "interrupt",
-            _ = self.terminate.recv() => "terminate",
-        }
-    }
-}
-
 /// How long the writer may take to get elected before `ferry dev` gives up.
 const ELECTION_BOUND: Duration = Duration::from_secs(30);
 
 pub async fn run(args: DevArgs) -> anyhow::Result<()> {
-    let mut shutdown = ShutdownSignal::install()?;
+    let mut shutdown = ferry_host::signals::ShutdownSignal::install()?;
     // Everything that can be checked without the data dir is, and every
     // listener is bound, before the data dir is touched.
-    let data_dir = crate::paths::data_dir(
+    let data_dir = ferry_host::paths::data_dir(
         args.data_dir.as_deref(),
         "FERRY_DATA_DIR",
         Some(crate::default_data_dir()),
     )?;
-    let http_listener = crate::http::bind(&args.http).await?;
+    let http_listener = ferry_host::http::bind(&args.http).await?;
     let token = args.api.token()?;
 
-    let data_dir = crate::paths::absolute(&data_dir)?;
-    let _lock = crate::lockfile::lock_dir(&data_dir)?;
+    let data_dir = ferry_host::paths::absolute(&data_dir)?;
+    let _lock = ferry_host::lockfile::lock_dir(&data_dir)?;
     let coord_dir = data_dir.join("coord");
-    let _coord_lock = crate::lockfile::lock_dir(&coord_dir)?;
+    let _coord_lock = ferry_host::lockfile::lock_dir(&coord_dir)?;
     let disk = Arc::new(
         RealDisk::open_root(&data_dir)
             .with_context(|| format!("opening the data dir {}", data_dir.display()))?,
@@ -146,7 +120,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let creating = record.state == ClusterState::Creating;
     let known = cluster::read_wal_state(&*session).await?;
     let lake_url = format!("file://{}", data_dir.join("lake").display());
-    let lake = ferry_storage::open(&lake_url, &crate::s3_settings_from_env())
+    let lake = ferry_storage::open(&lake_url, &ferry_host::s3_settings_from_env())
         .context("opening the object storage")?;
 
     let segment =
@@ -226,7 +200,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         .context("opening the table catalog")?;
     let mut registry = prometheus_client::registry::Registry::default();
     let ingest_metrics = ferry_ingest::IngestMetrics::register(&mut registry);
-    let elections = crate::metrics::count_elections(&mut registry, quorum.writer.subscribe());
+    let elections = ferry_host::metrics::count_elections(&mut registry, quorum.writer.subscribe());
     let sampled_quorum = Arc::clone(&quorum);
     let sampled_coord = Arc::clone(&coord_metrics);
     let sampled_recording = recording.clone();
@@ -237,7 +211,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     )>;
     let sampled_exports: Arc<std::sync::Mutex<ExportViews>> = Default::default();
     let exports_for_metrics = Arc::clone(&sampled_exports);
-    let metrics = crate::metrics::NodeMetrics::new(registry, move || {
+    let metrics = ferry_host::metrics::NodeMetrics::new(registry, move || {
         let q = Arc::clone(&sampled_quorum);
         let coord = Arc::clone(&sampled_coord);
         let exports: Vec<(String, ferry_export::ExportsView)> = exports_for_metrics
@@ -248,16 +222,16 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
                     .collect()
             })
             .unwrap_or_default();
-        let commit_record = crate::metrics::commit_record(&sampled_recording.borrow());
+        let commit_record = ferry_host::metrics::commit_record(&sampled_recording.borrow());
         Box::pin(async move {
-            let mut out = crate::metrics::writer(&q.writer.status());
+            let mut out = ferry_host::metrics::writer(&q.writer.status());
             out.extend(commit_record);
             for s in q.servers() {
-                out.extend(crate::metrics::safekeeper(&s.status().await));
+                out.extend(ferry_host::metrics::safekeeper(&s.status().await));
             }
-            out.extend(crate::metrics::coordination(&coord));
+            out.extend(ferry_host::metrics::coordination(&coord));
             for (node, view) in &exports {
-                out.extend(crate::metrics::exporter(node, view));
+                out.extend(ferry_host::metrics::exporter(node, view));
             }
             out
         })
@@ -268,13 +242,13 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
             .with_context(|| format!("opening the data dir {}", data_dir.display()))?,
     );
     let tables: Arc<dyn ferry_replica::Tables> =
-        Arc::new(crate::reads::CatalogTables(catalog.clone()));
+        Arc::new(ferry_host::reads::CatalogTables(catalog.clone()));
     let safekeeper_addrs: Vec<String> = quorum.servers().map(|s| s.addr().to_string()).collect();
     // Every replica exports as its own node; requests go through the first.
     let destinations: Arc<dyn ferry_export::Destinations> =
         Arc::new(ferry_export::StorageDestinations::new(
-            crate::s3_settings_from_env(),
-            crate::paths::export_roots(&args.export_roots, &data_dir)?,
+            ferry_host::s3_settings_from_env(),
+            ferry_host::paths::export_roots(&args.export_roots, &data_dir)?,
         ));
     let mut nodes = Vec::new();
     let mut export_views = Vec::new();
@@ -289,7 +263,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
                     network: Arc::new(ferry_env::TcpNetwork),
                     config: ferry_replica::StreamConfig::new(safekeeper_addrs.clone()),
                 },
-                merges: Some(crate::roles::REPLACED_PART_GRACE),
+                merges: Some(ferry_node::replica::REPLACED_PART_GRACE),
                 export: Some(ferry_node::ExportSeams {
                     config: ferry_export::ExporterConfig::new(format!("dev-r{r}")),
                     sessions: Arc::clone(&sessions) as Arc<dyn ferry_coord::SessionFactory>,
@@ -315,8 +289,6 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         export_views.push(view);
         nodes.push(node);
     }
-    let replicas: Vec<ferry_replica::SharedReplica> =
-        nodes.iter().map(|n| Arc::clone(&n.replica)).collect();
     let request_parts = nodes.first().map(|n| Arc::clone(&n.parts));
     let commit_writer = Arc::clone(&quorum.writer);
     let request_parts = request_parts.context("no replica")?;
@@ -338,9 +310,9 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         }),
         view: export_views[0].clone(),
     });
-    let reads = Arc::new(crate::reads::Reads {
+    let reads = Arc::new(ferry_host::reads::Reads {
         catalog: catalog.clone(),
-        replicas: replicas.clone(),
+        replicas: nodes.iter().map(|n| n.reader.clone()).collect(),
     });
     let api = ferry_ingest::Api::new(
         catalog,
@@ -350,7 +322,8 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         ingest_metrics,
     );
     let status_quorum = Arc::clone(&quorum);
-    let status_replicas = replicas.clone();
+    let status_replicas: Vec<ferry_replica::ReplicaReader> =
+        nodes.iter().map(|n| n.reader.clone()).collect();
     let cluster_id = record.cluster_id.clone();
     let status = move || {
         let q = Arc::clone(&status_quorum);
@@ -358,10 +331,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         let cluster_id = cluster_id.clone();
         let commit_record = recording.borrow().clone();
         async move {
-            let mut replicas = Vec::new();
-            for r in &rs {
-                replicas.push(r.lock().await.subscribe().borrow().clone());
-            }
+            let replicas: Vec<_> = rs.iter().map(|r| r.status()).collect();
             serde_json::json!({
                 "cluster_id": cluster_id,
                 "writer": q.writer.status(),
@@ -372,10 +342,10 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         }
     };
     let router = ferry_ingest::api::router(api)
-        .merge(crate::reads::router(reads))
+        .merge(ferry_host::reads::router(reads))
         .merge(crate::exports::router(export_api))
-        .merge(crate::http::node_routes(status, Arc::new(metrics)));
-    let server = crate::http::serve(http_listener, router, token)?;
+        .merge(ferry_host::http::node_routes(status, Arc::new(metrics)));
+    let server = ferry_host::http::serve(http_listener, router, token)?;
     let http = server.addr.clone();
 
     let down: Vec<String> = quorum
@@ -441,7 +411,6 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     for node in nodes {
         node.stop().await;
     }
-    drop(replicas);
     cluster::record_wal_state(
         &*session.session().await?,
         WalState {

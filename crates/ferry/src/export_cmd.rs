@@ -314,7 +314,10 @@ fn open_to_read(url: &str) -> anyhow::Result<ferry_storage::Location> {
             "{url}: no such directory (nothing was exported there)"
         );
     }
-    Ok(ferry_storage::open(url, &crate::s3_settings_from_env())?)
+    Ok(ferry_storage::open(
+        url,
+        &ferry_host::s3_settings_from_env(),
+    )?)
 }
 
 pub async fn verify(args: VerifyArgs) -> anyhow::Result<()> {

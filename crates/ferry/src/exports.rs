@@ -128,8 +128,11 @@ pub fn router(api: Arc<ExportApi>) -> Router {
 /// request's position and pins the parts it lists).
 async fn shard_snapshot(
     State(api): State<Arc<ExportApi>>,
-    body: Result<Json<crate::peers::ShardSnapshotBody>, axum::extract::rejection::JsonRejection>,
-) -> Result<Json<crate::peers::ShardSnapshotAnswer>, ApiError> {
+    body: Result<
+        Json<ferry_export::peers::ShardSnapshotBody>,
+        axum::extract::rejection::JsonRejection,
+    >,
+) -> Result<Json<ferry_export::peers::ShardSnapshotAnswer>, ApiError> {
     let Json(body) =
         body.map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", e.body_text()))?;
     if let Some(tx) = &body.request.pin {
@@ -143,8 +146,8 @@ async fn shard_snapshot(
     };
     Ok(Json(
         match api.local.snapshot_local(&request, &[body.shard]).await {
-            Ok(parts) => crate::peers::ShardSnapshotAnswer::Parts(parts),
-            Err(e) => crate::peers::ShardSnapshotAnswer::Failed(e),
+            Ok(parts) => ferry_export::peers::ShardSnapshotAnswer::Parts(parts),
+            Err(e) => ferry_export::peers::ShardSnapshotAnswer::Failed(e),
         },
     ))
 }
@@ -152,7 +155,7 @@ async fn shard_snapshot(
 /// Releases the pins of a request whose task was not created.
 async fn unpin(
     State(api): State<Arc<ExportApi>>,
-    body: Result<Json<crate::peers::UnpinBody>, axum::extract::rejection::JsonRejection>,
+    body: Result<Json<ferry_export::peers::UnpinBody>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let bad = |m: String| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", m);
     let Json(body) = body.map_err(|e| bad(e.body_text()))?;

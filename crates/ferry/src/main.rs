@@ -1,33 +1,14 @@
 //! The `ferry` binary: wires the library crates into runnable roles.
 
-/// Prints a line to stdout, ignoring a closed stdout (a supervisor that stopped
-/// reading must not turn a clean shutdown into a panic).
-macro_rules! say {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stdout(), $($arg)*);
-    }};
-}
+#[macro_use]
+extern crate ferry_host;
 
-mod api;
-mod bench;
-mod bench_export;
-mod bench_ingest;
-mod bench_scale;
 mod client_cmd;
-mod cluster;
 mod config;
 mod demo;
 mod dev;
 mod export_cmd;
 mod exports;
-mod http;
-mod local;
-mod lockfile;
-mod metrics;
-mod paths;
-mod peers;
-mod reads;
 mod roles;
 
 use std::io::IsTerminal;
@@ -106,7 +87,7 @@ enum Command {
     /// Prints performance figures.
     Bench {
         #[command(subcommand)]
-        which: BenchCommand,
+        which: ferry_bench::BenchCommand,
     },
 }
 
@@ -119,29 +100,6 @@ enum ConfigCommand {
         /// The TOML configuration file to check.
         file: PathBuf,
     },
-}
-
-#[derive(Debug, Subcommand)]
-enum BenchCommand {
-    /// Coordination: embedded store ops/s, and ZooKeeper round trips of separate
-    /// creates against one multi.
-    Coord(bench::CoordBenchArgs),
-    /// WAL quorum: throughput and commit latency of 3 safekeepers on loopback,
-    /// next to the disk's own fdatasync latency and sequential write rate.
-    Wal(bench::WalBenchArgs),
-    /// Inserts: rows/s and MB/s through HTTP into committed WAL (NDJSON and
-    /// Arrow IPC), next to arrow-json's and arrow-ipc's own decode rates and
-    /// the WAL's throughput for the same bytes.
-    Ingest(bench_ingest::IngestBenchArgs),
-    /// Partition export: MB/s to a local folder (and S3 with --s3-endpoint)
-    /// by 1 and 2 nodes next to raw object_store writes of the same files,
-    /// and coordination round trips per part.
-    Export(bench_export::ExportBenchArgs),
-    /// Partition export at scale: 100,000 one-row parts shared by 16
-    /// exporters on ZooKeeper (--zookeeper) or the embedded store; the
-    /// largest node, round trips per part, the status listing's cost, the
-    /// wall time.
-    ExportScale(bench_scale::ScaleBenchArgs),
 }
 
 /// Runs `ferry-sim` from beside this binary with `args`, in place of this
@@ -168,13 +126,6 @@ fn run_simulator(args: Vec<std::ffi::OsString>) -> anyhow::Result<()> {
 /// Where `ferry dev` keeps its data unless told otherwise: under the working folder.
 pub fn default_data_dir() -> PathBuf {
     PathBuf::from("ferry-data")
-}
-
-/// S3 settings from the process environment (`AWS_ENDPOINT_URL`,
-/// `AWS_REGION`, credentials, ...): the one place the environment is read
-/// for object storage; libraries take the settings as data.
-pub fn s3_settings_from_env() -> ferry_storage::S3Settings {
-    ferry_storage::S3Settings::default().with_aws_env(std::env::vars())
 }
 
 /// Errors are printed as one readable chain (`error: what: why: ...`),
@@ -260,13 +211,7 @@ fn run() -> anyhow::Result<()> {
             Command::Sim { .. } | Command::Config { .. } => {
                 unreachable!("handled before the runtime starts")
             }
-            Command::Bench { which } => match which {
-                BenchCommand::Coord(args) => bench::coord(args).await,
-                BenchCommand::Wal(args) => bench::wal(args).await,
-                BenchCommand::Ingest(args) => bench_ingest::ingest(args).await,
-                BenchCommand::Export(args) => bench_export::export(args).await,
-                BenchCommand::ExportScale(args) => bench_scale::export_scale(args).await,
-            },
+            Command::Bench { which } => ferry_bench::run(which).await,
         }
     })
 }

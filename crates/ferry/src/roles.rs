@@ -11,7 +11,7 @@ use ferry_wal::ClusterId;
 use ferry_writer::driver::{Writer, WriterConfig};
 use ferry_writer::proposer::ProposerConfig;
 
-use crate::local::{start_safekeeper, SafekeeperSpec, TIMELINE_ID};
+use ferry_host::local::{start_safekeeper, SafekeeperSpec, TIMELINE_ID};
 
 #[derive(Debug, clap::Args)]
 pub struct SafekeeperArgs {
@@ -56,7 +56,7 @@ pub struct SafekeeperArgs {
     #[arg(long, default_value = "127.0.0.1:7676")]
     http: String,
     #[command(flatten)]
-    wal: crate::local::WalServiceArgs,
+    wal: ferry_host::local::WalServiceArgs,
 }
 
 #[derive(Debug, clap::Args)]
@@ -85,27 +85,27 @@ pub struct WriterArgs {
     #[arg(long, env = "FERRY_ZOOKEEPER")]
     zookeeper: Option<String>,
     #[command(flatten)]
-    back_pressure: crate::local::BackPressureArgs,
+    back_pressure: ferry_host::local::BackPressureArgs,
     /// A replica whose feedback has not changed for this long no longer
     /// holds back-pressure (set it like the safekeepers' --replica-expiry).
     #[arg(long, default_value = "1day", value_parser = humantime::parse_duration)]
     replica_expiry: std::time::Duration,
     #[command(flatten)]
-    api: crate::api::ApiArgs,
+    api: ferry_host::api::ApiArgs,
 }
 
 pub async fn safekeeper(args: SafekeeperArgs) -> anyhow::Result<()> {
-    let mut shutdown = crate::dev::ShutdownSignal::install()?;
+    let mut shutdown = ferry_host::signals::ShutdownSignal::install()?;
     // Flags and addresses first: nothing is touched if one of them is wrong.
     let segment = SegmentSize::new(args.segment_bytes)?;
-    let data_dir = crate::paths::data_dir(args.data_dir.as_deref(), "FERRY_DATA_DIR", None)?;
+    let data_dir = ferry_host::paths::data_dir(args.data_dir.as_deref(), "FERRY_DATA_DIR", None)?;
     let listener = TcpNetwork
         .bind(&args.listen)
         .await
         .with_context(|| format!("binding the safekeeper address {}", args.listen))?;
-    let http_listener = crate::http::bind(&args.http).await?;
-    crate::paths::create_dir(&data_dir)?;
-    let _lock = crate::lockfile::lock_dir(&data_dir)?;
+    let http_listener = ferry_host::http::bind(&args.http).await?;
+    ferry_host::paths::create_dir(&data_dir)?;
+    let _lock = ferry_host::lockfile::lock_dir(&data_dir)?;
     let spec = SafekeeperSpec {
         cluster_id: args.cluster_id.clone(),
         segment,
@@ -118,17 +118,17 @@ pub async fn safekeeper(args: SafekeeperArgs) -> anyhow::Result<()> {
     let server = Arc::clone(&sk.server);
     let status_server = Arc::clone(&server);
     let sampled = Arc::clone(&server);
-    let metrics = crate::metrics::NodeMetrics::new(Default::default(), move || {
+    let metrics = ferry_host::metrics::NodeMetrics::new(Default::default(), move || {
         let s = Arc::clone(&sampled);
-        Box::pin(async move { crate::metrics::safekeeper(&s.status().await) })
+        Box::pin(async move { ferry_host::metrics::safekeeper(&s.status().await) })
     });
     let status = move || {
         let s = Arc::clone(&status_server);
         async move { serde_json::to_value(s.status().await).unwrap_or_default() }
     };
-    let http = crate::http::serve(
+    let http = ferry_host::http::serve(
         http_listener,
-        crate::http::node_routes(status, Arc::new(metrics)),
+        ferry_host::http::node_routes(status, Arc::new(metrics)),
         None,
     )?;
     say!(
@@ -150,7 +150,7 @@ pub async fn safekeeper(args: SafekeeperArgs) -> anyhow::Result<()> {
 }
 
 pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
-    let mut shutdown = crate::dev::ShutdownSignal::install()?;
+    let mut shutdown = ferry_host::signals::ShutdownSignal::install()?;
     let segment = SegmentSize::new(args.segment_bytes)?;
     let n = args.safekeepers.len();
     anyhow::ensure!(n >= 1, "at least one safekeeper is needed");
@@ -162,7 +162,7 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
     let http_listener = if args.sync {
         None
     } else {
-        Some(crate::http::bind(&args.http).await?)
+        Some(ferry_host::http::bind(&args.http).await?)
     };
     // Coordination: the cluster record must match, and the writer starts knowing
     // the last recorded commit (an election below it is refused).
@@ -180,7 +180,7 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
                 .await
                 .with_context(|| format!("connecting to ZooKeeper at {connect}"))?;
             check_cluster_record(&*session, &args, n).await?;
-            let known = crate::cluster::read_wal_state(&*session).await?;
+            let known = ferry_host::cluster::read_wal_state(&*session).await?;
             let session = ferry_coord::RenewingSession::with(Arc::clone(&sessions), session);
             Some((sessions, session, known))
         }
@@ -214,10 +214,10 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
         return Ok(());
     };
     let mut registry = prometheus_client::registry::Registry::default();
-    let elections = crate::metrics::count_elections(&mut registry, writer.subscribe());
+    let elections = ferry_host::metrics::count_elections(&mut registry, writer.subscribe());
     let status = writer.subscribe();
     let (recording_tx, recording) =
-        tokio::sync::watch::channel(crate::cluster::WalStateRecording::default());
+        tokio::sync::watch::channel(ferry_host::cluster::WalStateRecording::default());
     let status_recording = recording.clone();
     let with_coordination = coordination.is_some();
     let status_route = move || {
@@ -245,7 +245,7 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
             ingest_metrics,
         );
         router = ferry_ingest::api::router(api);
-        recorder = Some(tokio::spawn(crate::cluster::record_commits(
+        recorder = Some(tokio::spawn(ferry_host::cluster::record_commits(
             session.clone(),
             writer.subscribe(),
             recording_tx,
@@ -253,25 +253,28 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
     }
     let sampled_writer = writer.subscribe();
     let sampled_coord = Arc::clone(&coord_metrics);
-    let metrics = crate::metrics::NodeMetrics::new(registry, move || {
-        let mut out = crate::metrics::writer(&sampled_writer.borrow());
-        out.extend(crate::metrics::coordination(&sampled_coord));
+    let metrics = ferry_host::metrics::NodeMetrics::new(registry, move || {
+        let mut out = ferry_host::metrics::writer(&sampled_writer.borrow());
+        out.extend(ferry_host::metrics::coordination(&sampled_coord));
         if with_coordination {
-            out.extend(crate::metrics::commit_record(&recording.borrow()));
+            out.extend(ferry_host::metrics::commit_record(&recording.borrow()));
         }
         Box::pin(async move { out })
     });
-    let router = router.merge(crate::http::node_routes(status_route, Arc::new(metrics)));
-    let http = crate::http::serve(http_listener, router, token)?;
+    let router = router.merge(ferry_host::http::node_routes(
+        status_route,
+        Arc::new(metrics),
+    ));
+    let http = ferry_host::http::serve(http_listener, router, token)?;
     // Registered so that export requests on replicas can ask the commit
     // position (crate::peers).
     let registration = writer_catalog.map(|catalog| {
         let registered_http = http.addr.clone();
-        tokio::spawn(crate::peers::register(
-            catalog,
-            crate::peers::writer_node(&http.addr),
+        tokio::spawn(ferry_export::peers::register(
+            catalog.renewing_session(),
+            ferry_export::peers::writer_node(&http.addr),
             writer.subscribe(),
-            move |_| crate::peers::Registration {
+            move |_| ferry_export::peers::Registration {
                 http: registered_http.clone(),
                 disk_consistent_lsn: None,
             },
@@ -331,9 +334,9 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
         ),
     };
     if let Some((_, session, _)) = &coordination {
-        crate::cluster::record_wal_state(
+        ferry_host::cluster::record_wal_state(
             &*session.session().await?,
-            crate::cluster::WalState {
+            ferry_host::cluster::WalState {
                 term,
                 commit_lsn: end,
             },
@@ -353,7 +356,7 @@ async fn check_cluster_record(
     args: &WriterArgs,
     n: usize,
 ) -> anyhow::Result<()> {
-    use crate::cluster::{ClusterRecord, ClusterState};
+    use ferry_host::cluster::{ClusterRecord, ClusterState};
     let addrs: Vec<String> = args
         .safekeepers
         .iter()
@@ -366,8 +369,8 @@ async fn check_cluster_record(
         state: ClusterState::Ready,
         safekeeper_addrs: Some(addrs.clone()),
     };
-    let Some(found) = crate::cluster::read_record(session).await? else {
-        return crate::cluster::write_record(session, &wanted).await;
+    let Some(found) = ferry_host::cluster::read_record(session).await? else {
+        return ferry_host::cluster::write_record(session, &wanted).await;
     };
     let same_cluster = ClusterRecord {
         safekeeper_addrs: None,
@@ -390,7 +393,7 @@ async fn check_cluster_record(
     match &found.safekeeper_addrs {
         // Recorded before addresses were: the first writer that knows them
         // records them.
-        None => crate::cluster::write_record(session, &wanted).await,
+        None => ferry_host::cluster::write_record(session, &wanted).await,
         Some(recorded) if *recorded == addrs => Ok(()),
         Some(recorded) => {
             let same_set = {
@@ -419,7 +422,7 @@ async fn check_replica_against_cluster(
         .session()
         .await
         .context("reading the cluster record")?;
-    let Some(record) = crate::cluster::read_record(&*session).await? else {
+    let Some(record) = ferry_host::cluster::read_record(&*session).await? else {
         anyhow::bail!(
             "the coordination store holds no cluster record: start the cluster's writer first (it records cluster {})",
             args.cluster_id
@@ -593,11 +596,8 @@ pub struct ReplicaArgs {
     export_roots: Vec<PathBuf>,
 }
 
-/// How long a part a merge replaced stays on disk for readers that listed it.
-pub const REPLACED_PART_GRACE: std::time::Duration = std::time::Duration::from_secs(60);
-
 pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
-    let mut shutdown = crate::dev::ShutdownSignal::install()?;
+    let mut shutdown = ferry_host::signals::ShutdownSignal::install()?;
     anyhow::ensure!(
         args.shard != ferry_replica::ALL_SHARDS,
         "--shard {} is reserved",
@@ -610,8 +610,8 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
                 .map_err(|e| anyhow::anyhow!("--api-token / FERRY_API_TOKEN: {e}"))?,
         ),
     };
-    let data_dir = crate::paths::data_dir(args.data_dir.as_deref(), "FERRY_DATA_DIR", None)?;
-    let http_listener = crate::http::bind(&args.http).await?;
+    let data_dir = ferry_host::paths::data_dir(args.data_dir.as_deref(), "FERRY_DATA_DIR", None)?;
+    let http_listener = ferry_host::http::bind(&args.http).await?;
     let coord_metrics = Arc::new(ferry_coord::CoordMetrics::default());
     let sessions: Arc<dyn ferry_coord::SessionFactory> = Arc::new(ferry_coord::ZkSessions {
         options: ferry_coord::zk::ZkOptions::new(args.zookeeper.clone()),
@@ -621,8 +621,8 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("opening the table catalog at {}", args.zookeeper))?;
     check_replica_against_cluster(&catalog, &args).await?;
-    crate::paths::create_dir(&data_dir)?;
-    let _lock = crate::lockfile::lock_dir(&data_dir)?;
+    ferry_host::paths::create_dir(&data_dir)?;
+    let _lock = ferry_host::lockfile::lock_dir(&data_dir)?;
     let disk: Arc<dyn ferry_env::Disk> = Arc::new(
         ferry_env::RealDisk::open_root(&data_dir)
             .with_context(|| format!("opening {}", data_dir.display()))?,
@@ -630,8 +630,8 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
     let dir = format!("s{}r{}", args.shard, args.replica);
     let destinations: Arc<dyn ferry_export::Destinations> =
         Arc::new(ferry_export::StorageDestinations::new(
-            crate::s3_settings_from_env(),
-            crate::paths::export_roots(&args.export_roots, &data_dir)?,
+            ferry_host::s3_settings_from_env(),
+            ferry_host::paths::export_roots(&args.export_roots, &data_dir)?,
         ));
     let exporter_name = dir.clone();
     let mut node = ferry_node::ReplicaNode::start(
@@ -643,7 +643,7 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
                 network: Arc::new(TcpNetwork),
                 config: ferry_replica::StreamConfig::new(args.safekeepers.clone()),
             },
-            merges: Some(REPLACED_PART_GRACE),
+            merges: Some(ferry_node::replica::REPLACED_PART_GRACE),
             export: Some(ferry_node::ExportSeams {
                 config: ferry_export::ExporterConfig::new(exporter_name.clone()),
                 sessions: Arc::clone(&sessions),
@@ -654,25 +654,28 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
             disk,
             clock: Arc::new(ferry_env::SystemClock),
             cpu: ferry_env::Cpu::BlockingPool,
-            tables: Arc::new(crate::reads::CatalogTables(catalog.clone())),
+            tables: Arc::new(ferry_host::reads::CatalogTables(catalog.clone())),
         },
     )
     .await
     .with_context(|| format!("opening the replica in {}", data_dir.join(&dir).display()))?;
     let mut status_rx = node.status.clone();
     let shared = Arc::clone(&node.replica);
-    let reads = Arc::new(crate::reads::Reads {
+    let reads = Arc::new(ferry_host::reads::Reads {
         catalog: catalog.clone(),
-        replicas: vec![Arc::clone(&shared)],
+        replicas: vec![node.reader.clone()],
     });
     // Exports: this replica's exporter, and requests that snapshot the
     // other shards through their replicas (crate::peers).
-    let registered_as = crate::peers::replica_node(args.shard, args.replica);
-    let peers = Arc::new(crate::peers::Peers {
-        catalog: catalog.clone(),
-        token: args.api_token.clone().filter(|t| !t.is_empty()),
-        own_node: registered_as.clone(),
-    });
+    let registered_as = ferry_export::peers::replica_node(args.shard, args.replica);
+    let peers = Arc::new(ferry_export::peers::Peers::new(
+        catalog.renewing_session(),
+        registered_as.clone(),
+        Arc::new(ferry_node::http::HttpPeers::new(
+            Arc::new(TcpNetwork),
+            args.api_token.clone(),
+        )),
+    ));
     let local_parts = Arc::clone(&node.parts);
     let request_parts: Arc<dyn ferry_export::LocalParts> = Arc::new(
         ferry_export::ReplicaSet::new(vec![Arc::clone(&shared)])
@@ -704,25 +707,25 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
     };
     let sampled = status_rx.clone();
     let sampled_coord = Arc::clone(&coord_metrics);
-    let metrics = crate::metrics::NodeMetrics::new(Default::default(), move || {
-        let mut out = crate::metrics::replica(&sampled.borrow());
-        out.extend(crate::metrics::coordination(&sampled_coord));
-        out.extend(crate::metrics::exporter(
+    let metrics = ferry_host::metrics::NodeMetrics::new(Default::default(), move || {
+        let mut out = ferry_host::metrics::replica(&sampled.borrow());
+        out.extend(ferry_host::metrics::coordination(&sampled_coord));
+        out.extend(ferry_host::metrics::exporter(
             &exporter_name,
             &export_view.borrow(),
         ));
         Box::pin(async move { out })
     });
-    let router = crate::reads::router(reads)
+    let router = ferry_host::reads::router(reads)
         .merge(crate::exports::router(export_api))
-        .merge(crate::http::node_routes(status, Arc::new(metrics)));
-    let http = crate::http::serve(http_listener, router, token)?;
+        .merge(ferry_host::http::node_routes(status, Arc::new(metrics)));
+    let http = ferry_host::http::serve(http_listener, router, token)?;
     let registered_http = http.addr.clone();
-    let registration = tokio::spawn(crate::peers::register(
-        catalog.clone(),
+    let registration = tokio::spawn(ferry_export::peers::register(
+        catalog.renewing_session(),
         registered_as.clone(),
         status_rx.clone(),
-        move |s: &ferry_replica::ReplicaStatus| crate::peers::Registration {
+        move |s: &ferry_replica::ReplicaStatus| ferry_export::peers::Registration {
             http: registered_http.clone(),
             disk_consistent_lsn: Some(s.disk_consistent_lsn.to_string()),
         },

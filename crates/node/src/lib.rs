@@ -13,6 +13,7 @@
 //! `clippy.toml` rule holds here): what opens real files, sockets and clocks
 //! is the caller's.
 
+pub mod http;
 pub mod replica;
 pub mod safekeeper;
 

@@ -12,9 +12,16 @@ use std::time::Duration;
 use ferry_coord::SessionFactory;
 use ferry_env::{Cpu, Disk, Network, SharedClock};
 use ferry_export::{Destinations, Exporter, ExporterConfig, ExportsView, ReplicaSet};
-use ferry_replica::{Replica, ReplicaError, ReplicaStatus, SharedReplica, StreamConfig, Tables};
+use ferry_replica::{
+    Replica, ReplicaError, ReplicaReader, ReplicaStatus, SharedReplica, StreamConfig, Tables,
+};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+
+/// How long a part a merge replaced stays on disk for the readers that
+/// listed it (a read lists parts from a [`ferry_replica::ReadView`], then
+/// opens them).
+pub const REPLACED_PART_GRACE: Duration = Duration::from_secs(60);
 
 /// The seams every replica node reaches the world through.
 #[derive(Clone)]
@@ -79,6 +86,8 @@ pub struct ReplicaNode {
     pub replica: SharedReplica,
     /// The replica's status, updated by the replica itself.
     pub status: watch::Receiver<ReplicaStatus>,
+    /// The replica as readers reach it, without its lock.
+    pub reader: ReplicaReader,
     /// This node's replica as the parts an export reads.
     pub parts: Arc<ReplicaSet>,
     /// The exporter's view of the tasks it mirrors, when it has one.
@@ -106,6 +115,7 @@ impl ReplicaNode {
         )
         .await?;
         let status = replica.subscribe();
+        let reader = replica.reader();
         let replica: SharedReplica = Arc::new(tokio::sync::Mutex::new(replica));
         let parts = Arc::new(ReplicaSet::new(vec![Arc::clone(&replica)]));
         let stream = match config.wal {
@@ -144,6 +154,7 @@ impl ReplicaNode {
         Ok(ReplicaNode {
             replica,
             status,
+            reader,
             parts,
             exports,
             stream,

@@ -11,6 +11,7 @@ pub mod checksum;
 pub mod part;
 pub mod replica;
 pub mod stream;
+pub mod view;
 
 pub use part::{PartMeta, PartName};
 pub use replica::{
@@ -18,3 +19,4 @@ pub use replica::{
     Tables, ALL_SHARDS, MERGE_FANIN,
 };
 pub use stream::StreamConfig;
+pub use view::{ReadView, ReplicaReader};

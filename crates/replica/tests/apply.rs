@@ -548,3 +548,93 @@ async fn a_replica_behind_syncs_in_batches_and_a_crash_in_between_loses_nothing(
         wal.end()
     );
 }
+
+/// Stalls the first sync after it is armed until released, and says when
+/// it is stalled.
+#[derive(Default)]
+struct SyncGate {
+    armed: std::sync::atomic::AtomicBool,
+    stalled: tokio::sync::Notify,
+    release: tokio::sync::Notify,
+}
+
+#[async_trait]
+impl DiskHook for SyncGate {
+    async fn before(&self, op: DiskOp<'_>) -> std::io::Result<()> {
+        if op.is_sync() && self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            self.stalled.notify_one();
+            self.release.notified().await;
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn reads_see_the_last_durable_view_while_the_applier_holds_the_replica_in_an_fsync() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gate = Arc::new(SyncGate::default());
+    let disk: Arc<dyn Disk> = Arc::new(HookedDisk::new(
+        Arc::new(RealDisk::open_root(dir.path()).expect("disk")),
+        Arc::clone(&gate) as Arc<dyn DiskHook>,
+    ));
+    let mut wal = Wal::default();
+    wal.insert(1, 0, "a", rows(0..10, &["x"]));
+    let first = wal.end();
+    wal.insert(1, 0, "b", rows(10..30, &["x", "y"]));
+    let all = wal.bytes.clone().freeze();
+
+    let mut replica = open(&disk, "r", 0).await;
+    let reader = replica.reader();
+    replica
+        .receive(Lsn(0), &all[..first.0 as usize])
+        .await
+        .expect("receive");
+    replica.flush().await.expect("flush");
+    let before = reader.view();
+    assert_eq!(before.disk_consistent_lsn, first);
+    assert_eq!(before.parts(1).iter().map(|p| p.rows).sum::<u64>(), 10);
+
+    // The applier takes the replica and stalls in the fsync of its next part.
+    let shared = Arc::new(tokio::sync::Mutex::new(replica));
+    gate.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    let applier = tokio::spawn({
+        let shared = Arc::clone(&shared);
+        let rest = all.slice(first.0 as usize..);
+        async move {
+            let mut r = shared.lock().await;
+            r.receive(first, &rest).await.expect("receive");
+            r.flush().await.expect("flush")
+        }
+    });
+    gate.stalled.notified().await;
+    assert!(
+        shared.try_lock().is_err(),
+        "the applier holds the replica while it syncs"
+    );
+    // A read does not wait: it sees the last durable view, and a status
+    // that announces no more than it.
+    let during = reader.view();
+    assert_eq!(during.disk_consistent_lsn, first);
+    assert_eq!(during.parts(1), before.parts(1));
+    assert!(reader.status().disk_consistent_lsn <= during.disk_consistent_lsn);
+    for p in during.parts(1) {
+        let path = during.part_path(1, &p.name);
+        assert!(dir.path().join(&path).is_file(), "{path} is on disk");
+    }
+
+    gate.release.notify_one();
+    let end = applier.await.expect("applier");
+    assert_eq!(end, wal.end());
+    let after = reader.view();
+    assert_eq!(after.disk_consistent_lsn, wal.end());
+    assert_eq!(after.parts(1).iter().map(|p| p.rows).sum::<u64>(), 30);
+    assert_eq!(
+        reader.status().disk_consistent_lsn,
+        after.disk_consistent_lsn
+    );
+    assert_eq!(
+        after.parts(1),
+        shared.lock().await.parts(1),
+        "the view is what the replica holds"
+    );
+}

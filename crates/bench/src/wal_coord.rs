@@ -533,7 +533,7 @@ fn insert_of(total_bytes: usize, block: u64) -> bytes::Bytes {
 
 /// The safekeepers of one measurement.
 enum Safekeepers {
-    InProcess(Vec<crate::local::Member>),
+    InProcess(Vec<ferry_host::local::Member>),
     /// `ferry safekeeper` children and their status endpoints (`host:port`).
     Processes(Vec<(std::process::Child, String)>),
 }
@@ -582,7 +582,7 @@ impl Safekeepers {
         let mut out = Vec::new();
         match self {
             Safekeepers::InProcess(members) => {
-                for s in members.iter().filter_map(crate::local::Member::server) {
+                for s in members.iter().filter_map(ferry_host::local::Member::server) {
                     let status = s.status().await;
                     out.push(Counters {
                         append_messages: status.appends_received,
@@ -711,7 +711,7 @@ pub async fn fresh_quorum(
             backup: Some(ferry_safekeeper::backup::BackupConfig {
                 location: ferry_storage::open(
                     &format!("file://{}", dir.display()),
-                    &crate::s3_settings_from_env(),
+                    &ferry_host::s3_settings_from_env(),
                 )?,
                 parallel_jobs: ferry_safekeeper::backup::DEFAULT_PARALLEL_JOBS,
             }),
@@ -720,10 +720,10 @@ pub async fn fresh_quorum(
         None => Default::default(),
     };
     let (writer, safekeepers, addrs) = if in_process {
-        let spec = crate::local::QuorumSpec {
+        let spec = ferry_host::local::QuorumSpec {
             dir: dir.clone(),
             safekeepers: n,
-            safekeeper: crate::local::SafekeeperSpec {
+            safekeeper: ferry_host::local::SafekeeperSpec {
                 cluster_id: bench_cluster(),
                 segment,
                 preallocation: Default::default(),
@@ -735,7 +735,7 @@ pub async fn fresh_quorum(
             known_commit_lsn: ferry_wal::Lsn(0),
             back_pressure: Default::default(),
         };
-        let quorum = crate::local::LocalQuorum::start(&spec).await?;
+        let quorum = ferry_host::local::LocalQuorum::start(&spec).await?;
         let addrs = quorum.servers().map(|s| s.addr().to_string()).collect();
         (quorum.writer, Safekeepers::InProcess(quorum.members), addrs)
     } else {
@@ -753,7 +753,7 @@ pub async fn fresh_quorum(
             ferry_writer::proposer::ProposerConfig::new(
                 bench_cluster(),
                 n,
-                crate::local::TIMELINE_ID,
+                ferry_host::local::TIMELINE_ID,
                 segment.bytes(),
                 proposer_id,
             ),
@@ -806,7 +806,7 @@ pub async fn stop_quorum(quorum: BenchQuorum) -> anyhow::Result<()> {
     writer.shutdown().await?;
     match &quorum.safekeepers {
         Safekeepers::InProcess(members) => {
-            for s in members.iter().filter_map(crate::local::Member::server) {
+            for s in members.iter().filter_map(ferry_host::local::Member::server) {
                 s.shutdown().await;
             }
         }

@@ -25,7 +25,7 @@ use axum::routing::get;
 use axum::{Json, Router};
 use ferry_ingest::api::ApiError;
 use ferry_ingest::{Catalog, TableById};
-use ferry_replica::{PartMeta, SharedReplica, TableRef, Tables};
+use ferry_replica::{PartMeta, ReadView, ReplicaReader, TableRef, Tables};
 use ferry_wal::Lsn;
 use serde::{Deserialize, Serialize};
 
@@ -53,7 +53,9 @@ impl Tables for CatalogTables {
 
 pub struct Reads {
     pub catalog: Catalog,
-    pub replicas: Vec<SharedReplica>,
+    /// The replicas as readers reach them: a read never takes a replica's
+    /// lock, so it never waits behind the applier's encoding and fsyncs.
+    pub replicas: Vec<ReplicaReader>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -85,7 +87,7 @@ pub fn router(reads: Arc<Reads>) -> Router {
 async fn replicas(State(reads): State<Arc<Reads>>) -> Json<Vec<ferry_replica::ReplicaStatus>> {
     let mut out = Vec::new();
     for r in &reads.replicas {
-        out.push(r.lock().await.subscribe().borrow().clone());
+        out.push(r.status());
     }
     Json(out)
 }
@@ -95,7 +97,7 @@ fn bad(message: impl Into<String>) -> ApiError {
 }
 
 /// The replica asked for, once it applied `min_lsn`.
-async fn replica_at(reads: &Reads, q: &ReadQuery) -> Result<SharedReplica, ApiError> {
+async fn replica_at(reads: &Reads, q: &ReadQuery) -> Result<ReadView, ApiError> {
     let i = q.replica.unwrap_or(0);
     let replica = reads.replicas.get(i).cloned().ok_or_else(|| {
         ApiError::new(
@@ -112,7 +114,7 @@ async fn replica_at(reads: &Reads, q: &ReadQuery) -> Result<SharedReplica, ApiEr
             .parse()
             .map_err(|e| bad(format!("min_lsn {min:?}: {e}")))?;
         let wait = Duration::from_millis(q.wait_ms.unwrap_or(10_000).min(600_000));
-        let mut status = replica.lock().await.subscribe();
+        let mut status = replica.status.clone();
         let reached = tokio::time::timeout(
             wait,
             status.wait_for(|s| s.disk_consistent_lsn >= min || s.error.is_some()),
@@ -138,7 +140,9 @@ async fn replica_at(reads: &Reads, q: &ReadQuery) -> Result<SharedReplica, ApiEr
             }
         }
     }
-    Ok(replica)
+    // Published before the status that announced its position (see
+    // ferry_replica::view): at least `min_lsn`.
+    Ok(replica.view())
 }
 
 async fn table(reads: &Reads, name: &str) -> Result<ferry_table::Table, ApiError> {
@@ -172,8 +176,8 @@ async fn partitions(
     Query(q): Query<ReadQuery>,
 ) -> Result<Json<Vec<Partition>>, ApiError> {
     let id = table(&reads, &name).await?.id;
-    let replica = replica_at(&reads, &q).await?;
-    let parts = replica.lock().await.parts(id);
+    let view = replica_at(&reads, &q).await?;
+    let parts = view.parts(id);
     Ok(Json(by_partition(parts)))
 }
 
@@ -183,9 +187,8 @@ async fn count(
     Query(q): Query<ReadQuery>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let id = table(&reads, &name).await?.id;
-    let replica = replica_at(&reads, &q).await?;
-    let r = replica.lock().await;
-    let rows: u64 = r
+    let view = replica_at(&reads, &q).await?;
+    let rows: u64 = view
         .parts(id)
         .iter()
         .filter(|p| {
@@ -199,7 +202,7 @@ async fn count(
         "table": name,
         "partition": q.partition,
         "rows": rows,
-        "disk_consistent_lsn": r.disk_consistent_lsn().to_string(),
+        "disk_consistent_lsn": view.disk_consistent_lsn.to_string(),
     })))
 }
 
@@ -230,20 +233,17 @@ async fn rows(
         other => return Err(bad(format!("unknown format {other:?} (ndjson, arrow)"))),
     };
     let table = table(&reads, &name).await?;
-    let replica = replica_at(&reads, &q).await?;
-    let (disk, listed) = {
-        let r = replica.lock().await;
-        let listed: Vec<(ferry_replica::PartName, String)> = r
-            .parts(table.id)
-            .into_iter()
-            .filter(|p| p.name.partition_id == partition)
-            .map(|p| {
-                let path = r.part_path(table.id, &p.name);
-                (p.name, path)
-            })
-            .collect();
-        (Arc::clone(r.disk()), listed)
-    };
+    let view = replica_at(&reads, &q).await?;
+    let listed: Vec<(ferry_replica::PartName, String)> = view
+        .parts(table.id)
+        .into_iter()
+        .filter(|p| p.name.partition_id == partition)
+        .map(|p| {
+            let path = view.part_path(table.id, &p.name);
+            (p.name, path)
+        })
+        .collect();
+    let disk = Arc::clone(view.disk());
     // Every part is opened before the first byte goes out: an open part stays
     // readable after a merge that replaced it removes its name.
     let mut parts = Vec::with_capacity(listed.len());

@@ -4,14 +4,23 @@
 //! `/ferry/writers/<address>`). An export request on a replica uses them to
 //! learn the commit position (from the writers) and to snapshot the shards
 //! it holds no replica of (from a replica of each).
+//!
+//! What is asked and answered is typed here ([`ShardSnapshotBody`],
+//! [`ShardSnapshotAnswer`], [`UnpinBody`]); how it travels is a
+//! [`PeerCalls`], which the node crate implements as HTTP over the network
+//! seam, so that the simulator can carry it like any other protocol.
 
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use async_trait::async_trait;
-use ferry_export::{RemoteShards, SnapshotError, SnapshotRequest};
+use ferry_coord::RenewingSession;
 use ferry_replica::PartMeta;
 use ferry_wal::Lsn;
 use serde::{Deserialize, Serialize};
+
+use crate::local::{RemoteShards, SnapshotError, SnapshotRequest};
 
 pub const REPLICAS: &str = "/ferry/replicas";
 pub const WRITERS: &str = "/ferry/writers";
@@ -51,7 +60,7 @@ pub struct Registration {
 /// `data` changes (at most every second), and made again on a new session
 /// after an expiry. Runs until `changes` closes.
 pub async fn register<T: Send + Sync + 'static>(
-    catalog: ferry_ingest::Catalog,
+    coordination: RenewingSession,
     node: String,
     mut changes: tokio::sync::watch::Receiver<T>,
     data: impl Fn(&T) -> Registration + Send + 'static,
@@ -60,7 +69,7 @@ pub async fn register<T: Send + Sync + 'static>(
     loop {
         let now = data(&changes.borrow_and_update());
         let result = async {
-            let session = catalog.session().await.map_err(|e| e.to_string())?;
+            let session = coordination.session().await.map_err(|e| e.to_string())?;
             let bytes = serde_json::to_vec(&now).map_err(|e| e.to_string())?;
             let id = session.session_id();
             if written.as_ref().map(|(s, _)| *s) != Some(id) {
@@ -105,17 +114,38 @@ pub async fn register<T: Send + Sync + 'static>(
     }
 }
 
+/// How a node calls another node's endpoint, given its registered address.
+/// Each call is bounded by `timeout` (a peer that does not answer in time
+/// is an error, never a wait for ever).
+#[async_trait]
+pub trait PeerCalls: Send + Sync {
+    /// A replica's snapshot of one shard it holds (`POST /exports/shard-snapshot`).
+    async fn shard_snapshot(
+        &self,
+        addr: &str,
+        body: &ShardSnapshotBody,
+        timeout: Duration,
+    ) -> Result<ShardSnapshotAnswer, String>;
+    /// Releases an export's pins on a replica (`POST /exports/unpin`).
+    async fn unpin(&self, addr: &str, body: &UnpinBody, timeout: Duration) -> Result<(), String>;
+    /// A writer's `commit_lsn` now (from its `GET /status`).
+    async fn writer_commit_lsn(&self, addr: &str, timeout: Duration) -> Result<Lsn, String>;
+}
+
 /// The other nodes, as registered.
 pub struct Peers {
-    pub catalog: ferry_ingest::Catalog,
-    /// The cluster's API token (every node is started with the same one).
-    pub token: Option<String>,
+    coordination: RenewingSession,
     /// This node's own registration, never asked.
-    pub own_node: String,
+    own_node: String,
+    calls: Arc<dyn PeerCalls>,
 }
 
 /// How long a peer may take beyond the wait a request allows it.
 const PEER_MARGIN: Duration = Duration::from_secs(10);
+/// How long a writer may take to tell its commit position.
+const WRITER_STATUS_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a replica may take to release an export's pins.
+const UNPIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A replica's answer to a shard snapshot.
 #[derive(Debug, Serialize, Deserialize)]
@@ -137,6 +167,18 @@ pub struct UnpinBody {
 }
 
 impl Peers {
+    pub fn new(
+        coordination: RenewingSession,
+        own_node: String,
+        calls: Arc<dyn PeerCalls>,
+    ) -> Peers {
+        Peers {
+            coordination,
+            own_node,
+            calls,
+        }
+    }
+
     /// Registered nodes under `dir` whose name starts with `prefix`, other
     /// than this one.
     async fn registered(
@@ -144,7 +186,11 @@ impl Peers {
         dir: &str,
         prefix: &str,
     ) -> Result<Vec<(String, Registration)>, String> {
-        let session = self.catalog.session().await.map_err(|e| e.to_string())?;
+        let session = self
+            .coordination
+            .session()
+            .await
+            .map_err(|e| e.to_string())?;
         let names = match session.children(dir).await {
             Ok((n, _)) => n,
             Err(ferry_coord::CoordError::NoNode { .. }) => Vec::new(),
@@ -168,11 +214,6 @@ impl Peers {
         Ok(out)
     }
 
-    fn client(&self, http: &str, timeout: Duration) -> Result<ferry_client::Client, String> {
-        ferry_client::Client::new(&format!("http://{http}"), self.token.clone(), timeout)
-            .map_err(|e| e.to_string())
-    }
-
     /// The commit position now: the highest a live writer reports. Every
     /// insert acknowledged before this call is below it (a writer
     /// acknowledges an insert only once its commit_lsn passed it).
@@ -181,19 +222,10 @@ impl Peers {
         let mut best: Option<Lsn> = None;
         let mut errors = Vec::new();
         for (node, w) in writers {
-            let answer = async {
-                let status: serde_json::Value = self
-                    .client(&w.http, Duration::from_secs(5))?
-                    .get_typed("/status")
-                    .await
-                    .map_err(|e| e.to_string())?;
-                status
-                    .get("commit_lsn")
-                    .and_then(|v| v.as_str())
-                    .and_then(|s| s.parse::<Lsn>().ok())
-                    .ok_or_else(|| "no commit_lsn in its status".to_string())
-            }
-            .await;
+            let answer = self
+                .calls
+                .writer_commit_lsn(&w.http, WRITER_STATUS_TIMEOUT)
+                .await;
             match answer {
                 Ok(lsn) => best = Some(best.map_or(lsn, |b: Lsn| b.max(lsn))),
                 Err(e) => errors.push(format!("{node}: {e}")),
@@ -238,13 +270,10 @@ impl RemoteShards for Peers {
             request: req.clone(),
         };
         for (node, r) in replicas {
-            let answer = match self.client(&r.http, req.wait() + PEER_MARGIN) {
-                Ok(c) => c
-                    .post_json::<_, ShardSnapshotAnswer>("/exports/shard-snapshot", &body)
-                    .await
-                    .map_err(|e| e.to_string()),
-                Err(e) => Err(e),
-            };
+            let answer = self
+                .calls
+                .shard_snapshot(&r.http, &body, req.wait() + PEER_MARGIN)
+                .await;
             match answer {
                 Ok(ShardSnapshotAnswer::Parts(parts)) => return Ok(parts),
                 Ok(ShardSnapshotAnswer::Failed(e)) => last = e,
@@ -265,13 +294,7 @@ impl RemoteShards for Peers {
         };
         let mut errors = Vec::new();
         for (node, r) in replicas {
-            let answer = match self.client(&r.http, Duration::from_secs(10)) {
-                Ok(c) => c
-                    .post_json::<_, serde_json::Value>("/exports/unpin", &body)
-                    .await
-                    .map_err(|e| e.to_string()),
-                Err(e) => Err(e),
-            };
+            let answer = self.calls.unpin(&r.http, &body, UNPIN_TIMEOUT).await;
             if let Err(e) = answer {
                 errors.push(format!("{node}: {e}"));
             }

@@ -321,7 +321,7 @@ pub async fn ingest(args: IngestBenchArgs) -> anyhow::Result<()> {
     let ipc_alone = decode_alone(&schema, Format::Arrow, &ipc)?;
 
     // A fresh node: embedded coordination, three safekeepers, the API on loopback.
-    let root = crate::bench::scratch_dir(args.dir.as_deref(), "ferry-bench-ingest-")?;
+    let root = crate::wal_coord::scratch_dir(args.dir.as_deref(), "ferry-bench-ingest-")?;
     let disk = Arc::new(ferry_env::RealDisk::open_root(root.path())?);
     let store =
         ferry_coord::embedded::EmbeddedStore::open(disk, "coord", Default::default()).await?;
@@ -333,14 +333,14 @@ pub async fn ingest(args: IngestBenchArgs) -> anyhow::Result<()> {
     // With a WAL backup, as in production: the third replica below starts
     // after the first two let the safekeepers remove old segments, and reads
     // them back from the backup.
-    let backup = crate::paths::absolute(&root.path().join("wal-backup"))?;
+    let backup = ferry_host::paths::absolute(&root.path().join("wal-backup"))?;
     std::fs::create_dir_all(&backup)?;
-    let quorum = crate::bench::fresh_quorum(
+    let quorum = crate::wal_coord::fresh_quorum(
         root.path(),
         "wal",
         3,
         true,
-        &crate::bench::QuorumOptions {
+        &crate::wal_coord::QuorumOptions {
             backup: Some(backup),
             ..Default::default()
         },
@@ -359,8 +359,8 @@ pub async fn ingest(args: IngestBenchArgs) -> anyhow::Result<()> {
         },
         ferry_ingest::IngestMetrics::register(&mut registry),
     );
-    let listener = crate::http::bind("127.0.0.1:0").await?;
-    let server = crate::http::serve(listener, ferry_ingest::api::router(api), None)?;
+    let listener = ferry_host::http::bind("127.0.0.1:0").await?;
+    let server = ferry_host::http::serve(listener, ferry_ingest::api::router(api), None)?;
     let client = ferry_client::Client::new(
         &format!("http://{}", server.addr),
         None,
@@ -393,7 +393,7 @@ pub async fn ingest(args: IngestBenchArgs) -> anyhow::Result<()> {
     let safekeepers: Vec<String> = quorum.addrs.clone();
     let replica_disk: Arc<dyn ferry_env::Disk> =
         Arc::new(ferry_env::RealDisk::open_root(root.path())?);
-    let tables: Arc<dyn ferry_replica::Tables> = Arc::new(crate::reads::CatalogTables(
+    let tables: Arc<dyn ferry_replica::Tables> = Arc::new(ferry_host::reads::CatalogTables(
         ferry_ingest::Catalog::open(Arc::new(ferry_coord::EmbeddedSessions {
             store: store.clone(),
             timeout: Duration::from_secs(10),
@@ -523,7 +523,7 @@ pub async fn ingest(args: IngestBenchArgs) -> anyhow::Result<()> {
     let raw_parquet = raw_parquet_write(&def, &ipc, &root.path().join("raw"))?;
     let wal = wal_alone(&quorum.writer, &ipc, args.in_flight).await?;
     server.stop().await;
-    crate::bench::stop_quorum(quorum).await?;
+    crate::wal_coord::stop_quorum(quorum).await?;
     store.shutdown().await;
 
     let rows = args.rows;

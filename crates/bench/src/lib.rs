@@ -1,0 +1,53 @@
+//! ferry's benchmarks, run as `ferry bench <which>`: each prints its figures
+//! next to the machine's own floor for the same work (the disk's fdatasync,
+//! raw object_store writes, arrow's own decode), so the ratio says what
+//! ferry adds. Figures are printed for people and never asserted; the test
+//! suite runs every benchmark at a tiny size so that a hang fails it.
+
+#[macro_use]
+extern crate ferry_host;
+
+mod export;
+mod ingest;
+mod scale;
+mod wal_coord;
+
+pub use export::ExportBenchArgs;
+pub use ingest::IngestBenchArgs;
+pub use scale::ScaleBenchArgs;
+pub use wal_coord::{CoordBenchArgs, WalBenchArgs};
+
+/// `ferry bench <which>`.
+#[derive(Debug, clap::Subcommand)]
+pub enum BenchCommand {
+    /// Coordination: embedded store ops/s, and ZooKeeper round trips of separate
+    /// creates against one multi.
+    Coord(CoordBenchArgs),
+    /// WAL quorum: throughput and commit latency of 3 safekeepers on loopback,
+    /// next to the disk's own fdatasync latency and sequential write rate.
+    Wal(WalBenchArgs),
+    /// Inserts: rows/s and MB/s through HTTP into committed WAL (NDJSON and
+    /// Arrow IPC), next to arrow-json's and arrow-ipc's own decode rates and
+    /// the WAL's throughput for the same bytes.
+    Ingest(IngestBenchArgs),
+    /// Partition export: MB/s to a local folder (and S3 with --s3-endpoint)
+    /// by 1 and 2 nodes next to raw object_store writes of the same files,
+    /// and coordination round trips per part.
+    Export(ExportBenchArgs),
+    /// Partition export at scale: 100,000 one-row parts shared by 16
+    /// exporters on ZooKeeper (--zookeeper) or the embedded store; the
+    /// largest node, round trips per part, the status listing's cost, the
+    /// wall time.
+    ExportScale(ScaleBenchArgs),
+}
+
+/// Runs one benchmark to its end.
+pub async fn run(which: BenchCommand) -> anyhow::Result<()> {
+    match which {
+        BenchCommand::Coord(args) => wal_coord::coord(args).await,
+        BenchCommand::Wal(args) => wal_coord::wal(args).await,
+        BenchCommand::Ingest(args) => ingest::ingest(args).await,
+        BenchCommand::Export(args) => export::export(args).await,
+        BenchCommand::ExportScale(args) => scale::export_scale(args).await,
+    }
+}

@@ -1,0 +1,300 @@
+//! HTTP over the network seam: a node's endpoint is served on a
+//! [`ferry_env::Listener`] and node-to-node calls connect through a
+//! [`ferry_env::Network`], so that the simulator carries them in its world
+//! (delays, loss, partitions) like the WAL protocol, and the product runs
+//! them on TCP.
+
+use std::io;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use ferry_env::{BoxConnection, Listener, Network};
+use ferry_export::peers::{PeerCalls, ShardSnapshotAnswer, ShardSnapshotBody, UnpinBody};
+use ferry_wal::Lsn;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::header::{AUTHORIZATION, CONTENT_TYPE, HOST};
+use hyper::{Method, Request, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+/// A pause after a failed accept (out of file descriptors, a reset in the
+/// handshake), so that a persistent failure does not spin.
+const ACCEPT_RETRY: Duration = Duration::from_millis(100);
+
+/// The largest answer a node accepts from another: a shard snapshot lists
+/// every part of a partition (about 200 bytes each), so this holds a
+/// partition of several hundred thousand parts.
+pub const MAX_PEER_ANSWER_BYTES: usize = 64 << 20;
+
+/// A seam listener as axum serves it (`axum::serve(SeamListener::new(l), router)`).
+pub struct SeamListener {
+    inner: Box<dyn Listener>,
+}
+
+impl SeamListener {
+    pub fn new(inner: Box<dyn Listener>) -> SeamListener {
+        SeamListener { inner }
+    }
+}
+
+impl axum::serve::Listener for SeamListener {
+    type Io = BoxConnection;
+    type Addr = String;
+
+    async fn accept(&mut self) -> (BoxConnection, String) {
+        loop {
+            match self.inner.accept().await {
+                Ok(accepted) => return accepted,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accepting an HTTP connection failed");
+                    tokio::time::sleep(ACCEPT_RETRY).await;
+                }
+            }
+        }
+    }
+
+    fn local_addr(&self) -> io::Result<String> {
+        self.inner.local_addr()
+    }
+}
+
+/// How long a stopping endpoint waits for requests in progress (inserts
+/// waiting for their commit) before it drops them.
+pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A running endpoint.
+pub struct HttpServer {
+    /// The address others reach it at (with the real port when bound to port 0).
+    pub addr: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl HttpServer {
+    /// Stops taking requests, lets those in progress finish (at most
+    /// [`DRAIN_TIMEOUT`]), and returns once every route (and what it holds) is
+    /// dropped.
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if tokio::time::timeout(DRAIN_TIMEOUT, &mut self.task)
+            .await
+            .is_err()
+        {
+            tracing::warn!("HTTP requests still running after {DRAIN_TIMEOUT:?}; dropping them");
+            self.task.abort();
+            let _ = self.task.await;
+        }
+    }
+}
+
+/// Serves `app` on `listener` until [`HttpServer::stop`].
+pub fn serve(listener: Box<dyn Listener>, app: axum::Router) -> io::Result<HttpServer> {
+    let addr = listener.local_addr()?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let result = axum::serve(SeamListener::new(listener), app)
+            .with_graceful_shutdown(async move {
+                let _ = stopped.await;
+            })
+            .await;
+        if let Err(e) = result {
+            tracing::error!(error = %e, "HTTP endpoint failed");
+        }
+    });
+    Ok(HttpServer {
+        addr,
+        stop: Some(stop),
+        task,
+    })
+}
+
+/// Why a call to another node failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    #[error("connecting to {addr}: {source}")]
+    Connect { addr: String, source: io::Error },
+    #[error("{addr}: {detail}")]
+    Http { addr: String, detail: String },
+    #[error("{addr} answered {status}: {body}")]
+    Status {
+        addr: String,
+        status: StatusCode,
+        body: String,
+    },
+    #[error("{addr} answered what is not the expected JSON: {detail}")]
+    Decode { addr: String, detail: String },
+    #[error("{addr} did not answer within {0:?}", .timeout)]
+    Timeout { addr: String, timeout: Duration },
+}
+
+/// JSON calls to other nodes' endpoints: one connection per call (calls
+/// between nodes are few: an export request's shard snapshots, unpins and
+/// the commit position), each bounded by its timeout and its answer by
+/// [`MAX_PEER_ANSWER_BYTES`].
+#[derive(Clone)]
+pub struct HttpPeers {
+    network: Arc<dyn Network>,
+    /// The cluster's API token (every node is started with the same one).
+    token: Option<String>,
+}
+
+impl HttpPeers {
+    pub fn new(network: Arc<dyn Network>, token: Option<String>) -> HttpPeers {
+        HttpPeers {
+            network,
+            token: token.filter(|t| !t.is_empty()),
+        }
+    }
+
+    /// `GET path` on `addr`.
+    pub async fn get<T: DeserializeOwned>(
+        &self,
+        addr: &str,
+        path: &str,
+        timeout: Duration,
+    ) -> Result<T, CallError> {
+        self.call(addr, Method::GET, path, None, timeout).await
+    }
+
+    /// `POST path` on `addr` with `body` as JSON.
+    pub async fn post<B: Serialize, T: DeserializeOwned>(
+        &self,
+        addr: &str,
+        path: &str,
+        body: &B,
+        timeout: Duration,
+    ) -> Result<T, CallError> {
+        let json = serde_json::to_vec(body).map_err(|e| CallError::Http {
+            addr: addr.to_string(),
+            detail: format!("encoding the request: {e}"),
+        })?;
+        self.call(addr, Method::POST, path, Some(json), timeout)
+            .await
+    }
+
+    async fn call<T: DeserializeOwned>(
+        &self,
+        addr: &str,
+        method: Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+        timeout: Duration,
+    ) -> Result<T, CallError> {
+        match tokio::time::timeout(timeout, self.exchange(addr, method, path, body)).await {
+            Ok(answer) => answer,
+            Err(_) => Err(CallError::Timeout {
+                addr: addr.to_string(),
+                timeout,
+            }),
+        }
+    }
+
+    async fn exchange<T: DeserializeOwned>(
+        &self,
+        addr: &str,
+        method: Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<T, CallError> {
+        let http = |detail: String| CallError::Http {
+            addr: addr.to_string(),
+            detail,
+        };
+        let conn = self
+            .network
+            .connect(addr)
+            .await
+            .map_err(|source| CallError::Connect {
+                addr: addr.to_string(),
+                source,
+            })?;
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(conn))
+            .await
+            .map_err(|e| http(e.to_string()))?;
+        // Drives the connection; it ends when the exchange below is done
+        // (or dropped, with the call's timeout).
+        let driver = tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "a connection to a peer ended");
+            }
+        });
+        let mut request = Request::builder()
+            .method(method)
+            .uri(path)
+            .header(HOST, addr);
+        if let Some(token) = &self.token {
+            request = request.header(AUTHORIZATION, format!("Bearer {token}"));
+        }
+        let request = match body {
+            Some(json) => request
+                .header(CONTENT_TYPE, "application/json")
+                .body(Full::new(Bytes::from(json))),
+            None => request.body(Full::new(Bytes::new())),
+        }
+        .map_err(|e| http(e.to_string()))?;
+        let answer = async {
+            let response = sender
+                .send_request(request)
+                .await
+                .map_err(|e| http(e.to_string()))?;
+            let status = response.status();
+            let bytes = Limited::new(response.into_body(), MAX_PEER_ANSWER_BYTES)
+                .collect()
+                .await
+                .map_err(|e| http(format!("reading the answer: {e}")))?
+                .to_bytes();
+            if !status.is_success() {
+                return Err(CallError::Status {
+                    addr: addr.to_string(),
+                    status,
+                    body: String::from_utf8_lossy(&bytes).into_owned(),
+                });
+            }
+            serde_json::from_slice(&bytes).map_err(|e| CallError::Decode {
+                addr: addr.to_string(),
+                detail: e.to_string(),
+            })
+        }
+        .await;
+        driver.abort();
+        answer
+    }
+}
+
+#[async_trait]
+impl PeerCalls for HttpPeers {
+    async fn shard_snapshot(
+        &self,
+        addr: &str,
+        body: &ShardSnapshotBody,
+        timeout: Duration,
+    ) -> Result<ShardSnapshotAnswer, String> {
+        self.post(addr, "/exports/shard-snapshot", body, timeout)
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    async fn unpin(&self, addr: &str, body: &UnpinBody, timeout: Duration) -> Result<(), String> {
+        self.post::<_, serde_json::Value>(addr, "/exports/unpin", body, timeout)
+            .await
+            .map(drop)
+            .map_err(|e| e.to_string())
+    }
+
+    async fn writer_commit_lsn(&self, addr: &str, timeout: Duration) -> Result<Lsn, String> {
+        let status: serde_json::Value = self
+            .get(addr, "/status", timeout)
+            .await
+            .map_err(|e| e.to_string())?;
+        status
+            .get("commit_lsn")
+            .and_then(|v| v.as_str())
+            .and_then(|s| s.parse::<Lsn>().ok())
+            .ok_or_else(|| "no commit_lsn in its status".to_string())
+    }
+}

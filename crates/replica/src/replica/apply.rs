@@ -1,0 +1,455 @@
+//! Applying received WAL: gathering it into records, applying each insert
+//! record as level-0 parts (the idempotency window, the catalog lookup, the
+//! split by partition), and persisting what was applied: the parts synced and
+//! renamed first, then the state written, then the read view and the status
+//! published. Also the durable part file that merges write through.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use arrow::array::RecordBatch;
+use bytes::Bytes;
+use ferry_env::Disk;
+use ferry_wal::record::{self, Record};
+use ferry_wal::Lsn;
+
+use super::{io, Replica, ReplicaError, TableRef, ALL_SHARDS};
+use crate::part::{self, PartMeta, PartName};
+use crate::view::ReadView;
+
+/// Applied WAL after which parts are synced and the position persisted even
+/// while the replica is behind.
+pub const PERSIST_EVERY_BYTES: u64 = 16 << 20;
+
+/// Keyed inserts of a shard remembered for deduplication.
+pub const DEDUP_WINDOW: usize = 4096;
+
+impl Replica {
+    /// Where the stream must resume: the end of the WAL received and kept.
+    pub fn receive_from(&self) -> Lsn {
+        Lsn(self.pending_start.0 + self.pending.len() as u64)
+    }
+
+    /// Forgets received WAL that was not applied (a new stream starts at the
+    /// applied position).
+    pub fn reset_stream(&mut self) {
+        self.pending.clear();
+        self.pending_start = self.state.disk_consistent_lsn;
+    }
+
+    /// Takes WAL received from a walsender (it must continue the stream),
+    /// applies every complete record in it and persists the position; returns
+    /// the new `disk_consistent_lsn`.
+    pub async fn receive(&mut self, begin: Lsn, wal: &[u8]) -> Result<Lsn, ReplicaError> {
+        self.receive_until(begin, wal, Lsn(0)).await
+    }
+
+    /// Like [`receive`](Self::receive), for a stream whose safekeeper
+    /// announced `commit_lsn`: while the replica is behind it, parts are
+    /// synced and the position persisted only every
+    /// [`PERSIST_EVERY_BYTES`] of applied WAL, so that syncing overlaps
+    /// applying; once it has received everything committed, at once.
+    pub async fn receive_until(
+        &mut self,
+        begin: Lsn,
+        wal: &[u8],
+        commit_lsn: Lsn,
+    ) -> Result<Lsn, ReplicaError> {
+        let at = self.receive_from();
+        if begin != at {
+            return Err(ReplicaError::BadRecord {
+                lsn: begin,
+                detail: format!("WAL arrived from {begin}, the stream is at {at}"),
+            });
+        }
+        // Until a record is complete, its pieces are only gathered: nothing
+        // is parsed or copied again per piece. A declared length out of
+        // bounds goes on to decoding, which refuses it.
+        let plausible =
+            |len: usize| (record::HEADER_BYTES..=record::MAX_RECORD_BYTES).contains(&len);
+        if self.pending.is_empty() {
+            if let Some(len) = record::declared_len(wal).filter(|l| plausible(*l)) {
+                self.pending.reserve(len.max(wal.len()));
+            }
+        }
+        self.pending.extend_from_slice(wal);
+        self.status
+            .send_modify(|s| s.last_received_lsn = self.receive_from());
+        match record::declared_len(&self.pending) {
+            None => return Ok(self.persisted_lsn),
+            Some(len) if plausible(len) && self.pending.len() < len => {
+                return Ok(self.persisted_lsn)
+            }
+            Some(_) => {}
+        }
+        let buf = Bytes::from(std::mem::take(&mut self.pending));
+        let mut used = 0usize;
+        let mut applied_any = false;
+        let result = loop {
+            let rest = buf.slice(used..);
+            match record::decode(&rest) {
+                Ok((rec, len)) => {
+                    let lsn = Lsn(self.pending_start.0 + used as u64);
+                    let end = Lsn(lsn.0 + len as u64);
+                    if let Err(e) = self.apply(lsn, rec).await {
+                        break Err(e);
+                    }
+                    self.state.disk_consistent_lsn = end;
+                    self.unpersisted_bytes += len as u64;
+                    used += len;
+                    applied_any = true;
+                }
+                Err(record::RecordError::Incomplete { .. }) => break Ok(()),
+                Err(e) => {
+                    break Err(ReplicaError::BadRecord {
+                        lsn: Lsn(self.pending_start.0 + used as u64),
+                        detail: e.to_string(),
+                    })
+                }
+            }
+        };
+        self.pending = buf[used..].to_vec();
+        self.pending_start = Lsn(self.pending_start.0 + used as u64);
+        let caught_up = self.receive_from() >= commit_lsn;
+        if applied_any
+            && (caught_up || result.is_err() || self.unpersisted_bytes >= PERSIST_EVERY_BYTES)
+        {
+            self.persist().await?;
+        }
+        if let Err(e) = &result {
+            self.status.send_modify(|s| s.error = Some(e.to_string()));
+        }
+        result?;
+        Ok(self.persisted_lsn)
+    }
+
+    /// Persists what was applied and not yet persisted (a stream that went
+    /// quiet); returns `disk_consistent_lsn`.
+    pub async fn flush(&mut self) -> Result<Lsn, ReplicaError> {
+        if self.persisted_lsn < self.state.disk_consistent_lsn || !self.unsynced.is_empty() {
+            self.persist().await?;
+        }
+        Ok(self.persisted_lsn)
+    }
+
+    /// Makes the applied records durable: their parts synced, renamed and
+    /// their directories synced first, then the state written atomically.
+    pub(super) async fn persist(&mut self) -> Result<(), ReplicaError> {
+        self.sync_parts().await?;
+        let path = format!("{}/state", self.dir);
+        let data = serde_json::to_vec(&self.state).expect("state serialises");
+        self.disk
+            .write_atomic(&path, data)
+            .await
+            .map_err(io(&path))?;
+        let lsn = self.state.disk_consistent_lsn;
+        self.persisted_lsn = lsn;
+        self.unpersisted_bytes = 0;
+        let n = self.parts.values().map(BTreeMap::len).sum();
+        let pending = self.state.merges.len();
+        // The view first: a reader that saw the status reach `lsn` finds a
+        // view at least as far.
+        let dir = self.view.borrow().dir_shared();
+        self.view.send_replace(ReadView::new(
+            lsn,
+            self.parts.clone(),
+            dir,
+            Arc::clone(&self.disk),
+        ));
+        assert!(self.view.borrow().disk_consistent_lsn >= self.status.borrow().disk_consistent_lsn);
+        self.status.send_modify(|s| {
+            s.disk_consistent_lsn = lsn;
+            s.parts = n;
+            s.pending_merges = pending;
+        });
+        Ok(())
+    }
+
+    /// Syncs and renames every unsynced part, then syncs their directories
+    /// once each; the parts become active.
+    async fn sync_parts(&mut self) -> Result<(), ReplicaError> {
+        let mut dirs = std::collections::BTreeSet::new();
+        for part in std::mem::take(&mut self.unsynced) {
+            dirs.insert(part.file.dir.clone());
+            part.file.sync_and_rename(self.disk.as_ref()).await?;
+            self.parts
+                .entry(part.table_id)
+                .or_default()
+                .insert(part.meta.name.clone(), part.meta);
+        }
+        for dir in dirs {
+            self.disk.sync_dir(&dir).await.map_err(io(&dir))?;
+        }
+        Ok(())
+    }
+
+    async fn table(&mut self, table_id: u64, lsn: Lsn) -> Result<TableRef, ReplicaError> {
+        if let Some(t) = self.table_cache.get(&table_id) {
+            return Ok(t.clone());
+        }
+        let found = self
+            .tables
+            .by_id(table_id)
+            .await
+            .map_err(|detail| ReplicaError::Catalog {
+                table_id,
+                lsn,
+                detail,
+            })?;
+        if found != TableRef::Unknown {
+            self.table_cache.insert(table_id, found.clone());
+        }
+        Ok(found)
+    }
+
+    async fn apply(&mut self, lsn: Lsn, rec: Record) -> Result<(), ReplicaError> {
+        let Record::Insert {
+            table_id,
+            shard,
+            block_number,
+            idempotency_key,
+            arrow_ipc,
+        } = rec
+        else {
+            return Ok(());
+        };
+        if self.state.shard != ALL_SHARDS && shard != self.state.shard {
+            return Ok(());
+        }
+        let bad = |detail: String| ReplicaError::BadRecord { lsn, detail };
+        let table = match self.table(table_id, lsn).await? {
+            TableRef::Known(t) => t,
+            TableRef::Dropped => return Ok(()),
+            TableRef::Unknown => {
+                return Err(bad(format!(
+                    "table id {table_id} was never created in this cluster's catalog"
+                )))
+            }
+        };
+        if block_number != lsn.0 {
+            return Err(bad(format!(
+                "block number {block_number} is not the record's LSN"
+            )));
+        }
+        // Idempotency: the same key applied before, by another record.
+        let key = (!idempotency_key.is_empty())
+            .then(|| String::from_utf8_lossy(&idempotency_key).into_owned());
+        if let Some(key) = &key {
+            let seen = self
+                .state
+                .window
+                .iter()
+                .any(|(t, s, k, at)| *t == table_id && *s == shard && k == key && *at != lsn);
+            if seen {
+                self.status
+                    .send_modify(|s| s.records_skipped_duplicate += 1);
+                return Ok(());
+            }
+        }
+        // A crash after the parts but before the state: already applied.
+        let covered = self
+            .parts
+            .get(&table_id)
+            .is_some_and(|p| p.keys().any(|n| n.covers(block_number)))
+            || self
+                .unsynced
+                .iter()
+                .any(|u| u.table_id == table_id && u.meta.name.covers(block_number));
+        if !covered {
+            let def = table.def.clone();
+            let grouped = self
+                .cpu
+                .run(move || group_by_partition(&def, &arrow_ipc))
+                .await
+                .map_err(bad)?;
+            let schema = table.def.arrow_schema();
+            for (partition_id, batch) in grouped {
+                let name = PartName {
+                    partition_id,
+                    min_block: block_number,
+                    max_block: block_number,
+                    level: 0,
+                };
+                let part = self
+                    .write_part(table_id, &schema, &name, batch, (lsn, lsn))
+                    .await?;
+                self.unsynced.push(part);
+                self.decide_merges(table_id, &name.partition_id);
+            }
+        }
+        if let Some(key) = key {
+            if !self.state.window.iter().any(|(_, _, _, at)| *at == lsn) {
+                self.state.window.push_back((table_id, shard, key, lsn));
+                while self.state.window.len() > DEDUP_WINDOW {
+                    self.state.window.pop_front();
+                }
+            }
+        }
+        self.status.send_modify(|s| s.records_applied += 1);
+        Ok(())
+    }
+
+    /// Encodes one part and writes it under its temporary name, not synced
+    /// ([`sync_parts`](Self::sync_parts) finishes it).
+    async fn write_part(
+        &self,
+        table_id: u64,
+        schema: &arrow::datatypes::SchemaRef,
+        name: &PartName,
+        batch: RecordBatch,
+        lsns: (Lsn, Lsn),
+    ) -> Result<UnsyncedPart, ReplicaError> {
+        let (bytes, meta) = self
+            .cpu
+            .run({
+                let schema = Arc::clone(schema);
+                let name = name.clone();
+                move || part::encode(&schema, &name, table_id, &[batch], lsns)
+            })
+            .await?;
+        let tdir = format!("{}/parts/{table_id}", self.dir);
+        self.disk.create_dir_all(&tdir).await.map_err(io(&tdir))?;
+        let path = self.part_path(table_id, name);
+        let mut file = DurableFile::create(self.disk.as_ref(), &tdir, &path).await?;
+        file.append(bytes).await?;
+        Ok(UnsyncedPart {
+            table_id,
+            file,
+            meta,
+        })
+    }
+}
+
+/// A part written under its temporary name, waiting for its sync.
+pub(super) struct UnsyncedPart {
+    pub(super) table_id: u64,
+    pub(super) file: DurableFile,
+    pub(super) meta: PartMeta,
+}
+
+/// A part file being written: appended under `<path>.tmp`, then made durable
+/// under its name by [`commit`](Self::commit).
+pub(super) struct DurableFile {
+    file: Box<dyn ferry_env::DiskFile>,
+    pub(super) dir: String,
+    path: String,
+    tmp: String,
+    len: u64,
+}
+
+impl DurableFile {
+    pub(super) async fn create(
+        disk: &dyn Disk,
+        dir: &str,
+        path: &str,
+    ) -> Result<DurableFile, ReplicaError> {
+        let tmp = format!("{path}.tmp");
+        match disk.remove_file(&tmp).await {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io(&tmp)(e)),
+        }
+        let file = disk.create_new(&tmp).await.map_err(io(&tmp))?;
+        Ok(DurableFile {
+            file,
+            dir: dir.to_string(),
+            path: path.to_string(),
+            tmp,
+            len: 0,
+        })
+    }
+
+    pub(super) async fn append(&mut self, bytes: impl Into<Bytes>) -> Result<(), ReplicaError> {
+        let bytes = bytes.into();
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let n = bytes.len() as u64;
+        self.file
+            .write_at(self.len, bytes)
+            .await
+            .map_err(io(&self.tmp))?;
+        self.len += n;
+        Ok(())
+    }
+
+    /// fsync, rename to the part's name (durable once the directory is
+    /// synced).
+    async fn sync_and_rename(self, disk: &dyn Disk) -> Result<(), ReplicaError> {
+        self.file.sync_data().await.map_err(io(&self.tmp))?;
+        drop(self.file);
+        disk.rename(&self.tmp, &self.path)
+            .await
+            .map_err(io(&self.path))?;
+        Ok(())
+    }
+
+    /// fsync, rename to the part's name, fsync the directory.
+    pub(super) async fn commit(self, disk: &dyn Disk) -> Result<(), ReplicaError> {
+        let dir = self.dir.clone();
+        self.sync_and_rename(disk).await?;
+        disk.sync_dir(&dir).await.map_err(io(&dir))?;
+        Ok(())
+    }
+}
+
+/// Decodes an insert record's rows, checks them against the table, and groups
+/// them by partition (partitions in id order, rows in record order).
+fn group_by_partition(
+    def: &ferry_table::TableDef,
+    arrow_ipc: &[u8],
+) -> Result<Vec<(String, RecordBatch)>, String> {
+    let batches = ferry_table::rows::from_ipc(arrow_ipc)
+        .map_err(|e| format!("rows do not decode as Arrow IPC: {e}"))?;
+    let schema = def.arrow_schema();
+    for b in &batches {
+        if b.schema().fields() != schema.fields() {
+            return Err(format!(
+                "rows of schema {:?} do not match table {:?}",
+                b.schema().fields(),
+                def.name
+            ));
+        }
+    }
+    let all = match batches.as_slice() {
+        [one] => one.clone(),
+        _ => arrow::compute::concat_batches(&schema, &batches).map_err(|e| e.to_string())?,
+    };
+    let pidx = def
+        .column_index(&def.partition_by.column)
+        .ok_or("no partition column")?;
+    if all.column(pidx).null_count() > 0 {
+        return Err("a null partition value".into());
+    }
+    // Rows by partition id, in row order; consecutive rows mostly share a
+    // partition, so the last group is tried first.
+    let mut groups: Vec<(String, Vec<u32>)> = Vec::new();
+    let mut index: std::collections::HashMap<String, usize> = Default::default();
+    let mut last = usize::MAX;
+    ferry_table::keys::for_each_partition_id(def, all.column(pidx), |row, id| {
+        if groups.get(last).is_none_or(|(g, _)| g != id) {
+            last = match index.get(id) {
+                Some(i) => *i,
+                None => {
+                    index.insert(id.to_string(), groups.len());
+                    groups.push((id.to_string(), Vec::new()));
+                    groups.len() - 1
+                }
+            };
+        }
+        groups[last].1.push(row as u32);
+    })
+    .map_err(|(row, e)| format!("row {}: {e}", row + 1))?;
+    groups.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut out = Vec::with_capacity(groups.len());
+    for (id, idx) in groups {
+        let batch = if idx.len() == all.num_rows() {
+            all.clone()
+        } else {
+            arrow::compute::take_record_batch(&all, &arrow::array::UInt32Array::from(idx))
+                .map_err(|e| e.to_string())?
+        };
+        out.push((id, batch));
+    }
+    Ok(out)
+}
