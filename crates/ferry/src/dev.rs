@@ -77,6 +77,21 @@ pub fn parse_segment_size(s: &str) -> Result<SegmentSize, String> {
 /// How long the writer may take to get elected before `ferry dev` gives up.
 const ELECTION_BOUND: Duration = Duration::from_secs(30);
 
+/// The embedded coordination store of a data dir and the sessions on it.
+struct EmbeddedCoordination {
+    store: EmbeddedStore,
+    sessions: Arc<ferry_coord::EmbeddedSessions>,
+    metrics: Arc<ferry_coord::CoordMetrics>,
+    dir: PathBuf,
+    _lock: ferry_host::lockfile::DirLock,
+}
+
+impl EmbeddedCoordination {
+    fn factory(&self) -> Arc<dyn ferry_coord::SessionFactory> {
+        Arc::clone(&self.sessions) as Arc<dyn ferry_coord::SessionFactory>
+    }
+}
+
 pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let mut shutdown = ferry_host::signals::ShutdownSignal::install()?;
     // Everything that can be checked without the data dir is, and every
@@ -91,102 +106,23 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
 
     let data_dir = ferry_host::paths::absolute(&data_dir)?;
     let _lock = ferry_host::lockfile::lock_dir(&data_dir)?;
-    let coord_dir = data_dir.join("coord");
-    let _coord_lock = ferry_host::lockfile::lock_dir(&coord_dir)?;
-    let disk = Arc::new(
-        RealDisk::open_root(&data_dir)
-            .with_context(|| format!("opening the data dir {}", data_dir.display()))?,
-    );
-    let store = EmbeddedStore::open(disk, "coord", EmbeddedOptions::default())
-        .await
-        .with_context(|| {
-            format!(
-                "opening the embedded coordination store in {}",
-                coord_dir.display()
-            )
-        })?;
-    let coord_metrics = Arc::new(ferry_coord::CoordMetrics::default());
-    let sessions = Arc::new(ferry_coord::EmbeddedSessions {
-        store: store.clone(),
-        timeout: Duration::from_secs(10),
-        metrics: Arc::clone(&coord_metrics),
-    });
-    let session: ferry_coord::Session = ferry_coord::SessionFactory::open(&*sessions)
-        .await
-        .context("opening a coordination session")?;
-
-    let wal_dir = data_dir.join("wal");
-    let record = identify(&*session, &args, &coord_dir, &wal_dir).await?;
-    let creating = record.state == ClusterState::Creating;
-    let known = cluster::read_wal_state(&*session).await?;
+    let coord = open_coordination(&data_dir).await?;
     let lake_url = format!("file://{}", data_dir.join("lake").display());
     let lake = ferry_storage::open(&lake_url, &ferry_host::s3_settings_from_env())
         .context("opening the object storage")?;
-
-    let segment =
-        SegmentSize::new(record.segment_bytes).context("the segment size in the cluster record")?;
-    let wal_server = args.wal.server_config(Some(&data_dir.join("wal-backup")))?;
-    let spec = QuorumSpec {
-        dir: wal_dir,
-        safekeepers: record.safekeepers,
-        safekeeper: SafekeeperSpec {
-            cluster_id: record.cluster_id.clone(),
-            segment,
-            preallocation: args.wal_preallocation,
-            create: creating,
-            restore: false,
-            server: wal_server,
-        },
-        min_term: known.term,
-        known_commit_lsn: known.commit_lsn,
-        back_pressure: args.back_pressure.limits(),
-    };
-    let quorum = Arc::new(
-        LocalQuorum::start(&spec)
-            .await
-            .context("starting the WAL quorum")?,
-    );
-    if creating {
-        cluster::write_record(
-            &*session,
-            &ClusterRecord {
-                state: ClusterState::Ready,
-                ..record.clone()
-            },
-        )
-        .await?;
-    }
-    let mut writer_status = quorum.writer.subscribe();
-    let elected = tokio::time::timeout(
-        ELECTION_BOUND,
-        writer_status.wait_for(|s| s.elected || s.refused.is_some()),
-    )
-    .await;
-    let status = quorum.writer.status();
-    let refusal = match elected {
-        Ok(Ok(s)) => s.refused.clone(),
-        Ok(Err(_)) => Some("the writer stopped".into()),
-        Err(_) => Some(format!(
-            "the writer was not elected in {ELECTION_BOUND:?}{}",
-            status
-                .election_blocked
-                .as_deref()
-                .map(|b| format!(": {b}"))
-                .unwrap_or_default()
-        )),
-    };
-    if let Some(why) = refusal {
-        if let Some(quorum) = Arc::into_inner(quorum) {
-            quorum.stop().await;
+    let session: ferry_coord::Session = ferry_coord::SessionFactory::open(&*coord.sessions)
+        .await
+        .context("opening a coordination session")?;
+    let (record, quorum) = match start_wal(&args, &data_dir, &coord, &*session).await {
+        Ok(started) => started,
+        Err(e) => {
+            session.close().await;
+            coord.store.shutdown().await;
+            return Err(e);
         }
-        session.close().await;
-        store.shutdown().await;
-        anyhow::bail!("{why}");
-    }
-    let session = ferry_coord::RenewingSession::with(
-        Arc::clone(&sessions) as Arc<dyn ferry_coord::SessionFactory>,
-        session,
-    );
+    };
+    let quorum = Arc::new(quorum);
+    let session = ferry_coord::RenewingSession::with(coord.factory(), session);
     let (recording_tx, recording) =
         tokio::sync::watch::channel(cluster::WalStateRecording::default());
     let recorder = tokio::spawn(cluster::record_commits(
@@ -195,184 +131,46 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         recording_tx,
     ));
 
-    let catalog = ferry_ingest::Catalog::open(Arc::clone(&sessions) as _)
+    let catalog = ferry_ingest::Catalog::open(coord.factory())
         .await
         .context("opening the table catalog")?;
     let mut registry = prometheus_client::registry::Registry::default();
     let ingest_metrics = ferry_ingest::IngestMetrics::register(&mut registry);
     let elections = ferry_host::metrics::count_elections(&mut registry, quorum.writer.subscribe());
-    let sampled_quorum = Arc::clone(&quorum);
-    let sampled_coord = Arc::clone(&coord_metrics);
-    let sampled_recording = recording.clone();
-    // The exporters' listings, filled once they run.
-    type ExportViews = Vec<(
-        String,
-        tokio::sync::watch::Receiver<ferry_export::ExportsView>,
-    )>;
-    let sampled_exports: Arc<std::sync::Mutex<ExportViews>> = Default::default();
-    let exports_for_metrics = Arc::clone(&sampled_exports);
-    let metrics = ferry_host::metrics::NodeMetrics::new(registry, move || {
-        let q = Arc::clone(&sampled_quorum);
-        let coord = Arc::clone(&sampled_coord);
-        let exports: Vec<(String, ferry_export::ExportsView)> = exports_for_metrics
-            .lock()
-            .map(|v| {
-                v.iter()
-                    .map(|(n, rx)| (n.clone(), rx.borrow().clone()))
-                    .collect()
-            })
-            .unwrap_or_default();
-        let commit_record = ferry_host::metrics::commit_record(&sampled_recording.borrow());
-        Box::pin(async move {
-            let mut out = ferry_host::metrics::writer(&q.writer.status());
-            out.extend(commit_record);
-            for s in q.servers() {
-                out.extend(ferry_host::metrics::safekeeper(&s.status().await));
-            }
-            out.extend(ferry_host::metrics::coordination(&coord));
-            for (node, view) in &exports {
-                out.extend(ferry_host::metrics::exporter(node, view));
-            }
-            out
-        })
-    });
-    // Replicas holding every shard of every table, streaming from the safekeepers.
-    let replica_disk: Arc<dyn ferry_env::Disk> = Arc::new(
-        RealDisk::open_root(&data_dir)
-            .with_context(|| format!("opening the data dir {}", data_dir.display()))?,
-    );
-    let tables: Arc<dyn ferry_replica::Tables> =
-        Arc::new(ferry_host::reads::CatalogTables(catalog.clone()));
-    let safekeeper_addrs: Vec<String> = quorum.servers().map(|s| s.addr().to_string()).collect();
-    // Every replica exports as its own node; requests go through the first.
     let destinations: Arc<dyn ferry_export::Destinations> =
         Arc::new(ferry_export::StorageDestinations::new(
             ferry_host::s3_settings_from_env(),
             ferry_host::paths::export_roots(&args.export_roots, &data_dir)?,
         ));
-    let mut nodes = Vec::new();
-    let mut export_views = Vec::new();
-    for r in 0..DEV_REPLICAS {
-        let dir = format!("replicas/r{r}");
-        let node = ferry_node::ReplicaNode::start(
-            ferry_node::ReplicaNodeConfig {
-                dir: dir.clone(),
-                shard: ferry_replica::ALL_SHARDS,
-                replica: r,
-                wal: ferry_node::WalSource::Safekeepers {
-                    network: Arc::new(ferry_env::TcpNetwork),
-                    config: ferry_replica::StreamConfig::new(safekeeper_addrs.clone()),
-                },
-                merges: Some(ferry_node::replica::REPLACED_PART_GRACE),
-                export: Some(ferry_node::ExportSeams {
-                    config: ferry_export::ExporterConfig::new(format!("dev-r{r}")),
-                    sessions: Arc::clone(&sessions) as Arc<dyn ferry_coord::SessionFactory>,
-                    destinations: Arc::clone(&destinations),
-                }),
-            },
-            ferry_node::ReplicaSeams {
-                disk: Arc::clone(&replica_disk),
-                clock: Arc::new(ferry_env::SystemClock),
-                cpu: ferry_env::Cpu::BlockingPool,
-                tables: Arc::clone(&tables),
-            },
-        )
-        .await
-        .with_context(|| format!("opening replica {}", data_dir.join(&dir).display()))?;
-        let view = node
-            .exports
-            .clone()
-            .context("a dev replica runs an exporter")?;
-        if let Ok(mut v) = sampled_exports.lock() {
-            v.push((format!("dev-r{r}"), view.clone()));
-        }
-        export_views.push(view);
-        nodes.push(node);
-    }
-    let request_parts = nodes.first().map(|n| Arc::clone(&n.parts));
-    let commit_writer = Arc::clone(&quorum.writer);
-    let request_parts = request_parts.context("no replica")?;
-    let export_api = Arc::new(crate::exports::ExportApi {
-        session: session.clone(),
-        sessions: Arc::clone(&sessions) as Arc<dyn ferry_coord::SessionFactory>,
-        parts: Arc::clone(&request_parts) as Arc<dyn ferry_export::LocalParts>,
-        local: request_parts,
-        destinations: Arc::clone(&destinations),
-        replica_name: "dev-r0".into(),
-        clock: Arc::new(ferry_env::SystemClock),
-        commit_lsn: Arc::new(move || {
-            let lsn = commit_writer
-                .status()
-                .commit_lsn
-                .parse()
-                .map_err(|e| format!("the writer's commit_lsn: {e}"));
-            Box::pin(async move { lsn })
-        }),
-        view: export_views[0].clone(),
-    });
-    let reads = Arc::new(ferry_host::reads::Reads {
-        catalog: catalog.clone(),
-        replicas: nodes.iter().map(|n| n.reader.clone()).collect(),
-    });
-    let api = ferry_ingest::Api::new(
-        catalog,
+    let mut nodes = start_replicas(&data_dir, &coord, &catalog, &quorum, &destinations).await?;
+    let metrics = dev_metrics(registry, &quorum, &coord, &recording, &nodes);
+    let router = ferry_ingest::api::router(ferry_ingest::Api::new(
+        catalog.clone(),
         Arc::clone(&quorum.writer) as Arc<dyn ferry_ingest::InsertSink>,
         ferry_env::Cpu::BlockingPool,
         args.api.limits(),
         ingest_metrics,
-    );
-    let status_quorum = Arc::clone(&quorum);
-    let status_replicas: Vec<ferry_replica::ReplicaReader> =
-        nodes.iter().map(|n| n.reader.clone()).collect();
-    let cluster_id = record.cluster_id.clone();
-    let status = move || {
-        let q = Arc::clone(&status_quorum);
-        let rs = status_replicas.clone();
-        let cluster_id = cluster_id.clone();
-        let commit_record = recording.borrow().clone();
-        async move {
-            let replicas: Vec<_> = rs.iter().map(|r| r.status()).collect();
-            serde_json::json!({
-                "cluster_id": cluster_id,
-                "writer": q.writer.status(),
-                "commit_record": commit_record,
-                "safekeepers": q.member_status().await,
-                "replicas": replicas,
-            })
-        }
-    };
-    let router = ferry_ingest::api::router(api)
-        .merge(ferry_host::reads::router(reads))
-        .merge(crate::exports::router(export_api))
-        .merge(ferry_host::http::node_routes(status, Arc::new(metrics)));
+    ))
+    .merge(ferry_host::reads::router(Arc::new(
+        ferry_host::reads::Reads {
+            catalog,
+            replicas: nodes.iter().map(|n| n.reader.clone()).collect(),
+        },
+    )))
+    .merge(crate::exports::router(export_api(
+        &nodes,
+        &coord,
+        &session,
+        &quorum,
+        destinations,
+    )?))
+    .merge(ferry_host::http::node_routes(
+        dev_status(&record, &quorum, &nodes, recording),
+        Arc::new(metrics),
+    ));
     let server = ferry_host::http::serve(http_listener, router, token)?;
     let http = server.addr.clone();
-
-    let down: Vec<String> = quorum
-        .members
-        .iter()
-        .filter_map(|m| match m {
-            Member::Down { id, .. } => Some(format!("sk{id}")),
-            Member::Up(_) => None,
-        })
-        .collect();
-    if !down.is_empty() {
-        say!(
-            "running on the healthy majority: {} down (see /status for why; its data must be repaired or rebuilt explicitly)",
-            down.join(", ")
-        );
-    }
-    say!(
-        "ferry dev ready: data dir {}, cluster {}, coordination store {}, object storage {}, {} safekeepers ({}), writer term {}, status on http://{http}/status",
-        data_dir.display(),
-        record.cluster_id,
-        coord_dir.display(),
-        lake.url(),
-        record.safekeepers,
-        quorum.servers().map(|s| s.addr().to_string()).collect::<Vec<_>>().join(", "),
-        quorum.writer.status().term,
-    );
-    say!("tables and inserts on http://{http}/tables, {DEV_REPLICAS} replicas holding every shard (GET /replicas), partition export (POST /exports, GET /exports); press Ctrl-C to stop");
+    announce(&data_dir, &record, &coord, &lake, &quorum, &http);
 
     let demo_result = if args.demo {
         let result = crate::demo::run(&format!("http://{http}"), args.demo_rows, lake.url()).await;
@@ -420,10 +218,316 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     )
     .await?;
     session.close().await;
-    store.shutdown().await;
+    coord.store.shutdown().await;
     tracing::info!(checkpoint = %end, "stopped cleanly");
     say!("ferry dev stopped cleanly; shutdown checkpoint committed at {end}");
     demo_result.unwrap_or(Ok(()))
+}
+
+/// Opens the data dir's embedded coordination store (`<data dir>/coord`,
+/// locked for this process).
+async fn open_coordination(data_dir: &Path) -> anyhow::Result<EmbeddedCoordination> {
+    let dir = data_dir.join("coord");
+    let lock = ferry_host::lockfile::lock_dir(&dir)?;
+    let disk = Arc::new(
+        RealDisk::open_root(data_dir)
+            .with_context(|| format!("opening the data dir {}", data_dir.display()))?,
+    );
+    let store = EmbeddedStore::open(disk, "coord", EmbeddedOptions::default())
+        .await
+        .with_context(|| {
+            format!(
+                "opening the embedded coordination store in {}",
+                dir.display()
+            )
+        })?;
+    let metrics = Arc::new(ferry_coord::CoordMetrics::default());
+    let sessions = Arc::new(ferry_coord::EmbeddedSessions {
+        store: store.clone(),
+        timeout: Duration::from_secs(10),
+        metrics: Arc::clone(&metrics),
+    });
+    Ok(EmbeddedCoordination {
+        store,
+        sessions,
+        metrics,
+        dir,
+        _lock: lock,
+    })
+}
+
+/// Identifies the cluster (or starts creating it), starts its WAL quorum
+/// and waits until the writer is elected; a new cluster is recorded as
+/// ready once its safekeepers exist.
+async fn start_wal(
+    args: &DevArgs,
+    data_dir: &Path,
+    coord: &EmbeddedCoordination,
+    session: &dyn Coordination,
+) -> anyhow::Result<(ClusterRecord, LocalQuorum)> {
+    let wal_dir = data_dir.join("wal");
+    let record = identify(session, args, &coord.dir, &wal_dir).await?;
+    let creating = record.state == ClusterState::Creating;
+    let known = cluster::read_wal_state(session).await?;
+    let segment =
+        SegmentSize::new(record.segment_bytes).context("the segment size in the cluster record")?;
+    let wal_server = args.wal.server_config(Some(&data_dir.join("wal-backup")))?;
+    let spec = QuorumSpec {
+        dir: wal_dir,
+        safekeepers: record.safekeepers,
+        safekeeper: SafekeeperSpec {
+            cluster_id: record.cluster_id.clone(),
+            segment,
+            preallocation: args.wal_preallocation,
+            create: creating,
+            restore: false,
+            server: wal_server,
+        },
+        min_term: known.term,
+        known_commit_lsn: known.commit_lsn,
+        back_pressure: args.back_pressure.limits(),
+    };
+    let quorum = LocalQuorum::start(&spec)
+        .await
+        .context("starting the WAL quorum")?;
+    if creating {
+        cluster::write_record(
+            session,
+            &ClusterRecord {
+                state: ClusterState::Ready,
+                ..record.clone()
+            },
+        )
+        .await?;
+    }
+    if let Some(why) = election_refused(&quorum).await {
+        quorum.stop().await;
+        anyhow::bail!("{why}");
+    }
+    Ok((record, quorum))
+}
+
+/// Waits (at most [`ELECTION_BOUND`]) until the writer is elected; says why
+/// it was not.
+async fn election_refused(quorum: &LocalQuorum) -> Option<String> {
+    let mut writer_status = quorum.writer.subscribe();
+    let elected = tokio::time::timeout(
+        ELECTION_BOUND,
+        writer_status.wait_for(|s| s.elected || s.refused.is_some()),
+    )
+    .await;
+    let status = quorum.writer.status();
+    match elected {
+        Ok(Ok(s)) => s.refused.clone(),
+        Ok(Err(_)) => Some("the writer stopped".into()),
+        Err(_) => Some(format!(
+            "the writer was not elected in {ELECTION_BOUND:?}{}",
+            status
+                .election_blocked
+                .as_deref()
+                .map(|b| format!(": {b}"))
+                .unwrap_or_default()
+        )),
+    }
+}
+
+/// The replica nodes: each holds every shard of every table, streams from
+/// the safekeepers and exports as its own node.
+async fn start_replicas(
+    data_dir: &Path,
+    coord: &EmbeddedCoordination,
+    catalog: &ferry_ingest::Catalog,
+    quorum: &LocalQuorum,
+    destinations: &Arc<dyn ferry_export::Destinations>,
+) -> anyhow::Result<Vec<ferry_node::ReplicaNode>> {
+    let disk: Arc<dyn ferry_env::Disk> = Arc::new(
+        RealDisk::open_root(data_dir)
+            .with_context(|| format!("opening the data dir {}", data_dir.display()))?,
+    );
+    let tables: Arc<dyn ferry_replica::Tables> =
+        Arc::new(ferry_host::reads::CatalogTables(catalog.clone()));
+    let safekeeper_addrs: Vec<String> = quorum.servers().map(|s| s.addr().to_string()).collect();
+    let mut nodes = Vec::new();
+    for r in 0..DEV_REPLICAS {
+        let dir = format!("replicas/r{r}");
+        let node = ferry_node::ReplicaNode::start(
+            ferry_node::ReplicaNodeConfig {
+                dir: dir.clone(),
+                shard: ferry_replica::ALL_SHARDS,
+                replica: r,
+                wal: ferry_node::WalSource::Safekeepers {
+                    network: Arc::new(ferry_env::TcpNetwork),
+                    config: ferry_replica::StreamConfig::new(safekeeper_addrs.clone()),
+                },
+                merges: Some(ferry_node::replica::REPLACED_PART_GRACE),
+                export: Some(ferry_node::ExportSeams {
+                    config: ferry_export::ExporterConfig::new(exporter_name(r)),
+                    sessions: coord.factory(),
+                    destinations: Arc::clone(destinations),
+                }),
+            },
+            ferry_node::ReplicaSeams {
+                disk: Arc::clone(&disk),
+                clock: Arc::new(ferry_env::SystemClock),
+                cpu: ferry_env::Cpu::BlockingPool,
+                tables: Arc::clone(&tables),
+            },
+        )
+        .await
+        .with_context(|| format!("opening replica {}", data_dir.join(&dir).display()))?;
+        anyhow::ensure!(node.exports.is_some(), "a dev replica runs an exporter");
+        nodes.push(node);
+    }
+    Ok(nodes)
+}
+
+/// The exporter name of dev replica `r`.
+fn exporter_name(r: u32) -> String {
+    format!("dev-r{r}")
+}
+
+/// The export API: requests go through the first replica, whose exporter's
+/// listing answers `GET /exports`.
+fn export_api(
+    nodes: &[ferry_node::ReplicaNode],
+    coord: &EmbeddedCoordination,
+    session: &ferry_coord::RenewingSession,
+    quorum: &Arc<LocalQuorum>,
+    destinations: Arc<dyn ferry_export::Destinations>,
+) -> anyhow::Result<Arc<crate::exports::ExportApi>> {
+    let first = nodes.first().context("no replica")?;
+    let view = first
+        .exports
+        .clone()
+        .context("a dev replica runs an exporter")?;
+    let commit_writer = Arc::clone(&quorum.writer);
+    Ok(Arc::new(crate::exports::ExportApi {
+        session: session.clone(),
+        sessions: coord.factory(),
+        parts: Arc::clone(&first.parts) as Arc<dyn ferry_export::LocalParts>,
+        local: Arc::clone(&first.parts),
+        destinations,
+        replica_name: exporter_name(0),
+        clock: Arc::new(ferry_env::SystemClock),
+        commit_lsn: Arc::new(move || {
+            let lsn = commit_writer
+                .status()
+                .commit_lsn
+                .parse()
+                .map_err(|e| format!("the writer's commit_lsn: {e}"));
+            Box::pin(async move { lsn })
+        }),
+        view,
+    }))
+}
+
+/// `GET /metrics`: the registry's live counters and what the writer, the
+/// commit record, the safekeepers, coordination and the exporters report.
+fn dev_metrics(
+    registry: prometheus_client::registry::Registry,
+    quorum: &Arc<LocalQuorum>,
+    coord: &EmbeddedCoordination,
+    recording: &tokio::sync::watch::Receiver<cluster::WalStateRecording>,
+    nodes: &[ferry_node::ReplicaNode],
+) -> ferry_host::metrics::NodeMetrics {
+    let quorum = Arc::clone(quorum);
+    let coord_metrics = Arc::clone(&coord.metrics);
+    let recording = recording.clone();
+    let exports: Vec<(
+        String,
+        tokio::sync::watch::Receiver<ferry_export::ExportsView>,
+    )> = nodes
+        .iter()
+        .enumerate()
+        .filter_map(|(r, n)| Some((exporter_name(r as u32), n.exports.clone()?)))
+        .collect();
+    ferry_host::metrics::NodeMetrics::new(registry, move || {
+        let q = Arc::clone(&quorum);
+        let coord = Arc::clone(&coord_metrics);
+        let exports: Vec<(String, ferry_export::ExportsView)> = exports
+            .iter()
+            .map(|(n, rx)| (n.clone(), rx.borrow().clone()))
+            .collect();
+        let commit_record = ferry_host::metrics::commit_record(&recording.borrow());
+        Box::pin(async move {
+            let mut out = ferry_host::metrics::writer(&q.writer.status());
+            out.extend(commit_record);
+            for s in q.servers() {
+                out.extend(ferry_host::metrics::safekeeper(&s.status().await));
+            }
+            out.extend(ferry_host::metrics::coordination(&coord));
+            for (node, view) in &exports {
+                out.extend(ferry_host::metrics::exporter(node, view));
+            }
+            out
+        })
+    })
+}
+
+/// `GET /status`: the cluster, the writer, the commit record, every
+/// safekeeper and every replica.
+fn dev_status(
+    record: &ClusterRecord,
+    quorum: &Arc<LocalQuorum>,
+    nodes: &[ferry_node::ReplicaNode],
+    recording: tokio::sync::watch::Receiver<cluster::WalStateRecording>,
+) -> impl Fn() -> futures::future::BoxFuture<'static, serde_json::Value> + Clone + Send + Sync + 'static
+{
+    let quorum = Arc::clone(quorum);
+    let replicas: Vec<ferry_replica::ReplicaReader> =
+        nodes.iter().map(|n| n.reader.clone()).collect();
+    let cluster_id = record.cluster_id.clone();
+    move || {
+        let q = Arc::clone(&quorum);
+        let replicas: Vec<_> = replicas.iter().map(|r| r.status()).collect();
+        let cluster_id = cluster_id.clone();
+        let commit_record = recording.borrow().clone();
+        Box::pin(async move {
+            serde_json::json!({
+                "cluster_id": cluster_id,
+                "writer": q.writer.status(),
+                "commit_record": commit_record,
+                "safekeepers": q.member_status().await,
+                "replicas": replicas,
+            })
+        })
+    }
+}
+
+/// Says the node is ready, where everything is, and which safekeepers are down.
+fn announce(
+    data_dir: &Path,
+    record: &ClusterRecord,
+    coord: &EmbeddedCoordination,
+    lake: &ferry_storage::Location,
+    quorum: &LocalQuorum,
+    http: &str,
+) {
+    let down: Vec<String> = quorum
+        .members
+        .iter()
+        .filter_map(|m| match m {
+            Member::Down { id, .. } => Some(format!("sk{id}")),
+            Member::Up(_) => None,
+        })
+        .collect();
+    if !down.is_empty() {
+        say!(
+            "running on the healthy majority: {} down (see /status for why; its data must be repaired or rebuilt explicitly)",
+            down.join(", ")
+        );
+    }
+    say!(
+        "ferry dev ready: data dir {}, cluster {}, coordination store {}, object storage {}, {} safekeepers ({}), writer term {}, status on http://{http}/status",
+        data_dir.display(),
+        record.cluster_id,
+        coord.dir.display(),
+        lake.url(),
+        record.safekeepers,
+        quorum.servers().map(|s| s.addr().to_string()).collect::<Vec<_>>().join(", "),
+        quorum.writer.status().term,
+    );
+    say!("tables and inserts on http://{http}/tables, {DEV_REPLICAS} replicas holding every shard (GET /replicas), partition export (POST /exports, GET /exports); press Ctrl-C to stop");
 }
 
 /// Checks the data dir's identity against the flags and what is on disk, or

@@ -1,0 +1,99 @@
+//! One task per safekeeper that keeps a connection up: connects (again after
+//! a delay), forwards the frames it reads to the driver as [`Event`]s, writes
+//! what the driver sends, and drops a connection silent past the peer
+//! timeout.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_env::Network;
+use ferry_wal::proto::{self, FrameReader, FromSafekeeper, ToSafekeeper};
+use tokio::io::{AsyncWriteExt, BufWriter};
+use tokio::sync::mpsc;
+
+/// Buffer of a safekeeper connection: small messages are gathered into one
+/// system call, while a WAL payload at least this large goes to the socket
+/// straight from the writer's buffer.
+const WRITE_BUFFER_BYTES: usize = 64 << 10;
+
+pub(super) enum Event {
+    Connected(usize, u64, mpsc::Sender<ToSafekeeper>),
+    Message(usize, u64, FromSafekeeper),
+    Disconnected(usize, u64),
+}
+
+pub(super) async fn connection_task(
+    network: Arc<dyn Network>,
+    peer: usize,
+    addr: String,
+    reconnect_delay: Duration,
+    peer_timeout: Duration,
+    events: mpsc::Sender<Event>,
+) {
+    let mut generation = 0u64;
+    loop {
+        generation += 1;
+        match network.connect(&addr).await {
+            Ok(conn) => {
+                let (out_tx, mut out_rx) = mpsc::channel::<ToSafekeeper>(4096);
+                if events
+                    .send(Event::Connected(peer, generation, out_tx))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                let (read, write) = tokio::io::split(conn);
+                let mut reader = FrameReader::new(read);
+                let mut writer = BufWriter::with_capacity(WRITE_BUFFER_BYTES, write);
+                let result: Result<(), proto::FrameError> = async {
+                    let mut last_heard = tokio::time::Instant::now();
+                    loop {
+                        tokio::select! {
+                            biased;
+                            frame = reader.next::<FromSafekeeper>() => match frame? {
+                                Some(msg) => {
+                                    last_heard = tokio::time::Instant::now();
+                                    if events.send(Event::Message(peer, generation, msg)).await.is_err() {
+                                        return Ok(());
+                                    }
+                                }
+                                None => return Ok(()),
+                            },
+                            out = out_rx.recv() => match out {
+                                Some(msg) => {
+                                    proto::write_frame(&mut writer, &msg).await?;
+                                    while let Ok(more) = out_rx.try_recv() {
+                                        proto::write_frame(&mut writer, &more).await?;
+                                    }
+                                    writer.flush().await?;
+                                }
+                                // The driver dropped this connection.
+                                None => return Ok(()),
+                            },
+                            () = tokio::time::sleep_until(last_heard + peer_timeout) => {
+                                // Heartbeats are answered within a few hundred ms;
+                                // silence means a dead peer or a partition.
+                                tracing::debug!(peer, %addr, "safekeeper silent; reconnecting");
+                                return Ok(());
+                            }
+                        }
+                    }
+                }
+                .await;
+                if let Err(e) = result {
+                    tracing::debug!(peer, %addr, error = %e, "safekeeper connection lost");
+                }
+                if events
+                    .send(Event::Disconnected(peer, generation))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            Err(e) => tracing::debug!(peer, %addr, error = %e, "cannot connect to safekeeper"),
+        }
+        tokio::time::sleep(reconnect_delay).await;
+    }
+}
