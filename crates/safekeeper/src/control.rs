@@ -320,6 +320,28 @@ impl ControlFile {
         if *state == self.persisted {
             return Ok(());
         }
+        // What a safekeeper promised survives every write of its control
+        // file: its term (a vote given) and its commit_lsn never go back,
+        // and its backup never passes what it knows committed. A violation
+        // stops the safekeeper before the file says otherwise.
+        assert!(
+            state.term >= self.persisted.term,
+            "term would go back from {} to {}",
+            self.persisted.term,
+            state.term
+        );
+        assert!(
+            state.commit_lsn >= self.persisted.commit_lsn,
+            "commit_lsn would go back from {} to {}",
+            self.persisted.commit_lsn,
+            state.commit_lsn
+        );
+        assert!(
+            state.backup_lsn <= state.commit_lsn,
+            "backup_lsn {} beyond commit_lsn {}",
+            state.backup_lsn,
+            state.commit_lsn
+        );
         self.disk.write_atomic(&self.path, encode(state)?).await?;
         self.persisted = state.clone();
         Ok(())
@@ -458,5 +480,45 @@ mod tests {
             std::fs::read(dir.path().join("sk").join(CONTROL_FILE)).expect("read"),
             b"garbage!garbage!"
         );
+    }
+
+    /// A control file that would forget a vote or a commit is never written:
+    /// the safekeeper stops first, and the file keeps what it promised.
+    #[tokio::test]
+    async fn a_term_or_commit_going_back_stops_before_the_write() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+        let fresh = SafekeeperState::new(cluster(), 2, 1, 16 << 20);
+        let mut cf = ControlFile::create(Arc::clone(&disk), "sk", fresh)
+            .await
+            .expect("create");
+        let promised = sample();
+        cf.persist(&promised).await.expect("persist");
+        for (what, regress) in [
+            ("term", {
+                let mut s = promised.clone();
+                s.term -= 1;
+                s
+            }),
+            ("commit_lsn", {
+                let mut s = promised.clone();
+                s.commit_lsn = Lsn(promised.commit_lsn.0 - 1);
+                s.backup_lsn = Lsn(0);
+                s
+            }),
+            ("backup_lsn", {
+                let mut s = promised.clone();
+                s.backup_lsn = Lsn(promised.commit_lsn.0 + 1);
+                s
+            }),
+        ] {
+            let persisted = cf.persisted.clone();
+            let write = std::panic::AssertUnwindSafe(cf.persist(&regress));
+            let outcome = futures::FutureExt::catch_unwind(write).await;
+            assert!(outcome.is_err(), "a {what} going back is refused");
+            assert_eq!(cf.persisted, persisted, "{what}: nothing changed");
+        }
+        let reopened = ControlFile::open(disk, "sk").await.expect("reopen");
+        assert_eq!(reopened.state(), &promised, "the file keeps what it promised");
     }
 }
