@@ -136,6 +136,15 @@ impl Replica {
     /// their directories synced first, then the state written atomically.
     pub(super) async fn persist(&mut self) -> Result<(), ReplicaError> {
         self.sync_parts().await?;
+        // The applied position written never goes back: what a replica
+        // reported durable stays durable (its walreceiver's feedback lets
+        // the safekeepers remove WAL below it).
+        assert!(
+            self.state.disk_consistent_lsn >= self.persisted_lsn,
+            "disk_consistent_lsn would go back from {} to {}",
+            self.persisted_lsn,
+            self.state.disk_consistent_lsn
+        );
         let path = format!("{}/state", self.dir);
         let data = serde_json::to_vec(&self.state).expect("state serialises");
         self.disk
