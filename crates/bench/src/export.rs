@@ -25,8 +25,8 @@ use ferry_wal::record::Record;
 
 #[derive(Debug, clap::Args)]
 pub struct ExportBenchArgs {
-    /// Directory for the data; a temporary directory inside the working
-    /// folder by default (so the figures are for this disk).
+    /// Directory for the data. Default: a temporary directory inside the
+    /// working folder (so the figures are for this disk).
     #[arg(long)]
     dir: Option<std::path::PathBuf>,
     /// Size of the partition, MiB (about).

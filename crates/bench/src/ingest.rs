@@ -16,8 +16,8 @@ use ferry_table::{Format, TableDef};
 
 #[derive(Debug, clap::Args)]
 pub struct IngestBenchArgs {
-    /// Directory for the data (WAL, coordination); a temporary directory inside
-    /// the working folder by default (so the figures are for this disk).
+    /// Directory for the data (WAL, coordination). Default: a temporary
+    /// directory inside the working folder (so the figures are for this disk).
     #[arg(long)]
     dir: Option<std::path::PathBuf>,
     /// Rows of each run.

@@ -30,8 +30,8 @@ use ferry_wal::Lsn;
 
 #[derive(Debug, clap::Args)]
 pub struct ScaleBenchArgs {
-    /// Directory for the data; a temporary directory inside the working
-    /// folder by default.
+    /// Directory for the data. Default: a temporary directory inside the
+    /// working folder.
     #[arg(long)]
     dir: Option<std::path::PathBuf>,
     /// Parts of the partition (one row each).

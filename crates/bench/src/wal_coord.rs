@@ -20,7 +20,7 @@ pub struct CoordBenchArgs {
     /// ZooKeeper connection string; the ZooKeeper part is skipped without it.
     #[arg(long, env = "FERRY_BENCH_ZK")]
     zk: Option<String>,
-    /// Directory for the embedded store's files (a temporary one by default).
+    /// Directory for the embedded store's files. Default: a temporary one.
     #[arg(long)]
     dir: Option<std::path::PathBuf>,
 }
@@ -225,8 +225,8 @@ pub async fn coord(args: CoordBenchArgs) -> anyhow::Result<()> {
 
 #[derive(Debug, clap::Args)]
 pub struct WalBenchArgs {
-    /// Directory for the safekeepers' data; a temporary directory inside the
-    /// working folder by default (so the figures are for this disk).
+    /// Directory for the safekeepers' data. Default: a temporary directory
+    /// inside the working folder (so the figures are for this disk).
     #[arg(long)]
     dir: Option<std::path::PathBuf>,
     /// MiB written per throughput run.

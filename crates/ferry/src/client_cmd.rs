@@ -212,8 +212,8 @@ pub struct InsertArgs {
     pub table: String,
     /// The file: NDJSON, CSV with a header row, Arrow IPC (stream or file) or Parquet.
     pub file: PathBuf,
-    /// The file's format; default from its extension (.ndjson/.jsonl/.json,
-    /// .csv, .arrow/.arrows/.ipc, .parquet).
+    /// The file's format: ndjson, csv, arrow or parquet. Default: from its
+    /// extension (.ndjson/.jsonl/.json, .csv, .arrow/.arrows/.ipc, .parquet).
     #[arg(long)]
     pub format: Option<String>,
     /// Base of the idempotency keys (`<base>-<chunk>`, at most 180 characters).
@@ -224,8 +224,8 @@ pub struct InsertArgs {
     /// (409). Default: a new base per run (a re-run inserts again).
     #[arg(long)]
     pub idempotency_key: Option<String>,
-    /// Bytes of rows per request (at most the node's --max-body-bytes; default
-    /// 8 MiB). Not with --idempotency-key, unless 8388608.
+    /// Bytes of rows per request (at most the node's --max-body-bytes). Not
+    /// with --idempotency-key, unless 8388608. Default: 8388608 (8 MiB).
     #[arg(long)]
     pub chunk_bytes: Option<usize>,
     /// Attempts per chunk when the outcome is unknown or the node is busy.

@@ -24,12 +24,12 @@ pub struct DevArgs {
     /// HTTP status endpoint (`GET /status`).
     #[arg(long, default_value = "127.0.0.1:7878")]
     http: String,
-    /// Number of safekeepers of a new data dir (default 3); an existing data dir
-    /// keeps the number it was made with, and a different one is refused.
+    /// Number of safekeepers of a new data dir; an existing data dir keeps the
+    /// number it was made with, and a different one is refused. Default: 3.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=MAX_SAFEKEEPERS))]
     safekeepers: Option<u64>,
     /// WAL segment size in bytes of a new data dir (a power of two, 64 KiB to
-    /// 1 GiB; default 16 MiB); an existing data dir keeps its own.
+    /// 1 GiB); an existing data dir keeps its own. Default: 16777216 (16 MiB).
     #[arg(long, value_parser = parse_segment_size)]
     segment_bytes: Option<SegmentSize>,
     /// Folders a `file://` export destination must lie in, comma-separated
