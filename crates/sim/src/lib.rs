@@ -2,40 +2,50 @@
 //!
 //! Everything runs on one current-thread tokio runtime whose clock is paused:
 //! when every task waits, time jumps to the next timer, so a simulated minute
-//! costs only the work done in it. Nodes are the production crates, unchanged;
-//! they reach the world only through the seams of `ferry-env`, which the simulator
-//! fills with [`disk::SimDisk`] (loses unsynced writes on a crash) and
-//! [`net::SimNet`] (delays, broken connections, partitions). All choices come from
-//! one seed, so a seed replays the same run and the same event log; that
-//! includes tokio's own random choices (the order a watch channel wakes its
-//! receivers in), seeded through [`run_seeded`].
+//! costs only the work done in it. Nodes are the production crates, unchanged,
+//! assembled as the product assembles them (`ferry-node`); they reach the
+//! world only through the seams of `ferry-env`, which the simulator fills with
+//! [`disk::SimDisk`] (loses unsynced writes on a crash) and [`net::SimNet`]
+//! (delays, broken connections, partitions). All choices come from one seed,
+//! so a seed replays the same run and the same event log; that includes
+//! tokio's own random choices (the order a watch channel wakes its receivers
+//! in), seeded through [`run_seeded`].
+//!
+//! The world and the workloads are separate modules:
 //!
 //! * [`world`]: nodes' disks, the network, coordination, object storage, the
-//!   clock and the event log of one run, drawn from its seed;
-//! * [`faults`]: the faults any workload's schedule can hold;
-//! * [`clock`]: virtual Unix time from a seeded start;
-//! * [`coord`]: coordination with ZooKeeper's failure behaviour (latency, loss
-//!   before or after apply, partitions that expire sessions, abandoned sessions);
-//! * [`objstore`]: object storage with errors, latency and failures after a
-//!   successful write (from `ferry-testkit`, which tests outside the
-//!   simulator use too);
-//! * [`rogue`]: a misbehaving proposer whose messages must all be refused;
-//! * [`wal`]: the WAL random test (safekeepers, writers, faults, invariants);
-//! * [`walreceiver`]: a replica's side of START_REPLICATION that checks every
-//!   walsender frame;
+//!   clock, the faults a schedule can hold, and the event log of one run, all
+//!   drawn from its seed (its parts are at the crate root too: [`disk`],
+//!   [`net`], [`clock`], [`coord`], [`objstore`], [`faults`]);
+//! * [`wal`]: the WAL random test (safekeepers, writers, a simulated replica,
+//!   a misbehaving proposer, disk losses, faults, invariants);
+//! * [`replicas`]: the replica random test (inserts through the writer,
+//!   production replicas streaming from safekeepers, crashes, partitions,
+//!   retried inserts);
+//! * [`export`]: the export random test (three nodes sharing exports under
+//!   crashes, session expiries and object-store faults);
+//! * [`safekeepers`]: the safekeeper nodes the `wal` and `replicas`
+//!   workloads start and crash alike;
+//! * [`seeds`]: runs a workload's seeds as the command line and the random
+//!   tests do (a window, regression seeds, replays, summaries).
+//!
+//! Each workload is a directory module of the same shape, so that the same
+//! question finds its answer in the same file of every workload: `schedule`
+//! (its events and how a seed draws them), `nodes` (starting, crashing and
+//! restarting its nodes), `checks` (the checks at every step and the final
+//! ones) and `driver` (the run loop, `run_seed`), with modules of its own
+//! beside them where it has more (the WAL workload's writers, misbehaving
+//! proposer and simulated replica).
 
-pub mod clock;
-pub mod coord;
-pub mod disk;
 pub mod export;
-pub mod faults;
-pub mod net;
-pub use ferry_testkit::objstore;
 pub mod replicas;
-pub mod rogue;
+pub mod safekeepers;
+pub mod seeds;
 pub mod wal;
-pub mod walreceiver;
 pub mod world;
+
+pub use wal::{rogue, walreceiver};
+pub use world::{clock, coord, disk, faults, net, objstore};
 
 /// Runs one simulated run to its end on its own runtime: current-thread, clock
 /// paused, and tokio's internal random numbers drawn from `seed`. Without the

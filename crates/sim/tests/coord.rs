@@ -7,9 +7,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use ferry_coord::embedded::{EmbeddedOptions, EmbeddedStore};
+use ferry_coord::embedded::{EmbeddedOptions, EmbeddedSession, EmbeddedStore};
 use ferry_coord::{CoordError, Coordination, CreateMode, SessionState};
-use ferry_sim::coord::{CoordFaults, SimCoordination};
+use ferry_sim::coord::{CoordFaults, FaultySession, SimCoordination};
 use ferry_sim::disk::SimDisk;
 use ferry_testkit::disk::{DiskHook, DiskOp, HookedDisk};
 use rand::rngs::SmallRng;
@@ -46,22 +46,28 @@ async fn failure_after_apply_reports_connection_loss_but_applies() {
     ));
 }
 
-#[tokio::test(start_paused = true)]
-async fn short_partition_keeps_the_session_long_one_expires_it() {
-    let sim = SimCoordination::new(2, CoordFaults::default())
+/// Simulated coordination without faults, drawn from `seed`, with a
+/// session of node `a` that holds the ephemeral `path` and a session of
+/// node `b` that watches it, both with `timeout`.
+async fn a_holds(
+    seed: u64,
+    timeout: Duration,
+    path: &str,
+) -> (SimCoordination, Arc<FaultySession>, Arc<FaultySession>) {
+    let sim = SimCoordination::new(seed, CoordFaults::default())
         .await
         .expect("sim");
-    let a = sim
-        .session("a", Duration::from_secs(2))
-        .await
-        .expect("session");
-    let b = sim
-        .session("b", Duration::from_secs(2))
-        .await
-        .expect("session");
-    a.create("/lock", b"", CreateMode::Ephemeral)
+    let a = sim.session("a", timeout).await.expect("session");
+    let b = sim.session("b", timeout).await.expect("session");
+    a.create(path, b"", CreateMode::Ephemeral)
         .await
         .expect("ephemeral");
+    (sim, a, b)
+}
+
+#[tokio::test(start_paused = true)]
+async fn short_partition_keeps_the_session_long_one_expires_it() {
+    let (sim, a, b) = a_holds(2, Duration::from_secs(2), "/lock").await;
 
     sim.partition("a");
     assert!(a
@@ -92,20 +98,7 @@ async fn short_partition_keeps_the_session_long_one_expires_it() {
 
 #[tokio::test(start_paused = true)]
 async fn crashed_node_keeps_its_ephemerals_until_the_timeout() {
-    let sim = SimCoordination::new(3, CoordFaults::default())
-        .await
-        .expect("sim");
-    let a = sim
-        .session("a", Duration::from_secs(3))
-        .await
-        .expect("session");
-    let b = sim
-        .session("b", Duration::from_secs(3))
-        .await
-        .expect("session");
-    a.create("/owned", b"", CreateMode::Ephemeral)
-        .await
-        .expect("ephemeral");
+    let (sim, a, b) = a_holds(3, Duration::from_secs(3), "/owned").await;
     sim.crash_node("a");
     drop(a);
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -136,19 +129,38 @@ impl DiskHook for Freeze {
 }
 
 /// Opens the store on `disk`, with snapshots often enough that crashes also
-/// hit new logs.
-async fn open_store(disk: &SimDisk, frozen: &Arc<AtomicBool>, seed: u64) -> EmbeddedStore {
+/// hit new logs, and a session of it; setting the flag returned freezes the
+/// disk's file syncs (see [`Freeze`]).
+async fn open_store(
+    disk: &SimDisk,
+    seed: u64,
+) -> (EmbeddedStore, EmbeddedSession, Arc<AtomicBool>) {
+    let frozen = Arc::new(AtomicBool::new(false));
     let disk = Arc::new(HookedDisk::new(
         Arc::new(disk.clone()),
-        Arc::new(Freeze(Arc::clone(frozen))),
+        Arc::new(Freeze(Arc::clone(&frozen))),
     ));
     let options = EmbeddedOptions {
         snapshot_every_txns: 40,
         ..EmbeddedOptions::default()
     };
-    EmbeddedStore::open(disk, "coord", options)
+    let store = EmbeddedStore::open(disk, "coord", options)
         .await
-        .unwrap_or_else(|e| panic!("seed {seed}: recovery refused a crashed store: {e}"))
+        .unwrap_or_else(|e| panic!("seed {seed}: recovery refused a crashed store: {e}"));
+    let session = store
+        .session(Duration::from_secs(30))
+        .await
+        .expect("session");
+    (store, session, frozen)
+}
+
+/// An acknowledged create survived the crashes: `path` holds `data`.
+async fn assert_kept(s: &dyn Coordination, seed: u64, path: &str, data: &[u8]) {
+    let (got, _) = s
+        .get(path)
+        .await
+        .unwrap_or_else(|e| panic!("seed {seed}: acknowledged {path} lost: {e}"));
+    assert_eq!(got, data, "seed {seed}: {path}");
 }
 
 /// Acknowledged creates of one writer, in order: path and data.
@@ -163,19 +175,10 @@ async fn embedded_store_recovers_from_torn_group_commits() {
         // Acknowledged writes per writer of each round, in order.
         let mut acked: Vec<Writes> = Vec::new();
         for round in 0..4 {
-            let frozen = Arc::new(AtomicBool::new(false));
-            let store = open_store(&disk, &frozen, seed).await;
-            let s = store
-                .session(Duration::from_secs(30))
-                .await
-                .expect("session");
+            let (store, s, frozen) = open_store(&disk, seed).await;
             for (w, writes) in acked.iter().enumerate() {
                 for (path, data) in writes {
-                    let (got, _) = s
-                        .get(path)
-                        .await
-                        .unwrap_or_else(|e| panic!("seed {seed}: acknowledged {path} lost: {e}"));
-                    assert_eq!(&got, data, "seed {seed}: {path}");
+                    assert_kept(&s, seed, path, data).await;
                 }
                 // At most the one write in flight at the crash may be there too.
                 let beyond = format!("/r{}-w{}-{:04}", w / WRITERS, w % WRITERS, writes.len() + 1);
@@ -226,20 +229,11 @@ async fn embedded_store_recovers_from_torn_group_commits() {
                 acked.push(std::mem::take(&mut *result.lock().expect("lock")));
             }
         }
-        let frozen = Arc::new(AtomicBool::new(false));
-        let store = open_store(&disk, &frozen, seed).await;
-        let s = store
-            .session(Duration::from_secs(30))
-            .await
-            .expect("session");
+        let (store, s, _) = open_store(&disk, seed).await;
         let total: usize = acked.iter().map(Vec::len).sum();
         assert!(total > 20, "seed {seed}: only {total} acknowledged writes");
         for (path, data) in acked.iter().flatten() {
-            let (got, _) = s
-                .get(path)
-                .await
-                .unwrap_or_else(|e| panic!("seed {seed}: acknowledged {path} lost: {e}"));
-            assert_eq!(&got, data, "seed {seed}: {path}");
+            assert_kept(&s, seed, path, data).await;
         }
         drop(s);
         store.shutdown().await;

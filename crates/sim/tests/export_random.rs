@@ -3,25 +3,8 @@
 //! determinism check. A failure prints the seed and the command that
 //! replays it.
 
-use ferry_sim::export::run_seed;
-use ferry_sim::world::Failure;
-use ferry_testkit::seeds::{run_seeds, SeedWindow};
-
-fn explain(f: &Failure) -> String {
-    let tail: Vec<&str> = f
-        .log
-        .iter()
-        .rev()
-        .take(40)
-        .rev()
-        .map(String::as_str)
-        .collect();
-    format!(
-        "{f}\nreplay with: cargo run --release -p ferry-sim -- export --seed {} --log\nlast events:\n{}",
-        f.seed,
-        tail.join("\n")
-    )
-}
+use ferry_sim::export::{Export, Outcome};
+use ferry_sim::seeds;
 
 /// Seeds that found real defects while the workload was written: a commit
 /// lock left behind by a release whose answer was lost (2, 9: the task never
@@ -55,35 +38,20 @@ const REGRESSION_SEEDS: &[u64] = &[0, 1, 2, 4, 9, 14, 18, 26, 36, 59, 142, 157, 
 
 #[test]
 fn regression_seeds() {
-    run_seeds(
-        REGRESSION_SEEDS.iter().copied(),
-        |s| run_seed(s, false),
-        explain,
-    );
+    seeds::regression::<Export>(REGRESSION_SEEDS);
 }
 
 #[test]
 fn random_seeds() {
-    let window = SeedWindow::today("export", 1000, |day| day * 10_000);
-    let outcomes = window.run(|s| run_seed(s, false), explain);
-    let completed: u64 = outcomes.iter().map(|o| o.completed as u64).sum();
-    let killed: u64 = outcomes.iter().map(|o| o.killed as u64).sum();
-    let crashes: u64 = outcomes.iter().map(|o| o.crashes as u64).sum();
-    eprintln!(
-        "{} seeds: {completed} commit files checked, {killed} killed, {crashes} crashes",
-        outcomes.len()
-    );
+    let outcomes = seeds::today::<Export>(1000, |day| day * 10_000);
+    let reached = |what: fn(&Outcome) -> usize| outcomes.iter().any(|o| what(o) > 0);
     assert!(
-        completed > 0 && killed > 0 && crashes > 0,
+        reached(|o| o.completed) && reached(|o| o.killed) && reached(|o| o.crashes),
         "the schedules reach commits, kills and crashes"
     );
 }
 
 #[test]
 fn same_seed_same_log() {
-    for seed in [3, 157] {
-        let a = run_seed(seed, false).unwrap_or_else(|f| panic!("{}", explain(&f)));
-        let b = run_seed(seed, false).unwrap_or_else(|f| panic!("{}", explain(&f)));
-        assert_eq!(a.log, b.log, "seed {seed} replays the same run");
-    }
+    seeds::same_seed_same_log::<Export>(&[3, 157]);
 }

@@ -2,25 +2,8 @@
 //! that moves every day, and a determinism check. A failure prints the seed
 //! and the command that replays it.
 
-use ferry_sim::replicas::{run_lagging_safekeeper, run_seed};
-use ferry_sim::world::Failure;
-use ferry_testkit::seeds::{run_seeds, SeedWindow};
-
-fn explain(f: &Failure) -> String {
-    let tail: Vec<&str> = f
-        .log
-        .iter()
-        .rev()
-        .take(40)
-        .rev()
-        .map(String::as_str)
-        .collect();
-    format!(
-        "{f}\nreplay with: cargo run --release -p ferry-sim -- replicas --seed {} --log\nlast events:\n{}",
-        f.seed,
-        tail.join("\n")
-    )
-}
+use ferry_sim::replicas::{run_lagging_safekeeper, Replicas};
+use ferry_sim::seeds;
 
 /// Seeds that caught planted bugs (200 seeds from 0 with each plant): a level-0
 /// part renamed without its fsync (197 of 200 failed, e.g. 0 and 1: a torn part
@@ -60,25 +43,14 @@ const REGRESSION_SEEDS: &[u64] = &[
 
 #[test]
 fn regression_seeds() {
-    run_seeds(
-        REGRESSION_SEEDS.iter().copied(),
-        |s| run_seed(s, false),
-        explain,
-    );
+    seeds::regression::<Replicas>(REGRESSION_SEEDS);
 }
 
 #[test]
 fn random_seeds() {
-    let window = SeedWindow::today("replicas", 200, |day| day * 1_000);
-    let outcomes = window.run(|s| run_seed(s, false), explain);
-    let crashes: u64 = outcomes.iter().map(|o| o.replica_crashes as u64).sum();
-    let merges: u64 = outcomes.iter().map(|o| o.merges).sum();
-    eprintln!(
-        "{} seeds: {crashes} replica crashes, {merges} merges",
-        outcomes.len()
-    );
+    let outcomes = seeds::today::<Replicas>(200, |day| day * 1_000);
     assert!(
-        crashes > 0 && merges > 0,
+        outcomes.iter().any(|o| o.replica_crashes > 0) && outcomes.iter().any(|o| o.merges > 0),
         "the schedules reach crashes and merges"
     );
 }
@@ -87,12 +59,7 @@ fn random_seeds() {
 fn same_seed_same_log() {
     // Seed 11 told runs apart while tokio's own random choices were not
     // seeded (walsenders of one safekeeper woke in a varying order).
-    for seed in [7, 11] {
-        let a = run_seed(seed, false).unwrap_or_else(|f| panic!("{}", explain(&f)));
-        let b = run_seed(seed, false).unwrap_or_else(|f| panic!("{}", explain(&f)));
-        assert_eq!(a.log, b.log, "seed {seed} gives one execution");
-        assert_eq!(a.log_hash, b.log_hash);
-    }
+    seeds::same_seed_same_log::<Replicas>(&[7, 11]);
 }
 
 /// A safekeeper cut off from the writer keeps its walsenders talking; the
@@ -102,7 +69,7 @@ fn replicas_leave_a_lagging_safekeeper() {
     for seed in 0..5 {
         match run_lagging_safekeeper(seed) {
             Ok(took) => eprintln!("seed {seed}: every replica applied every insert {took:?} after it was acknowledged"),
-            Err(f) => panic!("{}", explain(&f)),
+            Err(f) => panic!("{}", seeds::explain::<Replicas>(&f)),
         }
     }
 }

@@ -1,25 +1,8 @@
 //! The WAL random test: fixed regression seeds, a few hundred random ones, and a
 //! determinism check. A failure prints the seed and the command that replays it.
 
-use ferry_sim::wal::{run_seed, Failure};
-use ferry_testkit::seeds::{run_seeds, SeedWindow};
-
-fn explain(f: &Failure) -> String {
-    let tail: Vec<&String> = f
-        .log
-        .iter()
-        .rev()
-        .take(40)
-        .collect::<Vec<_>>()
-        .into_iter()
-        .rev()
-        .collect();
-    format!(
-        "{f}\nreplay with: cargo run --release -p ferry-sim -- wal --seed {} --log\nlast events:\n{}",
-        f.seed,
-        tail.iter().map(|l| l.as_str()).collect::<Vec<_>>().join("\n")
-    )
-}
+use ferry_sim::seeds;
+use ferry_sim::wal::Wal;
 
 /// Seeds that once found bugs or cover rare paths; they must stay green.
 /// 1, 23, 37 and 1000 found bugs (a killed safekeeper's address still taken at
@@ -108,26 +91,15 @@ const REGRESSION_SEEDS: &[u64] = &[
 
 #[test]
 fn regression_seeds() {
-    run_seeds(
-        REGRESSION_SEEDS.iter().copied(),
-        |s| run_seed(s, false),
-        explain,
-    );
+    seeds::regression::<Wal>(REGRESSION_SEEDS);
 }
 
 #[test]
 fn random_seeds() {
-    let window = SeedWindow::today("wal", 200, |day| 100_000 + (day % 10_000) * 1_000);
-    window.run(|s| run_seed(s, false), explain);
+    seeds::today::<Wal>(200, |day| 100_000 + (day % 10_000) * 1_000);
 }
 
 #[test]
 fn same_seed_same_log() {
-    for seed in [7u64, 8, 9] {
-        let a = run_seed(seed, false).unwrap_or_else(|f| panic!("{}", explain(&f)));
-        let b = run_seed(seed, false).unwrap_or_else(|f| panic!("{}", explain(&f)));
-        assert_eq!(a.log_hash, b.log_hash, "seed {seed} ran differently twice");
-        assert_eq!(a.log, b.log);
-        assert!(a.log.len() > 3);
-    }
+    seeds::same_seed_same_log::<Wal>(&[7, 8, 9]);
 }

@@ -101,23 +101,12 @@ impl Acceptor {
         }))
     }
 
-    /// The elected writer tells where our WAL stops agreeing with its own: cut the
-    /// divergent tail, adopt its term history, and persist before answering.
-    pub async fn handle_elected(
-        &mut self,
-        msg: &ProposerElected,
-    ) -> Result<FromSafekeeper, AcceptorError> {
-        if msg.term < self.state.term {
-            return Err(refused(
-                self.state.term,
-                format!("term {} is stale", msg.term),
-            ));
-        }
-        if !msg.term_history.is_well_formed() || msg.term_history.last_term() != msg.term {
-            return Err(refused(self.state.term, "malformed term history"));
-        }
-        self.flush().await?;
-        let flush_lsn = self.flush_lsn();
+    /// Whether this safekeeper takes the elected writer's word, decided from
+    /// its state and its WAL's end alone (nothing is written): a restored
+    /// safekeeper only rejoins, at its end and after its quarantine; WAL of
+    /// the writer's own term is never cut; committed WAL is never cut; the
+    /// writer cannot start past our end.
+    fn check_elected(&self, msg: &ProposerElected, flush_lsn: Lsn) -> Result<(), AcceptorError> {
         match (self.state.restored_up_to.is_some(), msg.rejoin) {
             (false, false) => {}
             (false, true) => {
@@ -187,6 +176,27 @@ impl Acceptor {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    /// The elected writer tells where our WAL stops agreeing with its own: cut the
+    /// divergent tail, adopt its term history, and persist before answering.
+    pub async fn handle_elected(
+        &mut self,
+        msg: &ProposerElected,
+    ) -> Result<FromSafekeeper, AcceptorError> {
+        if msg.term < self.state.term {
+            return Err(refused(
+                self.state.term,
+                format!("term {} is stale", msg.term),
+            ));
+        }
+        if !msg.term_history.is_well_formed() || msg.term_history.last_term() != msg.term {
+            return Err(refused(self.state.term, "malformed term history"));
+        }
+        self.flush().await?;
+        let flush_lsn = self.flush_lsn();
+        self.check_elected(msg, flush_lsn)?;
         if self.state.durable_lsn > msg.start_streaming_at {
             // The recorded durable point goes down before the WAL does, so that
             // a crash in between never finds less WAL than recorded.
@@ -195,6 +205,13 @@ impl Acceptor {
             self.control.persist(&self.state).await?;
         }
         self.wal.truncate(msg.start_streaming_at).await?;
+        // The pair of `check_elected`'s refusal: committed WAL is never cut.
+        assert!(
+            self.wal.flush_lsn() >= self.commit_lsn,
+            "the WAL was truncated to {} below commit_lsn {}",
+            self.wal.flush_lsn(),
+            self.commit_lsn
+        );
         // Commit announcements of an older writer say nothing about this term's WAL.
         self.pending_commit_lsn = self.commit_lsn;
         // Probes count within one writer's term only.

@@ -5,21 +5,8 @@
 //! paused clock the simulator needs (tokio's `test-util`); `ferry sim ...`
 //! runs this one when it is installed beside `ferry`.
 
-// The wall clock measures the runs (seeds per second), outside the simulated
-// world; no simulated node reads it.
-#![allow(clippy::disallowed_methods)]
-
-use std::time::{Duration, Instant};
-
 use clap::{Parser, Subcommand};
-
-/// Prints a line to stdout, ignoring a closed stdout.
-macro_rules! say {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stdout(), $($arg)*);
-    }};
-}
+use ferry_sim::seeds::{self, Workload};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -62,184 +49,12 @@ struct WalSimArgs {
     start_seed: u64,
 }
 
-fn wal(args: WalSimArgs) -> anyhow::Result<()> {
-    if let Some(seed) = args.seed {
-        return match ferry_sim::wal::run_seed(seed, args.log) {
-            Ok(o) => {
-                say!(
-                    "seed {seed}: ok, {} events, {:.1} simulated s, {} acknowledged writes, {} elections, commit_lsn {}, log hash {:08x}",
-                    o.events,
-                    o.simulated.as_secs_f64(),
-                    o.acknowledged,
-                    o.elections,
-                    o.commit_lsn,
-                    o.log_hash
-                );
-                Ok(())
-            }
-            Err(f) => {
-                if !args.log {
-                    for line in &f.log {
-                        say!("{line}");
-                    }
-                }
-                anyhow::bail!("{f}")
-            }
-        };
+/// One seed replayed, or a range of seeds with a summary.
+fn run<W: Workload>(args: WalSimArgs) -> anyhow::Result<()> {
+    match args.seed {
+        Some(seed) => seeds::replay::<W>(seed, args.log),
+        None => seeds::window::<W>(args.start_seed..args.start_seed + args.seeds),
     }
-    let started = Instant::now();
-    let mut simulated = Duration::ZERO;
-    let mut failures = Vec::new();
-    let mut crashes = ferry_sim::disk::CrashStats::default();
-    for seed in args.start_seed..args.start_seed + args.seeds {
-        match ferry_sim::wal::run_seed(seed, false) {
-            Ok(o) => {
-                simulated += o.simulated;
-                crashes.crashes += o.crash_stats.crashes;
-                crashes.found_unsynced += o.crash_stats.found_unsynced;
-                crashes.bytes_lost += o.crash_stats.bytes_lost;
-                crashes.torn += o.crash_stats.torn;
-            }
-            Err(f) => {
-                say!("FAILED {f}");
-                say!("  replay: ferry-sim wal --seed {} --log", f.seed);
-                failures.push(f.seed);
-            }
-        }
-    }
-    let wall = started.elapsed().as_secs_f64();
-    say!(
-        "{} seeds in {wall:.2} s: {:.1} seeds/s, {:.0} simulated s per wall s, {} failed",
-        args.seeds,
-        args.seeds as f64 / wall.max(1e-9),
-        simulated.as_secs_f64() / wall.max(1e-9),
-        failures.len()
-    );
-    say!(
-        "safekeeper crashes: {}, of which {} ({:.0}%) found unsynced data or directory entries; they dropped {} unsynced bytes and tore {} files' last writes",
-        crashes.crashes,
-        crashes.found_unsynced,
-        100.0 * crashes.found_unsynced as f64 / crashes.crashes.max(1) as f64,
-        crashes.bytes_lost,
-        crashes.torn
-    );
-    anyhow::ensure!(failures.is_empty(), "failing seeds: {failures:?}");
-    Ok(())
-}
-
-fn replicas(args: WalSimArgs) -> anyhow::Result<()> {
-    let show = |o: &ferry_sim::replicas::Outcome| {
-        format!(
-            "{} events, {:.1} simulated s, {} acknowledged inserts, {} rows per shard copy, {} replica crashes, {} merges, log hash {:08x}",
-            o.events,
-            o.simulated.as_secs_f64(),
-            o.acknowledged,
-            o.rows,
-            o.replica_crashes,
-            o.merges,
-            o.log_hash
-        )
-    };
-    if let Some(seed) = args.seed {
-        return match ferry_sim::replicas::run_seed(seed, args.log) {
-            Ok(o) => {
-                say!("seed {seed}: ok, {}", show(&o));
-                Ok(())
-            }
-            Err(f) => {
-                if !args.log {
-                    for line in &f.log {
-                        say!("{line}");
-                    }
-                }
-                anyhow::bail!("{f}")
-            }
-        };
-    }
-    let started = Instant::now();
-    let mut failures = Vec::new();
-    let (mut crashes, mut merges) = (0, 0);
-    for seed in args.start_seed..args.start_seed + args.seeds {
-        match ferry_sim::replicas::run_seed(seed, false) {
-            Ok(o) => {
-                crashes += o.replica_crashes;
-                merges += o.merges;
-            }
-            Err(f) => {
-                say!("FAILED {f}");
-                say!("  replay: ferry-sim replicas --seed {} --log", f.seed);
-                failures.push(f.seed);
-            }
-        }
-    }
-    let wall = started.elapsed().as_secs_f64();
-    say!(
-        "{} seeds in {wall:.2} s: {:.1} seeds/s, {crashes} replica crashes, {merges} merges, {} failed",
-        args.seeds,
-        args.seeds as f64 / wall.max(1e-9),
-        failures.len()
-    );
-    anyhow::ensure!(failures.is_empty(), "failing seeds: {failures:?}");
-    Ok(())
-}
-
-fn export(args: WalSimArgs) -> anyhow::Result<()> {
-    let show = |o: &ferry_sim::export::Outcome| {
-        format!(
-            "{} events, {:.1} simulated s, {} exports asked, {} commit files checked, {} killed, {} crashes, {} object faults, log hash {:08x}",
-            o.events,
-            o.simulated.as_secs_f64(),
-            o.exports,
-            o.completed,
-            o.killed,
-            o.crashes,
-            o.injected_object_faults,
-            o.log_hash
-        )
-    };
-    if let Some(seed) = args.seed {
-        return match ferry_sim::export::run_seed(seed, args.log) {
-            Ok(o) => {
-                say!("seed {seed}: ok, {}", show(&o));
-                Ok(())
-            }
-            Err(f) => {
-                if !args.log {
-                    for line in &f.log {
-                        say!("{line}");
-                    }
-                }
-                anyhow::bail!("{f}")
-            }
-        };
-    }
-    let started = Instant::now();
-    let mut failures = Vec::new();
-    let (mut exports, mut completed, mut killed, mut crashes) = (0, 0, 0, 0);
-    for seed in args.start_seed..args.start_seed + args.seeds {
-        match ferry_sim::export::run_seed(seed, false) {
-            Ok(o) => {
-                exports += o.exports;
-                completed += o.completed;
-                killed += o.killed;
-                crashes += o.crashes;
-            }
-            Err(f) => {
-                say!("FAILED {f}");
-                say!("  replay: ferry-sim export --seed {} --log", f.seed);
-                failures.push(f.seed);
-            }
-        }
-    }
-    let wall = started.elapsed().as_secs_f64();
-    say!(
-        "{} seeds in {wall:.2} s: {:.1} seeds/s, {exports} exports asked, {completed} commit files checked, {killed} killed, {crashes} crashes, {} failed",
-        args.seeds,
-        args.seeds as f64 / wall.max(1e-9),
-        failures.len()
-    );
-    anyhow::ensure!(failures.is_empty(), "failing seeds: {failures:?}");
-    Ok(())
 }
 
 fn main() -> anyhow::Result<()> {
@@ -255,8 +70,8 @@ fn main() -> anyhow::Result<()> {
     }
     // The simulator builds its own single-threaded runtime per seed.
     match cli.command {
-        SimCommand::Wal(args) => wal(args),
-        SimCommand::Replicas(args) => replicas(args),
-        SimCommand::Export(args) => export(args),
+        SimCommand::Wal(args) => run::<ferry_sim::wal::Wal>(args),
+        SimCommand::Replicas(args) => run::<ferry_sim::replicas::Replicas>(args),
+        SimCommand::Export(args) => run::<ferry_sim::export::Export>(args),
     }
 }

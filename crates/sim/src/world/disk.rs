@@ -544,20 +544,31 @@ mod tests {
     use super::*;
     use rand::SeedableRng;
 
-    #[tokio::test]
-    async fn unsynced_data_and_entries_are_lost() {
-        let disk = SimDisk::new();
-        let mut rng = SmallRng::seed_from_u64(1);
+    /// Creates `d/a` holding `synced` (its data and its entry synced), then
+    /// appends `unsynced` to it without a sync.
+    async fn synced_then_unsynced(
+        disk: &SimDisk,
+        synced: &'static [u8],
+        unsynced: &'static [u8],
+    ) -> Box<dyn DiskFile> {
         disk.create_dir_all("d").await.expect("mkdir");
         let f = disk.create_new("d/a").await.expect("create");
-        f.write_at(0, bytes::Bytes::from_static(b"durable"))
+        f.write_at(0, bytes::Bytes::from_static(synced))
             .await
             .expect("write");
         f.sync_data().await.expect("sync");
         disk.sync_dir("d").await.expect("sync dir");
-        f.write_at(7, bytes::Bytes::from_static(b" lost"))
+        f.write_at(synced.len() as u64, bytes::Bytes::from_static(unsynced))
             .await
             .expect("write");
+        f
+    }
+
+    #[tokio::test]
+    async fn unsynced_data_and_entries_are_lost() {
+        let disk = SimDisk::new();
+        let mut rng = SmallRng::seed_from_u64(1);
+        let _f = synced_then_unsynced(&disk, b"durable", b" lost").await;
         let g = disk.create_new("d/b").await.expect("create");
         g.write_at(0, bytes::Bytes::from_static(b"synced data, unsynced entry"))
             .await
@@ -577,16 +588,7 @@ mod tests {
     #[tokio::test]
     async fn a_failed_sync_loses_the_unsynced_writes() {
         let disk = SimDisk::new();
-        disk.create_dir_all("d").await.expect("mkdir");
-        let f = disk.create_new("d/a").await.expect("create");
-        f.write_at(0, bytes::Bytes::from_static(b"kept"))
-            .await
-            .expect("write");
-        f.sync_data().await.expect("sync");
-        disk.sync_dir("d").await.expect("sync dir");
-        f.write_at(4, bytes::Bytes::from_static(b" lost"))
-            .await
-            .expect("write");
+        let f = synced_then_unsynced(&disk, b"kept", b" lost").await;
         disk.set_failing(true);
         assert!(f.sync_data().await.is_err());
         assert!(disk.sync_dir("d").await.is_err());

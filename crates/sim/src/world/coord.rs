@@ -123,8 +123,8 @@ impl SimCoordination {
         Ok(session)
     }
 
-    /// A [`SessionFactory`] that opens `node`'s sessions, as node code holds
-    /// one to recover from session expiry.
+    /// A [`SessionFactory`](ferry_coord::SessionFactory) that opens `node`'s
+    /// sessions, as node code holds one to recover from session expiry.
     pub fn factory(&self, node: &str, timeout: Duration) -> SimSessions {
         SimSessions {
             sim: self.clone(),

@@ -1,25 +1,44 @@
-//! The simulated world a workload runs in: nodes of any role and count, each
-//! with its own disk, one network, one coordination service, one object store
-//! and one clock, all drawn from the seed; crashes, restarts and partitions of
-//! nodes; and the time-stamped event log whose hash identifies a run.
+//! The simulated world every workload runs in: nodes of any role and count,
+//! each with its own disk, one network, one coordination service, one object
+//! store and one clock, all drawn from the seed; crashes, restarts and
+//! partitions of nodes; and the time-stamped event log whose hash identifies
+//! a run.
 //!
-//! A workload (the WAL test is the first) starts its nodes on the world's
-//! seams, drives a schedule of faults and checks its invariants; the world
-//! holds nothing of any protocol.
+//! Each workload (`wal`, `replicas`, `export`) holds one `World`, starts its
+//! nodes on the world's seams, drives a schedule of its own and checks its
+//! invariants; the world holds nothing of any protocol.
+//!
+//! * [`disk`]: a node's disk, which loses unsynced writes on a crash;
+//! * [`net`]: byte streams between named nodes, with delays, broken links
+//!   and partitions;
+//! * [`clock`]: virtual Unix time from a seeded start;
+//! * [`coord`]: coordination with ZooKeeper's failure behaviour;
+//! * [`objstore`]: object storage with errors, latency and failures after a
+//!   successful write (from `ferry-testkit`, which tests outside the
+//!   simulator use too);
+//! * [`faults`]: the faults a workload's schedule can hold.
+
+pub mod clock;
+pub mod coord;
+pub mod disk;
+pub mod faults;
+pub mod net;
+pub use ferry_testkit::objstore;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use ferry_storage::Location;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tokio::time::Instant;
 
-use crate::clock::SimClock;
-use crate::coord::{CoordFaults, SimCoordination};
-use crate::disk::{CrashStats, DiskLatency, SimDisk};
-use crate::net::{NetOptions, SimNet};
-use crate::objstore::{FaultyObjectStore, ObjectFaults};
+use clock::SimClock;
+use coord::{CoordFaults, SimCoordination};
+use disk::{CrashStats, DiskLatency, SimDisk};
+use net::{NetOptions, SimNet};
+use objstore::{FaultyObjectStore, ObjectFaults};
 
 /// A broken invariant (or a run that could not finish), with the log so far.
 #[derive(Debug, Clone)]
@@ -32,6 +51,43 @@ pub struct Failure {
 impl std::fmt::Display for Failure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "seed {}: {}", self.seed, self.reason)
+    }
+}
+
+/// What every run reports, whatever its workload.
+#[derive(Debug, Clone)]
+pub struct Run {
+    pub seed: u64,
+    /// Events in its schedule.
+    pub events: usize,
+    /// Virtual time from the world's start to the end of the run.
+    pub simulated: Duration,
+    /// crc32c of the event log: equal for equal runs.
+    pub log_hash: u32,
+    /// The time-stamped event log.
+    pub log: Vec<String>,
+}
+
+/// How a workload times its crashes of a node (see `World::crash`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AfterAWrite {
+    /// The share of crashes that wait for a write.
+    pub prob: f64,
+    /// How long one waits at most.
+    pub within: Duration,
+}
+
+/// A node of a workload, stopped as a crash stops it (every task ends at
+/// once).
+pub(crate) trait Stop {
+    async fn stop(self);
+}
+
+/// Stops every running node of `nodes` in order (the end of a run: a node
+/// left running would keep its tasks, and their timers, alive).
+pub(crate) async fn stop_all<N: Stop>(nodes: &mut [Option<N>]) {
+    for node in nodes.iter_mut().filter_map(Option::take) {
+        node.stop().await;
     }
 }
 
@@ -109,12 +165,24 @@ impl World {
         }
     }
 
-    pub fn log_lines(&self) -> &[String] {
-        &self.log
+    /// The end of a run of a schedule of `events` events: its duration, its
+    /// log and the log's hash.
+    pub fn finish(self, events: usize) -> Run {
+        Run {
+            seed: self.seed,
+            events,
+            simulated: self.start.elapsed(),
+            log_hash: self.log_hash(),
+            log: self.log,
+        }
     }
 
-    pub fn into_log(self) -> Vec<String> {
+    /// crc32c of the event log: two runs of a seed that differ anywhere
+    /// differ here, which is cheaper to compare and to print than the log.
+    pub fn log_hash(&self) -> u32 {
         self.log
+            .iter()
+            .fold(0u32, |h, line| crc32c::crc32c_append(h, line.as_bytes()))
     }
 
     /// The disk of `node`, made on first use (with the world's disk latency);
@@ -137,6 +205,30 @@ impl World {
             disk.crash(&mut self.rng, true);
         }
         self.coord.crash_node(node);
+    }
+
+    /// Crashes `node` (named `name`), which the workload has just taken
+    /// out of its running nodes: with `after_a_write`, the crash may first
+    /// wait for the node's next write, so that it lands between that write
+    /// and its fsync (an idle disk holds nothing unsynced to lose); then
+    /// every task of the node ends at once and its disk is power-cut (see
+    /// [`World::crash_disk`]).
+    pub(crate) async fn crash<N: Stop>(
+        &mut self,
+        name: &str,
+        node: N,
+        after_a_write: Option<AfterAWrite>,
+    ) {
+        if let Some(after) = after_a_write {
+            let disk = self.disk(name);
+            if self.rng.random_bool(after.prob) && disk.wait_for_unsynced_write(after.within).await
+            {
+                self.log(format!("{name} crashes right after a write"));
+            }
+        }
+        node.stop().await;
+        self.crash_disk(name);
+        self.log(format!("{name} crashed"));
     }
 
     /// Cuts the network between two nodes (and `a`'s coordination link when

@@ -85,6 +85,23 @@ fn one_record(block: u64) -> Bytes {
     .to_bytes()
 }
 
+/// An append of `wal` at `begin` in `term` that also commits it.
+fn append(term: Term, begin: Lsn, wal: &Bytes) -> ToSafekeeper {
+    let end = Lsn(begin.0 + wal.len() as u64);
+    ToSafekeeper::Append(AppendRequest {
+        term,
+        begin_lsn: begin,
+        end_lsn: end,
+        commit_lsn: end,
+        truncate_lsn: Lsn(0),
+        backup_lsn: Lsn(0),
+        backup_duty: false,
+        remote_consistent_lsn: None,
+        probe: 0,
+        wal: wal.clone(),
+    })
+}
+
 /// Tries `kind` on the safekeeper at `addr`, which the caller saw at `term`,
 /// `flush_lsn` and `commit_lsn`.
 pub async fn attempt(
@@ -114,24 +131,12 @@ pub async fn attempt(
         other => return RogueOutcome::NotTried(format!("greeting answered {other:?}")),
     }
     let wal = one_record(u64::MAX - 1);
-    let end = |begin: Lsn| Lsn(begin.0 + wal.len() as u64);
     let must_refuse = match kind {
         RogueKind::StaleTermAppend => {
             if term == 0 {
                 return RogueOutcome::NotTried("term 0 has nothing below it".into());
             }
-            vec![ToSafekeeper::Append(AppendRequest {
-                term: term - 1,
-                begin_lsn: flush,
-                end_lsn: end(flush),
-                commit_lsn: end(flush),
-                truncate_lsn: Lsn(0),
-                backup_lsn: Lsn(0),
-                backup_duty: false,
-                remote_consistent_lsn: None,
-                probe: 0,
-                wal: wal.clone(),
-            })]
+            vec![append(term - 1, flush, &wal)]
         }
         RogueKind::TruncateBelowCommit => {
             if commit == Lsn(0) {
@@ -185,18 +190,7 @@ pub async fn attempt(
             // rightly takes (it cannot tell a rogue from the term's writer).
             // A run writes far less than ROGUE_GAP.
             let begin = Lsn(flush.0 + ROGUE_GAP);
-            vec![ToSafekeeper::Append(AppendRequest {
-                term,
-                begin_lsn: begin,
-                end_lsn: end(begin),
-                commit_lsn: end(begin),
-                truncate_lsn: Lsn(0),
-                backup_lsn: Lsn(0),
-                backup_duty: false,
-                remote_consistent_lsn: None,
-                probe: 0,
-                wal: wal.clone(),
-            })]
+            vec![append(term, begin, &wal)]
         }
     };
     for msg in must_refuse {

@@ -1,6 +1,13 @@
 //! Faults any workload can schedule against its nodes, named by their index
 //! in the workload's list of nodes (the workload maps an index to a node of
-//! the world). A workload's schedule mixes these with actions of its own.
+//! the world), and the timeline every schedule draws its events on. A
+//! workload's schedule mixes these faults with actions of its own.
+
+use std::ops::Range;
+use std::time::Duration;
+
+use rand::rngs::SmallRng;
+use rand::Rng;
 
 /// A fault of the world, against a workload's nodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,4 +29,24 @@ pub enum Fault {
         node: usize,
         millis: u64,
     },
+}
+
+/// A schedule of `count` events, one after another, as every workload draws
+/// it from its seed's generator `rng`: for each event, first the gap since
+/// the one before (`gap_millis`), then the event itself (`event`). The order
+/// of the draws is what a seed's schedule is made of: changing it changes
+/// every seed's run.
+pub fn draw_events<E>(
+    rng: &mut SmallRng,
+    count: usize,
+    gap_millis: Range<u64>,
+    mut event: impl FnMut(&mut SmallRng) -> E,
+) -> Vec<(Duration, E)> {
+    let mut at = Duration::ZERO;
+    let mut events = Vec::with_capacity(count);
+    for _ in 0..count {
+        at += Duration::from_millis(rng.random_range(gap_millis.clone()));
+        events.push((at, event(rng)));
+    }
+    events
 }

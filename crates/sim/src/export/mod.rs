@@ -1,0 +1,198 @@
+//! The export random test: three nodes, each a production `Replica` (every
+//! shard) with its merge task and its production `Exporter`, share exports
+//! of partitions to simulated object storage, coordinated through simulated
+//! coordination. Inserts reach the replicas as WAL, each node applying at
+//! its own pace, so a request must wait for its replica. The schedule mixes
+//! inserts, exports (some forced), kills, node crashes (disk losing unsynced
+//! data, sessions abandoned), session expiries and partitions from
+//! coordination, with coordination requests lost before or after they were
+//! applied and object-store requests failing before or after a write.
+//! Between events it looks for new commit files every 50 ms and kills half
+//! of those exports at once: the window between a commit file and COMPLETED
+//! (a committer whose status write failed or who crashed) is reached.
+//!
+//! Checked once faults stop and every task settled (SPEC.md section 6):
+//! * every task reaches a terminal state, and a task the schedule did not
+//!   (or may not have) killed is COMPLETED;
+//! * a commit file lists exactly one file per part of its task's snapshot,
+//!   each present with the listed size, and together the files hold exactly
+//!   the partition's rows as of the request (each row once);
+//! * a FAILED or KILLED task, and a kill the schedule saw succeed, has no
+//!   commit file;
+//! * no data file is written twice under different names (one checksum per
+//!   part name);
+//! * a reader of the lake reads, of every partition, its current commit,
+//!   which holds every row any commit of the partition holds;
+//! * no lock of the export protocol (cleanup, commit and part locks, worker
+//!   registrations) outlives its owner's session.
+//!
+//! * `schedule`: the events and how a seed draws them;
+//! * `nodes`: starting and crashing the nodes (replica node, exporter and
+//!   the feeder of its WAL);
+//! * `checks`: the final checks of every task, commit file and lock;
+//! * `driver`: the run loop ([`run_seed`]) and the schedule's requests
+//!   (inserts, exports, kills).
+
+mod checks;
+mod driver;
+mod nodes;
+mod schedule;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use ferry_coord::{Session, SessionFactory};
+use ferry_export::Destinations;
+use ferry_storage::{Location, StorageError};
+use ferry_table::Table;
+use ferry_wal::Lsn;
+use tokio::sync::watch;
+
+pub use driver::run_seed;
+
+use crate::world::{Failure, Run, World};
+use nodes::Node;
+
+const NODES: usize = 3;
+const TABLE_ID: u64 = 1;
+const PARTITIONS: [&str; 3] = ["p0", "p1", "p2"];
+/// Destinations: two prefixes of the simulated lake.
+const DESTINATIONS: [&str; 2] = ["sim://lake/d0", "sim://lake/d1"];
+const SESSION_TIMEOUT: Duration = Duration::from_secs(2);
+/// How often, between events, the schedule looks for new commit files.
+const COMMIT_WATCH_STEP: Duration = Duration::from_millis(50);
+
+fn table() -> Table {
+    ferry_testkit::table::id_p_table(TABLE_ID, "t", 2, &[])
+}
+
+fn partition_of(id: i64) -> &'static str {
+    PARTITIONS[(id as usize / 5) % PARTITIONS.len()]
+}
+
+fn node_name(i: usize) -> String {
+    format!("n{i}")
+}
+
+/// The simulated lake: `sim://lake/<prefix>`.
+struct Lake(Arc<dyn object_store::ObjectStore>);
+
+impl Destinations for Lake {
+    fn open(&self, url: &str) -> Result<Location, StorageError> {
+        let prefix = url
+            .strip_prefix("sim://lake/")
+            .ok_or_else(|| StorageError::InvalidUrl {
+                url: url.to_string(),
+                reason: "not a simulated lake".into(),
+            })?;
+        Location::from_store(url, Arc::clone(&self.0), prefix)
+    }
+}
+
+/// What the schedule knows of an export it asked for.
+#[derive(Debug, Clone)]
+struct Asked {
+    partition: String,
+    destination: String,
+    /// The request was refused (the task may still exist if the refusal was
+    /// a lost answer).
+    refused: bool,
+    /// Ids of the partition's rows the snapshot must hold.
+    ids: BTreeSet<i64>,
+    /// The schedule killed it, or may have (a lost answer, a forced
+    /// replacement).
+    maybe_killed: bool,
+    /// A kill answered KILLED.
+    killed: bool,
+}
+
+/// What one seed did.
+#[derive(Debug)]
+pub struct Outcome {
+    pub run: Run,
+    pub exports: usize,
+    pub completed: usize,
+    pub killed: usize,
+    pub crashes: usize,
+    pub injected_object_faults: u64,
+}
+
+/// The export workload, as the seed harness runs it.
+pub struct Export;
+
+impl crate::seeds::Workload for Export {
+    type Outcome = Outcome;
+    const NAME: &'static str = "export";
+
+    fn run_seed(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
+        run_seed(seed, verbose)
+    }
+
+    fn run(outcome: &Outcome) -> &Run {
+        &outcome.run
+    }
+
+    fn counters(o: &Outcome) -> Vec<String> {
+        vec![
+            format!("{} exports asked", o.exports),
+            format!("{} commit files checked", o.completed),
+            format!("{} killed", o.killed),
+            format!("{} crashes", o.crashes),
+            format!("{} object faults", o.injected_object_faults),
+        ]
+    }
+
+    fn totals(outcomes: &[Outcome], _wall_secs: f64) -> Vec<String> {
+        let sum = |count: fn(&Outcome) -> usize| outcomes.iter().map(count).sum::<usize>();
+        vec![
+            format!("{} exports asked", sum(|o| o.exports)),
+            format!("{} commit files checked", sum(|o| o.completed)),
+            format!("{} killed", sum(|o| o.killed)),
+            format!("{} crashes", sum(|o| o.crashes)),
+        ]
+    }
+}
+
+struct Sim {
+    world: World,
+    nodes: Vec<Option<Node>>,
+    /// The WAL as inserted so far, and its end (the "commit position").
+    wal: BytesMut,
+    /// The WAL as the replicas may read it (a copy of `wal`).
+    fed: watch::Sender<Bytes>,
+    /// Rows by partition with the LSN of their record's end.
+    rows: Vec<(Lsn, i64)>,
+    next_id: i64,
+    asked: BTreeMap<String, Asked>,
+    /// Exports whose commit file the schedule saw (and maybe killed).
+    killed_on_commit: BTreeSet<String>,
+    crashes: usize,
+}
+
+impl Sim {
+    fn log(&mut self, line: impl AsRef<str>) {
+        self.world.log(line);
+    }
+
+    fn fail(&self, reason: impl Into<String>) -> Failure {
+        self.world.fail(reason)
+    }
+
+    /// A session of the workload itself (`role`: what it is for), not of a
+    /// node: no node's crash or partition touches it, and it outlives the
+    /// run.
+    async fn own_session(&self, role: &str) -> Result<Session, Failure> {
+        self.world
+            .coord
+            .factory(role, Duration::from_secs(600))
+            .open()
+            .await
+            .map_err(|e| self.fail(format!("{role} session: {e}")))
+    }
+
+    fn lake(&self) -> Lake {
+        Lake(Arc::new(self.world.lake_store.clone()))
+    }
+}

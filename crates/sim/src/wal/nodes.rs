@@ -1,0 +1,241 @@
+//! The WAL workload's safekeepers: created once, started with settings drawn
+//! at every start (through the shared [`crate::safekeepers`] harness),
+//! crashed (most right after a write), crashed inside a partial upload, and
+//! one of them losing its data dir and restored from the backup.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_env::Disk;
+use ferry_node::SafekeeperOpen;
+use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig};
+use ferry_safekeeper::partial::PartialBackupConfig;
+use ferry_safekeeper::wal_storage::Preallocation;
+use ferry_wal::Lsn;
+use rand::Rng;
+
+use super::{cluster_id, node_name, Failure, Sim, TIMELINE};
+use crate::safekeepers::draw_backup_settings;
+use crate::world::AfterAWrite;
+
+/// Most safekeeper crashes wait for the next write, so they land between it
+/// and its fsync.
+const CRASH: AfterAWrite = AfterAWrite {
+    prob: 0.7,
+    within: Duration::from_secs(1),
+};
+
+impl Sim {
+    pub(super) fn acceptor_config(&self, i: usize) -> AcceptorConfig {
+        AcceptorConfig {
+            cluster_id: cluster_id(),
+            node_id: i as u64,
+            timeline_id: TIMELINE,
+            segment_size: Self::segment(),
+            preallocation: self.preallocation[i],
+        }
+    }
+
+    /// Creates safekeeper `i` on its empty disk (once, when the cluster is made).
+    pub(super) async fn create_acceptor(&self, i: usize) -> Result<(), Failure> {
+        let disk: Arc<dyn Disk> = Arc::new(self.safekeepers.disks[i].clone());
+        Acceptor::create(disk, &format!("sk{i}"), self.acceptor_config(i))
+            .await
+            .map(drop)
+            .map_err(|e| self.fail(format!("sk{i} cannot be created: {e}")))
+    }
+
+    /// Opens safekeeper `i`'s acceptor from its disk, as a restart does: it
+    /// must find its control file and every WAL record below its commit point.
+    pub(super) async fn open_acceptor(&self, i: usize) -> Result<Acceptor, Failure> {
+        let disk: Arc<dyn Disk> = Arc::new(self.safekeepers.disks[i].clone());
+        Acceptor::open(disk, &format!("sk{i}"), self.acceptor_config(i))
+            .await
+            .map_err(|e| self.fail(format!("sk{i} cannot recover from its disk: {e}")))
+    }
+
+    /// Starts safekeeper `i` from its disk (unless it waits for its
+    /// restore), with its WAL preallocation policy and its backup, removal
+    /// and partial backup settings drawn from the world's generator, in
+    /// that order, at every start: preallocated and growing segments, and
+    /// switches between them across restarts, all meet crashes.
+    pub(super) async fn start_safekeeper(&mut self, i: usize) -> Result<(), Failure> {
+        if self.restoring == Some(i) {
+            self.log(format!("sk{i} waits for its restore"));
+            return Ok(());
+        }
+        // A restart comes with a repaired disk.
+        self.safekeepers.disks[i].set_failing(false);
+        self.preallocation[i] = match self.world.rng.random_range(0..4) {
+            0 => Preallocation::Always,
+            1 => Preallocation::Never,
+            _ => Preallocation::Auto,
+        };
+        let mut config = draw_backup_settings(&mut self.world.rng, &self.world.lake);
+        config.restore_quarantine = Duration::from_secs(5);
+        config.partial_backup = self
+            .world
+            .rng
+            .random_bool(0.7)
+            .then(|| PartialBackupConfig {
+                timeout: Duration::from_millis(self.world.rng.random_range(100..=3000)),
+            });
+        let described = format!(
+            "WAL preallocation {}, {} backup jobs, keep-horizon {}, removal every {:?}, partial backup {:?}",
+            self.preallocation[i],
+            config.backup.as_ref().map_or(0, |b| b.parallel_jobs),
+            config.walsenders_keep_horizon,
+            config.removal_interval,
+            config.partial_backup.map(|p| p.timeout)
+        );
+        let acceptor = self.acceptor_config(i);
+        self.safekeepers
+            .start(
+                &mut self.world,
+                i,
+                SafekeeperOpen::Open,
+                acceptor,
+                config,
+                "cannot recover from its disk",
+                &described,
+            )
+            .await?;
+        // A new incarnation restarts from its persisted commit_lsn.
+        self.seen_commits[i] = Lsn(0);
+        Ok(())
+    }
+
+    pub(super) async fn crash_safekeeper(&mut self, i: usize) {
+        self.safekeepers
+            .crash(&mut self.world, i, Some(CRASH))
+            .await;
+    }
+
+    /// Loses safekeeper `i`'s data dir and rebuilds it from the backup (a
+    /// restore may crash half way, or find the backup incomplete; it is
+    /// tried again later, see [`Sim::try_restore`]).
+    pub(super) async fn lose_disk(&mut self, i: usize) -> Result<(), Failure> {
+        if self.restored.is_some() || self.restoring.is_some() {
+            self.log(format!(
+                "sk{i} keeps its disk: one data dir is lost per run"
+            ));
+            return Ok(());
+        }
+        self.crash_safekeeper(i).await;
+        self.safekeepers.disks[i].lose(&node_name(i));
+        self.safekeepers.disks[i].set_failing(false);
+        self.log(format!("sk{i} lost its data dir"));
+        self.restoring = Some(i);
+        self.try_restore().await
+    }
+
+    /// One attempt to rebuild the lost safekeeper from the backup; on
+    /// success it starts. A failed or crashed attempt leaves it down for the
+    /// next one.
+    pub(super) async fn try_restore(&mut self) -> Result<(), Failure> {
+        let Some(i) = self.restoring else {
+            return Ok(());
+        };
+        // Each attempt comes with a working disk (one that failed meanwhile
+        // was replaced).
+        self.safekeepers.disks[i].set_failing(false);
+        let disk: Arc<dyn Disk> = Arc::new(self.safekeepers.disks[i].clone());
+        let config = self.acceptor_config(i);
+        let dir = node_name(i);
+        let restore = ferry_safekeeper::restore::restore_from_backup(
+            Arc::clone(&disk),
+            &dir,
+            &config,
+            &self.world.lake,
+        );
+        let crash_after = self
+            .world
+            .rng
+            .random_bool(0.3)
+            .then(|| Duration::from_millis(self.world.rng.random_range(0..300)));
+        let result = match crash_after {
+            Some(after) => tokio::select! {
+                r = restore => Some(r),
+                () = tokio::time::sleep(after) => None,
+            },
+            None => Some(restore.await),
+        };
+        let report = match result {
+            Some(Ok(report)) => report,
+            Some(Err(ferry_safekeeper::restore::RestoreError::Exists(path))) => {
+                return Err(self.fail(format!("sk{i}: the restore found {path} on a lost disk")));
+            }
+            Some(Err(e)) => {
+                self.log(format!("sk{i} restore failed: {e}"));
+                return Ok(());
+            }
+            None => {
+                self.world.crash_disk(&node_name(i));
+                self.log(format!("sk{i} crashed while restoring"));
+                return Ok(());
+            }
+        };
+        let acceptor = self.open_acceptor(i).await?;
+        let restored = acceptor
+            .wal_reader()
+            .read_all(Lsn(0), report.restored_lsn)
+            .await
+            .map_err(|e| self.fail(format!("sk{i} cannot read its restored WAL: {e}")))?;
+        drop(acceptor);
+        self.log(format!(
+            "sk{i} restored {} whole segments and partial {:?}: WAL up to {}",
+            report.whole_segments, report.partial, report.restored_lsn
+        ));
+        self.restored = Some((i, restored));
+        self.restoring = None;
+        // It forgot its terms: the restored one starts from term 0.
+        self.seen_terms[i] = 0;
+        self.start_safekeeper(i).await
+    }
+
+    /// See [`Event::CrashInPartialUpload`].
+    pub(super) async fn crash_in_partial_upload(
+        &mut self,
+        i: usize,
+        applied: bool,
+    ) -> Result<(), Failure> {
+        let Some(server) = self.safekeepers.servers[i].clone() else {
+            return Ok(());
+        };
+        let mine = format!("_sk{i}.partial");
+        let mut events = self.world.lake_store.subscribe();
+        events.borrow_and_update();
+        let seen = tokio::time::timeout(
+            Duration::from_secs(3),
+            events.wait_for(|e| e.key.ends_with(&mine) && e.applied == applied),
+        )
+        .await
+        .ok()
+        .and_then(Result::ok)
+        .map(|e| e.clone());
+        let Some(event) = seen else {
+            self.log(format!("sk{i} made no partial upload step in 3 s"));
+            return Ok(());
+        };
+        // Nothing else runs in between: the safekeeper is killed before its
+        // next step.
+        server.kill().await;
+        self.safekeepers.servers[i] = None;
+        self.world.crash_disk(&node_name(i));
+        self.log(format!(
+            "sk{i} crashed {} {} of {}",
+            if event.applied {
+                "right after"
+            } else {
+                "as it sent"
+            },
+            if event.delete {
+                "the delete"
+            } else {
+                "the put"
+            },
+            event.key
+        ));
+        self.start_safekeeper(i).await
+    }
+}

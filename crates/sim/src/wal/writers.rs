@@ -1,0 +1,252 @@
+//! The WAL workload's writers: each incarnation on a node of its own,
+//! started knowing the commit recorded in coordination (as `ferry dev`
+//! starts one), killed, restarted by a supervisor when it stops, or joined
+//! by a takeover's writer while it keeps running; and the appends sent
+//! through them.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_coord::{CoordError, SessionFactory};
+use ferry_wal::Lsn;
+use ferry_writer::driver::{encode_records, Writer, WriterConfig};
+use ferry_writer::proposer::ProposerConfig;
+use tokio::sync::watch;
+
+use super::{
+    cluster_id, insert_record, node_name, writer_node, Failure, Sim, SAFEKEEPERS, SEGMENT_BYTES,
+    TIMELINE,
+};
+use crate::world::coord::SimSessions;
+
+/// Where the known commit lives in coordination (as in `ferry dev`).
+const KNOWN_COMMIT_PATH: &str = "/known_commit";
+
+fn decode_lsn(data: &[u8]) -> Lsn {
+    let mut b = [0u8; 8];
+    if data.len() == 8 {
+        b.copy_from_slice(data);
+    }
+    Lsn(u64::from_le_bytes(b))
+}
+
+/// Keeps the known commit in coordination near what the writers committed:
+/// the recorder of `ferry dev`, on simulated coordination (requests may be
+/// lost before or after they apply; it writes again on the next change).
+pub(super) async fn record_commits(sessions: SimSessions, mut committed: watch::Receiver<Lsn>) {
+    use ferry_coord::CreateMode;
+    let mut session: Option<ferry_coord::Session> = None;
+    loop {
+        if committed.changed().await.is_err() {
+            return;
+        }
+        let lsn = *committed.borrow_and_update();
+        let s = match session.clone() {
+            Some(s) => s,
+            None => match sessions.open().await {
+                Ok(s) => {
+                    session = Some(Arc::clone(&s));
+                    s
+                }
+                Err(_) => continue,
+            },
+        };
+        let data = lsn.0.to_le_bytes();
+        let written = match s.set(KNOWN_COMMIT_PATH, &data, None).await {
+            Err(CoordError::NoNode { .. }) => s
+                .create(KNOWN_COMMIT_PATH, &data, CreateMode::Persistent)
+                .await
+                .map(drop),
+            other => other.map(drop),
+        };
+        if let Err(e) = written {
+            if e.is_session_end() {
+                session = None;
+            }
+        }
+    }
+}
+
+impl Sim {
+    /// The commit the cluster is known to have reached, as `ferry dev` reads it
+    /// from its coordination store before it starts a writer: here from the
+    /// simulated coordination, which may lose requests (then it retries).
+    pub(super) async fn known_commit(&mut self) -> Result<Lsn, Failure> {
+        for _ in 0..100 {
+            let session = match self.control.clone() {
+                Some(s) => s,
+                None => match self.control_sessions.open().await {
+                    Ok(s) => {
+                        self.control = Some(Arc::clone(&s));
+                        s
+                    }
+                    Err(_) => {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            match session.get(KNOWN_COMMIT_PATH).await {
+                Ok((data, _)) => return Ok(decode_lsn(&data)),
+                Err(CoordError::NoNode { .. }) => return Ok(Lsn(0)),
+                Err(e) if e.is_session_end() => self.control = None,
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+        Err(self.fail("coordination did not answer a read in 100 tries"))
+    }
+
+    pub(super) async fn start_writer(&mut self) -> Result<(), Failure> {
+        let known = self.known_commit().await?;
+        self.start_writer_knowing(known);
+        Ok(())
+    }
+
+    pub(super) fn start_writer_knowing(&mut self, known: Lsn) {
+        self.writers_started += 1;
+        let mut config = WriterConfig::new(
+            (0..SAFEKEEPERS).map(node_name).collect(),
+            ProposerConfig::new(
+                cluster_id(),
+                SAFEKEEPERS,
+                TIMELINE,
+                SEGMENT_BYTES,
+                u128::from(self.writers_started),
+            ),
+        );
+        config.reconnect_delay = Duration::from_millis(50);
+        config.peer_timeout = Duration::from_secs(1);
+        config.election_timeout = Duration::from_secs(2);
+        config.proposer.max_append_bytes = 16 << 10;
+        // In a quarter of the runs, recovery reads of a few KiB, so that
+        // catching a safekeeper up takes several reads that crashes,
+        // partitions and refusals can land between. Picked from the seed
+        // and the incarnation, not drawn, so the world's random choices stay
+        // as they were, and the other runs are unchanged.
+        let run = self.world.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 62 == 0;
+        config.proposer.max_read_wal_bytes = match (run, self.writers_started % 3) {
+            (false, _) => ferry_wal::proto::MAX_READ_WAL_BYTES,
+            (true, 0) => 4099,
+            (true, 1) => 20_011,
+            (true, _) => 65_537,
+        };
+        // As `ferry dev` does from its coordination store: the writer knows a
+        // commit point (recorded there by the recorder). Committed WAL is on
+        // every quorum, so this must never block an election.
+        config.proposer.known_commit_lsn = known;
+        let writer = Writer::start(
+            self.world.net.node(&writer_node(self.writers_started)),
+            config,
+        );
+        self.status = Some(writer.subscribe());
+        self.writer = Some(Arc::new(writer));
+        self.log(format!(
+            "writer {} started, knowing commit {known} from coordination",
+            self.writers_started
+        ));
+    }
+
+    pub(super) fn kill_writer(&mut self) {
+        if let Some(status) = &self.status {
+            let s = status.borrow().clone();
+            let _ = self.observe(self.writers_started, &s);
+        }
+        if let Some(writer) = self.writer.take() {
+            writer.abort();
+            self.log(format!("writer {} killed", self.writers_started));
+        }
+        self.status = None;
+    }
+
+    /// The current writer stopped on its own (superseded, perhaps by the term
+    /// of a writer long dead): like a process supervisor, start a new one.
+    /// Writers replaced by a takeover have no supervisor.
+    pub(super) async fn restart_stopped_writer(&mut self) -> Result<(), Failure> {
+        if self.writer.take().is_some() {
+            self.log(format!(
+                "writer {} stopped; its supervisor starts a new one",
+                self.writers_started
+            ));
+            self.start_writer().await?;
+        }
+        Ok(())
+    }
+
+    /// A takeover: the current writer keeps running while a new one starts.
+    pub(super) async fn take_over(&mut self) -> Result<(), Failure> {
+        if let (Some(writer), Some(status)) = (self.writer.take(), self.status.take()) {
+            self.old_writers
+                .insert(self.writers_started, (writer, status));
+        }
+        self.start_writer().await
+    }
+
+    /// Kills every writer replaced by a takeover.
+    pub(super) fn kill_old_writers(&mut self) -> Result<(), Failure> {
+        self.observe_old_writers()?;
+        for (incarnation, (writer, _)) in std::mem::take(&mut self.old_writers) {
+            writer.abort();
+            self.log(format!("writer {incarnation} killed"));
+        }
+        Ok(())
+    }
+
+    /// Checks what the writers replaced by a takeover report now; one that
+    /// stopped (superseded) is checked a last time and forgotten.
+    pub(super) fn observe_old_writers(&mut self) -> Result<(), Failure> {
+        let mut changed = Vec::new();
+        let mut stopped = Vec::new();
+        for (i, (_, rx)) in self.old_writers.iter_mut() {
+            match rx.has_changed() {
+                Ok(true) => changed.push((*i, rx.borrow_and_update().clone())),
+                Ok(false) => {}
+                Err(_) => {
+                    changed.push((*i, rx.borrow().clone()));
+                    stopped.push(*i);
+                }
+            }
+        }
+        for (i, s) in changed {
+            self.observe(i, &s)?;
+        }
+        for i in stopped {
+            self.old_writers.remove(&i);
+            self.log(format!("writer {i} stopped"));
+        }
+        Ok(())
+    }
+
+    pub(super) fn write(&mut self, records: u32, bytes: usize) {
+        let Some(writer) = self.writer.clone() else {
+            return;
+        };
+        self.write_through(writer, self.writers_started, records, bytes);
+    }
+
+    /// Appends `records` inserts through writer `incarnation`.
+    pub(super) fn write_through(
+        &mut self,
+        writer: Arc<Writer>,
+        incarnation: u64,
+        records: u32,
+        bytes: usize,
+    ) {
+        let first = self.next_block;
+        self.next_block += u64::from(records);
+        let tx = self.results.0.clone();
+        self.log(format!(
+            "write blocks {first}..{}",
+            first + u64::from(records)
+        ));
+        self.pending_writes.push(tokio::spawn(async move {
+            for block in first..first + u64::from(records) {
+                let data = encode_records(&[insert_record(block, bytes)]);
+                let result = writer.append(data).await;
+                let failed = result.is_err();
+                if tx.send((incarnation, block, result)).is_err() || failed {
+                    return;
+                }
+            }
+        }));
+    }
+}
