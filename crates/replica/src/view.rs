@@ -49,10 +49,7 @@ impl ReadView {
 
     /// Active parts of a table, in part order.
     pub fn parts(&self, table_id: u64) -> Vec<PartMeta> {
-        self.parts
-            .get(&table_id)
-            .map(|p| p.values().cloned().collect())
-            .unwrap_or_default()
+        active_parts(&self.parts, table_id)
     }
 
     /// Path of a part's file under the disk root.
@@ -68,6 +65,17 @@ impl ReadView {
     pub fn disk(&self) -> &Arc<dyn Disk> {
         &self.disk
     }
+}
+
+/// The parts of `table_id` in `parts`, in part order.
+pub(crate) fn active_parts(
+    parts: &BTreeMap<u64, BTreeMap<PartName, PartMeta>>,
+    table_id: u64,
+) -> Vec<PartMeta> {
+    parts
+        .get(&table_id)
+        .map(|p| p.values().cloned().collect())
+        .unwrap_or_default()
 }
 
 pub(crate) fn part_path(dir: &str, table_id: u64, name: &PartName) -> String {

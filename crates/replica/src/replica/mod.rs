@@ -324,10 +324,7 @@ impl Replica {
 
     /// Active parts of a table.
     pub fn parts(&self, table_id: u64) -> Vec<PartMeta> {
-        self.parts
-            .get(&table_id)
-            .map(|p| p.values().cloned().collect())
-            .unwrap_or_default()
+        crate::view::active_parts(&self.parts, table_id)
     }
 
     /// Path of a part's file under the disk root.
