@@ -519,6 +519,10 @@ mod tests {
             assert_eq!(cf.persisted, persisted, "{what}: nothing changed");
         }
         let reopened = ControlFile::open(disk, "sk").await.expect("reopen");
-        assert_eq!(reopened.state(), &promised, "the file keeps what it promised");
+        assert_eq!(
+            reopened.state(),
+            &promised,
+            "the file keeps what it promised"
+        );
     }
 }
