@@ -121,7 +121,7 @@ async fn create_bucket(endpoint: &str, bucket: &str) -> anyhow::Result<()> {
 }
 
 pub async fn export(args: ExportBenchArgs) -> anyhow::Result<()> {
-    let dir = crate::wal_coord::scratch_dir(args.dir.as_deref(), "ferry-bench-export-")?;
+    let dir = crate::wal::scratch_dir(args.dir.as_deref(), "ferry-bench-export-")?;
     let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path())?);
     // The partition: one insert per part, written once and copied to the
     // second node's replica (the same parts, as replicas of a shard hold).

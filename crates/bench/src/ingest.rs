@@ -321,7 +321,7 @@ pub async fn ingest(args: IngestBenchArgs) -> anyhow::Result<()> {
     let ipc_alone = decode_alone(&schema, Format::Arrow, &ipc)?;
 
     // A fresh node: embedded coordination, three safekeepers, the API on loopback.
-    let root = crate::wal_coord::scratch_dir(args.dir.as_deref(), "ferry-bench-ingest-")?;
+    let root = crate::wal::scratch_dir(args.dir.as_deref(), "ferry-bench-ingest-")?;
     let disk = Arc::new(ferry_env::RealDisk::open_root(root.path())?);
     let store =
         ferry_coord::embedded::EmbeddedStore::open(disk, "coord", Default::default()).await?;
@@ -335,12 +335,12 @@ pub async fn ingest(args: IngestBenchArgs) -> anyhow::Result<()> {
     // them back from the backup.
     let backup = ferry_host::paths::absolute(&root.path().join("wal-backup"))?;
     std::fs::create_dir_all(&backup)?;
-    let quorum = crate::wal_coord::fresh_quorum(
+    let quorum = crate::wal::fresh_quorum(
         root.path(),
         "wal",
         3,
         true,
-        &crate::wal_coord::QuorumOptions {
+        &crate::wal::QuorumOptions {
             backup: Some(backup),
             ..Default::default()
         },
@@ -523,7 +523,7 @@ pub async fn ingest(args: IngestBenchArgs) -> anyhow::Result<()> {
     let raw_parquet = raw_parquet_write(&def, &ipc, &root.path().join("raw"))?;
     let wal = wal_alone(&quorum.writer, &ipc, args.in_flight).await?;
     server.stop().await;
-    crate::wal_coord::stop_quorum(quorum).await?;
+    crate::wal::stop_quorum(quorum).await?;
     store.shutdown().await;
 
     let rows = args.rows;

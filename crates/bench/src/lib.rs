@@ -10,12 +10,14 @@ extern crate ferry_host;
 mod export;
 mod ingest;
 mod scale;
-mod wal_coord;
+mod coord;
+mod wal;
 
 pub use export::ExportBenchArgs;
 pub use ingest::IngestBenchArgs;
 pub use scale::ScaleBenchArgs;
-pub use wal_coord::{CoordBenchArgs, WalBenchArgs};
+pub use coord::CoordBenchArgs;
+pub use wal::WalBenchArgs;
 
 /// `ferry bench <which>`.
 #[derive(Debug, clap::Subcommand)]
@@ -44,8 +46,8 @@ pub enum BenchCommand {
 /// Runs one benchmark to its end.
 pub async fn run(which: BenchCommand) -> anyhow::Result<()> {
     match which {
-        BenchCommand::Coord(args) => wal_coord::coord(args).await,
-        BenchCommand::Wal(args) => wal_coord::wal(args).await,
+        BenchCommand::Coord(args) => coord::coord(args).await,
+        BenchCommand::Wal(args) => wal::wal(args).await,
         BenchCommand::Ingest(args) => ingest::ingest(args).await,
         BenchCommand::Export(args) => export::export(args).await,
         BenchCommand::ExportScale(args) => scale::export_scale(args).await,

@@ -154,7 +154,7 @@ pub async fn export_scale(args: ScaleBenchArgs) -> anyhow::Result<()> {
         args.parts >= 1 && args.nodes >= 1,
         "--parts and --nodes must be at least 1"
     );
-    let dir = crate::wal_coord::scratch_dir(args.dir.as_deref(), "ferry-bench-scale-")?;
+    let dir = crate::wal::scratch_dir(args.dir.as_deref(), "ferry-bench-scale-")?;
     let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path())?);
 
     // The parts: one row each, encoded as a replica encodes parts and

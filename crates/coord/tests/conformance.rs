@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{Backend, SOON};
+use common::{create, ephemeral, Backend, SOON};
 use ferry_coord::path::{MAX_DATA_BYTES, MAX_REQUEST_BYTES};
 use ferry_coord::{
     CoordError, CreateMode, Op, OpResult, RequestKind, SessionState, WatchEvent, WatchEventKind,
@@ -48,9 +48,7 @@ async fn nodes_crud_and_stats(b: &dyn Backend) {
         .expect("unconditional set");
     assert_eq!(any.version, 2);
 
-    s.create("/a/b", b"", CreateMode::Persistent)
-        .await
-        .expect("child");
+    create(&*s, "/a/b", b"").await;
     let parent = s.exists("/a").await.expect("exists").expect("parent");
     assert_eq!((parent.num_children, parent.cversion), (1, 1));
     assert!(parent.pzxid > any.mzxid, "pzxid follows child changes");
@@ -80,16 +78,12 @@ async fn typed_errors(b: &dyn Backend) {
             .await,
         Err(CoordError::NoNode { .. })
     ));
-    s.create("/p", b"", CreateMode::Persistent)
-        .await
-        .expect("create");
+    create(&*s, "/p", b"").await;
     assert!(matches!(
         s.create("/p", b"", CreateMode::Persistent).await,
         Err(CoordError::NodeExists { .. })
     ));
-    s.create("/p/c", b"", CreateMode::Persistent)
-        .await
-        .expect("create");
+    create(&*s, "/p/c", b"").await;
     assert!(matches!(
         s.delete("/p", None).await,
         Err(CoordError::NotEmpty { .. })
@@ -106,9 +100,7 @@ async fn typed_errors(b: &dyn Backend) {
         s.children("/nope").await,
         Err(CoordError::NoNode { .. })
     ));
-    s.create("/e", b"", CreateMode::Ephemeral)
-        .await
-        .expect("ephemeral");
+    ephemeral(&*s, "/e").await;
     assert!(matches!(
         s.create("/e/child", b"", CreateMode::Persistent).await,
         Err(CoordError::NoChildrenForEphemerals { .. })
@@ -121,9 +113,7 @@ async fn typed_errors(b: &dyn Backend) {
 
 async fn bad_input_is_refused_alike(b: &dyn Backend) {
     let s = b.session().await;
-    s.create("/ok", b"", CreateMode::Persistent)
-        .await
-        .expect("create");
+    create(&*s, "/ok", b"").await;
     let bad_paths = [
         "",
         "relative",
@@ -203,9 +193,7 @@ async fn bad_input_is_refused_alike(b: &dyn Backend) {
 async fn largest_data_round_trips(b: &dyn Backend) {
     let s = b.session().await;
     let data: Vec<u8> = (0..MAX_DATA_BYTES).map(|i| (i % 251) as u8).collect();
-    s.create("/large", &data, CreateMode::Persistent)
-        .await
-        .expect("create at the limit");
+    create(&*s, "/large", &data).await;
     let (got, stat) = s.get("/large").await.expect("get");
     assert_eq!(stat.data_length as usize, MAX_DATA_BYTES);
     assert!(got == data, "large data changed on the way");
@@ -213,9 +201,7 @@ async fn largest_data_round_trips(b: &dyn Backend) {
 
 async fn sequential_nodes(b: &dyn Backend) {
     let s = b.session().await;
-    s.create("/q", b"", CreateMode::Persistent)
-        .await
-        .expect("create");
+    create(&*s, "/q", b"").await;
     let (p0, _) = s
         .create("/q/n-", b"", CreateMode::PersistentSequential)
         .await
@@ -228,9 +214,7 @@ async fn sequential_nodes(b: &dyn Backend) {
         (p0.as_str(), p1.as_str()),
         ("/q/n-0000000000", "/q/n-0000000001")
     );
-    s.create("/q/plain", b"", CreateMode::Persistent)
-        .await
-        .expect("plain");
+    create(&*s, "/q/plain", b"").await;
     s.delete("/q/n-0000000000", None).await.expect("delete");
     let (p3, stat) = s
         .create("/q/e-", b"", CreateMode::EphemeralSequential)
@@ -260,12 +244,8 @@ async fn sequential_nodes(b: &dyn Backend) {
 
 async fn multi_is_atomic(b: &dyn Backend) {
     let s = b.session().await;
-    s.create("/t", b"v0", CreateMode::Persistent)
-        .await
-        .expect("create");
-    s.create("/t/old", b"", CreateMode::Persistent)
-        .await
-        .expect("create");
+    create(&*s, "/t", b"v0").await;
+    create(&*s, "/t/old", b"").await;
     let results = s
         .multi(vec![
             Op::check("/t", 0),
@@ -368,14 +348,8 @@ async fn ephemerals_vanish_on_close(b: &dyn Backend) {
 async fn ephemerals_vanish_on_expiry(b: &dyn Backend) {
     let owner = b.session().await;
     let other = b.session().await;
-    owner
-        .create("/owned", b"", CreateMode::Persistent)
-        .await
-        .expect("create");
-    owner
-        .create("/owned/e", b"", CreateMode::Ephemeral)
-        .await
-        .expect("ephemeral");
+    create(&*owner, "/owned", b"").await;
+    ephemeral(&*owner, "/owned/e").await;
     let (_, _, owners_watch) = owner.get_watch("/owned").await.expect("watch");
     let (_, others_watch) = other.exists_watch("/owned/e").await.expect("watch");
     let mut state = owner.session_state();
@@ -406,10 +380,7 @@ async fn watches_fire_on_changes(b: &dyn Backend) {
     // exists-watch on a missing node fires on creation.
     let (none, w) = watcher.exists_watch("/w").await.expect("exists watch");
     assert_eq!(none, None);
-    writer
-        .create("/w", b"0", CreateMode::Persistent)
-        .await
-        .expect("create");
+    create(&*writer, "/w", b"0").await;
     assert_eq!(
         fired(w).await,
         WatchEvent {
@@ -423,10 +394,7 @@ async fn watches_fire_on_changes(b: &dyn Backend) {
     assert_eq!(fired(w).await.kind, WatchEventKind::NodeDataChanged);
     // children watch fires on a child created and on a child deleted.
     let (_, _, w) = watcher.children_watch("/w").await.expect("children watch");
-    writer
-        .create("/w/c", b"", CreateMode::Persistent)
-        .await
-        .expect("child");
+    create(&*writer, "/w/c", b"").await;
     assert_eq!(
         fired(w).await,
         WatchEvent {
@@ -452,10 +420,7 @@ async fn watches_fire_on_changes(b: &dyn Backend) {
 async fn watches_never_miss_the_last_change(b: &dyn Backend) {
     let watcher = b.session().await;
     let writer = b.session().await;
-    writer
-        .create("/counter", b"0", CreateMode::Persistent)
-        .await
-        .expect("create");
+    create(&*writer, "/counter", b"0").await;
     let rounds = 60u32;
     let writes = tokio::spawn(async move {
         for i in 1..=rounds {
@@ -490,9 +455,7 @@ async fn watches_never_miss_the_last_change(b: &dyn Backend) {
 async fn traffic_is_counted(b: &dyn Backend) {
     let s = b.session().await;
     let before = s.metrics().snapshot();
-    s.create("/m", b"", CreateMode::Persistent)
-        .await
-        .expect("create");
+    create(&*s, "/m", b"").await;
     let ops = (0..10)
         .map(|i| Op::create(format!("/m/{i}"), b"".to_vec(), CreateMode::Persistent))
         .collect();
@@ -532,12 +495,8 @@ async fn create_all_builds_paths(b: &dyn Backend) {
 /// back-ends refuse every negative version before anything is sent.
 async fn negative_versions_are_refused_alike(b: &dyn Backend) {
     let s = b.session().await;
-    s.create("/v", b"0", CreateMode::Persistent)
-        .await
-        .expect("create");
-    s.create("/v/child", b"", CreateMode::Persistent)
-        .await
-        .expect("child");
+    create(&*s, "/v", b"0").await;
+    create(&*s, "/v/child", b"").await;
     let invalid = |r: Result<(), CoordError>| {
         assert!(
             matches!(r, Err(CoordError::InvalidVersion { version: -1, .. })),
@@ -609,9 +568,7 @@ async fn versioned_set_after_a_multi_create_stays_conditional(b: &dyn Backend) {
 async fn multi_size_is_checked_exactly(b: &dyn Backend) {
     use ferry_coord::multi_request_bytes;
     let s = b.session().await;
-    s.create("/big", b"", CreateMode::Persistent)
-        .await
-        .expect("parent");
+    create(&*s, "/big", b"").await;
     let prefix = s.path_prefix_bytes();
     let build = |extra: usize| {
         let mut ops: Vec<Op> = (0..100)
@@ -667,10 +624,7 @@ async fn multi_size_is_checked_exactly(b: &dyn Backend) {
 async fn watch_events_come_before_the_data(b: &dyn Backend) {
     let watcher = b.session().await;
     let writer = b.session().await;
-    watcher
-        .create("/w", b"0", CreateMode::Persistent)
-        .await
-        .expect("create");
+    create(&*watcher, "/w", b"0").await;
     for i in 1..=50u32 {
         let (_, _, watch) = watcher.get_watch("/w").await.expect("watch");
         let value = i.to_string();
@@ -693,12 +647,8 @@ async fn watch_events_come_before_the_data(b: &dyn Backend) {
 /// that (as on ZooKeeper); the rest of its watches see the session closed.
 async fn a_closing_session_sees_its_own_ephemerals_go(b: &dyn Backend) {
     let s = b.session().await;
-    s.create("/own", b"", CreateMode::Persistent)
-        .await
-        .expect("parent");
-    s.create("/own/e", b"", CreateMode::Ephemeral)
-        .await
-        .expect("ephemeral");
+    create(&*s, "/own", b"").await;
+    ephemeral(&*s, "/own/e").await;
     let (_, _, on_node) = s.get_watch("/own/e").await.expect("watch");
     let (_, _, on_parent) = s.children_watch("/own").await.expect("watch");
     s.close().await;
@@ -728,9 +678,7 @@ async fn sequential_create_errors_name_the_prefix(b: &dyn Backend) {
             path: "/nowhere/q-".into()
         }
     );
-    s.create("/eph", b"", CreateMode::Ephemeral)
-        .await
-        .expect("ephemeral");
+    ephemeral(&*s, "/eph").await;
     let err = s
         .create("/eph/q-", b"", CreateMode::EphemeralSequential)
         .await

@@ -270,18 +270,23 @@ impl fmt::Display for Step {
 // ---------------------------------------------------------------------------
 // Results, as each back-end gave them and normalised for comparison
 
-/// What a back-end answered.
-enum Reply {
-    Created(String, Stat),
-    Data(Vec<u8>, Stat),
-    Exists(Option<Stat>),
-    Set(Stat),
-    Children(Vec<String>, Stat),
+/// An answer of a back-end, with its stats, multi results and errors as the
+/// back-end gave them ([`Reply`]) or normalised for comparison ([`Norm`]).
+#[derive(Clone, PartialEq, Eq)]
+enum Answer<S, R, E> {
+    Created(String, S),
+    Data(Vec<u8>, S),
+    Exists(Option<S>),
+    Set(S),
+    Children(Vec<String>, S),
     Deleted,
-    Multi(Vec<OpResult>),
+    Multi(Vec<R>),
     Done,
-    Failed(CoordError),
+    Failed(E),
 }
+
+/// What a back-end answered.
+type Reply = Answer<Stat, OpResult, CoordError>;
 
 fn reply<T>(result: Result<T, CoordError>, ok: impl FnOnce(T) -> Reply) -> Reply {
     match result {
@@ -352,18 +357,8 @@ enum NOp {
     Delete,
 }
 
-#[derive(Clone, PartialEq, Eq)]
-enum Norm {
-    Created(String, NStat),
-    Data(Vec<u8>, NStat),
-    Exists(Option<NStat>),
-    Set(NStat),
-    Children(Vec<String>, NStat),
-    Deleted,
-    Multi(Vec<NOp>),
-    Done,
-    Failed(NErr),
-}
+/// A [`Reply`] normalised for comparison.
+type Norm = Answer<NStat, NOp, NErr>;
 
 impl fmt::Debug for Norm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -12,10 +12,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use ferry_coord::embedded::{EmbeddedError, EmbeddedOptions, EmbeddedStore};
+use ferry_coord::embedded::{EmbeddedError, EmbeddedOptions, EmbeddedSession, EmbeddedStore};
 use ferry_coord::{CoordError, Coordination, CreateMode, Op, SessionState};
 use ferry_env::RealDisk;
 use ferry_testkit::disk::{DiskHook, DiskOp, HookedDisk};
+
+mod common;
+use common::{create, ephemeral};
 
 const DIR: &str = "coord";
 
@@ -31,34 +34,72 @@ async fn open(root: &Path, options: EmbeddedOptions) -> Result<EmbeddedStore, Em
     EmbeddedStore::open(disk, DIR, options).await
 }
 
+async fn session(store: &EmbeddedStore) -> EmbeddedSession {
+    session_expiring(store, Duration::from_secs(5)).await
+}
+
+async fn session_expiring(store: &EmbeddedStore, timeout: Duration) -> EmbeddedSession {
+    store.session(timeout).await.expect("session")
+}
+
+/// The store under `root` with the default options, opened (`what` says
+/// which opening failed) with a session.
+async fn open_session(root: &Path, what: &str) -> (EmbeddedStore, EmbeddedSession) {
+    let store = open(root, EmbeddedOptions::default()).await.expect(what);
+    let s = session(&store).await;
+    (store, s)
+}
+
+/// The files in the store's directory.
+fn files(root: &Path) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(root.join(DIR))
+        .expect("ls")
+        .map(|e| e.expect("entry").path())
+        .collect()
+}
+
+/// The files in the store's directory whose name starts with `prefix`.
+fn files_named(root: &Path, prefix: &str) -> Vec<std::path::PathBuf> {
+    let mut named: Vec<_> = files(root)
+        .into_iter()
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with(prefix))
+        })
+        .collect();
+    named.sort();
+    named
+}
+
+/// Rewrites the file at `path` as `damage` changes it.
+fn rewrite(path: &Path, damage: impl FnOnce(&mut Vec<u8>)) {
+    let mut bytes = std::fs::read(path).expect("read");
+    damage(&mut bytes);
+    std::fs::write(path, &bytes).expect("write");
+}
+
 /// Reads every node under `/` as (path, data, version) in path order.
 async fn dump(s: &dyn Coordination) -> Vec<(String, Vec<u8>, i32)> {
-    let mut out = Vec::new();
-    let mut stack = vec!["/".to_string()];
-    while let Some(path) = stack.pop() {
-        let (data, stat) = s.get(&path).await.expect("get");
-        out.push((path.clone(), data, stat.version));
-        let (children, _) = s.children(&path).await.expect("children");
-        for c in children {
-            stack.push(ferry_coord::path::join(&path, &c));
-        }
-    }
-    out.sort();
-    out
+    dump_stats(s)
+        .await
+        .into_iter()
+        .map(|(path, data, stat)| (path, data, stat.version))
+        .collect()
+}
+
+/// A store under `root` with small snapshots, and a session that wrote
+/// [`populate`]'s nodes.
+async fn populated(root: &Path) -> (EmbeddedStore, EmbeddedSession) {
+    let store = open(root, small_snapshots()).await.expect("open");
+    let s = session(&store).await;
+    populate(&s).await;
+    (store, s)
 }
 
 async fn populate(s: &dyn Coordination) {
-    s.create("/data", b"root", CreateMode::Persistent)
-        .await
-        .expect("create");
+    create(s, "/data", b"root").await;
     for i in 0..60 {
-        s.create(
-            &format!("/data/n{i:03}"),
-            format!("v{i}").as_bytes(),
-            CreateMode::Persistent,
-        )
-        .await
-        .expect("create");
+        create(s, &format!("/data/n{i:03}"), format!("v{i}").as_bytes()).await;
     }
     for i in (0..60).step_by(3) {
         s.set(&format!("/data/n{i:03}"), b"changed", Some(0))
@@ -80,33 +121,23 @@ async fn populate(s: &dyn Coordination) {
     ])
     .await
     .expect("multi");
-    s.create("/data/eph", b"", CreateMode::Ephemeral)
-        .await
-        .expect("ephemeral");
+    ephemeral(s, "/data/eph").await;
 }
 
 #[tokio::test]
 async fn restart_recovers_every_write_and_no_ephemeral() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let store = open(dir.path(), small_snapshots()).await.expect("open");
-    let s = store
-        .session(Duration::from_secs(5))
-        .await
-        .expect("session");
-    populate(&s).await;
+    let (store, s) = populated(dir.path()).await;
     let mut before = dump(&s).await;
     let old_id = s.session_id();
     // Stop without closing the session: its ephemeral is still in the log.
     store.shutdown().await;
     drop(s);
-    let files = std::fs::read_dir(dir.path().join(DIR)).expect("ls").count();
+    let files = files(dir.path()).len();
     assert!(files >= 2, "a snapshot and a log");
 
     let store = open(dir.path(), small_snapshots()).await.expect("reopen");
-    let s = store
-        .session(Duration::from_secs(5))
-        .await
-        .expect("session");
+    let s = session(&store).await;
     assert_ne!(s.session_id(), old_id, "session ids are never reused");
     before.retain(|(p, _, _)| p != "/data/eph");
     assert_eq!(dump(&s).await, before);
@@ -148,33 +179,24 @@ async fn every_node_survives_every_snapshot_and_log_combination() {
             ..EmbeddedOptions::default()
         };
         let store = open(dir.path(), options.clone()).await.expect("open");
-        let s = store
-            .session(Duration::from_secs(5))
-            .await
-            .expect("session");
+        let s = session(&store).await;
         s.set("/", b"root data", None).await.expect("set root");
-        s.create("/a", b"a", CreateMode::Persistent)
-            .await
-            .expect("create");
+        create(&s, "/a", b"a").await;
         s.set("/", b"root data, again", Some(1))
             .await
             .expect("set root");
-        s.create("/a/b", b"bb", CreateMode::Persistent)
-            .await
-            .expect("create");
+        create(&s, "/a/b", b"bb").await;
         s.set("/a", b"a2", None).await.expect("set");
         for i in 0..tail {
-            s.create(&format!("/t{i}"), b"", CreateMode::Persistent)
-                .await
-                .expect("create");
+            create(&s, &format!("/t{i}"), b"").await;
         }
         let before = dump_stats(&s).await;
         assert_eq!(before[0].1, b"root data, again");
         s.close().await;
         store.shutdown().await;
-        let names: Vec<String> = std::fs::read_dir(dir.path().join(DIR))
-            .expect("ls")
-            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        let names: Vec<String> = files(dir.path())
+            .iter()
+            .map(|p| p.file_name().expect("name").to_string_lossy().into_owned())
             .collect();
         if every < 1_000_000 {
             assert!(
@@ -183,10 +205,7 @@ async fn every_node_survives_every_snapshot_and_log_combination() {
             );
         }
         let store = open(dir.path(), options).await.expect("reopen");
-        let s = store
-            .session(Duration::from_secs(5))
-            .await
-            .expect("session");
+        let s = session(&store).await;
         let after = dump_stats(&s).await;
         assert_eq!(after, before, "snapshot every {every}, {tail} after");
         store.shutdown().await;
@@ -194,34 +213,15 @@ async fn every_node_survives_every_snapshot_and_log_combination() {
 }
 
 fn last_log(root: &Path) -> std::path::PathBuf {
-    let mut logs: Vec<_> = std::fs::read_dir(root.join(DIR))
-        .expect("ls")
-        .map(|e| e.expect("entry").path())
-        .filter(|p| {
-            p.file_name()
-                .is_some_and(|n| n.to_string_lossy().starts_with("log."))
-        })
-        .collect();
-    logs.sort();
-    logs.pop().expect("a log")
+    files_named(root, "log.").pop().expect("a log")
 }
 
 #[tokio::test]
 async fn torn_tail_is_cut_off() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let store = open(dir.path(), EmbeddedOptions::default())
-        .await
-        .expect("open");
-    let s = store
-        .session(Duration::from_secs(5))
-        .await
-        .expect("session");
-    s.create("/kept", b"1", CreateMode::Persistent)
-        .await
-        .expect("create");
-    s.create("/torn", b"2", CreateMode::Persistent)
-        .await
-        .expect("create");
+    let (store, s) = open_session(dir.path(), "open").await;
+    create(&s, "/kept", b"1").await;
+    create(&s, "/torn", b"2").await;
     s.close().await;
     store.shutdown().await;
 
@@ -235,13 +235,7 @@ async fn torn_tail_is_cut_off() {
         .expect("open log");
     file.set_len(len - 3).expect("truncate");
     drop(file);
-    let store = open(dir.path(), EmbeddedOptions::default())
-        .await
-        .expect("reopen");
-    let s = store
-        .session(Duration::from_secs(5))
-        .await
-        .expect("session");
+    let (store, s) = open_session(dir.path(), "reopen").await;
     assert_eq!(s.get("/kept").await.expect("kept").0, b"1");
     // The torn record was the last transaction: it is dropped, the rest stays.
     assert_eq!(s.exists("/torn").await.expect("exists"), None);
@@ -261,13 +255,7 @@ async fn torn_tail_is_cut_off() {
     )
     .expect("garbage");
     drop(file);
-    let store = open(dir.path(), EmbeddedOptions::default())
-        .await
-        .expect("reopen after garbage");
-    let s = store
-        .session(Duration::from_secs(5))
-        .await
-        .expect("session");
+    let (store, s) = open_session(dir.path(), "reopen after garbage").await;
     assert_eq!(s.get("/after").await.expect("after").0, b"3");
     store.shutdown().await;
 }
@@ -275,26 +263,17 @@ async fn torn_tail_is_cut_off() {
 #[tokio::test]
 async fn damaged_snapshot_or_inner_log_is_refused() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let store = open(dir.path(), small_snapshots()).await.expect("open");
-    let s = store
-        .session(Duration::from_secs(5))
-        .await
-        .expect("session");
-    populate(&s).await;
+    let (store, s) = populated(dir.path()).await;
     store.shutdown().await;
     drop(s);
-    let snapshot = std::fs::read_dir(dir.path().join(DIR))
-        .expect("ls")
-        .map(|e| e.expect("entry").path())
-        .find(|p| {
-            p.file_name()
-                .is_some_and(|n| n.to_string_lossy().starts_with("snapshot."))
-        })
+    let snapshot = files_named(dir.path(), "snapshot.")
+        .into_iter()
+        .next()
         .expect("a snapshot");
-    let mut bytes = std::fs::read(&snapshot).expect("read");
-    let at = bytes.len() / 2;
-    bytes[at] ^= 0x40;
-    std::fs::write(&snapshot, &bytes).expect("write");
+    rewrite(&snapshot, |bytes| {
+        let at = bytes.len() / 2;
+        bytes[at] ^= 0x40;
+    });
     let err = open(dir.path(), small_snapshots())
         .await
         .expect_err("must refuse");
@@ -303,23 +282,15 @@ async fn damaged_snapshot_or_inner_log_is_refused() {
 
     // A damaged record followed by more logs is not a torn tail.
     let dir = tempfile::tempdir().expect("tempdir");
-    let store = open(dir.path(), EmbeddedOptions::default())
-        .await
-        .expect("open");
-    let s = store
-        .session(Duration::from_secs(5))
-        .await
-        .expect("session");
-    s.create("/a", b"1", CreateMode::Persistent)
-        .await
-        .expect("create");
+    let (store, s) = open_session(dir.path(), "open").await;
+    create(&s, "/a", b"1").await;
     store.shutdown().await;
     drop(s);
     let first = last_log(dir.path());
-    let mut bytes = std::fs::read(&first).expect("read");
-    let last = bytes.len() - 1;
-    bytes[last] ^= 0xff;
-    std::fs::write(&first, &bytes).expect("write");
+    rewrite(&first, |bytes| {
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0xff;
+    });
     std::fs::write(dir.path().join(DIR).join("log.00000000000000099999"), b"").expect("later log");
     let err = open(dir.path(), EmbeddedOptions::default())
         .await
@@ -354,20 +325,10 @@ fn log_len(root: &Path) -> u64 {
 /// Creates `/n000`.. one by one and returns the end of the log after each
 /// acknowledgement: the create of `/n{i}` is the batch ending at `ends[i]`.
 async fn sequential_writes(root: &Path, count: usize) -> Vec<u64> {
-    let store = open(root, EmbeddedOptions::default()).await.expect("open");
-    let s = store
-        .session(Duration::from_secs(5))
-        .await
-        .expect("session");
+    let (store, s) = open_session(root, "open").await;
     let mut ends = vec![log_len(root)];
     for i in 0..count {
-        s.create(
-            &format!("/n{i:03}"),
-            format!("v{i}").as_bytes(),
-            CreateMode::Persistent,
-        )
-        .await
-        .expect("create");
+        create(&s, &format!("/n{i:03}"), format!("v{i}").as_bytes()).await;
         ends.push(log_len(root));
     }
     store.shutdown().await;
@@ -405,37 +366,27 @@ async fn damage_in_the_middle_of_the_log_is_refused_not_cut() {
     // One flipped byte in the middle of the 50th write, 50 acknowledged
     // writes after it.
     let (start, end) = (ends[49], ends[50]);
-    let mut bytes = std::fs::read(&log).expect("read");
-    bytes[((start + end) / 2) as usize] ^= 0x10;
-    std::fs::write(&log, &bytes).expect("write");
+    rewrite(&log, |bytes| bytes[((start + end) / 2) as usize] ^= 0x10);
     assert_refused_at(dir.path(), &log, start).await;
 
     // A damaged length field (bytes 4..8 of a batch header), whether it runs
     // past the end of the file or not.
     for len in [u32::MAX, 3] {
         restore_dir(dir.path(), &saved);
-        let mut bytes = std::fs::read(&log).expect("read");
-        bytes[start as usize + 4..start as usize + 8].copy_from_slice(&len.to_le_bytes());
-        std::fs::write(&log, &bytes).expect("write");
+        rewrite(&log, |bytes| {
+            bytes[start as usize + 4..start as usize + 8].copy_from_slice(&len.to_le_bytes())
+        });
         assert_refused_at(dir.path(), &log, start).await;
     }
 
     // A write zeroed out, later writes intact.
     restore_dir(dir.path(), &saved);
-    let mut bytes = std::fs::read(&log).expect("read");
-    bytes[start as usize..end as usize].fill(0);
-    std::fs::write(&log, &bytes).expect("write");
+    rewrite(&log, |bytes| bytes[start as usize..end as usize].fill(0));
     assert_refused_at(dir.path(), &log, start).await;
 
     // Undamaged, everything is there.
     restore_dir(dir.path(), &saved);
-    let store = open(dir.path(), EmbeddedOptions::default())
-        .await
-        .expect("reopen");
-    let s = store
-        .session(Duration::from_secs(5))
-        .await
-        .expect("session");
+    let (store, s) = open_session(dir.path(), "reopen").await;
     assert_eq!(s.children("/").await.expect("children").0.len(), 100);
     store.shutdown().await;
 }
@@ -445,13 +396,7 @@ async fn torn_last_write_is_cut_whatever_survives_of_it() {
     let dir = tempfile::tempdir().expect("tempdir");
     let ends = sequential_writes(dir.path(), 30).await;
     // The last write spans several 512-byte sectors.
-    let store = open(dir.path(), EmbeddedOptions::default())
-        .await
-        .expect("open");
-    let s = store
-        .session(Duration::from_secs(5))
-        .await
-        .expect("session");
+    let (store, s) = open_session(dir.path(), "open").await;
     let start = log_len(dir.path());
     s.create("/torn", &[7u8; 4000], CreateMode::Persistent)
         .await
@@ -497,16 +442,8 @@ async fn torn_last_write_is_cut_whatever_survives_of_it() {
     ];
     for (case, tear, kept) in cases {
         restore_dir(dir.path(), &saved);
-        let mut bytes = std::fs::read(&log).expect("read");
-        tear(&mut bytes);
-        std::fs::write(&log, &bytes).expect("write");
-        let store = open(dir.path(), EmbeddedOptions::default())
-            .await
-            .unwrap_or_else(|e| panic!("{case}: {e}"));
-        let s = store
-            .session(Duration::from_secs(5))
-            .await
-            .expect("session");
+        rewrite(&log, tear);
+        let (store, s) = open_session(dir.path(), case).await;
         for i in 0..30 {
             let (data, _) = s.get(&format!("/n{i:03}")).await.expect(case);
             assert_eq!(data, format!("v{i}").as_bytes(), "{case}");
@@ -521,13 +458,7 @@ async fn torn_last_write_is_cut_whatever_survives_of_it() {
             .expect("writes go on");
         store.shutdown().await;
         drop(s);
-        let store = open(dir.path(), EmbeddedOptions::default())
-            .await
-            .unwrap_or_else(|e| panic!("{case}, second restart: {e}"));
-        let s = store
-            .session(Duration::from_secs(5))
-            .await
-            .expect("session");
+        let (store, s) = open_session(dir.path(), &format!("{case}, second restart")).await;
         assert!(
             s.exists("/after").await.expect("exists").is_some(),
             "{case}"
@@ -574,7 +505,9 @@ impl DiskHook for SyncCounter {
     }
 }
 
-fn instrumented(root: &Path) -> (Arc<HookedDisk>, Arc<AtomicU64>, Arc<AtomicBool>) {
+/// A store under `root` on a disk that counts syncs (the counter) and fails
+/// them while the flag is set.
+async fn instrumented(root: &Path) -> (EmbeddedStore, Arc<AtomicU64>, Arc<AtomicBool>) {
     let syncs = Arc::new(AtomicU64::new(0));
     let fail = Arc::new(AtomicBool::new(false));
     let disk = Arc::new(HookedDisk::new(
@@ -584,26 +517,21 @@ fn instrumented(root: &Path) -> (Arc<HookedDisk>, Arc<AtomicU64>, Arc<AtomicBool
             fail: Arc::clone(&fail),
         }),
     ));
-    (disk, syncs, fail)
+    let store = EmbeddedStore::open(disk, DIR, EmbeddedOptions::default())
+        .await
+        .expect("open");
+    (store, syncs, fail)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_writes_share_fsyncs() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (disk, syncs, _) = instrumented(dir.path());
-    let store = EmbeddedStore::open(disk, DIR, EmbeddedOptions::default())
-        .await
-        .expect("open");
+    let (store, syncs, _) = instrumented(dir.path()).await;
     let writers = 32;
     let per_writer = 20;
     let mut sessions = Vec::new();
     for _ in 0..writers {
-        sessions.push(Arc::new(
-            store
-                .session(Duration::from_secs(5))
-                .await
-                .expect("session"),
-        ));
+        sessions.push(Arc::new(session(&store).await));
     }
     let before = syncs.load(Ordering::SeqCst);
     let mut tasks = Vec::new();
@@ -611,9 +539,7 @@ async fn concurrent_writes_share_fsyncs() {
         let s = Arc::clone(s);
         tasks.push(tokio::spawn(async move {
             for i in 0..per_writer {
-                s.create(&format!("/w{w}-{i}"), b"x", CreateMode::Persistent)
-                    .await
-                    .expect("create");
+                create(&*s, &format!("/w{w}-{i}"), b"x").await;
             }
         }));
     }
@@ -634,17 +560,9 @@ async fn concurrent_writes_share_fsyncs() {
 #[tokio::test]
 async fn failed_fsync_stops_the_store_and_loses_nothing_acknowledged() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (disk, _, fail) = instrumented(dir.path());
-    let store = EmbeddedStore::open(disk, DIR, EmbeddedOptions::default())
-        .await
-        .expect("open");
-    let s = store
-        .session(Duration::from_secs(5))
-        .await
-        .expect("session");
-    s.create("/acked", b"", CreateMode::Persistent)
-        .await
-        .expect("create");
+    let (store, _, fail) = instrumented(dir.path()).await;
+    let s = session(&store).await;
+    create(&s, "/acked", b"").await;
     fail.store(true, Ordering::SeqCst);
     let err = s
         .create("/unknown", b"", CreateMode::Persistent)
@@ -656,13 +574,7 @@ async fn failed_fsync_stops_the_store_and_loses_nothing_acknowledged() {
     assert!(err.is_connection_loss(), "{err:?}");
     store.shutdown().await;
     drop(s);
-    let store = open(dir.path(), EmbeddedOptions::default())
-        .await
-        .expect("reopen");
-    let s = store
-        .session(Duration::from_secs(5))
-        .await
-        .expect("session");
+    let (store, s) = open_session(dir.path(), "reopen").await;
     assert!(s.exists("/acked").await.expect("exists").is_some());
     store.shutdown().await;
 }
@@ -672,18 +584,9 @@ async fn silent_session_expires_after_its_timeout() {
     let store = EmbeddedStore::in_memory(EmbeddedOptions::default())
         .await
         .expect("store");
-    let quiet = store
-        .session(Duration::from_secs(2))
-        .await
-        .expect("session");
-    let other = store
-        .session(Duration::from_secs(2))
-        .await
-        .expect("session");
-    quiet
-        .create("/e", b"", CreateMode::Ephemeral)
-        .await
-        .expect("ephemeral");
+    let quiet = session_expiring(&store, Duration::from_secs(2)).await;
+    let other = session_expiring(&store, Duration::from_secs(2)).await;
+    ephemeral(&quiet, "/e").await;
     tokio::time::sleep(Duration::from_secs(20)).await;
     assert_eq!(
         *quiet.session_state().borrow(),
@@ -722,22 +625,13 @@ async fn kill_9_helper() {
     let store = open(Path::new(&root), small_snapshots())
         .await
         .expect("open");
-    let s = store
-        .session(Duration::from_secs(30))
-        .await
-        .expect("session");
-    s.create("/acked", b"", CreateMode::Persistent)
-        .await
-        .expect("create");
-    s.create("/ephemeral", b"", CreateMode::Ephemeral)
-        .await
-        .expect("create");
+    let s = session_expiring(&store, Duration::from_secs(30)).await;
+    create(&s, "/acked", b"").await;
+    ephemeral(&s, "/ephemeral").await;
     let mut i = 0u64;
     loop {
         let path = format!("/acked/{i:08}");
-        s.create(&path, &i.to_le_bytes(), CreateMode::Persistent)
-            .await
-            .expect("create");
+        create(&s, &path, &i.to_le_bytes()).await;
         println!("ACK {path}");
         i += 1;
     }
@@ -779,10 +673,7 @@ async fn kill_9_loses_no_acknowledged_write() {
     assert_eq!(acked.len(), 400, "helper acknowledged writes");
 
     let store = open(dir.path(), small_snapshots()).await.expect("recover");
-    let s = store
-        .session(Duration::from_secs(5))
-        .await
-        .expect("session");
+    let s = session(&store).await;
     for (i, path) in acked.iter().enumerate() {
         assert_eq!(*path, format!("/acked/{i:08}"), "acknowledged in order");
         let (data, _) = s

@@ -9,11 +9,13 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Proxy, SOON};
+use common::{ephemeral, Proxy, SOON};
 use ferry_coord::zk::{ZkOptions, ZkSession};
-use ferry_coord::{CoordError, Coordination, CreateMode, SessionState};
+use ferry_coord::{CoordError, Coordination, SessionState};
 
-async fn setup() -> Option<(Proxy, ZkOptions, ZkSession)> {
+/// The proxy, a direct session, and a session through the proxy that owns
+/// the ephemeral `/faults-{name}-{session id}` (whose path comes last).
+async fn setup(name: &str) -> Option<(Proxy, ZkSession, ZkSession, String)> {
     let addr = common::zk_address()?;
     let proxy = Proxy::start(addr.clone()).await.expect("proxy");
     let mut through = ZkOptions::new(proxy.addr.clone());
@@ -22,21 +24,19 @@ async fn setup() -> Option<(Proxy, ZkOptions, ZkSession)> {
     let direct = ZkSession::connect(&ZkOptions::new(addr))
         .await
         .expect("direct session");
-    Some((proxy, through, direct))
+    let s = ZkSession::connect(&through)
+        .await
+        .expect("session through proxy");
+    let path = format!("/faults-{name}-{}", s.session_id());
+    ephemeral(&s, &path).await;
+    Some((proxy, direct, s, path))
 }
 
 #[tokio::test]
 async fn connection_loss_then_recovery_keeps_the_session() {
-    let Some((proxy, options, direct)) = setup().await else {
+    let Some((proxy, direct, s, name)) = setup("keep").await else {
         return;
     };
-    let s = ZkSession::connect(&options)
-        .await
-        .expect("session through proxy");
-    let name = format!("/faults-keep-{}", s.session_id());
-    s.create(&name, b"", CreateMode::Ephemeral)
-        .await
-        .expect("ephemeral");
 
     proxy.set_cut(true);
     let err = tokio::time::timeout(SOON, s.get(&name))
@@ -68,16 +68,9 @@ async fn connection_loss_then_recovery_keeps_the_session() {
 
 #[tokio::test]
 async fn long_partition_expires_the_session() {
-    let Some((proxy, options, direct)) = setup().await else {
+    let Some((proxy, direct, s, name)) = setup("expire").await else {
         return;
     };
-    let s = ZkSession::connect(&options)
-        .await
-        .expect("session through proxy");
-    let name = format!("/faults-expire-{}", s.session_id());
-    s.create(&name, b"", CreateMode::Ephemeral)
-        .await
-        .expect("ephemeral");
     let (_, watch) = direct.exists_watch(&name).await.expect("watch");
 
     proxy.set_cut(true);

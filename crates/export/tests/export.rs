@@ -20,11 +20,9 @@ use arrow::array::{Int64Array, RecordBatch, StringArray};
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use ferry_coord::embedded::EmbeddedStore;
-use ferry_coord::zk::{ZkOptions, ZkSession};
-use ferry_coord::{
-    CoordMetrics, Coordination, CreateMode, EmbeddedSessions, Session, SessionFactory,
-};
-use ferry_env::{Cpu, Disk, RealDisk, SystemClock};
+use ferry_coord::zk::ZkOptions;
+use ferry_coord::{CoordMetrics, CreateMode, EmbeddedSessions, Session, SessionFactory};
+use ferry_env::{Cpu, Disk, SystemClock};
 use ferry_export::model::{CommitFile, ExportSettings};
 use ferry_export::{
     Destinations, ExportRequest, Exporter, ExporterConfig, ExportsView, LocalParts, ReplicaSet,
@@ -102,14 +100,13 @@ fn backends() -> Vec<Backend> {
     out
 }
 
-fn unique() -> u128 {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static N: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
+/// The wall clock in nanoseconds (truncated): a request's random part that
+/// no earlier request of the test had.
+fn wall_clock_nanos() -> u64 {
+    std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or_default();
-    nanos ^ ((N.fetch_add(1, Ordering::Relaxed) as u128) << 100)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or_default()
 }
 
 /// How a test ends a node's coordination session as if it expired.
@@ -246,8 +243,7 @@ struct World {
 }
 
 async fn world(backend: &Backend, inserts: i64, rows: i64) -> World {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let (dir, disk) = ferry_testkit::disk::temp_disk();
     let (sessions, expirer): (Arc<dyn SessionFactory>, Expirer) = match backend {
         Backend::Embedded => {
             let store = EmbeddedStore::open(Arc::clone(&disk), "coord", Default::default())
@@ -263,15 +259,8 @@ async fn world(backend: &Backend, inserts: i64, rows: i64) -> World {
             )
         }
         Backend::Real { zk, .. } => {
-            let root = ZkSession::connect(&ZkOptions::new(zk.clone()))
-                .await
-                .expect("zookeeper");
-            let chroot = format!("/export-test-{}", unique());
-            ferry_coord::create_all(&root, &chroot)
-                .await
-                .expect("chroot");
-            root.close().await;
-            let mut options = ZkOptions::new(format!("{zk}{chroot}"));
+            let chroot = services::zookeeper_chroot(zk, "export-test").await;
+            let mut options = ZkOptions::new(chroot);
             options.session_timeout = Duration::from_secs(4);
             (
                 Arc::new(ferry_coord::ZkSessions {
@@ -309,7 +298,7 @@ async fn world(backend: &Backend, inserts: i64, rows: i64) -> World {
                 )
             }
             Backend::Real { s3, .. } => {
-                let bucket = format!("ferry-export-{}", unique());
+                let bucket = services::unique_name("ferry-export");
                 create_bucket(s3, &bucket).await;
                 let store = object_store::aws::AmazonS3Builder::new()
                     .with_endpoint(s3)
@@ -323,13 +312,7 @@ async fn world(backend: &Backend, inserts: i64, rows: i64) -> World {
                     .expect("S3 store");
                 (
                     format!("s3://{bucket}/base"),
-                    S3Settings {
-                        endpoint: Some(s3.clone()),
-                        region: Some("us-east-1".into()),
-                        access_key_id: Some("test".into()),
-                        secret_access_key: Some("test".into()),
-                        ..S3Settings::default()
-                    },
+                    services::s3_settings(s3),
                     Arc::new(store),
                     "base".to_string(),
                 )
@@ -486,7 +469,7 @@ impl World {
             destinations: dest,
             replica_name: "r0",
             now_unix_millis: ferry_env::Clock::unix_micros(&SystemClock) / 1000,
-            random: unique() as u64,
+            random: wall_clock_nanos(),
             commit_lsn: self.end,
             wait: Duration::from_secs(5),
         }

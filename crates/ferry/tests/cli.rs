@@ -7,15 +7,18 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{assert_clean_exit, http_get, interrupt, ready_line, skipped, start_dev, FERRY};
+use common::{
+    failed, fresh_data_dir, number_after, ready_line, runtime, safekeeper_addrs, send_vote_request,
+    skipped, start_dev, start_fresh_dev, status_json, status_url, stop_dev, succeeded, FERRY,
+};
+use ferry_testkit::services::{create_bucket, optional_service, S3_ENDPOINT, ZOOKEEPER};
 
 /// A test that panics while its `ferry dev` runs leaves no process behind
 /// (one would hold its ports and CPU, and slow every test and benchmark
 /// after it).
 #[test]
 fn a_test_that_fails_half_way_leaves_no_ferry_process_behind() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let data = dir.path().join("data");
+    let (_dir, data) = fresh_data_dir();
     let (pid_tx, pid_rx) = std::sync::mpsc::channel();
     let failed = std::thread::spawn(move || {
         let (child, _) = start_dev(&data);
@@ -34,9 +37,7 @@ fn a_test_that_fails_half_way_leaves_no_ferry_process_behind() {
 
 #[test]
 fn dev_starts_reports_ready_and_stops_cleanly_on_ctrl_c() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let data = dir.path().join("data");
-    let (mut child, lines) = start_dev(&data);
+    let (_dir, data, mut child, lines) = start_fresh_dev();
     let ready = ready_line(&lines);
     assert!(ready.contains("object storage file://"), "{ready}");
     assert!(ready.contains("3 safekeepers"), "{ready}");
@@ -62,61 +63,34 @@ fn dev_starts_reports_ready_and_stops_cleanly_on_ctrl_c() {
         .arg(&data)
         .output()
         .expect("run a second dev");
-    assert!(!second.status.success());
-    let stderr = String::from_utf8_lossy(&second.stderr);
+    let stderr = failed(&second);
     assert!(
         stderr.contains("in use by another ferry process"),
         "{stderr}"
     );
-    let url = ready
-        .rsplit("status on ")
-        .next()
-        .expect("status url")
-        .trim();
-    let status = http_get(url);
+    let status = common::http_get(&status_url(&lines));
     assert!(status.contains("\"elected\":true"), "{status}");
     assert_eq!(status.matches("\"node_id\"").count(), 3, "{status}");
-    interrupt(&child);
-    assert_clean_exit(&mut child, &data);
+    stop_dev(&mut child, &data);
 
     // A second start recovers what the first left behind: the safekeepers
     // remember term 1, so the new writer is elected in term 2.
     let (mut child, lines) = start_dev(&data);
     assert!(ready_line(&lines).contains("writer term 2,"), "{lines:?}");
-    interrupt(&child);
-    assert_clean_exit(&mut child, &data);
+    stop_dev(&mut child, &data);
 }
 
 #[test]
 fn dev_elects_its_writer_again_above_a_term_left_behind() {
-    use std::io::Write as _;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let data = dir.path().join("data");
-    let (mut child, lines) = start_dev(&data);
-    let ready = ready_line(&lines);
+    let (_dir, data, mut child, lines) = start_fresh_dev();
     // A term left on one safekeeper by a writer long gone: a vote request.
-    let addr = ready
-        .split("safekeepers (")
-        .nth(1)
-        .and_then(|rest| rest.split([',', ')']).next())
-        .expect("a safekeeper address")
-        .to_string();
-    let frame =
-        ferry_wal::proto::encode_frame(&ferry_wal::proto::ToSafekeeper::VoteRequest { term: 99 })
-            .expect("encode");
-    let mut conn = std::net::TcpStream::connect(&addr).expect("connect");
-    conn.write_all(&frame).expect("vote request");
+    send_vote_request(&safekeeper_addrs(&lines)[0], 99);
     // The writer learns of term 99 from that safekeeper, is superseded, and is
     // elected again above it; ferry dev goes on.
-    let url = ready
-        .rsplit("status on ")
-        .next()
-        .expect("status url")
-        .trim()
-        .to_string();
+    let url = status_url(&lines);
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let status: serde_json::Value = serde_json::from_str(&http_get(&url)).expect("JSON");
+        let status = status_json(&url);
         let writer = &status["writer"];
         if writer["term"] == 100 && writer["elected"] == true {
             assert_eq!(writer["superseded_by"], 99, "{status}");
@@ -129,8 +103,7 @@ fn dev_elects_its_writer_again_above_a_term_left_behind() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    interrupt(&child);
-    assert_clean_exit(&mut child, &data);
+    stop_dev(&mut child, &data);
 }
 
 #[test]
@@ -148,8 +121,7 @@ fn dev_refuses_a_corrupt_store_with_a_clear_error() {
         .arg(dir.path())
         .output()
         .expect("run");
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = failed(&out);
     assert!(stderr.contains("corrupt"), "{stderr}");
     assert!(
         std::fs::read(coord.join("snapshot.00000000000000000001")).expect("read")
@@ -164,25 +136,15 @@ fn coordination_benchmark_prints_figures() {
     let mut cmd = Command::new(FERRY);
     cmd.args(["bench", "coord", "--ops", "300", "--writers", "4", "--dir"])
         .arg(dir.path());
-    match std::env::var("FERRY_TEST_ZK") {
-        Ok(zk) if !zk.is_empty() => {
+    match optional_service(ZOOKEEPER) {
+        Some(zk) => {
             cmd.args(["--zk", &zk]);
         }
-        _ => {
-            assert!(
-                std::env::var("FERRY_TEST_REQUIRE_SERVICES").as_deref() != Ok("1"),
-                "FERRY_TEST_ZK is not set but services are required"
-            );
-            common::skipped("FERRY_TEST_ZK is not set: the ZooKeeper half of this benchmark did not run (scripts/test.sh runs it)");
+        None => {
+            skipped("FERRY_TEST_ZK is not set: the ZooKeeper half of this benchmark did not run (scripts/test.sh runs it)");
         }
     }
-    let out = cmd.output().expect("run bench");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = succeeded(&cmd.output().expect("run bench"));
     for label in ["create", "set", "get", "10-op multi"] {
         assert!(
             stdout
@@ -210,12 +172,7 @@ fn wal_benchmark_prints_figures() {
             .env_remove("RUST_LOG")
             .output()
             .expect("run bench");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "{stdout}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let stdout = succeeded(&out);
         for needle in [
             "fdatasync p50",
             "sequential write",
@@ -257,8 +214,7 @@ fn ferry_sim_runs_the_simulator_binary_beside_it() {
         .args(["sim", "wal", "--seeds", "3"])
         .output()
         .expect("run");
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = failed(&out);
     assert!(
         stderr.contains("cargo run --release -p ferry-sim -- wal --seeds 3"),
         "{stderr}"
@@ -271,8 +227,7 @@ fn ferry_sim_runs_the_simulator_binary_beside_it() {
         .args(["sim", "wal", "--seed", "7", "--log"])
         .output()
         .expect("run");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}");
+    let stdout = succeeded(&out);
     assert_eq!(stdout.trim(), "simulator got: wal --seed 7 --log");
 }
 
@@ -296,24 +251,13 @@ fn export_scale_benchmark_prints_figures() {
             cmd.args(["--zookeeper", &zk]);
         }
     }
-    let out = cmd.output().expect("run bench");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = succeeded(&cmd.output().expect("run bench"));
     assert!(stdout.contains("3000 parts by 4 nodes"), "{stdout}");
     assert!(
         stdout.contains("0 coordination round trips for 1000 listings"),
         "the listing reads no coordination: {stdout}"
     );
-    let largest: u64 = stdout
-        .split("largest node ")
-        .nth(1)
-        .and_then(|r| r.split(' ').next())
-        .and_then(|n| n.parse().ok())
-        .expect("the largest node's size");
+    let largest = number_after(&stdout, "largest node ");
     assert!(largest > 0 && largest < 1 << 20, "{stdout}");
 }
 
@@ -321,32 +265,13 @@ fn export_scale_benchmark_prints_figures() {
 /// is taken like `AWS_ENDPOINT`, plain HTTP included when it says so.
 #[test]
 fn aws_endpoint_url_names_the_s3_endpoint() {
-    let endpoint = match std::env::var("FERRY_TEST_S3_ENDPOINT") {
-        Ok(e) if !e.is_empty() => e,
-        _ => {
-            assert!(
-                std::env::var("FERRY_TEST_REQUIRE_SERVICES").as_deref() != Ok("1"),
-                "FERRY_TEST_S3_ENDPOINT is not set but services are required"
-            );
-            skipped("FERRY_TEST_S3_ENDPOINT is not set (scripts/test.sh sets it)");
-            return;
-        }
+    let Some(endpoint) = optional_service(S3_ENDPOINT) else {
+        skipped("FERRY_TEST_S3_ENDPOINT is not set (scripts/test.sh sets it)");
+        return;
     };
-    // A bucket of its own, made with a plain unsigned request (moto takes it).
+    // A bucket of its own.
     let bucket = format!("endpoint-url-{}", std::process::id());
-    let host = endpoint.trim_start_matches("http://").trim_end_matches('/');
-    {
-        use std::io::{Read, Write};
-        let mut conn = std::net::TcpStream::connect(host).expect("connect");
-        write!(
-            conn,
-            "PUT /{bucket} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-        )
-        .expect("send");
-        let mut answer = String::new();
-        conn.read_to_string(&mut answer).expect("answer");
-        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-    }
+    runtime().block_on(create_bucket(&endpoint, &bucket));
     let out = Command::new(FERRY)
         .args(["verify", &format!("s3://{bucket}/nothing")])
         .env_remove("AWS_ENDPOINT")
@@ -356,9 +281,8 @@ fn aws_endpoint_url_names_the_s3_endpoint() {
         .env("AWS_REGION", "us-east-1")
         .output()
         .expect("ferry verify");
-    let err = String::from_utf8_lossy(&out.stderr);
     // It reached the bucket and found it empty.
-    assert!(!out.status.success());
+    let err = failed(&out);
     assert!(err.contains("nothing was exported there"), "{err}");
 }
 
@@ -375,12 +299,7 @@ fn bench_smoke(args: &[&str], needles: &[&str]) {
         .env_remove("FERRY_TEST_S3_ENDPOINT")
         .output()
         .expect("run bench");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = succeeded(&out);
     for needle in needles {
         assert!(stdout.contains(needle), "no {needle:?} in:\n{stdout}");
     }
@@ -422,8 +341,7 @@ fn config_check_errors_are_readable() {
         .env("RUST_BACKTRACE", "1")
         .output()
         .expect("run ferry config check");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+    let stderr = failed(&out);
     assert!(
         stderr.starts_with("error: configuration file ")
             && stderr.contains("line 3")

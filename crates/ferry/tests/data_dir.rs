@@ -10,22 +10,22 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::{
-    assert_clean_exit, expect_failure, http_get, interrupt, ready_line, start_dev, start_dev_with,
-    status_url, FERRY,
+    expect_failure, fresh_data_dir, interrupt, ready_line, spawn_until, start_dev, start_dev_with,
+    start_fresh_dev, status_json, status_url, stop_dev, FERRY,
 };
 
 const SMALL_SEGMENTS: &str = "65536";
 
 /// A data dir that ran twice (so its WAL holds two shutdown checkpoints and
-/// its safekeepers recorded a commit point above zero).
-fn data_dir_that_ran(root: &Path) -> PathBuf {
-    let data = root.join("data");
+/// its safekeepers recorded a commit point above zero), in a new temporary
+/// folder.
+fn data_dir_that_ran() -> (tempfile::TempDir, PathBuf) {
+    let (root, data) = fresh_data_dir();
     for _ in 0..2 {
         let (mut child, _) = start_dev_with(&data, &["--segment-bytes", SMALL_SEGMENTS]);
-        interrupt(&child);
-        assert_clean_exit(&mut child, &data);
+        stop_dev(&mut child, &data);
     }
-    data
+    (root, data)
 }
 
 fn dev_args(data: &Path) -> Vec<&OsStr> {
@@ -71,8 +71,7 @@ fn first_segment(data: &Path, sk: u32) -> PathBuf {
 #[test]
 fn a_lost_coordination_store_is_refused() {
     for what in ["log", "dir"] {
-        let root = tempfile::tempdir().expect("tempdir");
-        let data = data_dir_that_ran(root.path());
+        let (_root, data) = data_dir_that_ran();
         let coord = data.join("coord");
         if what == "dir" {
             std::fs::remove_dir_all(&coord).expect("rm coord");
@@ -97,8 +96,7 @@ fn a_lost_coordination_store_is_refused() {
 
 #[test]
 fn a_lost_wal_directory_is_refused() {
-    let root = tempfile::tempdir().expect("tempdir");
-    let data = data_dir_that_ran(root.path());
+    let (_root, data) = data_dir_that_ran();
     std::fs::remove_dir_all(data.join("wal")).expect("rm wal");
     let stderr = expect_failure(&dev_args(&data), &[]);
     assert!(
@@ -119,18 +117,15 @@ fn a_lost_wal_directory_is_refused() {
 
 #[test]
 fn a_wal_quorum_younger_than_coordination_is_refused() {
-    let root = tempfile::tempdir().expect("tempdir");
-    let data = root.path().join("data");
+    let (root, data) = fresh_data_dir();
     let (mut child, _) = start_dev_with(&data, &["--segment-bytes", SMALL_SEGMENTS]);
-    interrupt(&child);
-    assert_clean_exit(&mut child, &data);
+    stop_dev(&mut child, &data);
     // An old copy of the WAL...
     let old = root.path().join("old-wal");
     copy_dir(&data.join("wal"), &old);
     // ...while the cluster goes on and commits more...
     let (mut child, _) = start_dev(&data);
-    interrupt(&child);
-    assert_clean_exit(&mut child, &data);
+    stop_dev(&mut child, &data);
     // ...is put back: every safekeeper is consistent on its own, but the
     // quorum holds less than the coordination store knows was committed.
     std::fs::remove_dir_all(data.join("wal")).expect("rm");
@@ -188,8 +183,7 @@ fn a_damaged_safekeeper_is_down_and_the_majority_runs() {
         ),
     ];
     for (what, damage, expected) in damages {
-        let root = tempfile::tempdir().expect("tempdir");
-        let data = data_dir_that_ran(root.path());
+        let (_root, data) = data_dir_that_ran();
         let segment = first_segment(&data, 1);
         damage(&segment);
         let damaged = snapshot(&data.join("wal/sk1"));
@@ -198,8 +192,7 @@ fn a_damaged_safekeeper_is_down_and_the_majority_runs() {
             lines.iter().any(|l| l.contains("sk1 down")),
             "{what}: {lines:?}"
         );
-        let status: serde_json::Value =
-            serde_json::from_str(&http_get(&status_url(&lines))).expect("JSON");
+        let status = status_json(&status_url(&lines));
         let sk1 = &status["safekeepers"][1];
         assert_eq!(sk1["state"], "down", "{what}: {status}");
         let reason = sk1["reason"].as_str().expect("reason");
@@ -211,8 +204,7 @@ fn a_damaged_safekeeper_is_down_and_the_majority_runs() {
         assert_eq!(status["safekeepers"][0]["state"], "up");
         assert_eq!(status["safekeepers"][2]["state"], "up");
         assert_eq!(status["writer"]["elected"], true, "{status}");
-        interrupt(&child);
-        assert_clean_exit(&mut child, &data);
+        stop_dev(&mut child, &data);
         assert_eq!(
             snapshot(&data.join("wal/sk1")),
             damaged,
@@ -223,8 +215,7 @@ fn a_damaged_safekeeper_is_down_and_the_majority_runs() {
 
 #[test]
 fn membership_and_segment_size_changes_are_refused() {
-    let root = tempfile::tempdir().expect("tempdir");
-    let data = data_dir_that_ran(root.path());
+    let (_root, data) = data_dir_that_ran();
     // Opening the coordination store logs a new boot; the WAL stays as it is.
     let before = snapshot(&data.join("wal"));
     let mut args = dev_args(&data);
@@ -242,15 +233,12 @@ fn membership_and_segment_size_changes_are_refused() {
     // Restarting without the flags uses what the data dir holds.
     let (mut child, lines) = start_dev(&data);
     assert!(ready_line(&lines).contains("3 safekeepers"), "{lines:?}");
-    interrupt(&child);
-    assert_clean_exit(&mut child, &data);
+    stop_dev(&mut child, &data);
 }
 
 #[test]
 fn each_safekeeper_of_a_running_dev_is_locked() {
-    let root = tempfile::tempdir().expect("tempdir");
-    let data = root.path().join("data");
-    let (mut child, lines) = start_dev(&data);
+    let (_root, data, mut child, lines) = start_fresh_dev();
     let cluster = ready_line(&lines)
         .split("cluster ")
         .nth(1)
@@ -279,14 +267,12 @@ fn each_safekeeper_of_a_running_dev_is_locked() {
         "{stderr}"
     );
     assert!(stderr.contains("sk0"), "{stderr}");
-    interrupt(&child);
-    assert_clean_exit(&mut child, &data);
+    stop_dev(&mut child, &data);
 }
 
 #[test]
 fn bad_flags_fail_before_the_data_dir_is_touched() {
-    let root = tempfile::tempdir().expect("tempdir");
-    let data = root.path().join("data");
+    let (_root, data) = fresh_data_dir();
     let busy = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let busy_addr = busy.local_addr().expect("addr").to_string();
     let cases: [(&[&str], &str); 5] = [
@@ -338,11 +324,8 @@ fn messages_name_what_to_fix() {
 
 #[test]
 fn logs_carry_no_colour_codes_when_not_on_a_terminal() {
-    let root = tempfile::tempdir().expect("tempdir");
-    let data = root.path().join("data");
-    let (mut child, _) = start_dev(&data);
-    interrupt(&child);
-    assert_clean_exit(&mut child, &data);
+    let (_root, data, mut child, _) = start_fresh_dev();
+    stop_dev(&mut child, &data);
     let log = std::fs::read_to_string(common::dev_log(&data)).expect("log");
     assert!(log.contains("INFO"), "the log has lines: {log}");
     assert!(!log.contains('\u{1b}'), "no ANSI escape codes: {log:?}");
@@ -378,18 +361,13 @@ fn the_distributed_safekeeper_is_created_only_explicitly() {
     assert!(stderr.contains("never created here"), "{stderr}");
     assert!(!dir.join("sk3").exists(), "nothing created");
     // --create makes it; a second start finds it without the flag.
-    let mut child = common::Proc::spawn(
+    let (mut child, first) = spawn_until(
         Command::new(FERRY)
             .args(args(true))
-            .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::null()),
+        |_| true,
     );
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.stdout.take().expect("stdout")),
-        &mut line,
-    )
-    .expect("read");
+    let line = first.unwrap_or_default().concat();
     assert!(line.contains("listening on"), "{line}");
     interrupt(&child);
     assert!(child.wait().expect("wait").success());

@@ -7,37 +7,19 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::*;
 use ferry_client::Client;
 use ferry_table::Format;
+use ferry_testkit::table::id_p_toml;
 
-const TABLE: &str = r#"
-name = "t"
-partition_by = { column = "p", transform = "identity" }
-shard_by = { column = "id", shards = 2 }
-replicas = 1
-
-[[columns]]
-name = "id"
-type = "Int64"
-[[columns]]
-name = "p"
-type = "Utf8"
-"#;
-
-fn base_url(lines: &[String]) -> String {
-    status_url(lines).trim_end_matches("/status").to_string()
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
+/// Table `name`: `id` Int64 (`shards` shards), partitioned by `p` (Utf8),
+/// one replica per shard.
+fn table_toml(name: &str, shards: u32) -> String {
+    id_p_toml(name, shards).replicas(1).toml()
 }
 
 /// The task of `partition` in the node's status listing.
@@ -53,56 +35,33 @@ fn task(rt: &tokio::runtime::Runtime, c: &Client, partition: &str) -> Option<ser
 
 #[test]
 fn an_export_survives_kill_9_of_ferry_dev_in_the_middle() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let data = dir.path().join("data");
+    let (_dir, data) = fresh_data_dir();
     let lake = data.join("lake");
     let lake_url = format!("file://{}", lake.display());
     let rt = runtime();
     let (mut child, lines) = start_dev(&data);
     let mut url = base_url(&lines);
-    rt.block_on(async {
-        let c = Client::new(&url, None, Duration::from_secs(30)).expect("client");
-        c.create_table_toml(TABLE).await.expect("create table");
-    });
+    rt.block_on(node_client(&url).create_table_toml(&table_toml("t", 2)))
+        .expect("create table");
 
     // Each try: a partition of many parts exported one part at a time, and
     // the process killed as soon as some but not all are exported.
     let mut landed = false;
     for attempt in 0..4i64 {
         let partition = format!("x{attempt}");
-        let c = Client::new(&url, None, Duration::from_secs(30)).expect("client");
+        let c = node_client(&url);
         for batch in 0..40i64 {
             let first = 10_000 * attempt + batch * 10;
-            let body: String = (first..first + 10)
-                .map(|id| format!("{{\"id\":{id},\"p\":\"{partition}\"}}\n"))
-                .collect();
-            rt.block_on(c.insert_body(
-                "t",
-                Format::Ndjson,
-                Bytes::from(body),
-                Some(&format!("k-{attempt}-{batch}")),
-            ))
-            .expect("insert");
-        }
-        let out = Command::new(FERRY)
-            .args([
-                "export",
-                "t",
+            insert_ids(
+                &rt,
+                &c,
+                first..first + 10,
                 &partition,
-                "--to",
-                &lake_url,
-                "--parallelism",
-                "1",
-            ])
-            .env("FERRY_URL", &url)
-            .stdin(Stdio::null())
-            .output()
-            .expect("ferry export");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+                &format!("k-{attempt}-{batch}"),
+            );
+        }
+        let (ok, out, err) = export_part_by_part(&url, "t", &partition, &lake_url);
+        assert!(ok, "{out}{err}");
         let deadline = Instant::now() + Duration::from_secs(30);
         let before = loop {
             if let Some(t) = task(&rt, &c, &partition) {
@@ -130,7 +89,7 @@ fn an_export_survives_kill_9_of_ferry_dev_in_the_middle() {
         let (restarted, lines) = start_dev(&data);
         child = restarted;
         url = base_url(&lines);
-        let c = Client::new(&url, None, Duration::from_secs(30)).expect("client");
+        let c = node_client(&url);
         let deadline = Instant::now() + Duration::from_secs(60);
         let done = loop {
             if let Some(t) = task(&rt, &c, &partition) {
@@ -146,35 +105,14 @@ fn an_export_survives_kill_9_of_ferry_dev_in_the_middle() {
 
         // One commit file, each part once, nothing else: not even the
         // staging file of a write the kill cut (the commit removed it).
-        let commits: Vec<serde_json::Value> = std::fs::read_dir(&lake)
-            .expect("lake")
-            .filter_map(Result::ok)
-            .filter(|e| {
-                e.file_name()
-                    .to_string_lossy()
-                    .starts_with(&format!("commit_{partition}_"))
-            })
-            .map(|e| serde_json::from_slice(&std::fs::read(e.path()).expect("read")).expect("json"))
-            .collect();
+        let commits = commit_files(&lake, &format!("commit_{partition}_"));
         assert_eq!(commits.len(), 1, "{commits:?}");
         assert_eq!(commits[0]["rows"], 400, "{}", commits[0]);
-        let listed: BTreeSet<String> = commits[0]["files"]
-            .as_array()
-            .expect("files")
-            .iter()
-            .map(|f| f["path"].as_str().expect("path").to_string())
-            .collect();
-        let on_disk: BTreeSet<String> = std::fs::read_dir(lake.join(format!("p={partition}")))
-            .expect("partition folder")
-            .filter_map(Result::ok)
-            .map(|e| format!("p={partition}/{}", e.file_name().to_string_lossy()))
-            .collect();
+        let (listed, on_disk) = listed_and_on_disk(&lake, &format!("p={partition}"), &commits[0]);
         assert_eq!(on_disk, listed, "each part once, nothing else");
         // In the middle: the restarted process exported parts of the task.
         let view = rt.block_on(c.get_json("/exports")).expect("exports");
-        let after_restart = view["counters"]["parts_exported"]
-            .as_u64()
-            .expect("counter");
+        let after_restart = parts_exported(&view);
         eprintln!("attempt {attempt}: the restarted process exported {after_restart} parts");
         if after_restart > 0 {
             landed = true;
@@ -185,18 +123,8 @@ fn an_export_survives_kill_9_of_ferry_dev_in_the_middle() {
         landed,
         "the SIGKILL never landed in the middle of an export"
     );
-    let out = Command::new(FERRY)
-        .args(["verify", &lake_url, "--deep"])
-        .env("FERRY_URL", &url)
-        .output()
-        .expect("verify");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
-    interrupt(&child);
-    assert_clean_exit(&mut child, &data);
+    ferry_ok(&["verify", &lake_url, "--deep"], &url);
+    stop_dev(&mut child, &data);
 }
 
 /// `ferry dev` on a fresh data dir with table `t` created from `toml`.
@@ -211,12 +139,11 @@ struct Dev {
 
 impl Dev {
     fn start(toml: &str) -> Dev {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let data = dir.path().join("data");
+        let (dir, data) = fresh_data_dir();
         let rt = runtime();
         let (child, lines) = start_dev(&data);
         let url = base_url(&lines);
-        let client = Client::new(&url, None, Duration::from_secs(30)).expect("client");
+        let client = node_client(&url);
         rt.block_on(client.create_table_toml(toml))
             .expect("create table");
         Dev {
@@ -231,8 +158,7 @@ impl Dev {
 
     /// Ctrl-C, and a clean exit.
     fn stop(mut self) {
-        interrupt(&self.child);
-        assert_clean_exit(&mut self.child, &self.data);
+        stop_dev(&mut self.child, &self.data);
     }
 }
 
@@ -259,20 +185,19 @@ fn ids_in(paths: &[String]) -> Vec<i64> {
     ids
 }
 
-fn ferry_ok(args: &[&str], url: &str) -> String {
-    let out = Command::new(FERRY)
-        .args(args)
-        .env("FERRY_URL", url)
-        .stdin(Stdio::null())
-        .output()
-        .expect("ferry");
-    assert!(
-        out.status.success(),
-        "ferry {args:?}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+/// Inserts the rows of `ids` into `partition` of table `t` under `key`.
+fn insert_ids(
+    rt: &tokio::runtime::Runtime,
+    c: &Client,
+    ids: std::ops::Range<i64>,
+    partition: &str,
+    key: &str,
+) {
+    let body: String = ids
+        .map(|id| format!("{{\"id\":{id},\"p\":\"{partition}\"}}\n"))
+        .collect();
+    rt.block_on(c.insert_body("t", Format::Ndjson, Bytes::from(body), Some(key)))
+        .expect("insert");
 }
 
 /// The reader's side of a re-export: export a partition, insert until the
@@ -283,21 +208,18 @@ fn ferry_ok(args: &[&str], url: &str) -> String {
 /// export of unchanged parts then changes nothing.
 #[test]
 fn a_re_export_after_merges_supersedes_and_readers_count_every_row_once() {
-    let dev = Dev::start(&TABLE.replace("shards = 2", "shards = 1"));
+    let dev = Dev::start(&table_toml("t", 1));
     let (dir, rt, c, url) = (&dev.dir, &dev.rt, &dev.client, dev.url.clone());
     let lake = dev.data.join("lake");
     let lake_url = format!("file://{}", lake.display());
     let insert = |batch: i64| {
-        let body: String = (batch * 10..batch * 10 + 10)
-            .map(|id| format!("{{\"id\":{id},\"p\":\"a\"}}\n"))
-            .collect();
-        rt.block_on(c.insert_body(
-            "t",
-            Format::Ndjson,
-            Bytes::from(body),
-            Some(&format!("b{batch}")),
-        ))
-        .expect("insert");
+        insert_ids(
+            rt,
+            c,
+            batch * 10..batch * 10 + 10,
+            "a",
+            &format!("b{batch}"),
+        )
     };
     for batch in 0..3 {
         insert(batch);
@@ -329,12 +251,7 @@ fn a_re_export_after_merges_supersedes_and_readers_count_every_row_once() {
     assert!(forced.contains("COMPLETED"), "{forced}");
 
     // Two commit files: their union holds the first 30 rows twice.
-    let commits: Vec<serde_json::Value> = std::fs::read_dir(&lake)
-        .expect("lake")
-        .filter_map(Result::ok)
-        .filter(|e| e.file_name().to_string_lossy().starts_with("commit_a_"))
-        .map(|e| serde_json::from_slice(&std::fs::read(e.path()).expect("read")).expect("json"))
-        .collect();
+    let commits = commit_files(&lake, "commit_a_");
     assert_eq!(commits.len(), 2, "{commits:?}");
     let union: Vec<String> = commits
         .iter()
@@ -382,11 +299,7 @@ fn a_re_export_after_merges_supersedes_and_readers_count_every_row_once() {
         &url,
     );
     assert!(again.contains("unchanged"), "{again}");
-    let commits_after = std::fs::read_dir(&lake)
-        .expect("lake")
-        .filter_map(Result::ok)
-        .filter(|e| e.file_name().to_string_lossy().starts_with("commit_a_"))
-        .count();
+    let commits_after = commit_files(&lake, "commit_a_").len();
     assert_eq!(commits_after, 2);
 
     // One byte flipped in the middle of the current file's data (before its
@@ -416,8 +329,7 @@ fn a_re_export_after_merges_supersedes_and_readers_count_every_row_once() {
         .args(["verify", &missing])
         .output()
         .expect("verify");
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("no such directory"));
+    assert!(failed(&out).contains("no such directory"));
     assert!(!dir.path().join("nowhere").exists(), "verify created it");
     dev.stop();
 }
@@ -428,7 +340,7 @@ fn a_re_export_after_merges_supersedes_and_readers_count_every_row_once() {
 /// of it too, and a refusal leaves the node as responsive as before.
 #[test]
 fn local_destinations_outside_the_export_roots_are_refused_and_nothing_is_written() {
-    let dev = Dev::start(TABLE);
+    let dev = Dev::start(&table_toml("t", 2));
     let (dir, data, rt, c, url) = (&dev.dir, &dev.data, &dev.rt, &dev.client, &dev.url);
     rt.block_on(c.insert_body(
         "t",
@@ -454,14 +366,8 @@ fn local_destinations_outside_the_export_roots_are_refused_and_nothing_is_writte
         "file:///".to_string(),
         "file:///proc/self".to_string(),
     ] {
-        let out = Command::new(FERRY)
-            .args(["export", "t", "a", "--to", &to])
-            .env("FERRY_URL", url)
-            .stdin(Stdio::null())
-            .output()
-            .expect("ferry export");
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{to} accepted");
+        let (ok, _, err) = ferry(&["export", "t", "a", "--to", &to], url);
+        assert!(!ok, "{to} accepted");
         assert!(err.contains("export root"), "{to}: {err}");
     }
     assert!(!outside.exists(), "a refused destination was created");
@@ -491,7 +397,7 @@ fn local_destinations_outside_the_export_roots_are_refused_and_nothing_is_writte
 /// task.
 #[test]
 fn every_partition_gets_its_own_task_and_an_unexpired_one_is_skipped() {
-    let dev = Dev::start(TABLE);
+    let dev = Dev::start(&table_toml("t", 2));
     let (rt, c, url) = (&dev.rt, &dev.client, dev.url.clone());
     let lake_url = format!("file://{}", dev.data.join("lake/all").display());
     let body: String = ["a", "b", "c"]
@@ -537,10 +443,8 @@ fn every_partition_gets_its_own_task_and_an_unexpired_one_is_skipped() {
     // Tables named like a subcommand of `ferry export` (`kill`, `help`) are
     // exported too: after `--`, every word is the table and partition.
     for name in ["kill", "help"] {
-        rt.block_on(
-            c.create_table_toml(&TABLE.replace("name = \"t\"", &format!("name = \"{name}\""))),
-        )
-        .expect("create table");
+        rt.block_on(c.create_table_toml(&table_toml(name, 2)))
+            .expect("create table");
         rt.block_on(c.insert_body(
             name,
             Format::Ndjson,

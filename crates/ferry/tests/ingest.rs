@@ -21,83 +21,37 @@ use bytes::Bytes;
 use common::*;
 use ferry_client::{Client, ClientError};
 use ferry_table::{Format, TableDef};
-use ferry_wal::proto::{self, ToSafekeeper};
+use ferry_testkit::table::TableToml;
 use ferry_wal::record::Record;
 use ferry_wal::Lsn;
 
-const TABLE: &str = r#"
-name = "events"
-partition_by = { column = "ts", transform = "month" }
-shard_by = { column = "id", shards = 3 }
-replicas = 2
-
-[[columns]]
-name = "id"
-type = "Int64"
-[[columns]]
-name = "small"
-type = "Int32"
-[[columns]]
-name = "f"
-type = "Float64"
-nullable = true
-[[columns]]
-name = "b"
-type = "Boolean"
-[[columns]]
-name = "s"
-type = "Utf8"
-nullable = true
-[[columns]]
-name = "d"
-type = "Date"
-[[columns]]
-name = "ts"
-type = "Timestamp"
-"#;
+/// The events table: an Int64 shard key, an Int32, then
+/// [`TableToml::mixed_columns`].
+fn table_toml() -> String {
+    TableToml::new("events", ("ts", "month"), ("id", 3))
+        .replicas(2)
+        .column("id", "Int64")
+        .column("small", "Int32")
+        .mixed_columns()
+        .toml()
+}
 
 fn def() -> TableDef {
-    TableDef::from_toml(TABLE).expect("table")
-}
-
-fn base_url(lines: &[String]) -> String {
-    status_url(lines).trim_end_matches("/status").to_string()
-}
-
-fn safekeeper_addr(lines: &[String]) -> String {
-    ready_line(lines)
-        .split("safekeepers (")
-        .nth(1)
-        .and_then(|rest| rest.split([',', ')']).next())
-        .expect("a safekeeper address")
-        .to_string()
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
+    TableDef::from_toml(&table_toml()).expect("table")
 }
 
 fn client(url: &str, token: Option<&str>) -> Client {
     Client::new(url, token.map(str::to_string), Duration::from_secs(60)).expect("client")
 }
 
-/// Runs a `ferry` client command; returns (success, stdout, stderr).
-fn ferry(args: &[&str], url: &str) -> (bool, String, String) {
-    let out = Command::new(FERRY)
-        .args(args)
-        .env("FERRY_URL", url)
-        .env_remove("FERRY_API_TOKEN")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run ferry");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+/// The URL of the ready `ferry dev` that printed `lines`, a runtime, and a
+/// client (with `token`) that created the events table there.
+fn with_events(lines: &[String], token: Option<&str>) -> (String, tokio::runtime::Runtime, Client) {
+    let url = base_url(lines);
+    let rt = runtime();
+    let c = client(&url, token);
+    rt.block_on(c.create_table(&def())).expect("create table");
+    (url, rt, c)
 }
 
 /// The rows each good body below holds: ids `base` and `base + 1`.
@@ -162,14 +116,14 @@ struct Committed {
 /// safekeeper's walsender.
 async fn committed_inserts(safekeeper: &str, end: Lsn) -> Vec<Committed> {
     let wal = read_committed_wal(safekeeper, end).await;
-    records_of(&wal)
+    ferry_testkit::wal::records(&wal)
         .into_iter()
         .filter_map(|(lsn, rec)| match rec {
             Record::Insert {
                 table_id,
                 shard,
                 block_number,
-                idempotency_key,
+                idempotency_key: key,
                 arrow_ipc,
             } => {
                 let mut batches = ferry_table::rows::from_ipc(&arrow_ipc).expect("Arrow IPC rows");
@@ -179,7 +133,7 @@ async fn committed_inserts(safekeeper: &str, end: Lsn) -> Vec<Committed> {
                     table_id,
                     shard,
                     block_number,
-                    key: idempotency_key,
+                    key,
                     rows: batches.remove(0),
                 })
             }
@@ -189,9 +143,7 @@ async fn committed_inserts(safekeeper: &str, end: Lsn) -> Vec<Committed> {
 }
 
 fn commit_lsn(url: &str) -> Lsn {
-    let status: serde_json::Value =
-        serde_json::from_str(&http_get(&format!("{url}/status"))).expect("status JSON");
-    status["writer"]["commit_lsn"]
+    status_json(&format!("{url}/status"))["writer"]["commit_lsn"]
         .as_str()
         .expect("commit_lsn")
         .parse()
@@ -211,14 +163,12 @@ fn rows_of(records: &[&Committed]) -> RecordBatch {
 
 #[test]
 fn tables_and_inserts_in_every_format_are_committed_row_for_row() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let data = dir.path().join("data");
-    let (mut child, lines) = start_dev(&data);
+    let (dir, data, mut child, lines) = start_fresh_dev();
     let url = base_url(&lines);
 
     // Tables through the command line.
     let file = dir.path().join("events.toml");
-    std::fs::write(&file, TABLE).expect("write definition");
+    std::fs::write(&file, table_toml()).expect("write definition");
     let file = file.to_str().expect("path");
     let (ok, out, err) = ferry(&["table", "create", "--file", file], &url);
     assert!(
@@ -231,7 +181,7 @@ fn tables_and_inserts_in_every_format_are_committed_row_for_row() {
         "{out}{err}"
     );
     let other = dir.path().join("other.toml");
-    std::fs::write(&other, TABLE.replace("shards = 3", "shards = 4")).expect("write");
+    std::fs::write(&other, table_toml().replace("shards = 3", "shards = 4")).expect("write");
     let (ok, _, err) = ferry(
         &["table", "create", "--file", other.to_str().expect("path")],
         &url,
@@ -241,7 +191,11 @@ fn tables_and_inserts_in_every_format_are_committed_row_for_row() {
         "{err}"
     );
     let bad = dir.path().join("bad.toml");
-    std::fs::write(&bad, TABLE.replace("type = \"Int32\"", "type = \"Int8\"")).expect("write");
+    std::fs::write(
+        &bad,
+        table_toml().replace("type = \"Int32\"", "type = \"Int8\""),
+    )
+    .expect("write");
     let (ok, _, err) = ferry(
         &["table", "create", "--file", bad.to_str().expect("path")],
         &url,
@@ -282,7 +236,7 @@ fn tables_and_inserts_in_every_format_are_committed_row_for_row() {
         .parse()
         .expect("lsn");
     assert!(commit_lsn(&url) >= end);
-    let records = rt.block_on(committed_inserts(&safekeeper_addr(&lines), end));
+    let records = rt.block_on(committed_inserts(&safekeeper_addrs(&lines)[0], end));
     for (format, base, key, inserted) in &answers {
         let mine: Vec<&Committed> = records
             .iter()
@@ -470,8 +424,7 @@ fn tables_and_inserts_in_every_format_are_committed_row_for_row() {
     );
 
     // A restart: the replicas resume from their parts and position.
-    interrupt(&child);
-    assert_clean_exit(&mut child, &data);
+    stop_dev(&mut child, &data);
     let (restarted, lines) = start_dev(&data);
     child = restarted;
     let url = base_url(&lines);
@@ -489,8 +442,7 @@ fn tables_and_inserts_in_every_format_are_committed_row_for_row() {
     assert!(ok && out.contains("dropped table events"), "{out}{err}");
     let (ok, _, err) = ferry(&["table", "show", "events"], &url);
     assert!(!ok && err.contains("no table named"), "{err}");
-    interrupt(&child);
-    assert_clean_exit(&mut child, &data);
+    stop_dev(&mut child, &data);
 }
 
 fn api_error(
@@ -504,8 +456,7 @@ fn api_error(
 
 #[test]
 fn bad_inserts_are_refused_with_their_row_and_change_nothing() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let data = dir.path().join("data");
+    let (_dir, data) = fresh_data_dir();
     let token = "a-token-of-sufficient-length";
     let (mut child, lines) = start_dev_with(
         &data,
@@ -518,10 +469,7 @@ fn bad_inserts_are_refused_with_their_row_and_change_nothing() {
             token,
         ],
     );
-    let url = base_url(&lines);
-    let rt = runtime();
-    let c = client(&url, Some(token));
-    rt.block_on(c.create_table(&def())).expect("create table");
+    let (url, rt, c) = with_events(&lines, Some(token));
     let before = rt
         .block_on(c.insert_body("events", Format::Ndjson, body(Format::Ndjson, 1), None))
         .expect("a good insert");
@@ -643,21 +591,14 @@ fn bad_inserts_are_refused_with_their_row_and_change_nothing() {
         .parse()
         .expect("lsn");
     assert_eq!(now, end, "refused inserts committed nothing");
-    let records = rt.block_on(committed_inserts(&safekeeper_addr(&lines), end));
+    let records = rt.block_on(committed_inserts(&safekeeper_addrs(&lines)[0], end));
     assert_eq!(records.iter().map(|r| r.rows.num_rows()).sum::<usize>(), 2);
-    interrupt(&child);
-    assert_clean_exit(&mut child, &data);
+    stop_dev(&mut child, &data);
 }
 
 /// A plain HTTP/1.1 request; returns the whole response.
 fn raw_request(url: &str, request: String) -> String {
-    use std::io::{Read, Write};
-    let host = url.strip_prefix("http://").expect("http URL");
-    let mut conn = std::net::TcpStream::connect(host).expect("connect");
-    conn.write_all(request.as_bytes()).expect("send");
-    let mut response = String::new();
-    conn.read_to_string(&mut response).expect("read");
-    response
+    String::from_utf8(http_request(url, &request)).expect("a UTF-8 response")
 }
 
 fn auth(token: Option<&str>) -> String {
@@ -700,22 +641,9 @@ fn reqwest_like_get(url: &str, path: &str, token: Option<&str>) -> String {
 /// key until it is answered 200.
 #[test]
 fn a_writer_takeover_never_answers_success_for_an_uncommitted_insert() {
-    use std::io::Write as _;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let data = dir.path().join("data");
-    let (mut child, lines) = start_dev(&data);
-    let url = base_url(&lines);
-    let addrs: Vec<String> = ready_line(&lines)
-        .split("safekeepers (")
-        .nth(1)
-        .and_then(|rest| rest.split(')').next())
-        .expect("addresses")
-        .split(", ")
-        .map(str::to_string)
-        .collect();
-    let rt = runtime();
-    let c = client(&url, None);
-    rt.block_on(c.create_table(&def())).expect("create table");
+    let (_dir, data, mut child, lines) = start_fresh_dev();
+    let (url, rt, c) = with_events(&lines, None);
+    let addrs = safekeeper_addrs(&lines);
 
     let answered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let results = rt.block_on(async {
@@ -758,10 +686,7 @@ fn a_writer_takeover_never_answers_success_for_an_uncommitted_insert() {
             while answered.load(std::sync::atomic::Ordering::SeqCst) < after {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
-            let frame = proto::encode_frame(&ToSafekeeper::VoteRequest { term }).expect("encode");
-            let mut conn =
-                std::net::TcpStream::connect(&addrs[round % addrs.len()]).expect("connect");
-            conn.write_all(&frame).expect("vote request");
+            send_vote_request(&addrs[round % addrs.len()], term);
         }
         let mut all = Vec::new();
         let mut unknown = 0;
@@ -802,8 +727,7 @@ fn a_writer_takeover_never_answers_success_for_an_uncommitted_insert() {
     // elected again above it (at the latest a few election rounds later).
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
-        let status: serde_json::Value =
-            serde_json::from_str(&http_get(&format!("{url}/status"))).expect("status");
+        let status = status_json(&format!("{url}/status"));
         if status["writer"]["term"].as_u64().expect("term") > 3_000
             && status["writer"]["elected"] == true
         {
@@ -830,8 +754,7 @@ fn a_writer_takeover_never_answers_success_for_an_uncommitted_insert() {
         assert_eq!(count["rows"], 400, "replica {replica}: {count}");
     }
     eprintln!("{unknown} answers were 503 (outcome unknown) and retried with their key");
-    interrupt(&child);
-    assert_clean_exit(&mut child, &data);
+    stop_dev(&mut child, &data);
 }
 
 /// `ferry insert` of a large NDJSON file: memory stays bounded whatever the
@@ -842,32 +765,18 @@ fn ferry_insert_streams_a_large_file_with_bounded_memory() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(1024);
-    let dir = tempfile::tempdir().expect("tempdir");
-    let data = dir.path().join("data");
-    let (mut child, lines) = start_dev(&data);
-    let url = base_url(&lines);
-    let rt = runtime();
-    rt.block_on(client(&url, None).create_table(&def()))
-        .expect("create table");
+    let (dir, data, mut child, lines) = start_fresh_dev();
+    let (url, _, _) = with_events(&lines, None);
     // Write the file: lines of about 200 bytes.
     let path = dir.path().join("big.ndjson");
-    let mut rows = 0u64;
-    {
-        use std::io::Write as _;
-        let mut w = std::io::BufWriter::new(std::fs::File::create(&path).expect("create"));
-        let mut written = 0u64;
-        let pad = "p".repeat(60);
-        while written < mib << 20 {
-            let line = format!(
-                "{{\"id\":{rows},\"small\":{},\"f\":{}.5,\"b\":true,\"s\":\"{pad}\",\"d\":\"2024-01-02\",\"ts\":\"2024-01-02T03:04:05Z\"}}\n",
-                rows % 1000,
-                rows % 7
-            );
-            w.write_all(line.as_bytes()).expect("write");
-            written += line.len() as u64;
-            rows += 1;
-        }
-    }
+    let pad = "p".repeat(60);
+    let rows = write_rows(&path, mib << 20, |row| {
+        format!(
+            "{{\"id\":{row},\"small\":{},\"f\":{}.5,\"b\":true,\"s\":\"{pad}\",\"d\":\"2024-01-02\",\"ts\":\"2024-01-02T03:04:05Z\"}}\n",
+            row % 1000,
+            row % 7
+        )
+    });
     let out = Command::new(FERRY)
         .args(["insert", "events"])
         .arg(&path)
@@ -875,12 +784,7 @@ fn ferry_insert_streams_a_large_file_with_bounded_memory() {
         .stdin(Stdio::null())
         .output()
         .expect("ferry insert");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = succeeded(&out);
     assert!(
         stdout.contains(&format!("inserted {rows} rows into events")),
         "{stdout}"
@@ -905,22 +809,12 @@ fn ferry_insert_streams_a_large_file_with_bounded_memory() {
         ])
         .output()
         .expect("ferry query count");
-    assert!(
-        counted.status.success(),
-        "{}",
-        String::from_utf8_lossy(&counted.stderr)
-    );
     assert_eq!(
-        String::from_utf8_lossy(&counted.stdout).trim(),
+        succeeded(&counted).trim(),
         rows.to_string(),
         "every row, read at the last commit_lsn"
     );
-    let peak: u64 = stdout
-        .split("peak memory ")
-        .nth(1)
-        .and_then(|r| r.split(' ').next())
-        .and_then(|n| n.parse().ok())
-        .expect("peak memory in the summary");
+    let peak = number_after(&stdout, "peak memory ");
     assert!(
         peak < 200,
         "ferry insert peaked at {peak} MiB for a {mib} MiB file"
@@ -940,8 +834,23 @@ fn ferry_insert_streams_a_large_file_with_bounded_memory() {
     eprintln!(
         "{mib} MiB, {rows} rows: ferry insert peaked at {peak} MiB, ferry dev at {server_peak} MiB"
     );
-    interrupt(&child);
-    assert_clean_exit(&mut child, &data);
+    stop_dev(&mut child, &data);
+}
+
+/// Writes the lines `line(0)`, `line(1)`... to a new file at `path` until
+/// they reach `bytes`; returns how many it wrote.
+fn write_rows(path: &std::path::Path, bytes: u64, line: impl Fn(u64) -> String) -> u64 {
+    use std::io::Write as _;
+    let mut w = std::io::BufWriter::new(std::fs::File::create(path).expect("create"));
+    let (mut written, mut rows) = (0u64, 0u64);
+    while written < bytes {
+        let line = line(rows);
+        w.write_all(line.as_bytes()).expect("write");
+        written += line.len() as u64;
+        rows += 1;
+    }
+    w.flush().expect("flush");
+    rows
 }
 
 fn proc_peak_mib(pid: u32) -> u64 {
@@ -1018,10 +927,7 @@ fn a_configuration_file_applies_under_the_flags() {
     )
     .expect("write");
     let (mut child, lines) = start_dev_with(&data, &["--config", file.to_str().expect("path")]);
-    let url = base_url(&lines);
-    let rt = runtime();
-    let c = client(&url, None);
-    rt.block_on(c.create_table(&def())).expect("create table");
+    let (_, rt, c) = with_events(&lines, None);
     let (status, e) = api_error(rt.block_on(c.insert_body(
         "events",
         Format::Ndjson,
@@ -1029,8 +935,7 @@ fn a_configuration_file_applies_under_the_flags() {
         None,
     )));
     assert_eq!((status, e.kind.as_str()), (413, "too_many_rows"), "{e:?}");
-    interrupt(&child);
-    assert_clean_exit(&mut child, &data);
+    stop_dev(&mut child, &data);
 }
 
 /// `ferry dev --demo`: inserts, both replicas apply, identical parts, one
@@ -1052,12 +957,7 @@ fn the_demo_runs_and_exits_cleanly() {
         .stdin(Stdio::null())
         .output()
         .expect("ferry dev --demo");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = succeeded(&out);
     assert!(stdout.contains("inserted 250000 rows"), "{stdout}");
     assert!(stdout.contains("replica 1 applied up to"), "{stdout}");
     assert!(stdout.contains("250000 rows in the table"), "{stdout}");
@@ -1116,12 +1016,10 @@ impl ferry_replica::Tables for NoTables {
 
 #[test]
 fn a_clean_stop_waits_until_both_replicas_applied_the_checkpoint() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let data = dir.path().join("data");
-    let (child, lines) = start_dev(&data);
+    let (dir, data, child, lines) = start_fresh_dev();
     let url = base_url(&lines);
     let file = dir.path().join("events.toml");
-    std::fs::write(&file, TABLE).expect("write definition");
+    std::fs::write(&file, table_toml()).expect("write definition");
     let (ok, out, err) = ferry(
         &["table", "create", "--file", file.to_str().expect("path")],
         &url,
@@ -1173,13 +1071,8 @@ fn a_clean_stop_waits_until_both_replicas_applied_the_checkpoint() {
 /// committed; NaN inserted in every format reads back as NaN, not null.
 #[test]
 fn floats_for_integers_and_open_quotes_are_refused_and_nan_stays_nan() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let data = dir.path().join("data");
-    let (mut child, lines) = start_dev(&data);
-    let url = base_url(&lines);
-    let rt = runtime();
-    let c = client(&url, None);
-    rt.block_on(c.create_table(&def())).expect("create table");
+    let (_dir, data, mut child, lines) = start_fresh_dev();
+    let (url, rt, c) = with_events(&lines, None);
     let good = r#"{"id":1,"small":1,"b":true,"d":"2024-01-02","ts":"2024-01-02T00:00:00Z"}"#;
     let start = commit_lsn(&url);
     for (what, format, text, row, column) in [
@@ -1288,8 +1181,7 @@ fn floats_for_integers_and_open_quotes_are_refused_and_nan_stays_nan() {
         floats.iter().all(|f| f.is_some_and(f64::is_nan)),
         "{floats:?}"
     );
-    interrupt(&child);
-    assert_clean_exit(&mut child, &data);
+    stop_dev(&mut child, &data);
 }
 
 /// `ferry insert FILE --idempotency-key BASE` run again, with other chunking
@@ -1297,30 +1189,16 @@ fn floats_for_integers_and_open_quotes_are_refused_and_nan_stays_nan() {
 /// `--chunk-bytes` with a base is refused before anything is sent.
 #[test]
 fn ferry_insert_run_again_with_the_same_base_never_duplicates() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let data = dir.path().join("data");
-    let (child, lines) = start_dev(&data);
-    let url = base_url(&lines);
-    let rt = runtime();
-    rt.block_on(client(&url, None).create_table(&def()))
-        .expect("create table");
+    let (dir, data, child, lines) = start_fresh_dev();
+    let (url, _, _) = with_events(&lines, None);
     // About 10 MiB: two chunks of the fixed 8 MiB.
     let path = dir.path().join("rows.ndjson");
-    let mut rows = 0u64;
-    {
-        use std::io::Write as _;
-        let mut w = std::io::BufWriter::new(std::fs::File::create(&path).expect("create"));
-        let mut written = 0u64;
-        let pad = "p".repeat(100);
-        while written < 10 << 20 {
-            let line = format!(
-                "{{\"id\":{rows},\"small\":1,\"b\":true,\"s\":\"{pad}\",\"d\":\"2024-01-02\",\"ts\":\"2024-01-02T03:04:05Z\"}}\n"
-            );
-            w.write_all(line.as_bytes()).expect("write");
-            written += line.len() as u64;
-            rows += 1;
-        }
-    }
+    let pad = "p".repeat(100);
+    let rows = write_rows(&path, 10 << 20, |row| {
+        format!(
+            "{{\"id\":{row},\"small\":1,\"b\":true,\"s\":\"{pad}\",\"d\":\"2024-01-02\",\"ts\":\"2024-01-02T03:04:05Z\"}}\n"
+        )
+    });
     let file = path.to_str().expect("path");
     let insert = |url: &str, extra: &[&str]| {
         let mut args = vec!["insert", "events", file, "--idempotency-key", "load-1"];
@@ -1368,8 +1246,7 @@ fn ferry_insert_run_again_with_the_same_base_never_duplicates() {
     // After a restart the node remembers no key: the re-run is written again
     // and the replicas skip every record of it.
     let mut child = child;
-    interrupt(&child);
-    assert_clean_exit(&mut child, &data);
+    stop_dev(&mut child, &data);
     let (mut child, lines) = start_dev(&data);
     let url = base_url(&lines);
     let (ok, out, err) = insert(&url, &["--chunk-bytes", "1000000"]);
@@ -1402,6 +1279,5 @@ fn ferry_insert_run_again_with_the_same_base_never_duplicates() {
         "{out}{err}"
     );
     assert_eq!(count_everywhere(&url), [rows, rows]);
-    interrupt(&child);
-    assert_clean_exit(&mut child, &data);
+    stop_dev(&mut child, &data);
 }

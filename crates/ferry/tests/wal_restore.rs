@@ -8,45 +8,21 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
+use common::{flush_of, Flow};
 use ferry_env::TcpNetwork;
-use ferry_wal::record::Record;
 use ferry_wal::Lsn;
-use ferry_writer::driver::{encode_records, Writer, WriterConfig, WriterStatus};
+use ferry_writer::driver::{Writer, WriterConfig};
 use ferry_writer::proposer::ProposerConfig;
 
 mod common;
 
+use ferry_testkit::writer::status_reaches;
+
 const SEG: u64 = 256 << 10;
 const CLUSTER: &str = "restore-test";
 
-fn insert(block: u64) -> Bytes {
-    encode_records(&[Record::Insert {
-        shard: 0,
-        idempotency_key: Bytes::new(),
-        table_id: 3,
-        block_number: block,
-        arrow_ipc: Bytes::from(vec![(block % 256) as u8; 2000]),
-    }])
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Flow {
-    Run,
-    Pause,
-    Stop,
-}
-
 fn lsn(s: &str) -> Lsn {
     s.parse().unwrap_or(Lsn(0))
-}
-
-fn flush_of(s: &WriterStatus, peer: usize) -> Lsn {
-    s.peers[peer]
-        .flush_lsn
-        .as_deref()
-        .map(lsn)
-        .unwrap_or(Lsn(0))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -77,13 +53,14 @@ async fn a_lost_safekeeper_is_restored_from_the_backup_while_writes_go_on() {
     let start = |id: u64, listen: &str, extra: &'static [&'static str]| {
         let args = service(extra);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        common::start_safekeeper_with(
+        common::start_safekeeper_watching(
             id,
             &dir.path().join(format!("sk{id}")),
             listen,
             &args,
             CLUSTER,
             SEG,
+            |_| {},
         )
     };
     let mut children = Vec::new();
@@ -108,36 +85,17 @@ async fn a_lost_safekeeper_is_restored_from_the_backup_while_writes_go_on() {
     let writer = Arc::new(Writer::start(Arc::new(TcpNetwork), config));
 
     // Appends stream one after the other while the flow is Run.
-    let (flow, mut flow_rx) = tokio::sync::watch::channel(Flow::Run);
-    let appends = {
-        let writer = Arc::clone(&writer);
-        tokio::spawn(async move {
-            let mut acked = Vec::new();
-            let mut block = 0u64;
-            loop {
-                let now = *flow_rx
-                    .wait_for(|f| *f != Flow::Pause)
-                    .await
-                    .expect("test runs");
-                if now == Flow::Stop {
-                    break;
-                }
-                let end = writer.append(insert(block)).await.expect("acknowledged");
-                acked.push((block, end));
-                block += 1;
-            }
-            acked
-        })
-    };
+    let (flow, flow_rx) = tokio::sync::watch::channel(Flow::Run);
+    let appends = common::spawn_appends(&writer, flow_rx);
     let mut status = writer.subscribe();
     // Some whole segments in the backup first.
-    tokio::time::timeout(
+    status_reaches(
+        &mut status,
         Duration::from_secs(60),
-        status.wait_for(|s| lsn(&s.backup_lsn) >= Lsn(4 * SEG)),
+        "segments are backed up",
+        |s| lsn(&s.backup_lsn) >= Lsn(4 * SEG),
     )
-    .await
-    .expect("segments are backed up")
-    .expect("writer runs");
+    .await;
     // A pause longer than the partial backup timeout: every safekeeper
     // uploads the flushed prefix of the segment being written.
     flow.send_replace(Flow::Pause);
@@ -190,12 +148,8 @@ async fn a_lost_safekeeper_is_restored_from_the_backup_while_writes_go_on() {
         .arg(dir.path().join("sk2"))
         .output()
         .expect("run");
-    assert!(!refused.status.success());
-    assert!(
-        String::from_utf8_lossy(&refused.stderr).contains("data was lost"),
-        "{}",
-        String::from_utf8_lossy(&refused.stderr)
-    );
+    let refusal = common::failed(&refused);
+    assert!(refusal.contains("data was lost"), "{refusal}");
     let before_restore = lsn(&writer.status().commit_lsn);
     // The backup is briefly incomplete (segment 0 away, as while the first
     // segment's upload is still running): the restore is retried, and ends
@@ -246,12 +200,7 @@ async fn a_lost_safekeeper_is_restored_from_the_backup_while_writes_go_on() {
         .iter()
         .find(|l| l.contains("whole segments"))
         .unwrap_or_else(|| panic!("a restore report: {printed:?}"));
-    let whole: u64 = restored
-        .split("restored ")
-        .nth(1)
-        .and_then(|r| r.split(' ').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("segment count in {restored:?}"));
+    let whole = common::number_after(restored, "restored ");
     assert!(whole >= 4, "{restored}");
     assert!(
         restored.contains(" and partial ") && restored.contains(&format!("WAL up to {paused_end}")),
@@ -262,34 +211,15 @@ async fn a_lost_safekeeper_is_restored_from_the_backup_while_writes_go_on() {
     // with WAL written after it came back.
     let after_restore = lsn(&writer.status().end_lsn);
     assert!(after_restore >= before_restore);
-    tokio::time::timeout(
+    status_reaches(
+        &mut status,
         Duration::from_secs(60),
-        status.wait_for(|s| flush_of(s, 2) >= after_restore),
+        "the restored safekeeper is brought back and catches up",
+        |s| flush_of(s, 2) >= after_restore,
     )
-    .await
-    .expect("the restored safekeeper is brought back and catches up")
-    .expect("writer runs");
+    .await;
     flow.send_replace(Flow::Stop);
-    let acked = tokio::time::timeout(Duration::from_secs(60), appends)
-        .await
-        .expect("in time")
-        .expect("task");
-    let writer = Arc::into_inner(writer).expect("sole owner");
-    let end = writer.shutdown().await.expect("clean shutdown");
-
-    let blocks: Vec<u64> = acked.iter().map(|(b, _)| *b).collect();
-    for addr in &addrs {
-        let held =
-            tokio::time::timeout(Duration::from_secs(30), common::committed_blocks(addr, end))
-                .await
-                .unwrap_or_else(|_| panic!("safekeeper {addr} reaches {end}"));
-        assert_eq!(
-            held, blocks,
-            "safekeeper {addr} has every acknowledged insert once, in order"
-        );
-    }
-    for mut child in children {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
+    let (blocks, end) = common::stop_appending(writer, appends).await;
+    common::assert_every_safekeeper_holds(&addrs, &blocks, end).await;
+    drop(children);
 }

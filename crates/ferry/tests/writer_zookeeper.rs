@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -15,30 +14,24 @@ use ferry_client::Client;
 use ferry_coord::zk::{ZkOptions, ZkSession};
 use ferry_coord::Coordination;
 use ferry_table::Format;
+use ferry_testkit::table::TableToml;
 
 const SEG: u64 = 1 << 20;
 const CLUSTER: &str = "writer-zk-test";
 
-const TABLE: &str = r#"
-name = "t"
-partition_by = { column = "day", transform = "identity" }
-shard_by = { column = "id", shards = 2 }
-[[columns]]
-name = "id"
-type = "Int64"
-[[columns]]
-name = "day"
-type = "Date"
-"#;
+/// Table `t`: `id` Int64 (2 shards), partitioned by `day` (Date).
+fn table_toml() -> String {
+    TableToml::new("t", ("day", "identity"), ("id", 2))
+        .column("id", "Int64")
+        .column("day", "Date")
+        .toml()
+}
 
 /// Spawns `cmd` (its stderr set by the caller) and returns it with its HTTP
 /// base URL, read from the "status on http://.../status" of its first line.
 fn spawn_node(mut cmd: Command) -> (Proc, String) {
-    let mut child = Proc::spawn(cmd.stdout(Stdio::piped()));
-    let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
-    let mut line = String::new();
-    reader.read_line(&mut line).expect("read");
-    std::thread::spawn(move || for _ in reader.lines().map_while(Result::ok) {});
+    let (mut child, first) = spawn_until(&mut cmd, |_| true);
+    let line = first.unwrap_or_default().concat();
     let url = line
         .split("status on ")
         .nth(1)
@@ -53,24 +46,16 @@ fn spawn_node(mut cmd: Command) -> (Proc, String) {
     (child, url)
 }
 
+/// `ferry writer` of `cluster` with ZooKeeper at `zk`.
+fn writer_with_zookeeper(addrs: &[String], zk: &str, cluster: &str) -> Command {
+    let mut cmd = writer_command(cluster, addrs, SEG);
+    cmd.args(["--zookeeper", zk]);
+    cmd
+}
+
 /// Starts `ferry writer`; returns it and its HTTP base URL.
 fn start_writer(addrs: &[String], zk: &str, cluster: &str) -> (Proc, String) {
-    let mut cmd = Command::new(FERRY);
-    cmd.args([
-        "writer",
-        "--cluster-id",
-        cluster,
-        "--safekeepers",
-        &addrs.join(","),
-    ])
-    .args([
-        "--segment-bytes",
-        &SEG.to_string(),
-        "--http",
-        "127.0.0.1:0",
-        "--zookeeper",
-        zk,
-    ]);
+    let mut cmd = writer_with_zookeeper(addrs, zk, cluster);
     // Read at exit: a refusal is asserted on.
     cmd.stderr(Stdio::piped());
     spawn_node(cmd)
@@ -79,16 +64,7 @@ fn start_writer(addrs: &[String], zk: &str, cluster: &str) -> (Proc, String) {
 /// Starts `ferry writer` expected to exit at start (its stderr is read).
 fn start_writer_or_exit(addrs: &[String], zk: &str) -> (Proc, ()) {
     let child = Proc::spawn(
-        Command::new(FERRY)
-            .args([
-                "writer",
-                "--cluster-id",
-                CLUSTER,
-                "--safekeepers",
-                &addrs.join(","),
-            ])
-            .args(["--segment-bytes", &SEG.to_string(), "--http", "127.0.0.1:0"])
-            .args(["--zookeeper", zk])
+        writer_with_zookeeper(addrs, zk, CLUSTER)
             .stdout(Stdio::null())
             .stderr(Stdio::piped()),
     );
@@ -121,12 +97,19 @@ fn start_replica(addrs: &[String], zk: &str, shard: u32, dir: &std::path::Path) 
     spawn_node(cmd)
 }
 
-/// Runs `ferry replica` with `args` (after the ZooKeeper and data-dir flags)
-/// to its end; it must fail: returns its stderr.
-fn replica_refusal(zk: &str, dir: &std::path::Path, args: &[&str]) -> String {
+/// Runs `ferry replica` of `shard` (replica 0) in cluster `cluster_id` on
+/// `safekeepers`, with ZooKeeper at `zk`, to its end; it must fail without
+/// touching its data dir `dir`: returns its stderr.
+fn replica_refusal(
+    zk: &str,
+    dir: &std::path::Path,
+    cluster_id: &str,
+    shard: &str,
+    safekeepers: &str,
+) -> String {
     let out = Command::new(FERRY)
-        .arg("replica")
-        .args(args)
+        .args(["replica", "--cluster-id", cluster_id, "--shard", shard])
+        .args(["--replica", "0", "--safekeepers", safekeepers])
         .args(["--zookeeper", zk, "--http", "127.0.0.1:0", "--data-dir"])
         .arg(dir)
         .stdin(Stdio::null())
@@ -140,65 +123,85 @@ fn replica_refusal(zk: &str, dir: &std::path::Path, args: &[&str]) -> String {
 
 /// Waits (at most 60 s) for `child` to exit; returns its success and stderr.
 fn wait_exit(child: &mut Child) -> (bool, String) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Some(status) = child.try_wait().expect("poll") {
-            let mut err = String::new();
-            use std::io::Read as _;
-            let _ = child.stderr.take().map(|mut e| e.read_to_string(&mut err));
-            return (status.success(), err);
-        }
-        assert!(Instant::now() < deadline, "did not exit in time");
-        std::thread::sleep(Duration::from_millis(20));
+    common::wait_exit(child, Duration::from_secs(60))
+}
+
+/// Ctrl-C to each safekeeper, and its end.
+fn stop_all(safekeepers: &mut [Proc]) {
+    for s in safekeepers {
+        interrupt(s);
+        let _ = s.wait();
     }
 }
 
-/// A fresh chroot under `zk` for one test; its connect string.
-async fn fresh_chroot(zk: &str, name: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or_default();
-    let chroot = format!("/{name}-{}-{nanos}", std::process::id());
-    let root = ZkSession::connect(&ZkOptions::new(zk.to_string()))
+/// Ctrl-C to each replica, which must stop cleanly.
+fn stop_replicas(replicas: &mut [Proc]) {
+    for r in replicas {
+        interrupt(r);
+        let (ok, err) = wait_exit(r);
+        assert!(ok, "replica stops cleanly: {err}");
+    }
+}
+
+/// What a test of the distributed roles starts with: a runtime, a fresh
+/// chroot (its connect string), the test's folder, three safekeepers with
+/// their addresses, and a first writer with its URL.
+struct ZkCluster {
+    rt: tokio::runtime::Runtime,
+    connect: String,
+    dir: tempfile::TempDir,
+    safekeepers: Vec<Proc>,
+    addrs: Vec<String>,
+    writer: Proc,
+    url: String,
+}
+
+/// A [`ZkCluster`] on ZooKeeper `zk`, its chroot named after `name`, its
+/// safekeepers under `wal_dir` of the test's folder.
+fn start_cluster(zk: &str, name: &str, wal_dir: &str) -> ZkCluster {
+    let rt = runtime();
+    let connect = rt.block_on(ferry_testkit::services::zookeeper_chroot(zk, name));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (safekeepers, addrs) = start_three_safekeepers(&dir.path().join(wal_dir), CLUSTER, SEG);
+    let (writer, url) = start_writer(&addrs, &connect, CLUSTER);
+    ZkCluster {
+        rt,
+        connect,
+        dir,
+        safekeepers,
+        addrs,
+        writer,
+        url,
+    }
+}
+
+impl ZkCluster {
+    /// Starts the replica of `shard` on its data dir in the test's folder.
+    fn replica(&self, shard: u32) -> (Proc, String) {
+        let dir = self.dir.path().join(format!("replica{shard}"));
+        start_replica(&self.addrs, &self.connect, shard, &dir)
+    }
+}
+
+/// A session of the ZooKeeper at `connect` (a chroot included).
+async fn zk_session(connect: &str) -> ZkSession {
+    ZkSession::connect(&ZkOptions::new(connect.to_string()))
         .await
-        .expect("ZooKeeper");
-    ferry_coord::create_all(&root, &chroot)
-        .await
-        .expect("chroot");
-    root.close().await;
-    format!("{zk}{chroot}")
+        .expect("ZooKeeper")
 }
 
 /// Runs a `ferry` client command against the node at `node`: its success
 /// and its stdout and stderr together.
 fn ferry_cli(node: &str, args: &[&str]) -> (bool, String) {
-    let out = Command::new(FERRY)
-        .args(args)
-        .env("FERRY_URL", node)
-        .env_remove("FERRY_API_TOKEN")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run ferry");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
-    )
+    let (ok, out, err) = ferry(args, node);
+    (ok, out + &err)
 }
 
 /// The one commit file of `partition` in the local lake (asserted to be one).
 fn only_commit_file(lake: &std::path::Path, partition: &str) -> serde_json::Value {
-    let commits: Vec<_> = std::fs::read_dir(lake)
-        .expect("lake")
-        .filter_map(Result::ok)
-        .filter(|e| {
-            e.file_name()
-                .to_string_lossy()
-                .starts_with(&format!("commit_{partition}_"))
-        })
-        .collect();
+    let mut commits = commit_files(lake, &format!("commit_{partition}_"));
     assert_eq!(commits.len(), 1, "one commit file for {partition}");
-    serde_json::from_slice(&std::fs::read(commits[0].path()).expect("read")).expect("JSON")
+    commits.remove(0)
 }
 
 async fn insert_until_elected(c: &Client, base: i64) -> ferry_client::Inserted {
@@ -224,31 +227,25 @@ async fn insert_until_elected(c: &Client, base: i64) -> ferry_client::Inserted {
 #[test]
 fn the_distributed_writer_serves_inserts_and_refuses_a_younger_quorum() {
     let Some(zk) = zk_address() else { return };
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let connect = rt.block_on(fresh_chroot(&zk, "writer-test"));
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (mut safekeepers, addrs) = start_three_safekeepers(&dir.path().join("a"), CLUSTER, SEG);
-
     // First writer: creates the cluster record, takes a table and inserts.
-    let (mut writer, url) = start_writer(&addrs, &connect, CLUSTER);
-    let c = Client::new(&url, None, Duration::from_secs(30)).expect("client");
-    let first = rt.block_on(async {
-        c.create_table_toml(TABLE).await.expect("create table");
+    let mut cluster = start_cluster(&zk, "writer-test", "a");
+    let c = node_client(&cluster.url);
+    let first = cluster.rt.block_on(async {
+        c.create_table_toml(&table_toml())
+            .await
+            .expect("create table");
         insert_until_elected(&c, 0).await
     });
     assert_eq!(first.rows, 2);
-    interrupt(&writer);
-    let (ok, err) = wait_exit(&mut writer);
+    interrupt(&cluster.writer);
+    let (ok, err) = wait_exit(&mut cluster.writer);
     assert!(ok, "clean stop: {err}");
 
     // The safekeepers' order is part of the cluster record: another order
     // would move the backup duty.
-    let mut reordered = addrs.clone();
+    let mut reordered = cluster.addrs.clone();
     reordered.reverse();
-    let (mut misordered, _) = start_writer_or_exit(&reordered, &connect);
+    let (mut misordered, _) = start_writer_or_exit(&reordered, &cluster.connect);
     let (ok, err) = wait_exit(&mut misordered);
     assert!(
         !ok && err.contains("same safekeepers, another order"),
@@ -257,65 +254,24 @@ fn the_distributed_writer_serves_inserts_and_refuses_a_younger_quorum() {
 
     // A replica is checked against the cluster before it registers: its
     // cluster, its safekeepers, and a shard some table has.
-    let refused = dir.path().join("refused-replica");
-    let all = addrs.join(",");
-    let err = replica_refusal(
-        &connect,
-        &refused,
-        &[
-            "--cluster-id",
-            "another",
-            "--shard",
-            "0",
-            "--replica",
-            "0",
-            "--safekeepers",
-            &all,
-        ],
-    );
+    let refused = cluster.dir.path().join("refused-replica");
+    let all = cluster.addrs.join(",");
+    let err = replica_refusal(&cluster.connect, &refused, "another", "0", &all);
     assert!(err.contains("belongs to cluster writer-zk-test"), "{err}");
-    let err = replica_refusal(
-        &connect,
-        &refused,
-        &[
-            "--cluster-id",
-            CLUSTER,
-            "--shard",
-            "5",
-            "--replica",
-            "0",
-            "--safekeepers",
-            &all,
-        ],
-    );
+    let err = replica_refusal(&cluster.connect, &refused, CLUSTER, "5", &all);
     assert!(
         err.contains("--shard 5 does not exist") && err.contains("t has 2"),
         "{err}"
     );
-    let err = replica_refusal(
-        &connect,
-        &refused,
-        &[
-            "--cluster-id",
-            CLUSTER,
-            "--shard",
-            "0",
-            "--replica",
-            "0",
-            "--safekeepers",
-            "127.0.0.1:1",
-        ],
-    );
+    let err = replica_refusal(&cluster.connect, &refused, CLUSTER, "0", "127.0.0.1:1");
     assert!(
         err.contains("which the cluster record does not list"),
         "{err}"
     );
 
     // The last known commit is in ZooKeeper, past the insert.
-    let known: serde_json::Value = rt.block_on(async {
-        let s = ZkSession::connect(&ZkOptions::new(connect.clone()))
-            .await
-            .expect("ZooKeeper");
+    let known: serde_json::Value = cluster.rt.block_on(async {
+        let s = zk_session(&cluster.connect).await;
         let (data, _) = s.get("/ferry/wal").await.expect("/ferry/wal");
         s.close().await;
         serde_json::from_slice(&data).expect("JSON")
@@ -328,9 +284,9 @@ fn the_distributed_writer_serves_inserts_and_refuses_a_younger_quorum() {
     );
 
     // A second writer takes over: the table is there, inserts go on.
-    let (mut writer, url) = start_writer(&addrs, &connect, CLUSTER);
-    let c = Client::new(&url, None, Duration::from_secs(30)).expect("client");
-    let second = rt.block_on(async {
+    let (mut writer, url) = start_writer(&cluster.addrs, &cluster.connect, CLUSTER);
+    let c = node_client(&url);
+    let second = cluster.rt.block_on(async {
         assert_eq!(c.tables().await.expect("tables").len(), 1);
         insert_until_elected(&c, 10).await
     });
@@ -340,24 +296,18 @@ fn the_distributed_writer_serves_inserts_and_refuses_a_younger_quorum() {
     let mut replica_urls = Vec::new();
     let mut total = 0;
     for shard in 0..2 {
-        let (child, rurl) = start_replica(
-            &addrs,
-            &connect,
-            shard,
-            &dir.path().join(format!("replica{shard}")),
-        );
+        let (child, rurl) = cluster.replica(shard);
         replicas.push(child);
         replica_urls.push(rurl.clone());
-        let rc = Client::new(&rurl, None, Duration::from_secs(30)).expect("client");
-        total += rt
+        let rc = node_client(&rurl);
+        total += cluster
+            .rt
             .block_on(rc.count("t", None, 0, Some(&second.commit_lsn)))
             .expect("count once applied");
     }
     assert_eq!(total, 4, "each row on the replica of its shard, once");
-    let registered = rt.block_on(async {
-        let s = ZkSession::connect(&ZkOptions::new(connect.clone()))
-            .await
-            .expect("ZooKeeper");
+    let registered = cluster.rt.block_on(async {
+        let s = zk_session(&cluster.connect).await;
         let deadline = Instant::now() + Duration::from_secs(20);
         let children = loop {
             let (children, _) = s.children("/ferry/replicas").await.unwrap_or_default();
@@ -376,7 +326,7 @@ fn the_distributed_writer_serves_inserts_and_refuses_a_younger_quorum() {
     // An export sent to the replica of shard 0 snapshots shard 1 through its
     // replica; each replica exports its shard's parts, one commit file
     // lists them all.
-    let third = rt.block_on(async {
+    let third = cluster.rt.block_on(async {
         let body: String = (100..120)
             .map(|id| format!("{{\"id\":{id},\"day\":\"2024-05-03\"}}\n"))
             .collect();
@@ -385,8 +335,9 @@ fn the_distributed_writer_serves_inserts_and_refuses_a_younger_quorum() {
             .expect("insert")
     });
     for (shard, rurl) in replica_urls.iter().enumerate() {
-        let rc = Client::new(rurl, None, Duration::from_secs(30)).expect("client");
-        let n = rt
+        let rc = node_client(rurl);
+        let n = cluster
+            .rt
             .block_on(rc.count("t", Some("20240503"), 0, Some(&third.commit_lsn)))
             .expect("count");
         assert!(
@@ -394,7 +345,7 @@ fn the_distributed_writer_serves_inserts_and_refuses_a_younger_quorum() {
             "shard {shard} holds some of the partition: {n}"
         );
     }
-    let lake = dir.path().join("lake");
+    let lake = cluster.dir.path().join("lake");
     let lake_url = format!("file://{}", lake.display());
     let cli = |args: &[&str]| ferry_cli(&replica_urls[0], args);
     let (ok, out) = cli(&["export", "t", "20240503", "--to", &lake_url, "--wait"]);
@@ -408,47 +359,40 @@ fn the_distributed_writer_serves_inserts_and_refuses_a_younger_quorum() {
     // Each replica exported the parts of its own shard (none holds the other's).
     let mut exported = 0;
     for rurl in &replica_urls {
-        let rc = Client::new(rurl, None, Duration::from_secs(30)).expect("client");
-        let view = rt.block_on(rc.get_json("/exports")).expect("exports");
-        let n = view["counters"]["parts_exported"]
-            .as_u64()
-            .expect("counter");
+        let rc = node_client(rurl);
+        let view = cluster
+            .rt
+            .block_on(rc.get_json("/exports"))
+            .expect("exports");
+        let n = parts_exported(&view);
         assert!(n > 0, "{rurl} exported parts of its shard: {view}");
         exported += n;
     }
     assert_eq!(exported, files.len() as u64, "each part exported once");
-    let writers = rt.block_on(async {
-        let s = ZkSession::connect(&ZkOptions::new(connect.clone()))
-            .await
-            .expect("ZooKeeper");
+    let writers = cluster.rt.block_on(async {
+        let s = zk_session(&cluster.connect).await;
         let (children, _) = s.children("/ferry/writers").await.expect("writers");
         s.close().await;
         children
     });
     assert_eq!(writers.len(), 1, "the writer registers itself: {writers:?}");
-    for r in &mut replicas {
-        interrupt(r);
-        let (ok, err) = wait_exit(r);
-        assert!(ok, "replica stops cleanly: {err}");
-    }
+    stop_replicas(&mut replicas);
     assert!(second.blocks[0] >= first.commit_lsn.parse::<ferry_wal::Lsn>().expect("lsn").0);
     interrupt(&writer);
     assert!(wait_exit(&mut writer).0);
-    for s in &mut safekeepers {
-        interrupt(s);
-        let _ = s.wait();
-    }
+    stop_all(&mut cluster.safekeepers);
 
     // Safekeepers made anew (their WAL lost) at the same addresses cannot
     // hold what was committed: a writer knowing the commit refuses to get
     // elected on them.
-    let (mut fresh, fresh_addrs): (Vec<_>, Vec<_>) = addrs
+    let (mut fresh, fresh_addrs): (Vec<_>, Vec<_>) = cluster
+        .addrs
         .iter()
         .enumerate()
         .map(|(id, addr)| {
             start_safekeeper(
                 id as u64,
-                &dir.path().join(format!("b/sk{id}")),
+                &cluster.dir.path().join(format!("b/sk{id}")),
                 addr,
                 true,
                 CLUSTER,
@@ -456,28 +400,13 @@ fn the_distributed_writer_serves_inserts_and_refuses_a_younger_quorum() {
             )
         })
         .unzip();
-    assert_eq!(fresh_addrs, addrs);
-    let (mut writer, _) = start_writer(&fresh_addrs, &connect, CLUSTER);
+    assert_eq!(fresh_addrs, cluster.addrs);
+    let (mut writer, _) = start_writer(&fresh_addrs, &cluster.connect, CLUSTER);
     let (ok, err) = wait_exit(&mut writer);
     assert!(!ok && err.contains("refused"), "{err}");
 
     // A coordination store of another cluster is refused at start.
-    let out = Command::new(FERRY)
-        .args([
-            "writer",
-            "--cluster-id",
-            "another",
-            "--safekeepers",
-            &fresh_addrs.join(","),
-        ])
-        .args([
-            "--segment-bytes",
-            &SEG.to_string(),
-            "--http",
-            "127.0.0.1:0",
-            "--zookeeper",
-            &connect,
-        ])
+    let out = writer_with_zookeeper(&fresh_addrs, &cluster.connect, "another")
         .output()
         .expect("run writer");
     let err = String::from_utf8_lossy(&out.stderr);
@@ -485,18 +414,13 @@ fn the_distributed_writer_serves_inserts_and_refuses_a_younger_quorum() {
         !out.status.success() && err.contains("belongs to cluster writer-zk-test"),
         "{err}"
     );
-    for s in &mut fresh {
-        interrupt(s);
-        let _ = s.wait();
-    }
+    stop_all(&mut fresh);
 }
 
 /// The status of the export of `partition` as ZooKeeper holds it, and how
 /// many parts are left in its `processing/`.
 async fn task_state(connect: &str, partition: &str) -> (String, usize) {
-    let s = ZkSession::connect(&ZkOptions::new(connect.to_string()))
-        .await
-        .expect("ZooKeeper");
+    let s = zk_session(connect).await;
     let (keys, _) = s
         .children("/ferry/tables/t/exports")
         .await
@@ -518,32 +442,22 @@ async fn task_state(connect: &str, partition: &str) -> (String, usize) {
 #[test]
 fn an_export_survives_kill_9_of_a_replica_in_the_middle() {
     let Some(zk) = zk_address() else { return };
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let connect = rt.block_on(fresh_chroot(&zk, "export-kill-test"));
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (mut safekeepers, addrs) = start_three_safekeepers(&dir.path().join("wal"), CLUSTER, SEG);
-    let (mut writer, url) = start_writer(&addrs, &connect, CLUSTER);
-    let c = Client::new(&url, None, Duration::from_secs(30)).expect("client");
-    rt.block_on(async {
-        c.create_table_toml(TABLE).await.expect("create table");
+    let mut cluster = start_cluster(&zk, "export-kill-test", "wal");
+    let c = node_client(&cluster.url);
+    cluster.rt.block_on(async {
+        c.create_table_toml(&table_toml())
+            .await
+            .expect("create table");
         insert_until_elected(&c, 0).await
     });
     let mut replicas = Vec::new();
     let mut urls = Vec::new();
     for shard in 0..2 {
-        let (child, rurl) = start_replica(
-            &addrs,
-            &connect,
-            shard,
-            &dir.path().join(format!("replica{shard}")),
-        );
+        let (child, rurl) = cluster.replica(shard);
         replicas.push(child);
         urls.push(rurl);
     }
-    let lake = dir.path().join("lake");
+    let lake = cluster.dir.path().join("lake");
     let lake_url = format!("file://{}", lake.display());
 
     // Each try: a partition of many parts on both shards, exported one part
@@ -562,39 +476,33 @@ fn an_export_survives_kill_9_of_a_replica_in_the_middle() {
                 .map(|id| format!("{{\"id\":{id},\"day\":\"{day}\"}}\n"))
                 .collect();
             last = Some(
-                rt.block_on(c.insert_body(
-                    "t",
-                    Format::Ndjson,
-                    Bytes::from(body),
-                    Some(&format!("kill-{attempt}-{batch}")),
-                ))
-                .expect("insert"),
+                cluster
+                    .rt
+                    .block_on(c.insert_body(
+                        "t",
+                        Format::Ndjson,
+                        Bytes::from(body),
+                        Some(&format!("kill-{attempt}-{batch}")),
+                    ))
+                    .expect("insert"),
             );
         }
         let last = last.expect("inserted");
         // Both replicas applied it (the request waits too, but the kill
         // must not find the replica still applying).
         for u in &urls {
-            let rc = Client::new(u, None, Duration::from_secs(30)).expect("client");
-            rt.block_on(rc.count("t", None, 0, Some(&last.commit_lsn)))
+            let rc = node_client(u);
+            cluster
+                .rt
+                .block_on(rc.count("t", None, 0, Some(&last.commit_lsn)))
                 .expect("applied");
         }
         // A restarted replica registers again once its old session expired:
         // until then a request cannot reach shard 1 and says so.
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let (ok, out) = ferry_cli(
-                &urls[0],
-                &[
-                    "export",
-                    "t",
-                    &partition,
-                    "--to",
-                    &lake_url,
-                    "--parallelism",
-                    "1",
-                ],
-            );
+            let (ok, out, err) = export_part_by_part(&urls[0], "t", &partition, &lake_url);
+            let out = out + &err;
             if ok {
                 break;
             }
@@ -605,26 +513,33 @@ fn an_export_survives_kill_9_of_a_replica_in_the_middle() {
             std::thread::sleep(Duration::from_millis(200));
         }
         // SIGKILL once the replica of shard 1 exported a part of it.
-        let rc = Client::new(&urls[1], None, Duration::from_secs(30)).expect("client");
+        let rc = node_client(&urls[1]);
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
-            let view = rt.block_on(rc.get_json("/exports")).expect("exports");
+            let view = cluster
+                .rt
+                .block_on(rc.get_json("/exports"))
+                .expect("exports");
             if view["counters"]["parts_exported"].as_u64().unwrap_or(0) > 0 {
                 break;
             }
         }
         replicas[1].kill().expect("SIGKILL");
         let _ = replicas[1].wait();
-        let (status, left) = rt.block_on(task_state(&connect, &partition));
+        let (status, left) = cluster
+            .rt
+            .block_on(task_state(&cluster.connect, &partition));
         eprintln!("attempt {attempt}: after SIGKILL the task is {status} with {left} parts left");
         // The replica comes back on its data dir; its old session's locks
         // go when the session expires, and it finishes its shard's parts.
-        let (child, rurl) = start_replica(&addrs, &connect, 1, &dir.path().join("replica1"));
+        let (child, rurl) = cluster.replica(1);
         replicas[1] = child;
         urls[1] = rurl;
         let deadline = Instant::now() + Duration::from_secs(90);
         loop {
-            let (status, _) = rt.block_on(task_state(&connect, &partition));
+            let (status, _) = cluster
+                .rt
+                .block_on(task_state(&cluster.connect, &partition));
             if status == "COMPLETED" {
                 break;
             }
@@ -636,28 +551,18 @@ fn an_export_survives_kill_9_of_a_replica_in_the_middle() {
         assert_eq!(commit["rows"], 300, "{commit}");
         // No data file written twice: the partition's folder holds exactly
         // the files the commit lists.
-        let listed: std::collections::BTreeSet<String> = commit["files"]
-            .as_array()
-            .expect("files")
-            .iter()
-            .map(|f| f["path"].as_str().expect("path").to_string())
-            .collect();
-        let on_disk: std::collections::BTreeSet<String> =
-            std::fs::read_dir(lake.join(format!("day={partition}")))
-                .expect("partition folder")
-                .filter_map(Result::ok)
-                .map(|e| format!("day={partition}/{}", e.file_name().to_string_lossy()))
-                .collect();
+        let (listed, on_disk) = listed_and_on_disk(&lake, &format!("day={partition}"), &commit);
         // Nothing else, not even the staging file `<key>#<n>` of a write
         // the kill cut short: the commit removes those.
         assert_eq!(on_disk, listed, "each part once, nothing else");
         // The kill landed in the middle if the restarted replica had parts
         // of its shard left to export.
-        let rc = Client::new(&urls[1], None, Duration::from_secs(30)).expect("client");
-        let view = rt.block_on(rc.get_json("/exports")).expect("exports");
-        let after_restart = view["counters"]["parts_exported"]
-            .as_u64()
-            .expect("counter");
+        let rc = node_client(&urls[1]);
+        let view = cluster
+            .rt
+            .block_on(rc.get_json("/exports"))
+            .expect("exports");
+        let after_restart = parts_exported(&view);
         eprintln!("attempt {attempt}: the restarted replica exported {after_restart} parts");
         if after_restart > 0 {
             landed += 1;
@@ -670,15 +575,8 @@ fn an_export_survives_kill_9_of_a_replica_in_the_middle() {
     );
     let (ok, out) = ferry_cli(&urls[0], &["verify", &lake_url, "--deep"]);
     assert!(ok, "{out}");
-    for r in &mut replicas {
-        interrupt(r);
-        let (ok, err) = wait_exit(r);
-        assert!(ok, "replica stops cleanly: {err}");
-    }
-    interrupt(&writer);
-    assert!(wait_exit(&mut writer).0);
-    for s in &mut safekeepers {
-        interrupt(s);
-        let _ = s.wait();
-    }
+    stop_replicas(&mut replicas);
+    interrupt(&cluster.writer);
+    assert!(wait_exit(&mut cluster.writer).0);
+    stop_all(&mut cluster.safekeepers);
 }

@@ -23,22 +23,7 @@ use ferry_wal::Lsn;
 use ferry_writer::driver::{Insert, Inserted, WriterError};
 
 fn def() -> TableDef {
-    TableDef::from_toml(
-        r#"name = "t"
-partition_by = { column = "d", transform = "month" }
-shard_by = { column = "id", shards = 3 }
-[[columns]]
-name = "id"
-type = "Int64"
-[[columns]]
-name = "d"
-type = "Date"
-[[columns]]
-name = "s"
-type = "Utf8"
-"#,
-    )
-    .expect("table")
+    ferry_testkit::table::id_d_toml(3).column("s", "Utf8").def()
 }
 
 /// Rows `ids` as NDJSON.
@@ -61,22 +46,17 @@ impl MemWal {
     }
 
     fn inserts(&self) -> Vec<(u32, Bytes)> {
-        let wal = self.bytes();
-        let mut out = Vec::new();
-        let mut at = 0;
-        while at < wal.len() {
-            let (rec, len) = record::decode(&wal.slice(at..)).expect("record");
-            if let Record::Insert {
-                shard,
-                idempotency_key,
-                ..
-            } = rec
-            {
-                out.push((shard, idempotency_key));
-            }
-            at += len;
-        }
-        out
+        ferry_testkit::wal::records(&self.bytes())
+            .into_iter()
+            .filter_map(|(_, rec)| match rec {
+                Record::Insert {
+                    shard,
+                    idempotency_key,
+                    ..
+                } => Some((shard, idempotency_key)),
+                _ => None,
+            })
+            .collect()
     }
 }
 
@@ -154,6 +134,14 @@ async fn catalog(dir: &std::path::Path) -> Catalog {
 }
 
 /// Rows a fresh replica holds after applying all of `wal`.
+/// A catalog in a new temporary directory (returned first, as it holds
+/// the catalog's store) and an empty WAL.
+async fn empty_cluster() -> (tempfile::TempDir, Catalog, Arc<MemWal>) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let catalog = catalog(dir.path()).await;
+    (dir, catalog, Arc::new(MemWal::default()))
+}
+
 async fn applied_rows(dir: &std::path::Path, catalog: &Catalog, wal: &MemWal) -> u64 {
     let table = catalog.get("t").await.expect("get").expect("table");
     let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir).expect("disk"));
@@ -185,9 +173,7 @@ fn api_error(result: Result<ferry_client::Inserted, ClientError>) -> (u16, Strin
 /// a retry of the first and skips it.
 #[tokio::test]
 async fn every_record_of_a_keyed_insert_cut_into_slices_is_applied() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let catalog = catalog(dir.path()).await;
-    let wal = Arc::new(MemWal::default());
+    let (dir, catalog, wal) = empty_cluster().await;
     let limits = ApiLimits {
         record_rows_bytes: 2048,
         ..ApiLimits::default()
@@ -219,9 +205,7 @@ async fn every_record_of_a_keyed_insert_cut_into_slices_is_applied() {
 /// same rows is answered from memory, or deduplicated by the replica.
 #[tokio::test]
 async fn a_key_is_bound_to_its_rows_and_never_half_applied() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let catalog = catalog(dir.path()).await;
-    let wal = Arc::new(MemWal::default());
+    let (dir, catalog, wal) = empty_cluster().await;
     let n = node(&catalog, &wal, ApiLimits::default()).await;
     let c = &n.client;
     let first = c
@@ -308,9 +292,7 @@ async fn a_key_is_bound_to_its_rows_and_never_half_applied() {
 
 #[tokio::test]
 async fn idempotency_keys_longer_than_200_bytes_are_refused() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let catalog = catalog(dir.path()).await;
-    let wal = Arc::new(MemWal::default());
+    let (_dir, catalog, wal) = empty_cluster().await;
     let n = node(&catalog, &wal, ApiLimits::default()).await;
     let long = "k".repeat(201);
     let (status, kind) = api_error(

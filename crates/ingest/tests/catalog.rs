@@ -13,19 +13,7 @@ use ferry_ingest::{Catalog, CatalogError};
 use ferry_table::TableDef;
 
 fn def(shards: u32) -> TableDef {
-    TableDef::from_toml(&format!(
-        r#"name = "t"
-partition_by = {{ column = "d", transform = "month" }}
-shard_by = {{ column = "id", shards = {shards} }}
-[[columns]]
-name = "id"
-type = "Int64"
-[[columns]]
-name = "d"
-type = "Date"
-"#
-    ))
-    .expect("table")
+    ferry_testkit::table::id_d_toml(shards).def()
 }
 
 async fn catalog(dir: &std::path::Path) -> (EmbeddedStore, Catalog) {

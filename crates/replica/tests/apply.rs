@@ -81,8 +81,7 @@ fn names(r: &Replica) -> Vec<(String, u64, u32)> {
 
 #[tokio::test]
 async fn records_become_parts_identical_on_two_replicas_and_survive_restarts() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let (dir, disk) = ferry_testkit::disk::temp_disk();
     let mut wal = Wal::default();
     let a = wal.insert(1, 0, "k1", rows(0..10, &["x", "y"]));
     wal.insert(1, 1, "", rows(10..20, &["x"])); // another shard
@@ -148,8 +147,7 @@ async fn records_become_parts_identical_on_two_replicas_and_survive_restarts() {
 
 #[tokio::test]
 async fn a_crash_between_parts_and_position_neither_loses_nor_duplicates() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let (dir, disk) = ferry_testkit::disk::temp_disk();
     let mut wal = Wal::default();
     wal.insert(1, 0, "k", rows(0..4, &["x", "y"]));
     let all = wal.bytes.clone().freeze();
@@ -174,8 +172,7 @@ async fn a_crash_between_parts_and_position_neither_loses_nor_duplicates() {
 
 #[tokio::test]
 async fn hostile_wal_stops_the_replica_without_writing_a_part() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let (_dir, disk) = ferry_testkit::disk::temp_disk();
     // A table id never handed out.
     let mut wal = Wal::default();
     wal.insert(7, 0, "", rows(0..2, &["x"]));
@@ -251,8 +248,7 @@ async fn merge_all(r: &mut Replica) -> Vec<(u64, ferry_replica::PartName)> {
 
 #[tokio::test]
 async fn merges_are_decided_by_the_wal_and_agree_across_replicas_and_crashes() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let (dir, disk) = ferry_testkit::disk::temp_disk();
     let mut wal = Wal::default();
     let mut blocks = Vec::new();
     for i in 0..20i64 {
@@ -322,8 +318,7 @@ async fn merges_are_decided_by_the_wal_and_agree_across_replicas_and_crashes() {
 
 #[tokio::test]
 async fn a_pinned_part_outlives_its_merge_and_a_restart_until_unpinned() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let (dir, disk) = ferry_testkit::disk::temp_disk();
     let mut wal = Wal::default();
     for i in 0..8i64 {
         wal.insert(1, 0, "", rows(i * 10..i * 10 + 10, &["x"]));
@@ -488,8 +483,7 @@ async fn a_merge_streams_its_sources_a_row_group_at_a_time() {
 
 #[tokio::test]
 async fn a_replica_behind_syncs_in_batches_and_a_crash_in_between_loses_nothing() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let (dir, disk) = ferry_testkit::disk::temp_disk();
     let mut wal = Wal::default();
     for i in 0..3i64 {
         wal.insert(

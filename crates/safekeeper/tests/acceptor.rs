@@ -9,10 +9,11 @@ use std::sync::Arc;
 use bytes::{Bytes, BytesMut};
 use ferry_env::{Disk, RealDisk};
 use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig, AcceptorError};
+use ferry_safekeeper::restore::{RestoreError, RestoreReport};
+use ferry_testkit::disk::temp_disk;
 use ferry_wal::proto::{
     AppendRequest, FromSafekeeper, Greeting, ProposerElected, ShardFeedback, ToSafekeeper,
 };
-use ferry_wal::record::Record;
 use ferry_wal::segment::SegmentSize;
 use ferry_wal::{ClusterId, Lsn, TermHistory, TermLsn};
 
@@ -37,19 +38,18 @@ async fn open(disk: &Arc<dyn Disk>) -> Acceptor {
         .expect("open")
 }
 
+/// `n` inserts of 100 bytes each (and their headers).
 fn records(n: u64) -> Bytes {
-    let mut buf = BytesMut::new();
-    for b in 0..n {
-        Record::Insert {
-            shard: 0,
-            idempotency_key: bytes::Bytes::new(),
-            table_id: 1,
-            block_number: b,
-            arrow_ipc: Bytes::from(vec![1u8; 100]),
-        }
-        .encode(&mut buf);
+    ferry_testkit::wal::inserts(1, 0..n, 100)
+}
+
+/// Batches of [`records`] until they reach past `len` bytes.
+fn records_past(len: u64) -> Bytes {
+    let mut wal = BytesMut::new();
+    while (wal.len() as u64) < len {
+        wal.extend_from_slice(&records(7));
     }
-    buf.freeze()
+    wal.freeze()
 }
 
 fn elected(term: u64, start: u64, history: &[(u64, u64)]) -> ProposerElected {
@@ -85,6 +85,16 @@ fn append(term: u64, begin: u64, wal: &Bytes, commit: u64) -> AppendRequest {
     }
 }
 
+/// Opens the safekeeper and elects writer 1 in term 1, from the start.
+async fn elected_in_term_1(disk: &Arc<dyn Disk>) -> Acceptor {
+    let mut a = open(disk).await;
+    a.handle_vote(1).await.expect("vote");
+    a.handle_elected(&elected(1, 0, &[(1, 0)]))
+        .await
+        .expect("elected");
+    a
+}
+
 fn refusal(e: AcceptorError) -> String {
     match e {
         AcceptorError::Refused { reason, .. } => reason,
@@ -94,8 +104,7 @@ fn refusal(e: AcceptorError) -> String {
 
 #[tokio::test]
 async fn greeting_checks_timeline_and_geometry() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let (_dir, disk) = temp_disk();
     let a = open(&disk).await;
     let ok = Greeting {
         cluster_id: cluster(),
@@ -125,8 +134,7 @@ async fn greeting_checks_timeline_and_geometry() {
 
 #[tokio::test]
 async fn a_safekeeper_is_created_only_explicitly_and_keeps_its_identity() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let (dir, disk) = temp_disk();
     let err = Acceptor::open(Arc::clone(&disk), "sk", config())
         .await
         .expect_err("nothing to open");
@@ -173,8 +181,7 @@ async fn a_safekeeper_is_created_only_explicitly_and_keeps_its_identity() {
 
 #[tokio::test]
 async fn votes_once_per_term_even_across_restarts() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let (_dir, disk) = temp_disk();
     let mut a = open(&disk).await;
     let FromSafekeeper::Vote(v) = a.handle_vote(3).await.expect("vote") else {
         panic!("not a vote")
@@ -197,8 +204,7 @@ async fn votes_once_per_term_even_across_restarts() {
 
 #[tokio::test]
 async fn appends_are_refused_unless_from_the_elected_writer_and_contiguous() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let (_dir, disk) = temp_disk();
     let mut a = open(&disk).await;
     let wal = records(3);
     a.handle_vote(1).await.expect("vote");
@@ -242,15 +248,10 @@ async fn appends_are_refused_unless_from_the_elected_writer_and_contiguous() {
 
 #[tokio::test]
 async fn commit_follows_flush_and_truncation_never_cuts_committed_wal() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
-    let mut a = open(&disk).await;
+    let (_dir, disk) = temp_disk();
+    let mut a = elected_in_term_1(&disk).await;
     let wal = records(4);
     let len = wal.len() as u64;
-    a.handle_vote(1).await.expect("vote");
-    a.handle_elected(&elected(1, 0, &[(1, 0)]))
-        .await
-        .expect("elected");
     a.append_no_flush(&append(1, 0, &wal, 0))
         .await
         .expect("append");
@@ -304,13 +305,8 @@ async fn commit_follows_flush_and_truncation_never_cuts_committed_wal() {
 
 #[tokio::test]
 async fn batch_shares_one_answer_and_relays_feedback() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
-    let mut a = open(&disk).await;
-    a.handle_vote(1).await.expect("vote");
-    a.handle_elected(&elected(1, 0, &[(1, 0)]))
-        .await
-        .expect("elected");
+    let (_dir, disk) = temp_disk();
+    let mut a = elected_in_term_1(&disk).await;
     let wal = records(2);
     let len = wal.len() as u64;
     let feedback = ShardFeedback {
@@ -395,13 +391,8 @@ async fn batch_shares_one_answer_and_relays_feedback() {
 /// stop, losing it is refused at start, like losing committed WAL.
 #[tokio::test]
 async fn flushed_wal_recorded_at_a_clean_stop_must_be_there() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
-    let mut a = open(&disk).await;
-    a.handle_vote(1).await.expect("vote");
-    a.handle_elected(&elected(1, 0, &[(1, 0)]))
-        .await
-        .expect("elected");
+    let (dir, disk) = temp_disk();
+    let mut a = elected_in_term_1(&disk).await;
     let wal = records(20);
     let out = a
         .handle_batch(vec![ToSafekeeper::Append(append(1, 0, &wal, 0))])
@@ -423,6 +414,15 @@ async fn flushed_wal_recorded_at_a_clean_stop_must_be_there() {
     );
 }
 
+async fn restore(
+    disk: &Arc<dyn Disk>,
+    dir: &str,
+    config: &AcceptorConfig,
+    backup: &ferry_storage::Location,
+) -> Result<RestoreReport, RestoreError> {
+    ferry_safekeeper::restore::restore_from_backup(Arc::clone(disk), dir, config, backup).await
+}
+
 /// A backup in `dir/backup` holding segments `whole` of `wal` and, for
 /// `partial = Some((segno, commit))`, a partial object of that segment with
 /// the flushed prefix up to the end of `wal` and that commit_lsn.
@@ -433,23 +433,17 @@ async fn backup_of(
     partial: Option<(u64, u64)>,
 ) -> ferry_storage::Location {
     let seg = config().segment_size;
-    let root = dir.join("backup");
-    std::fs::create_dir_all(&root).expect("backup dir");
-    let location = ferry_storage::open(&format!("file://{}", root.display()), &Default::default())
-        .expect("location");
-    let backup =
-        ferry_safekeeper::backup::cluster_folder(&location, &cluster()).expect("cluster folder");
-    for &segno in whole {
-        let range = seg.start(segno).0 as usize..seg.start(segno + 1).0 as usize;
-        backup
-            .put(
-                &ferry_safekeeper::backup::segment_key(seg, segno),
-                Bytes::copy_from_slice(&wal[range]),
-            )
-            .await
-            .expect("put");
-    }
+    let location = ferry_testkit::wal::file_backup(
+        &dir.join("backup"),
+        &cluster(),
+        seg,
+        wal,
+        whole.iter().copied(),
+    )
+    .await;
     if let Some((segno, commit)) = partial {
+        let backup = ferry_safekeeper::backup::cluster_folder(&location, &cluster())
+            .expect("cluster folder");
         let name = ferry_safekeeper::partial::partial_name(
             seg,
             segno,
@@ -483,15 +477,10 @@ fn boundaries(wal: &[u8]) -> Vec<u64> {
 
 #[tokio::test]
 async fn a_restored_safekeeper_holds_committed_wal_and_votes_only_after_rejoining() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let (dir, disk) = temp_disk();
     let seg = config().segment_size.bytes();
     // 3.5 segments of records of 100 bytes and more: segment ends split records.
-    let mut wal = BytesMut::new();
-    while (wal.len() as u64) < 3 * seg + seg / 2 {
-        wal.extend_from_slice(&records(7));
-    }
-    let wal = wal.freeze();
+    let wal = records_past(3 * seg + seg / 2);
     let ends = boundaries(&wal);
     // The uploader knew a commit inside segment 3, at a record boundary.
     let commit = *ends
@@ -500,14 +489,9 @@ async fn a_restored_safekeeper_holds_committed_wal_and_votes_only_after_rejoinin
         .expect("a boundary");
     let backup = backup_of(dir.path(), &wal, &[0, 1, 2], Some((3, commit))).await;
 
-    let report = ferry_safekeeper::restore::restore_from_backup(
-        Arc::clone(&disk),
-        "restored",
-        &config(),
-        &backup,
-    )
-    .await
-    .expect("restore");
+    let report = restore(&disk, "restored", &config(), &backup)
+        .await
+        .expect("restore");
     assert_eq!(report.whole_segments, 3);
     assert_eq!(
         report.restored_lsn,
@@ -588,14 +572,9 @@ async fn a_restored_safekeeper_holds_committed_wal_and_votes_only_after_rejoinin
 
     // A data dir with a control file is never overwritten.
     let before = std::fs::read(dir.path().join("restored/safekeeper.control")).expect("read");
-    let err = ferry_safekeeper::restore::restore_from_backup(
-        Arc::clone(&disk),
-        "restored",
-        &config(),
-        &backup,
-    )
-    .await
-    .expect_err("refused");
+    let err = restore(&disk, "restored", &config(), &backup)
+        .await
+        .expect_err("refused");
     assert!(
         matches!(err, ferry_safekeeper::restore::RestoreError::Exists(_)),
         "{err}"
@@ -608,14 +587,9 @@ async fn a_restored_safekeeper_holds_committed_wal_and_votes_only_after_rejoinin
 
 #[tokio::test]
 async fn a_restore_stops_at_the_first_gap_cuts_split_records_and_starts_over_after_a_crash() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let (dir, disk) = temp_disk();
     let seg = config().segment_size.bytes();
-    let mut wal = BytesMut::new();
-    while (wal.len() as u64) < 4 * seg + 10 {
-        wal.extend_from_slice(&records(7));
-    }
-    let wal = wal.freeze();
+    let wal = records_past(4 * seg + 10);
     let ends = boundaries(&wal);
     // Segment 2 is missing (its upload still in flight); the partial of
     // segment 3 is past the gap and of no use.
@@ -629,10 +603,9 @@ async fn a_restore_stops_at_the_first_gap_cuts_split_records_and_starts_over_aft
         vec![0xAB; seg as usize],
     )
     .expect("leftover");
-    let report =
-        ferry_safekeeper::restore::restore_from_backup(Arc::clone(&disk), "sk", &config(), &backup)
-            .await
-            .expect("restore");
+    let report = restore(&disk, "sk", &config(), &backup)
+        .await
+        .expect("restore");
     assert_eq!(report.whole_segments, 2);
     assert_eq!(report.partial, None);
     let last_whole = *ends
@@ -659,14 +632,9 @@ async fn a_restore_stops_at_the_first_gap_cuts_split_records_and_starts_over_aft
     // of this cluster's WAL, so a restore of it takes none.
     let mut stranger = config();
     stranger.cluster_id = ClusterId::new("stranger").expect("id");
-    let report = ferry_safekeeper::restore::restore_from_backup(
-        Arc::clone(&disk),
-        "stranger",
-        &stranger,
-        &backup,
-    )
-    .await
-    .expect("restore");
+    let report = restore(&disk, "stranger", &stranger, &backup)
+        .await
+        .expect("restore");
     assert_eq!(
         (
             report.whole_segments,
@@ -681,7 +649,7 @@ async fn a_restore_stops_at_the_first_gap_cuts_split_records_and_starts_over_aft
     let other = tempfile::tempdir().expect("tempdir");
     let backup = backup_of(other.path(), &wal, &[1, 2], None).await;
     let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(other.path()).expect("disk"));
-    let err = ferry_safekeeper::restore::restore_from_backup(disk, "sk", &config(), &backup)
+    let err = restore(&disk, "sk", &config(), &backup)
         .await
         .expect_err("refused");
     assert!(

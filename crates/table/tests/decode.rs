@@ -11,39 +11,14 @@ use arrow::datatypes::{DataType, Field, Schema};
 use bytes::Bytes;
 use ferry_table::rows::{self, decode, split_by_shard, to_ipc};
 use ferry_table::{DecodeError, Format, RowError, TableDef};
+use ferry_testkit::table::TableToml;
 
 fn table() -> TableDef {
-    TableDef::from_toml(
-        r#"
-name = "events"
-partition_by = { column = "ts", transform = "month" }
-shard_by = { column = "i64", shards = 3 }
-[[columns]]
-name = "i32"
-type = "Int32"
-[[columns]]
-name = "i64"
-type = "Int64"
-[[columns]]
-name = "f"
-type = "Float64"
-nullable = true
-[[columns]]
-name = "b"
-type = "Boolean"
-[[columns]]
-name = "s"
-type = "Utf8"
-nullable = true
-[[columns]]
-name = "d"
-type = "Date"
-[[columns]]
-name = "ts"
-type = "Timestamp"
-"#,
-    )
-    .expect("valid table")
+    TableToml::new("events", ("ts", "month"), ("i64", 3))
+        .column("i32", "Int32")
+        .column("i64", "Int64")
+        .mixed_columns()
+        .def()
 }
 
 const TS1: i64 = 1_704_164_645_000_006; // 2024-01-02T03:04:05.000006Z

@@ -4,6 +4,9 @@
 //! wrappers of their own (each wrapper used to forward twenty operations
 //! around the two it changed).
 //!
+//! Most tests need no hook, only a real disk in a folder of their own:
+//! [`temp_disk`].
+//!
 //! `write_atomic` and `read_range` are not forwarded: the trait builds them
 //! from the other operations, so the hook sees each of their steps (a crash
 //! can land between the temporary file's sync and its rename).
@@ -200,4 +203,17 @@ impl DiskFile for HookedFile {
     async fn drop_cache(&self) -> io::Result<()> {
         self.inner.drop_cache().await
     }
+}
+
+/// A real disk rooted in a new temporary directory, which is removed when
+/// the handle returned with the disk is dropped (so a test keeps it as long
+/// as it uses the disk).
+///
+/// # Panics
+/// When the directory cannot be made.
+pub fn temp_disk() -> (tempfile::TempDir, Arc<dyn Disk>) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let disk: Arc<dyn Disk> =
+        Arc::new(ferry_env::RealDisk::open_root(dir.path()).expect("a real disk"));
+    (dir, disk)
 }

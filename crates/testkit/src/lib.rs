@@ -13,6 +13,10 @@
 //!   tests').
 //! * [`tcp_proxy`]: a TCP forwarder that can be cut, for tests against real
 //!   ZooKeeper (its sessions expired surely and at once).
+//! * [`wal`]: WAL of placeholder inserts, of known sizes.
+//! * [`walsender`]: a replica's end of a walsender connection, to read what
+//!   a safekeeper streams and to report as a replica.
+//! * [`writer`]: waiting on the writer's published status.
 
 pub mod disk;
 pub mod objstore;
@@ -20,3 +24,6 @@ pub mod seeds;
 pub mod services;
 pub mod table;
 pub mod tcp_proxy;
+pub mod wal;
+pub mod walsender;
+pub mod writer;

@@ -3,6 +3,8 @@
 //! A plain `cargo test` without them skips what needs them, and says so;
 //! `FERRY_TEST_REQUIRE_SERVICES=1` (also set by the script) turns a missing
 //! service into a failure, so CI can never skip these tests silently.
+//! Tests on those servers share them with other tests: each takes a chroot
+//! or a bucket of its own, named uniquely.
 
 /// The ZooKeeper address (`host:port`) tests run against.
 pub const ZOOKEEPER: &str = "FERRY_TEST_ZK";
@@ -107,4 +109,35 @@ pub async fn create_bucket(endpoint: &str, bucket: &str) {
         response.starts_with("HTTP/1.1 200"),
         "create bucket {bucket}: {response}"
     );
+}
+
+/// A new, empty chroot on the ZooKeeper at `zk`, named after `prefix`: its
+/// connect string. Tests sharing one server never see each other's nodes.
+///
+/// # Panics
+/// When the server cannot be reached or the chroot not created.
+pub async fn zookeeper_chroot(zk: &str, prefix: &str) -> String {
+    use ferry_coord::Coordination as _;
+    let chroot = format!("/{}", unique_name(prefix));
+    let root =
+        ferry_coord::zk::ZkSession::connect(&ferry_coord::zk::ZkOptions::new(zk.to_string()))
+            .await
+            .unwrap_or_else(|e| panic!("connect to the test ZooKeeper {zk}: {e}"));
+    ferry_coord::create_all(&root, &chroot)
+        .await
+        .unwrap_or_else(|e| panic!("create the chroot {chroot}: {e}"));
+    root.close().await;
+    format!("{zk}{chroot}")
+}
+
+/// The settings that reach the test S3 server at `endpoint`: moto takes any
+/// credentials, and the client needs some and a region.
+pub fn s3_settings(endpoint: &str) -> ferry_storage::S3Settings {
+    ferry_storage::S3Settings {
+        endpoint: Some(endpoint.to_string()),
+        region: Some("us-east-1".into()),
+        access_key_id: Some("test".into()),
+        secret_access_key: Some("test".into()),
+        ..ferry_storage::S3Settings::default()
+    }
 }

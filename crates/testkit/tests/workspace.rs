@@ -52,7 +52,7 @@ fn one_clippy_config_and_only_edge_crates_opt_out_of_the_seam_rule() {
     }
     assert_eq!(
         opted_out,
-        ["client", "env", "ferry"],
+        ["bench", "client", "env", "ferry", "host"],
         "crates outside the seam rule"
     );
 }

@@ -9,11 +9,10 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
-use bytes::{Bytes, BytesMut};
-use ferry_env::{Disk, RealDisk};
+use bytes::Bytes;
+use ferry_env::Disk;
 use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig};
 use ferry_wal::proto::ToSafekeeper;
-use ferry_wal::record::Record;
 use ferry_wal::segment::SegmentSize;
 use ferry_wal::{ClusterId, Lsn, Term};
 use ferry_writer::proposer::{Action, Proposer, ProposerConfig, ProposerError};
@@ -43,8 +42,7 @@ fn config(node: u64) -> AcceptorConfig {
 
 impl Cluster {
     async fn new(n: usize) -> Cluster {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+        let (dir, disk) = ferry_testkit::disk::temp_disk();
         let mut acceptors = Vec::new();
         for i in 0..n {
             acceptors.push(Some(
@@ -102,24 +100,14 @@ impl Cluster {
     ) -> Lsn {
         self.kill(i, writers);
         std::fs::remove_dir_all(self._dir.path().join(format!("sk{i}"))).expect("wipe");
-        let root = self._dir.path().join("backup");
-        std::fs::create_dir_all(&root).expect("backup dir");
-        let backup =
-            ferry_storage::open(&format!("file://{}", root.display()), &Default::default())
-                .expect("backup");
-        let folder = ferry_safekeeper::backup::cluster_folder(&backup, &cluster_id())
-            .expect("cluster folder");
-        let seg = SegmentSize::new(SEG).expect("segment size");
-        for segno in 0..segments {
-            let range = (segno * SEG) as usize..((segno + 1) * SEG) as usize;
-            folder
-                .put(
-                    &ferry_safekeeper::backup::segment_key(seg, segno),
-                    Bytes::copy_from_slice(&committed[range]),
-                )
-                .await
-                .expect("put");
-        }
+        let backup = ferry_testkit::wal::file_backup(
+            &self._dir.path().join("backup"),
+            &cluster_id(),
+            SegmentSize::new(SEG).expect("segment size"),
+            committed,
+            0..segments,
+        )
+        .await;
         let report = ferry_safekeeper::restore::restore_from_backup(
             Arc::clone(&self.disk),
             &format!("sk{i}"),
@@ -301,21 +289,30 @@ impl Writer {
         self.run(cluster).await;
         Ok(end)
     }
+
+    /// Appends `records`, which must be accepted, and adds them to `all`
+    /// (the WAL the safekeepers must end with).
+    async fn append_to(&mut self, cluster: &mut Cluster, all: &mut Vec<u8>, records: Bytes) -> Lsn {
+        all.extend_from_slice(&records);
+        self.append(cluster, &records).await.expect("append")
+    }
+}
+
+/// Three safekeepers, and a first writer connected to all of them.
+async fn connected() -> (Cluster, Writer) {
+    let mut cluster = Cluster::new(3).await;
+    let mut w = Writer::new(3, 0);
+    w.connect_all(&mut cluster).await;
+    (cluster, w)
 }
 
 fn batch(first_block: u64, n: u64, size: usize) -> Bytes {
-    let mut buf = BytesMut::new();
-    for b in first_block..first_block + n {
-        Record::Insert {
-            shard: 0,
-            idempotency_key: bytes::Bytes::new(),
-            table_id: 1,
-            block_number: b,
-            arrow_ipc: Bytes::from(vec![(b % 251) as u8; size]),
-        }
-        .encode(&mut buf);
-    }
-    buf.freeze()
+    ferry_testkit::wal::inserts(1, first_block..first_block + n, size)
+}
+
+/// The bytes of `parts`, one after the other.
+fn concat(parts: &[&Bytes]) -> Vec<u8> {
+    parts.iter().flat_map(|p| p.iter().copied()).collect()
 }
 
 #[tokio::test]
@@ -404,9 +401,7 @@ async fn one_foreign_safekeeper_of_three_does_not_stop_the_election() {
 
 #[tokio::test]
 async fn one_down_writes_go_on_two_down_writes_wait() {
-    let mut cluster = Cluster::new(3).await;
-    let mut w = Writer::new(3, 0);
-    w.connect_all(&mut cluster).await;
+    let (mut cluster, mut w) = connected().await;
     let first = batch(0, 10, 500);
     w.append(&mut cluster, &first).await.expect("append");
 
@@ -430,9 +425,7 @@ async fn one_down_writes_go_on_two_down_writes_wait() {
     assert_eq!(w.commit_lsn, end3);
     cluster.start(2).await;
     w.connect_all(&mut cluster).await;
-    let mut all = first.to_vec();
-    all.extend_from_slice(&second);
-    all.extend_from_slice(&third);
+    let all = concat(&[&first, &second, &third]);
     for i in 0..3 {
         assert!(cluster.wal(i).await == all, "safekeeper {i} caught up");
     }
@@ -440,14 +433,11 @@ async fn one_down_writes_go_on_two_down_writes_wait() {
 
 #[tokio::test]
 async fn restarted_safekeeper_rejoins_without_losing_wal() {
-    let mut cluster = Cluster::new(3).await;
-    let mut w = Writer::new(3, 0);
-    w.connect_all(&mut cluster).await;
+    let (mut cluster, mut w) = connected().await;
     let mut all = Vec::new();
     for i in 0..10 {
-        let records = batch(i * 4, 4, 3000);
-        all.extend_from_slice(&records);
-        w.append(&mut cluster, &records).await.expect("append");
+        w.append_to(&mut cluster, &mut all, batch(i * 4, 4, 3000))
+            .await;
         if i == 4 {
             cluster.kill(0, &mut [&mut w]);
             cluster.start(0).await;
@@ -462,9 +452,7 @@ async fn restarted_safekeeper_rejoins_without_losing_wal() {
 
 #[tokio::test]
 async fn a_new_writer_takes_over_and_the_old_one_is_refused() {
-    let mut cluster = Cluster::new(3).await;
-    let mut old = Writer::new(3, 0);
-    old.connect_all(&mut cluster).await;
+    let (mut cluster, mut old) = connected().await;
     let committed = batch(0, 8, 400);
     let end = old.append(&mut cluster, &committed).await.expect("append");
     assert_eq!(old.commit_lsn, end);
@@ -496,8 +484,7 @@ async fn a_new_writer_takes_over_and_the_old_one_is_refused() {
     let next = batch(8, 3, 400);
     let end2 = new.append(&mut cluster, &next).await.expect("append");
     assert_eq!(new.commit_lsn, end2);
-    let mut all = committed.to_vec();
-    all.extend_from_slice(&next);
+    let all = concat(&[&committed, &next]);
     for i in 0..3 {
         assert!(
             cluster.wal(i).await == all,
@@ -508,9 +495,7 @@ async fn a_new_writer_takes_over_and_the_old_one_is_refused() {
 
 #[tokio::test]
 async fn divergent_uncommitted_wal_is_truncated_committed_wal_never() {
-    let mut cluster = Cluster::new(3).await;
-    let mut w1 = Writer::new(3, 0);
-    w1.connect_all(&mut cluster).await;
+    let (mut cluster, mut w1) = connected().await;
     let committed = batch(0, 6, 600);
     let end = w1.append(&mut cluster, &committed).await.expect("append");
     assert_eq!(w1.commit_lsn, end);
@@ -541,8 +526,7 @@ async fn divergent_uncommitted_wal_is_truncated_committed_wal_never() {
     // Safekeeper 0 returns: its divergent tail is cut, the new term's WAL replaces it.
     cluster.start(0).await;
     w2.connect_all(&mut cluster).await;
-    let mut all = committed.to_vec();
-    all.extend_from_slice(&fresh);
+    let all = concat(&[&committed, &fresh]);
     for i in 0..3 {
         assert!(cluster.wal(i).await == all, "safekeeper {i}");
     }
@@ -568,6 +552,19 @@ async fn leave_safekeeper_2_behind(cluster: &mut Cluster, missed: u64) -> (Bytes
     (first, second, end)
 }
 
+/// The most a recovery read of [`long_lag`]'s writer reads at once: a few
+/// records, and not at record boundaries.
+const READ: u64 = 3001;
+
+/// Safekeeper 2 left 40 records behind, and the next writer (not connected
+/// yet), which reads what 2 misses in reads of at most [`READ`].
+async fn long_lag() -> (Cluster, Writer, Bytes, Bytes, Lsn) {
+    let mut cluster = Cluster::new(3).await;
+    let (first, second, end) = leave_safekeeper_2_behind(&mut cluster, 40).await;
+    let w2 = Writer::with(3, 1, |c| c.max_read_wal_bytes = READ);
+    (cluster, w2, first, second, end)
+}
+
 #[tokio::test]
 async fn lagging_voter_is_caught_up_from_the_donor() {
     let mut cluster = Cluster::new(3).await;
@@ -578,9 +575,7 @@ async fn lagging_voter_is_caught_up_from_the_donor() {
     let third = batch(25, 2, 800);
     let end3 = w2.append(&mut cluster, &third).await.expect("append");
     assert_eq!(w2.commit_lsn, end3, "safekeepers 1 and 2 commit together");
-    let mut all = first.to_vec();
-    all.extend_from_slice(&second);
-    all.extend_from_slice(&third);
+    let all = concat(&[&first, &second, &third]);
     assert!(cluster.wal(1).await == all);
     assert!(
         cluster.wal(2).await == all,
@@ -594,10 +589,7 @@ async fn lagging_voter_is_caught_up_from_the_donor() {
 /// protocol's limit is refused.
 #[tokio::test]
 async fn a_long_lag_is_read_from_the_donor_in_bounded_reads() {
-    const READ: u64 = 3001;
-    let mut cluster = Cluster::new(3).await;
-    let (first, second, end) = leave_safekeeper_2_behind(&mut cluster, 40).await;
-    let mut w2 = Writer::with(3, 1, |c| c.max_read_wal_bytes = READ);
+    let (mut cluster, mut w2, first, second, end) = long_lag().await;
     w2.connect_all(&mut cluster).await;
     let reads = w2.reads.clone();
     assert_eq!(w2.elected, Some((2, end)));
@@ -612,8 +604,7 @@ async fn a_long_lag_is_read_from_the_donor_in_bounded_reads() {
         "one read after the other: {reads:?}"
     );
     assert_eq!(reads.last().map(|r| r.1), Some(end));
-    let mut all = first.to_vec();
-    all.extend_from_slice(&second);
+    let all = concat(&[&first, &second]);
     assert!(
         cluster.wal(2).await == all,
         "the lagging safekeeper got the donor's WAL"
@@ -641,10 +632,7 @@ async fn a_long_lag_is_read_from_the_donor_in_bounded_reads() {
 /// object store still ends.
 #[tokio::test]
 async fn a_failed_recovery_read_resumes_where_it_stopped() {
-    const READ: u64 = 3001;
-    let mut cluster = Cluster::new(3).await;
-    let (first, second, end) = leave_safekeeper_2_behind(&mut cluster, 40).await;
-    let mut w2 = Writer::with(3, 1, |c| c.max_read_wal_bytes = READ);
+    let (mut cluster, mut w2, first, second, end) = long_lag().await;
     w2.failing_reads = vec![2, 5];
     w2.connect_all(&mut cluster).await;
     assert_eq!(w2.elected, Some((2, end)));
@@ -664,8 +652,7 @@ async fn a_failed_recovery_read_resumes_where_it_stopped() {
         assert_eq!(pair[1].0, expected_begin, "read {}: {reads:?}", i + 1);
     }
     assert_eq!(reads.last().map(|r| r.1), Some(end));
-    let mut all = first.to_vec();
-    all.extend_from_slice(&second);
+    let all = concat(&[&first, &second]);
     assert!(
         cluster.wal(2).await == all,
         "the lagging safekeeper got the donor's WAL"
@@ -847,9 +834,7 @@ async fn a_stale_higher_term_loses_one_election_not_the_writer() {
 /// stops once every safekeeper answered without it.
 #[tokio::test]
 async fn an_election_never_starts_below_the_known_commit() {
-    let mut cluster = Cluster::new(3).await;
-    let mut w1 = Writer::new(3, 0);
-    w1.connect_all(&mut cluster).await;
+    let (mut cluster, mut w1) = connected().await;
     // Committed on sk0 and sk1 only.
     cluster.kill(2, &mut [&mut w1]);
     let records = batch(0, 10, 500);
@@ -896,14 +881,11 @@ async fn an_election_never_starts_below_the_known_commit() {
 
 #[tokio::test]
 async fn a_restored_safekeeper_is_brought_back_by_a_current_writer_only() {
-    let mut cluster = Cluster::new(3).await;
-    let mut old = Writer::new(3, 0);
-    old.connect_all(&mut cluster).await;
+    let (mut cluster, mut old) = connected().await;
     let mut all = Vec::new();
     for i in 0..20 {
-        let records = batch(i * 4, 4, 3000);
-        all.extend_from_slice(&records);
-        old.append(&mut cluster, &records).await.expect("append");
+        old.append_to(&mut cluster, &mut all, batch(i * 4, 4, 3000))
+            .await;
     }
     assert_eq!(old.commit_lsn, Lsn(all.len() as u64));
     let restored = cluster.restore(2, &all, 3, &mut [&mut old]).await;
@@ -934,15 +916,14 @@ async fn a_restored_safekeeper_is_brought_back_by_a_current_writer_only() {
     assert_eq!(cluster.acceptor(2).restored_up_to(), None);
     assert_eq!(cluster.acceptor(2).term(), new.proposer.term());
     for i in 20..24 {
-        let records = batch(i * 4, 4, 3000);
-        all.extend_from_slice(&records);
-        new.append(&mut cluster, &records).await.expect("append");
+        new.append_to(&mut cluster, &mut all, batch(i * 4, 4, 3000))
+            .await;
     }
     // It counts in the quorum again: with safekeeper 0 down, writes commit.
     cluster.kill(0, &mut [&mut new]);
-    let records = batch(100, 4, 3000);
-    all.extend_from_slice(&records);
-    let end = new.append(&mut cluster, &records).await.expect("append");
+    let end = new
+        .append_to(&mut cluster, &mut all, batch(100, 4, 3000))
+        .await;
     assert_eq!(new.commit_lsn, end, "committed by safekeepers 1 and 2");
     for i in 1..3 {
         assert!(

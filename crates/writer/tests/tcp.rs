@@ -7,14 +7,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use ferry_env::{Disk, Network, RealDisk, TcpNetwork};
+use ferry_env::{Disk, TcpNetwork};
 use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig};
 use ferry_safekeeper::server::SafekeeperServer;
-use ferry_wal::proto::{self, FromSafekeeper, ShardFeedback, ToSafekeeper};
+use ferry_testkit::wal::records;
+use ferry_testkit::walsender::{read_committed, Walsender};
+use ferry_wal::proto::ShardFeedback;
 use ferry_wal::record::{self, Record};
 use ferry_wal::segment::SegmentSize;
 use ferry_wal::Lsn;
-use ferry_writer::driver::{encode_records, Writer, WriterConfig, WriterError};
+use ferry_writer::driver::{Writer, WriterConfig, WriterError};
 use ferry_writer::proposer::ProposerConfig;
 
 const SEG: u64 = 1 << 20;
@@ -60,8 +62,10 @@ impl Node {
     }
 }
 
-async fn cluster(dir: &std::path::Path) -> Vec<Node> {
-    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir).expect("disk"));
+/// Three running safekeepers on one disk in a new temporary directory (which
+/// lives as long as the handle returned with them).
+async fn cluster() -> (tempfile::TempDir, Vec<Node>) {
+    let (dir, disk) = ferry_testkit::disk::temp_disk();
     let mut nodes = Vec::new();
     for id in 0..3 {
         let mut node = Node {
@@ -73,7 +77,13 @@ async fn cluster(dir: &std::path::Path) -> Vec<Node> {
         node.start().await;
         nodes.push(node);
     }
-    nodes
+    (dir, nodes)
+}
+
+async fn stop_all(nodes: &mut [Node]) {
+    for node in nodes {
+        node.stop().await;
+    }
 }
 
 fn writer(nodes: &[Node], id: u128) -> Writer {
@@ -86,19 +96,12 @@ fn writer(nodes: &[Node], id: u128) -> Writer {
 }
 
 fn insert(block: u64, size: usize) -> Bytes {
-    encode_records(&[Record::Insert {
-        shard: 0,
-        idempotency_key: bytes::Bytes::new(),
-        table_id: 9,
-        block_number: block,
-        arrow_ipc: Bytes::from(vec![(block % 256) as u8; size]),
-    }])
+    ferry_testkit::wal::insert(9, block, size)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_commit_survive_failures_and_stream_to_replicas() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let mut nodes = cluster(dir.path()).await;
+    let (_dir, mut nodes) = cluster().await;
     let w = Arc::new(writer(&nodes, 1));
 
     // Concurrent appends: each resolves once committed, at increasing LSNs.
@@ -155,18 +158,16 @@ async fn writes_commit_survive_failures_and_stream_to_replicas() {
     nodes[2].start().await;
 
     // A walsender streams committed WAL from the start; its feedback reaches the writer.
-    let mut conn = start_replication(&nodes[2].addr, 4).await;
-    let received = receive_until(&mut conn, end).await;
-    let mut blocks = Vec::new();
-    let bytes = received;
-    let mut at = 0;
-    while at < bytes.len() {
-        let (rec, len) = record::decode(&bytes.slice(at..)).expect("whole records");
-        if let Record::Insert { block_number, .. } = rec {
-            blocks.push(block_number);
-        }
-        at += len;
-    }
+    let mut conn = Walsender::start(&TcpNetwork, &nodes[2].addr, 4, Lsn(0)).await;
+    let received = conn.read_until(Lsn(0), end, SOON).await;
+    assert!(received.all_committed, "only committed WAL");
+    let mut blocks: Vec<u64> = records(&received.wal)
+        .into_iter()
+        .filter_map(|(_, rec)| match rec {
+            Record::Insert { block_number, .. } => Some(block_number),
+            _ => None,
+        })
+        .collect();
     blocks.sort();
     assert_eq!(
         blocks,
@@ -181,9 +182,7 @@ async fn writes_commit_survive_failures_and_stream_to_replicas() {
         remote_consistent_lsn: Lsn(0),
         reply_time_micros: 1,
     };
-    proto::write_frame(&mut conn, &ToSafekeeper::Feedback(feedback))
-        .await
-        .expect("feedback");
+    conn.send_feedback(feedback).await.expect("feedback");
     // A second replica of the same shard, behind the first, reports too (on
     // its own walsender): it does not overwrite the first one's feedback.
     let slower = ShardFeedback {
@@ -191,19 +190,8 @@ async fn writes_commit_survive_failures_and_stream_to_replicas() {
         disk_consistent_lsn: Lsn(100),
         ..feedback
     };
-    let mut conn2 = TcpNetwork.connect(&nodes[2].addr).await.expect("connect");
-    proto::write_frame(
-        &mut conn2,
-        &ToSafekeeper::StartReplication {
-            shard_number: 4,
-            start_lsn: end,
-        },
-    )
-    .await
-    .expect("start replication");
-    proto::write_frame(&mut conn2, &ToSafekeeper::Feedback(slower))
-        .await
-        .expect("feedback");
+    let mut conn2 = Walsender::start(&TcpNetwork, &nodes[2].addr, 4, end).await;
+    conn2.send_feedback(slower).await.expect("feedback");
     let mut status = w.subscribe();
     let relayed = tokio::time::timeout(
         SOON,
@@ -238,15 +226,12 @@ async fn writes_commit_survive_failures_and_stream_to_replicas() {
         }
     }
     assert!(holding >= 2, "a quorum holds the checkpoint");
-    for node in &mut nodes {
-        node.stop().await;
-    }
+    stop_all(&mut nodes).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_writer_takes_over() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let mut nodes = cluster(dir.path()).await;
+    let (_dir, mut nodes) = cluster().await;
     let first = writer(&nodes, 1);
     let end = tokio::time::timeout(SOON, first.append(insert(0, 100)))
         .await
@@ -276,9 +261,7 @@ async fn a_second_writer_takes_over() {
     );
     second.stop().await;
     first.stop().await;
-    for node in &mut nodes {
-        node.stop().await;
-    }
+    stop_all(&mut nodes).await;
 }
 
 /// `Writer::insert` numbers each record's block by the LSN where the record
@@ -287,8 +270,7 @@ async fn a_second_writer_takes_over() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inserts_are_numbered_by_their_start_lsn() {
     use ferry_writer::driver::Insert;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let mut nodes = cluster(dir.path()).await;
+    let (_dir, mut nodes) = cluster().await;
     let w = writer(&nodes, 1);
     let one = |shard: u32, key: &'static [u8], rows: usize| Insert {
         table_id: 5,
@@ -320,11 +302,10 @@ async fn inserts_are_numbered_by_their_start_lsn() {
     ));
 
     // What a walsender streams decodes to the same numbers, shards and keys.
-    let wal = read_committed(&nodes[0].addr, second.commit_lsn).await;
+    let wal = read_committed(&TcpNetwork, &nodes[0].addr, second.commit_lsn, SOON).await;
+    assert!(wal.all_committed, "only committed WAL");
     let mut got = Vec::new();
-    let mut at = 0;
-    while at < wal.len() {
-        let (rec, n) = record::decode(&wal.slice(at..)).expect("whole records");
+    for (at, rec) in records(&wal.wal) {
         if let Record::Insert {
             block_number,
             shard,
@@ -332,10 +313,9 @@ async fn inserts_are_numbered_by_their_start_lsn() {
             ..
         } = rec
         {
-            assert_eq!(block_number, at as u64, "block number is the start LSN");
+            assert_eq!(block_number, at, "block number is the start LSN");
             got.push((shard, idempotency_key));
         }
-        at += n;
     }
     assert_eq!(
         got,
@@ -346,58 +326,5 @@ async fn inserts_are_numbered_by_their_start_lsn() {
         ]
     );
     w.stop().await;
-    for n in &mut nodes {
-        n.stop().await;
-    }
-}
-
-/// A walsender connection of `addr` for shard `shard`, from LSN 0.
-async fn start_replication(addr: &str, shard: u32) -> ferry_env::BoxConnection {
-    let mut conn = TcpNetwork.connect(addr).await.expect("connect");
-    proto::write_frame(
-        &mut conn,
-        &ToSafekeeper::StartReplication {
-            shard_number: shard,
-            start_lsn: Lsn(0),
-        },
-    )
-    .await
-    .expect("start replication");
-    conn
-}
-
-/// WAL received on `conn` up to `end`: every frame continues the stream and
-/// carries only committed WAL.
-async fn receive_until(conn: &mut ferry_env::BoxConnection, end: Lsn) -> Bytes {
-    let mut received = Vec::new();
-    while (received.len() as u64) < end.0 {
-        let msg: FromSafekeeper = tokio::time::timeout(SOON, proto::read_frame(conn))
-            .await
-            .expect("WAL in time")
-            .expect("frame")
-            .expect("open");
-        match msg {
-            FromSafekeeper::Wal {
-                begin_lsn,
-                commit_lsn,
-                wal,
-            } => {
-                assert_eq!(begin_lsn, Lsn(received.len() as u64));
-                assert!(
-                    Lsn(begin_lsn.0 + wal.len() as u64) <= commit_lsn,
-                    "only committed WAL"
-                );
-                received.extend_from_slice(&wal);
-            }
-            FromSafekeeper::Keepalive { .. } => {}
-            other => panic!("unexpected {other:?}"),
-        }
-    }
-    Bytes::from(received)
-}
-
-/// The committed WAL from the start up to `end`, as a walsender of `addr` streams it.
-async fn read_committed(addr: &str, end: Lsn) -> Bytes {
-    let mut conn = start_replication(addr, 0).await;
-    receive_until(&mut conn, end).await
+    stop_all(&mut nodes).await;
 }

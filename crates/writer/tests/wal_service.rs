@@ -18,6 +18,8 @@ use ferry_env::{Disk, Network, RealDisk, TcpNetwork};
 use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig, AcceptorStatus};
 use ferry_safekeeper::backup::{segment_key, BackupConfig};
 use ferry_safekeeper::server::{SafekeeperServer, ServerConfig};
+use ferry_testkit::walsender::{Streamed, Walsender};
+use ferry_testkit::writer::status_reaches;
 use ferry_wal::proto::{self, FromSafekeeper, ShardFeedback, ToSafekeeper};
 use ferry_wal::record::Record;
 use ferry_wal::segment::SegmentSize;
@@ -176,13 +178,7 @@ async fn write_wal(writer: &Writer, bytes: u64) -> Vec<u8> {
     let mut block = 0;
     let mut start = None;
     while (wal.len() as u64) < bytes {
-        let records = encode_records(&[Record::Insert {
-            shard: 0,
-            idempotency_key: Bytes::new(),
-            table_id: 4,
-            block_number: block,
-            arrow_ipc: Bytes::from(vec![(block % 251) as u8; 3000]),
-        }]);
+        let records = ferry_testkit::wal::insert(4, block, 3000);
         wal.extend_from_slice(&records);
         let len = records.len() as u64;
         let end = writer.append(records).await.expect("append");
@@ -193,57 +189,18 @@ async fn write_wal(writer: &Writer, bytes: u64) -> Vec<u8> {
     wal
 }
 
-async fn start_replication(addr: &str, shard: u32, start: Lsn) -> ferry_env::BoxConnection {
-    let mut conn = TcpNetwork.connect(addr).await.expect("connect");
-    proto::write_frame(
-        &mut conn,
-        &ToSafekeeper::StartReplication {
-            shard_number: shard,
-            start_lsn: start,
-        },
-    )
-    .await
-    .expect("start replication");
+/// A replica of `shard` streaming from `start` on the safekeeper at `addr`,
+/// which reported once that it applied everything below `applied`.
+async fn reporting(addr: &str, shard: u32, start: Lsn, applied: Lsn) -> Walsender {
+    let mut conn = Walsender::start(&TcpNetwork, addr, shard, start).await;
+    conn.report_applied(applied, 1).await.expect("feedback");
     conn
 }
 
-/// Tells the walsender on `conn` that replica `(shard, 0)` applied up to `lsn`.
-async fn report(conn: &mut ferry_env::BoxConnection, shard: u32, lsn: Lsn, at: u64) {
-    proto::write_frame(
-        conn,
-        &ToSafekeeper::Feedback(ShardFeedback {
-            shard_number: shard,
-            replica_number: 0,
-            last_received_lsn: lsn,
-            disk_consistent_lsn: lsn,
-            remote_consistent_lsn: lsn,
-            reply_time_micros: at,
-        }),
-    )
-    .await
-    .expect("feedback");
-}
-
 /// WAL streamed on `conn` from `start` up to `end`.
-async fn receive(conn: &mut ferry_env::BoxConnection, start: Lsn, end: Lsn) -> Vec<u8> {
-    let mut received = Vec::new();
-    while start.0 + (received.len() as u64) < end.0 {
-        let msg: FromSafekeeper = tokio::time::timeout(SOON, proto::read_frame(conn))
-            .await
-            .expect("WAL in time")
-            .expect("frame")
-            .expect("open");
-        match msg {
-            FromSafekeeper::Wal { begin_lsn, wal, .. } => {
-                assert_eq!(begin_lsn, Lsn(start.0 + received.len() as u64));
-                received.extend_from_slice(&wal);
-            }
-            FromSafekeeper::Keepalive { .. } => {}
-            other => panic!("unexpected {other:?}"),
-        }
-    }
-    received.truncate(end.distance_from(start) as usize);
-    received
+async fn receive(conn: &mut Walsender, start: Lsn, end: Lsn) -> Bytes {
+    let received = conn.read_until(start, end, SOON).await.wal;
+    received.slice(..end.distance_from(start) as usize)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -290,8 +247,7 @@ async fn segments_are_backed_up_removed_behind_every_consumer_and_read_back() {
 
     // A replica of shard 0 applied 6 segments: the writer relays it, and
     // every safekeeper removes the segments below.
-    let mut replica = start_replication(c.servers[0].addr(), 0, Lsn(6 * SEG)).await;
-    report(&mut replica, 0, Lsn(6 * SEG + 10), 1).await;
+    let replica = reporting(c.servers[0].addr(), 0, Lsn(6 * SEG), Lsn(6 * SEG + 10)).await;
     c.wait_all("segments below 6 removed everywhere", |s| {
         s.last_removed_segno == 6 && s.segments_removed == 6
     })
@@ -301,7 +257,7 @@ async fn segments_are_backed_up_removed_behind_every_consumer_and_read_back() {
     // removed WAL comes from the backup, the rest from the safekeeper.
     let end = Lsn(wal.len() as u64);
     for server in &c.servers {
-        let mut fresh = start_replication(server.addr(), 1, Lsn(0)).await;
+        let mut fresh = Walsender::start(&TcpNetwork, server.addr(), 1, Lsn(0)).await;
         let got = receive(&mut fresh, Lsn(0), end).await;
         assert!(got == wal, "the whole WAL, partly from the backup");
     }
@@ -315,18 +271,17 @@ async fn a_lagging_walsender_keeps_its_wal_with_keep_horizon() {
     let writer = c.writer();
     // A slow replica of shard 1 streams from safekeeper 0 and has received
     // nothing yet.
-    let mut slow = start_replication(c.servers[0].addr(), 1, Lsn(0)).await;
+    let mut slow = Walsender::start(&TcpNetwork, c.servers[0].addr(), 1, Lsn(0)).await;
     let wal = write_wal(&writer, 8 * SEG).await;
     // The slow one reports what it received, so it is registered, at 0, and
     // the writer relays that to every safekeeper.
-    report(&mut slow, 1, Lsn(0), 1).await;
+    slow.report_applied(Lsn(0), 1).await.expect("feedback");
     c.wait_all("the writer relays the slow replica", |s| {
         s.writer_remote_consistent_lsn.as_deref() == Some("0/0")
     })
     .await;
     // A fast replica of shard 0 applied everything, through safekeeper 1.
-    let mut fast = start_replication(c.servers[1].addr(), 0, Lsn(7 * SEG)).await;
-    report(&mut fast, 0, Lsn(7 * SEG), 1).await;
+    let fast = reporting(c.servers[1].addr(), 0, Lsn(7 * SEG), Lsn(7 * SEG)).await;
     c.wait_all("backed up", |s| lsn(&s.backup_lsn) >= Lsn(7 * SEG))
         .await;
     // The fast replica alone would let safekeepers 1 and 2 remove up to 7
@@ -340,17 +295,14 @@ async fn a_lagging_walsender_keeps_its_wal_with_keep_horizon() {
     // object storage) but has not received more: keep-horizon still keeps
     // WAL on the safekeeper its walsender reads from, while the others
     // remove.
-    proto::write_frame(
-        &mut slow,
-        &ToSafekeeper::Feedback(ShardFeedback {
-            shard_number: 1,
-            replica_number: 0,
-            last_received_lsn: Lsn(0),
-            disk_consistent_lsn: Lsn(0),
-            remote_consistent_lsn: Lsn(7 * SEG),
-            reply_time_micros: 2,
-        }),
-    )
+    slow.send_feedback(ShardFeedback {
+        shard_number: 1,
+        replica_number: 0,
+        last_received_lsn: Lsn(0),
+        disk_consistent_lsn: Lsn(0),
+        remote_consistent_lsn: Lsn(7 * SEG),
+        reply_time_micros: 2,
+    })
     .await
     .expect("feedback");
     c.wait_all("safekeepers without the walsender remove", |s| {
@@ -371,19 +323,15 @@ async fn a_lagging_walsender_keeps_its_wal_with_keep_horizon() {
 /// A replica of `shard` that applies (here: receives) every committed byte
 /// from `addr` and reports it after each frame.
 async fn follow(addr: String, shard: u32) {
-    let mut conn = start_replication(&addr, shard, Lsn(0)).await;
+    let mut conn = Walsender::start(&TcpNetwork, &addr, shard, Lsn(0)).await;
     let mut at = Lsn(0);
     let mut reply_time = 0;
-    loop {
-        let msg: FromSafekeeper = match proto::read_frame(&mut conn).await {
-            Ok(Some(msg)) => msg,
-            _ => return,
-        };
-        if let FromSafekeeper::Wal { begin_lsn, wal, .. } = msg {
+    while let Ok(Some(frame)) = conn.next().await {
+        if let Streamed::Wal { begin_lsn, wal, .. } = frame {
             assert_eq!(begin_lsn, at, "contiguous");
             at = Lsn(at.0 + wal.len() as u64);
             reply_time += 1;
-            report(&mut conn, shard, at, reply_time).await;
+            conn.report_applied(at, reply_time).await.expect("feedback");
         }
     }
 }
@@ -423,44 +371,28 @@ async fn a_clean_shutdown_waits_until_every_replica_applied_the_committed_wal() 
 /// A replica of `shard` that receives everything from `addr` but applies at
 /// most `pace` bytes every 10 ms, reporting what it applied.
 async fn slow_follow(addr: String, shard: u32, pace: u64) {
-    let conn = start_replication(&addr, shard, Lsn(0)).await;
-    let (read, mut write) = tokio::io::split(conn);
-    let received = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let reader = {
-        let received = Arc::clone(&received);
-        tokio::spawn(async move {
-            let mut frames = proto::FrameReader::new(read);
-            while let Ok(Some(msg)) = frames.next::<FromSafekeeper>().await {
-                if let FromSafekeeper::Wal { wal, .. } = msg {
-                    received.fetch_add(wal.len() as u64, std::sync::atomic::Ordering::Relaxed);
-                }
-            }
-        })
-    };
+    let mut conn = Walsender::start(&TcpNetwork, &addr, shard, Lsn(0)).await;
+    let mut streaming = true;
+    let mut received = 0u64;
     let mut applied = 0u64;
     let mut tick = tokio::time::interval(Duration::from_millis(10));
-    for reply_time in 1.. {
-        tick.tick().await;
-        let got = received.load(std::sync::atomic::Ordering::Relaxed);
-        applied = got.min(applied + pace);
-        let lsn = Lsn(applied);
-        let feedback = ToSafekeeper::Feedback(ShardFeedback {
-            shard_number: shard,
-            replica_number: 0,
-            last_received_lsn: lsn,
-            disk_consistent_lsn: lsn,
-            remote_consistent_lsn: lsn,
-            reply_time_micros: reply_time,
-        });
-        if proto::write_frame(&mut write, &feedback).await.is_err() {
-            break;
-        }
-        use tokio::io::AsyncWriteExt as _;
-        if write.flush().await.is_err() {
-            break;
+    let mut reply_time = 0;
+    loop {
+        tokio::select! {
+            frame = conn.next(), if streaming => match frame {
+                Ok(Some(Streamed::Wal { wal, .. })) => received += wal.len() as u64,
+                Ok(Some(Streamed::Keepalive { .. })) => {}
+                Ok(None) | Err(_) => streaming = false,
+            },
+            _ = tick.tick() => {
+                reply_time += 1;
+                applied = received.min(applied + pace);
+                if conn.report_applied(Lsn(applied), reply_time).await.is_err() {
+                    return;
+                }
+            }
         }
     }
-    reader.abort();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -476,13 +408,10 @@ async fn one_slow_shard_holds_the_writer_back_within_the_limit_and_loses_nothing
     let slow = tokio::spawn(slow_follow(c.servers[1].addr().to_string(), 1, 64 << 10));
     let mut status = writer.subscribe();
     // The slow replica reports from the start (the fast one once WAL flows).
-    tokio::time::timeout(
-        SOON,
-        status.wait_for(|s| s.elected && s.replicas.iter().any(|f| f.shard_number == 1)),
-    )
-    .await
-    .expect("the slow replica reports")
-    .expect("writer runs");
+    status_reaches(&mut status, SOON, "the slow replica reports", |s| {
+        s.elected && s.replicas.iter().any(|f| f.shard_number == 1)
+    })
+    .await;
 
     // Watch every status the writer publishes while the appends run.
     let (done, mut done_rx) = tokio::sync::watch::channel(false);
@@ -642,15 +571,13 @@ async fn a_replica_needing_wal_removed_everywhere_stops_naming_the_lsn_and_horiz
     write_wal(&writer, 6 * SEG + 100).await;
     // A replica of shard 0 applied 4 segments: without a backup the
     // safekeepers remove the segments below it.
-    let mut shard0 = start_replication(c.servers[0].addr(), 0, Lsn(4 * SEG)).await;
-    report(&mut shard0, 0, Lsn(4 * SEG + 10), 1).await;
+    let shard0 = reporting(c.servers[0].addr(), 0, Lsn(4 * SEG), Lsn(4 * SEG + 10)).await;
     c.wait_all("segments below 4 removed everywhere", |s| {
         s.last_removed_segno == 4
     })
     .await;
     // A new replica of shard 1 needs the WAL from 0/0: no safekeeper has it.
-    let dir = tempfile::tempdir().expect("tempdir");
-    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let (_dir, disk) = ferry_testkit::disk::temp_disk();
     let replica = ferry_replica::Replica::open(
         disk,
         "s1r0",
@@ -697,16 +624,12 @@ async fn a_replica_needing_wal_removed_everywhere_stops_naming_the_lsn_and_horiz
     writer.shutdown().await.expect("clean shutdown");
 }
 
-/// Reports replica `(shard, 0)` at `lsn` on `conn` every 200 ms, each time
-/// with a newer reply time, until dropped: a live replica.
-fn keep_reporting(
-    mut conn: ferry_env::BoxConnection,
-    shard: u32,
-    lsn: Lsn,
-) -> tokio::task::JoinHandle<()> {
+/// Reports replica 0 of `conn`'s shard at `lsn` every 200 ms, each time with
+/// a newer reply time, until dropped: a live replica.
+fn keep_reporting(mut conn: Walsender, lsn: Lsn) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         for at in 1.. {
-            report(&mut conn, shard, lsn, at).await;
+            conn.report_applied(lsn, at).await.expect("feedback");
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     })
@@ -735,16 +658,14 @@ async fn a_replica_silent_past_the_expiry_stops_holding_removal_and_back_pressur
     write_wal(&writer, 6 * SEG + 100).await;
     // Shard 1's replica applied 2 segments and went away for good; shard 0's
     // applied everything and keeps reporting.
-    let mut gone = start_replication(c.servers[0].addr(), 1, Lsn(2 * SEG)).await;
-    report(&mut gone, 1, Lsn(2 * SEG + 10), 1).await;
+    let gone = reporting(c.servers[0].addr(), 1, Lsn(2 * SEG), Lsn(2 * SEG + 10)).await;
     c.wait_all("the gone replica registered everywhere", |s| {
         s.last_removed_segno == 2
     })
     .await;
     drop(gone);
     let alive = keep_reporting(
-        start_replication(c.servers[1].addr(), 0, Lsn(6 * SEG)).await,
-        0,
+        Walsender::start(&TcpNetwork, c.servers[1].addr(), 0, Lsn(6 * SEG)).await,
         Lsn(6 * SEG + 10),
     );
     // Past the expiry, every safekeeper forgets it and removes behind the
@@ -768,13 +689,10 @@ async fn a_replica_silent_past_the_expiry_stops_holding_removal_and_back_pressur
         "the safekeeper it streamed from forgot it, once: {statuses:#?}"
     );
     let mut status = writer.subscribe();
-    tokio::time::timeout(
-        SOON,
-        status.wait_for(|s| s.replicas.iter().all(|r| r.shard_number == 0)),
-    )
-    .await
-    .expect("the writer forgets it in time")
-    .expect("writer runs");
+    status_reaches(&mut status, SOON, "the writer forgets it in time", |s| {
+        s.replicas.iter().all(|r| r.shard_number == 0)
+    })
+    .await;
     alive.abort();
     writer.shutdown().await.expect("clean shutdown");
 }
@@ -784,14 +702,12 @@ async fn an_unregistered_replica_stops_holding_removal_at_once() {
     let c = cluster(false).await;
     let writer = c.writer();
     write_wal(&writer, 6 * SEG + 100).await;
-    let mut gone = start_replication(c.servers[0].addr(), 1, Lsn(2 * SEG)).await;
-    report(&mut gone, 1, Lsn(2 * SEG + 10), 1).await;
+    let gone = reporting(c.servers[0].addr(), 1, Lsn(2 * SEG), Lsn(2 * SEG + 10)).await;
     c.wait_all("held by the gone replica", |s| s.last_removed_segno == 2)
         .await;
     drop(gone);
     let alive = keep_reporting(
-        start_replication(c.servers[1].addr(), 0, Lsn(6 * SEG)).await,
-        0,
+        Walsender::start(&TcpNetwork, c.servers[1].addr(), 0, Lsn(6 * SEG)).await,
         Lsn(6 * SEG + 10),
     );
     // An operator unregisters it (what `ferry replica unregister` sends).
@@ -819,24 +735,22 @@ async fn an_unregistered_replica_stops_holding_removal_at_once() {
     })
     .await;
     let mut status = writer.subscribe();
-    tokio::time::timeout(
-        SOON,
-        status.wait_for(|s| s.replicas.iter().all(|r| r.shard_number == 0)),
-    )
-    .await
-    .expect("the writer forgets it in time")
-    .expect("writer runs");
+    status_reaches(&mut status, SOON, "the writer forgets it in time", |s| {
+        s.replicas.iter().all(|r| r.shard_number == 0)
+    })
+    .await;
     // Its old feedback relayed again does not bring it back; a newer one does.
-    let mut back = start_replication(c.servers[2].addr(), 1, Lsn(2 * SEG)).await;
-    report(&mut back, 1, Lsn(2 * SEG + 10), 999).await;
-    report(&mut back, 1, Lsn(6 * SEG + 10), 2_000).await;
-    tokio::time::timeout(
-        SOON,
-        status.wait_for(|s| s.replicas.iter().any(|r| r.shard_number == 1)),
-    )
-    .await
-    .expect("registered anew")
-    .expect("writer runs");
+    let mut back = Walsender::start(&TcpNetwork, c.servers[2].addr(), 1, Lsn(2 * SEG)).await;
+    back.report_applied(Lsn(2 * SEG + 10), 999)
+        .await
+        .expect("feedback");
+    back.report_applied(Lsn(6 * SEG + 10), 2_000)
+        .await
+        .expect("feedback");
+    status_reaches(&mut status, SOON, "registered anew", |s| {
+        s.replicas.iter().any(|r| r.shard_number == 1)
+    })
+    .await;
     alive.abort();
     writer.shutdown().await.expect("clean shutdown");
 }

@@ -8,18 +8,31 @@
 #[allow(unused_imports)] // each test binary uses some of them
 pub use ferry_testkit::services::{skipped, zookeeper as zk_address};
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use ferry_coord::embedded::{EmbeddedOptions, EmbeddedStore};
-use ferry_coord::zk::{ZkOptions, ZkSession};
-use ferry_coord::{Coordination, Session};
+use ferry_coord::zk::ZkOptions;
+use ferry_coord::{Coordination, CreateMode, Session};
 use ferry_env::RealDisk;
 
 /// Generous bound for anything that should happen "soon" in a test.
 pub const SOON: Duration = Duration::from_secs(10);
+
+/// Creates persistent `path` holding `data`, which must succeed.
+pub async fn create(s: &dyn Coordination, path: &str, data: &[u8]) {
+    s.create(path, data, CreateMode::Persistent)
+        .await
+        .unwrap_or_else(|e| panic!("create {path}: {e}"));
+}
+
+/// Creates the empty ephemeral `path`, which must succeed.
+pub async fn ephemeral(s: &dyn Coordination, path: &str) {
+    s.create(path, b"", CreateMode::Ephemeral)
+        .await
+        .unwrap_or_else(|e| panic!("create ephemeral {path}: {e}"));
+}
 
 #[async_trait]
 pub trait Backend: Send + Sync {
@@ -104,12 +117,9 @@ pub use ferry_testkit::tcp_proxy::{connect_proxied, expire_proxied, Proxy};
 
 pub struct ZooKeeper {
     options: ZkOptions,
-    infos: Mutex<BTreeMap<i64, zookeeper_client::SessionInfo>>,
-    /// Each session's own proxy, by session id.
-    proxies: Mutex<BTreeMap<i64, Arc<Proxy>>>,
+    /// Each session's identity and its own proxy, by session id.
+    sessions: Mutex<BTreeMap<i64, (zookeeper_client::SessionInfo, Arc<Proxy>)>>,
 }
-
-static CHROOT_COUNTER: AtomicU64 = AtomicU64::new(0);
 
 impl ZooKeeper {
     /// A back-end confined to a new, empty chroot. Every session connects
@@ -120,28 +130,12 @@ impl ZooKeeper {
     /// re-attach first and the session lives on).
     pub async fn new() -> Option<ZooKeeper> {
         let addr = zk_address()?;
-        let root = ZkSession::connect(&ZkOptions::new(addr.clone()))
-            .await
-            .expect("connect to test ZooKeeper");
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or_default();
-        let chroot = format!(
-            "/conformance-{}-{nanos}-{}",
-            std::process::id(),
-            CHROOT_COUNTER.fetch_add(1, Ordering::Relaxed)
-        );
-        ferry_coord::create_all(&root, &chroot)
-            .await
-            .expect("create chroot");
-        root.close().await;
-        let mut options = ZkOptions::new(format!("{addr}{chroot}"));
+        let chroot = ferry_testkit::services::zookeeper_chroot(&addr, "conformance").await;
+        let mut options = ZkOptions::new(chroot);
         options.session_timeout = Duration::from_secs(4);
         Some(ZooKeeper {
             options,
-            infos: Mutex::new(BTreeMap::new()),
-            proxies: Mutex::new(BTreeMap::new()),
+            sessions: Mutex::new(BTreeMap::new()),
         })
     }
 
@@ -158,14 +152,10 @@ impl Backend for ZooKeeper {
 
     async fn session(&self) -> Session {
         let (session, proxy) = connect_proxied(&self.options).await.expect("connect");
-        self.infos
-            .lock()
-            .expect("lock")
-            .insert(session.session_id(), session.session_info());
-        self.proxies
-            .lock()
-            .expect("lock")
-            .insert(session.session_id(), Arc::new(proxy));
+        self.sessions.lock().expect("lock").insert(
+            session.session_id(),
+            (session.session_info(), Arc::new(proxy)),
+        );
         Arc::new(session)
     }
 
@@ -177,15 +167,8 @@ impl Backend for ZooKeeper {
     }
 
     async fn expire(&self, session: &Session) {
-        let info = self
-            .infos
-            .lock()
-            .expect("lock")
-            .get(&session.session_id())
-            .cloned()
-            .expect("session made by this back-end");
-        let proxy = self
-            .proxies
+        let (info, proxy) = self
+            .sessions
             .lock()
             .expect("lock")
             .get(&session.session_id())
