@@ -223,4 +223,3 @@ pub async fn coord(args: CoordBenchArgs) -> anyhow::Result<()> {
     }
     Ok(())
 }
-

@@ -7,16 +7,16 @@
 #[macro_use]
 extern crate ferry_host;
 
+mod coord;
 mod export;
 mod ingest;
 mod scale;
-mod coord;
 mod wal;
 
+pub use coord::CoordBenchArgs;
 pub use export::ExportBenchArgs;
 pub use ingest::IngestBenchArgs;
 pub use scale::ScaleBenchArgs;
-pub use coord::CoordBenchArgs;
 pub use wal::WalBenchArgs;
 
 /// `ferry bench <which>`.
