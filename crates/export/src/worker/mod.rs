@@ -14,7 +14,7 @@
 //! * `view`: the status listing and the counters.
 //!
 //! Invariants (each one relied on by the exactly-once argument in
-//! ARCHITECTURE.md):
+//! docs/protocols/export.md):
 //! * A part is uploaded only under its `locks/<part>` ephemeral, taken by a
 //!   multi that also sets `processing/<part>`: a part already exported (its
 //!   processing entry gone) cannot be claimed, so the claim alone tells a
