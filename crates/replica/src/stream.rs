@@ -1,5 +1,5 @@
 //! The replica's walreceiver: streams committed WAL of its shard from one
-//! safekeeper after another, hands it to the [`Replica`], and sends feedback.
+//! safekeeper after another, hands it to the [`Replica`](crate::Replica), and sends feedback.
 //!
 //! It starts every stream at the replica's applied position
 //! (`disk_consistent_lsn`), so WAL received but not applied before a

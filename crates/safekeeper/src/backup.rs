@@ -4,7 +4,7 @@
 //! [`BackupPlanner`] is the sans-IO part: it decides which segments to upload
 //! now (in order, at most `parallel_jobs` at once, failed ones again after a
 //! back-off) and how far backup_lsn may move when uploads finish. Time is an
-//! input. [`run_backup`] is the driver: it reads segments through the
+//! input. The server's `run_backup` is the driver: it reads segments through the
 //! [`WalReader`], writes them through a [`Location`] and reports backup_lsn to
 //! the acceptor.
 //!

@@ -1,6 +1,6 @@
 //! The embedded back-end: an in-process coordination store.
 //!
-//! One task owns the [`Tree`] and the [`Persister`]; sessions talk to it through a
+//! One task owns the `Tree` and the `Persister`; sessions talk to it through a
 //! bounded queue. The task takes every queued command (up to a batch limit),
 //! applies them in arrival order, appends the resulting transactions to the log
 //! with **one** sync, and only then answers and fires watches, so nothing is ever
