@@ -66,34 +66,34 @@ pub enum ExportCommand {
     },
 }
 
-/// Settings captured in the task's metadata.json (defaults in brackets).
+/// Settings captured in the task's metadata.json.
 #[derive(Debug, clap::Args)]
 pub struct SettingsArgs {
-    /// Seconds from creation after which a PENDING task is KILLED; 0 never [3600].
+    /// Seconds from creation after which a PENDING task is KILLED; 0 never. Default: 3600.
     #[arg(long)]
     pub task_timeout_secs: Option<u64>,
-    /// Seconds from creation after which a finished task is removed [180].
+    /// Seconds from creation after which a finished task is removed. Default: 180.
     #[arg(long)]
     pub ttl_secs: Option<u64>,
-    /// First back-off of a part after a retryable error, ms [5000].
+    /// First back-off of a part after a retryable error, ms. Default: 5000.
     #[arg(long)]
     pub retry_initial_backoff_ms: Option<u64>,
-    /// Largest back-off, ms [300000].
+    /// Largest back-off, ms. Default: 300000.
     #[arg(long)]
     pub retry_max_backoff_ms: Option<u64>,
-    /// Retryable failures of a part before the task FAILS; 0 unlimited [0].
+    /// Retryable failures of a part before the task FAILS; 0 unlimited. Default: 0.
     #[arg(long)]
     pub max_retries: Option<u32>,
-    /// Parts one replica exports at once [2].
+    /// Parts one replica exports at once. Default: 2.
     #[arg(long)]
     pub parallelism: Option<u32>,
-    /// zstd (parts copied as they are), snappy, lz4 or none [zstd].
+    /// zstd (parts copied as they are), snappy, lz4 or none. Default: zstd.
     #[arg(long)]
     pub compression: Option<Compression>,
-    /// Rows per row group [131072].
+    /// Rows per row group. Default: 131072.
     #[arg(long)]
     pub row_group_rows: Option<u64>,
-    /// skip, error or overwrite a data file already there [skip].
+    /// skip, error or overwrite a data file already there. Default: skip.
     #[arg(long)]
     pub file_exists: Option<FileExistsPolicy>,
 }

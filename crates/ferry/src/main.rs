@@ -245,6 +245,42 @@ mod help_tests {
         walk(&super::Cli::command(), "ferry", &mut missing);
         assert!(missing.is_empty(), "no help text: {missing:#?}");
     }
+
+    /// The defaults `ferry export --help` states are the ones a task gets.
+    #[test]
+    fn export_settings_help_states_the_real_defaults() {
+        let d = ferry_export::ExportSettings::default();
+        let cli = super::Cli::command();
+        let export = cli.find_subcommand("export").expect("export");
+        let help = |long: &str| -> String {
+            export
+                .get_arguments()
+                .find(|a| a.get_long() == Some(long))
+                .and_then(|a| a.get_help())
+                .map(|h| h.to_string())
+                .unwrap_or_else(|| panic!("--{long} has help"))
+        };
+        for (long, default) in [
+            ("task-timeout-secs", d.task_timeout_seconds.to_string()),
+            ("ttl-secs", d.ttl_seconds.to_string()),
+            (
+                "retry-initial-backoff-ms",
+                d.retry_initial_backoff_ms.to_string(),
+            ),
+            ("retry-max-backoff-ms", d.retry_max_backoff_ms.to_string()),
+            ("max-retries", d.max_retries.to_string()),
+            ("parallelism", d.parallelism.to_string()),
+            ("row-group-rows", d.row_group_rows.to_string()),
+        ] {
+            // clap drops a help text's final period.
+            let text = help(long);
+            assert!(
+                text.trim_end_matches('.')
+                    .ends_with(&format!("Default: {default}")),
+                "--{long}: {text:?} does not state the default {default}"
+            );
+        }
+    }
 }
 
 #[cfg(test)]
