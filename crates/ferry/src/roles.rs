@@ -659,7 +659,7 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
     )
     .await
     .with_context(|| format!("opening the replica in {}", data_dir.join(&dir).display()))?;
-    let mut status_rx = node.status.clone();
+    let mut status_rx = node.reader.status.clone();
     let shared = Arc::clone(&node.replica);
     let reads = Arc::new(ferry_host::reads::Reads {
         catalog: catalog.clone(),

@@ -20,8 +20,8 @@ use hyper_util::rt::TokioIo;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-/// A pause after a failed accept (out of file descriptors, a reset in the
-/// handshake), so that a persistent failure does not spin.
+/// A pause after the listener failed to accept (out of file descriptors),
+/// so that a persistent failure does not spin.
 const ACCEPT_RETRY: Duration = Duration::from_millis(100);
 
 /// The largest answer a node accepts from another: a shard snapshot lists
@@ -48,8 +48,12 @@ impl axum::serve::Listener for SeamListener {
         loop {
             match self.inner.accept().await {
                 Ok(accepted) => return accepted,
+                // One connection's trouble: the next one is accepted at once.
+                Err(e) if is_connection_error(&e) => {
+                    tracing::debug!(error = %e, "an HTTP connection failed as it was accepted");
+                }
                 Err(e) => {
-                    tracing::warn!(error = %e, "accepting an HTTP connection failed");
+                    tracing::warn!(error = %e, "accepting HTTP connections failed");
                     tokio::time::sleep(ACCEPT_RETRY).await;
                 }
             }
@@ -111,6 +115,17 @@ pub fn serve(listener: Box<dyn Listener>, app: axum::Router) -> io::Result<HttpS
         stop: Some(stop),
         task,
     })
+}
+
+/// An accept error that concerns one connection only (its peer reset or
+/// aborted it), not the listener.
+fn is_connection_error(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionRefused
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::ConnectionReset
+    )
 }
 
 /// Why a call to another node failed.

@@ -12,9 +12,7 @@ use std::time::Duration;
 use ferry_coord::SessionFactory;
 use ferry_env::{Cpu, Disk, Network, SharedClock};
 use ferry_export::{Destinations, Exporter, ExporterConfig, ExportsView, ReplicaSet};
-use ferry_replica::{
-    Replica, ReplicaError, ReplicaReader, ReplicaStatus, SharedReplica, StreamConfig, Tables,
-};
+use ferry_replica::{Replica, ReplicaError, ReplicaReader, SharedReplica, StreamConfig, Tables};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -84,9 +82,8 @@ pub enum ReplicaNodeStopped {
 /// ends them.
 pub struct ReplicaNode {
     pub replica: SharedReplica,
-    /// The replica's status, updated by the replica itself.
-    pub status: watch::Receiver<ReplicaStatus>,
-    /// The replica as readers reach it, without its lock.
+    /// The replica's status and read view, as readers reach them (without
+    /// its lock).
     pub reader: ReplicaReader,
     /// This node's replica as the parts an export reads.
     pub parts: Arc<ReplicaSet>,
@@ -114,7 +111,6 @@ impl ReplicaNode {
             Arc::clone(&seams.tables),
         )
         .await?;
-        let status = replica.subscribe();
         let reader = replica.reader();
         let replica: SharedReplica = Arc::new(tokio::sync::Mutex::new(replica));
         let parts = Arc::new(ReplicaSet::new(vec![Arc::clone(&replica)]));
@@ -153,7 +149,6 @@ impl ReplicaNode {
         });
         Ok(ReplicaNode {
             replica,
-            status,
             reader,
             parts,
             exports,

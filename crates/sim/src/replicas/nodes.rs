@@ -147,7 +147,7 @@ impl Sim {
                 "{name} reopened at {opened}, below the {reported} it reported as durable"
             )));
         }
-        let mut status = node.status.clone();
+        let mut status = node.reader.status.clone();
         // The step check: the position never goes back.
         let monitor = tokio::spawn({
             let reported = Arc::clone(&self.reported);
