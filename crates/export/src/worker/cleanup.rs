@@ -5,6 +5,7 @@
 
 use ferry_coord::CoordError;
 
+use super::rules::{self, Duty};
 use super::Run;
 use crate::model::{cleanup_lock_path, exports_path, TaskKey};
 use crate::task;
@@ -42,19 +43,23 @@ impl Run<'_> {
                 let Some(t) = self.tasks.get(&key) else {
                     continue;
                 };
-                let (status, create_time) = (t.status, t.metadata.create_time);
-                let settings = t.metadata.settings.clone();
-                if status.is_terminal() {
-                    if create_time + settings.ttl_seconds < now_s {
+                let duty = rules::cleanup_duty(
+                    t.status,
+                    t.metadata.create_time,
+                    &t.metadata.settings,
+                    now_s,
+                );
+                match duty {
+                    Duty::Keep => continue,
+                    Duty::Remove => {
                         tracing::info!(task = %key, "removing an export task past its TTL");
                         task::remove(&self.session, &key).await?;
                         self.forget(&key).await;
+                        continue;
                     }
-                    continue;
+                    Duty::Kill | Duty::CommitIfNothingLeft => {}
                 }
-                if settings.task_timeout_seconds > 0
-                    && create_time + settings.task_timeout_seconds < now_s
-                {
+                if duty == Duty::Kill {
                     if let Some(d) = t.destination.clone() {
                         match task::kill(&self.session, &key, None, &d, "task timeout").await {
                             Ok(_)
@@ -97,10 +102,13 @@ impl Run<'_> {
                     continue;
                 }
                 if let Some(head) = task::read_head(&self.session, &key).await? {
-                    let old = head.metadata.as_ref().is_none_or(|m| {
-                        m.create_time + self.ex.config.creating_grace.as_secs() < now_s
-                    });
-                    if head.status.is_none() && old {
+                    let abandoned = rules::creation_abandoned(
+                        head.status.is_some(),
+                        head.metadata.as_ref().map(|m| m.create_time),
+                        self.ex.config.creating_grace.as_secs(),
+                        now_s,
+                    );
+                    if abandoned {
                         tracing::info!(task = %key, "removing an export task whose creation never finished");
                         task::remove(&self.session, &key).await?;
                     }

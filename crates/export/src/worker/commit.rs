@@ -12,10 +12,10 @@ impl Run<'_> {
         let Some(t) = self.tasks.get_mut(key) else {
             return Ok(());
         };
-        if !t.commit_due || t.status != TaskStatus::Pending || !t.running.is_empty() {
+        if !t.queue.commit_due() || t.status != TaskStatus::Pending {
             return Ok(());
         }
-        t.commit_due = false;
+        t.queue.set_commit_due(false);
         self.try_commit(key).await
     }
 
@@ -51,14 +51,14 @@ impl Run<'_> {
                 // Tried again at the next tick (this session may still hold
                 // the commit lock, which only it can use).
                 if let Some(t) = self.tasks.get_mut(key) {
-                    t.commit_due = true;
+                    t.queue.set_commit_due(true);
                 }
                 Err(e)
             }
             Err(task::CommitError::Destination(e)) => {
                 tracing::warn!(task = %key, error = %e, "commit file not written; retried");
                 if let Some(t) = self.tasks.get_mut(key) {
-                    t.commit_due = true;
+                    t.queue.set_commit_due(true);
                 }
                 Ok(())
             }

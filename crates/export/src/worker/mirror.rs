@@ -10,7 +10,7 @@ use std::time::Duration;
 use ferry_coord::{CoordError, CreateMode, Op};
 use ferry_replica::PartName;
 
-use super::order::Todo;
+use super::queue::PartQueue;
 use super::{forward, is_session_end, Event, Run, Task};
 use crate::dest::Destination;
 use crate::model::{exports_path, ExceptionRecord, TaskKey, TaskStatus, TABLES};
@@ -196,12 +196,9 @@ impl Run<'_> {
             key: key.clone(),
             status,
             destination: None,
-            todo: Todo::default(),
-            pruned: None,
+            queue: PartQueue::default(),
             snapshot_names: Vec::new(),
-            running: BTreeMap::new(),
-            backoff: BTreeMap::new(),
-            busy: BTreeMap::new(),
+            uploads: BTreeMap::new(),
             parts_to_do: metadata.parts_count,
             exceptions: BTreeMap::new(),
             commit_file: None,
@@ -209,7 +206,6 @@ impl Run<'_> {
             exceptions_due: true,
             progress_armed: false,
             exceptions_armed: false,
-            commit_due: false,
             schema_checked: Arc::new(tokio::sync::OnceCell::new()),
             coordination_ops: 0,
             metadata,
@@ -244,7 +240,7 @@ impl Run<'_> {
                     .await
                     .is_some()
                 {
-                    t.todo.insert(p.name.clone());
+                    t.queue.hold(p.name.clone());
                     held.push(name);
                 }
             }
@@ -258,15 +254,15 @@ impl Run<'_> {
                     tracing::warn!(task = %key, error = %e, "could not pin an export's parts");
                 }
             }
-            t.commit_due = left.is_empty();
-            if !t.todo.is_empty() {
+            t.queue.set_commit_due(left.is_empty());
+            if t.queue.has_todo() {
                 let workers = self.join(&key).await?;
-                t.todo.rank(self.name(), &workers);
+                t.queue.rank(self.name(), &workers);
             }
         } else {
             self.settle(&mut t).await;
         }
-        tracing::debug!(task = %key, status = %t.status, todo = t.todo.len(), "export task mirrored");
+        tracing::debug!(task = %key, status = %t.status, todo = t.queue.todo_len(), "export task mirrored");
         t.coordination_ops = self.trips() - since;
         self.tasks.insert(key, t);
         Ok(())
@@ -316,7 +312,7 @@ impl Run<'_> {
         let Some(t) = self.tasks.get(key) else {
             return Ok(());
         };
-        if t.status != TaskStatus::Pending || t.todo.is_empty() {
+        if t.status != TaskStatus::Pending || !t.queue.has_todo() {
             return Ok(());
         }
         let dir = format!("{}/workers", key.path());
@@ -331,18 +327,17 @@ impl Run<'_> {
         };
         let me = self.name().to_string();
         if let Some(t) = self.tasks.get_mut(key) {
-            t.todo.rank(&me, &names);
+            t.queue.rank(&me, &names);
         }
         Ok(())
     }
 
     /// A task left PENDING: its uploads stop and its pins go.
     async fn settle(&self, t: &mut Task) {
-        for (_, h) in std::mem::take(&mut t.running) {
+        t.queue.settle();
+        for (_, h) in std::mem::take(&mut t.uploads) {
             h.abort();
         }
-        t.todo.clear();
-        t.backoff.clear();
         if t.status == TaskStatus::Completed && t.commit_file.is_none() {
             if let Ok((data, _)) = self
                 .session
@@ -433,7 +428,7 @@ impl Run<'_> {
                 t.progress_due = false;
                 t.parts_to_do = stat.num_children as u64;
                 if t.parts_to_do == 0 && t.status == TaskStatus::Pending {
-                    t.commit_due = true;
+                    t.queue.set_commit_due(true);
                 }
             }
         }

@@ -3,9 +3,16 @@
 //! success and failure transactions, commits, and cleanup.
 //!
 //! Here: the configuration, the exporter and its session loop, and the
-//! dispatch of watch events; in the submodules:
+//! dispatch of watch events. The loop reads the time (the runtime's clock,
+//! which the simulator drives) just before each decision and passes it in:
+//! the cores below read no clock. In the submodules:
 //! * `mirror`: the tasks as coordination holds them, and their refreshes;
 //! * `order`: the order in which a node tries the parts it holds;
+//! * `queue`: the scheduling core of a task's parts (claims' answers,
+//!   back-off, parts held elsewhere, when a commit is due), taking the time
+//!   as an input and doing no I/O;
+//! * `rules`: when a failure ends a task, the cleanup duty for a task, and
+//!   when an unfinished creation may go (stateless, no I/O);
 //! * `schedule`: the tick, claims, and the upload slots they fill;
 //! * `upload`: one part's upload and its success or failure transaction;
 //! * `commit`: the commit a node tries once no part is left;
@@ -31,6 +38,8 @@ mod cleanup;
 mod commit;
 mod mirror;
 mod order;
+mod queue;
+mod rules;
 mod schedule;
 mod upload;
 mod view;
@@ -52,7 +61,7 @@ use crate::model::{ExceptionRecord, Metadata, TaskKey, TaskStatus};
 use crate::task::HeldLock;
 
 pub use mirror::ORPHAN_PIN_AGE;
-use order::Todo;
+use queue::PartQueue;
 use upload::Done;
 pub use view::{ExporterCounters, ExportsView, TaskView, ViewBackoff, ViewException, VIEW_PARTS};
 
@@ -107,25 +116,16 @@ enum Event {
     Workers(TaskKey),
 }
 
-struct Backoff {
-    attempts: u32,
-    until: Instant,
-}
-
 struct Task {
     key: TaskKey,
     metadata: Metadata,
     status: TaskStatus,
     destination: Option<Destination>,
-    /// Parts to try here, in this node's order.
-    todo: Todo,
-    /// When `todo` was last pruned of parts others finished.
-    pruned: Option<Instant>,
+    /// The parts to try here and their scheduling (no I/O).
+    queue: PartQueue,
     snapshot_names: Vec<String>,
-    running: BTreeMap<String, tokio::task::AbortHandle>,
-    backoff: BTreeMap<String, Backoff>,
-    /// Parts another replica held a lock on at the last try.
-    busy: BTreeMap<String, Instant>,
+    /// The uploads running here, as `queue` counts them.
+    uploads: BTreeMap<String, tokio::task::AbortHandle>,
     parts_to_do: u64,
     exceptions: BTreeMap<String, ExceptionRecord>,
     commit_file: Option<String>,
@@ -134,8 +134,6 @@ struct Task {
     /// Watches set and not yet fired (one of each per task and session).
     progress_armed: bool,
     exceptions_armed: bool,
-    /// Commit to try at the next tick (this node finished its parts).
-    commit_due: bool,
     /// Set once this node found the destination's schema marker to match
     /// the task's columns (or wrote it): checked before the first upload
     /// here, not before every one.
@@ -283,10 +281,11 @@ impl Run<'_> {
         };
         let mut tick = tokio::time::interval(self.ex.config.tick);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut next_cleanup = Instant::now();
-        let mut next_poll = Instant::now() + self.ex.config.safety_poll;
+        let started = Instant::now();
+        let mut next_cleanup = started;
+        let mut next_poll = started + self.ex.config.safety_poll;
         loop {
-            self.publish();
+            self.publish(Instant::now());
             let result: Result<(), CoordError> = tokio::select! {
                 biased;
                 changed = state.changed() => {
@@ -317,7 +316,7 @@ impl Run<'_> {
                     // A task just mirrored, or parts freed by a worker that
                     // left, start now rather than at the next tick.
                     match r {
-                        Ok(()) => self.schedule().await,
+                        Ok(()) => self.schedule(Instant::now()).await,
                         e => e,
                     }
                 }

@@ -6,6 +6,7 @@ use ferry_coord::{CoordError, CreateMode, Op};
 use tokio::time::Instant;
 
 use super::order::Rank;
+use super::queue::{AfterClaim, Claim};
 use super::Run;
 use crate::model::{TaskKey, TaskStatus};
 
@@ -44,34 +45,41 @@ impl Run<'_> {
             self.charge(key, since);
             r?;
         }
-        self.schedule().await
+        self.schedule(Instant::now()).await
     }
 
     /// Claims and starts parts within the slots: at every tick, and as soon
-    /// as an upload ends (so a slot never waits for the tick).
-    pub(super) async fn schedule(&mut self) -> Result<(), CoordError> {
+    /// as an upload ends (so a slot never waits for the tick). Which parts
+    /// to try, and what a claim's answer means, is the task's
+    /// [`PartQueue`](super::queue::PartQueue)'s to say; this sends the
+    /// claims and starts the uploads.
+    pub(super) async fn schedule(&mut self, now: Instant) -> Result<(), CoordError> {
         let keys = self.ordered_keys();
-        let mut running: usize = self.tasks.values().map(|t| t.running.len()).sum();
-        let now = Instant::now();
+        let max = self.ex.config.max_uploads;
+        let mut running: usize = self.tasks.values().map(|t| t.queue.running_len()).sum();
+        assert!(
+            running <= max,
+            "{running} uploads running, above the {max} slots"
+        );
         for key in keys {
-            if running >= self.ex.config.max_uploads {
+            if running >= max {
                 break;
             }
             let since = self.trips();
-            let Some(t) = self.tasks.get_mut(&key) else {
+            let Some(t) = self.tasks.get(&key) else {
                 continue;
             };
             if t.status != TaskStatus::Pending || t.destination.is_none() {
                 continue;
             }
-            t.busy.retain(|_, until| *until > now);
-            let slots = (t.metadata.settings.parallelism as usize).saturating_sub(t.running.len());
+            let slots =
+                (t.metadata.settings.parallelism as usize).saturating_sub(t.queue.running_len());
             // Claims go down this node's order until the slots are full: a
             // part another node holds or finished is passed over at once.
             // Candidates are taken a few at a time (a task may hold 100,000
             // parts; a scan of them all per upload would cost more than the
             // upload).
-            let mut want = slots.min(self.ex.config.max_uploads - running);
+            let mut want = slots.min(max - running);
             let mut after: Option<(Rank, String)> = None;
             let mut candidates: Vec<(Rank, String)> = Vec::new();
             let mut pruned_now = false;
@@ -80,20 +88,10 @@ impl Run<'_> {
                     break;
                 }
                 if candidates.is_empty() {
-                    let Some(t) = self.tasks.get(&key) else {
+                    let Some(t) = self.tasks.get_mut(&key) else {
                         break;
                     };
-                    candidates = t
-                        .todo
-                        .after(after.as_ref())
-                        .filter(|(_, p)| {
-                            !t.running.contains_key(p)
-                                && !t.busy.contains_key(p)
-                                && t.backoff.get(p).is_none_or(|b| b.until <= now)
-                        })
-                        .take(want + SCAN_BATCH)
-                        .cloned()
-                        .collect();
+                    candidates = t.queue.candidates(now, after.as_ref(), want + SCAN_BATCH);
                     candidates.reverse();
                 }
                 let Some((r, part)) = candidates.pop() else {
@@ -108,7 +106,7 @@ impl Run<'_> {
                     let due = self
                         .tasks
                         .get(&key)
-                        .is_some_and(|t| t.pruned.is_none_or(|at| at + self.ex.config.tick <= now));
+                        .is_some_and(|t| t.queue.prune_due(now, self.ex.config.tick));
                     if due {
                         self.prune(&key, now).await?;
                         candidates.clear();
@@ -117,34 +115,24 @@ impl Run<'_> {
                     }
                 }
                 after = Some((r, part.clone()));
-                match self.claim(&key, &part).await? {
-                    Claim::Ours => {
+                let claim = self.claim(&key, &part).await?;
+                if claim == Claim::Busy {
+                    self.counters.claims_lost += 1;
+                }
+                let busy_for = self.ex.config.tick * 4;
+                let next = match self.tasks.get_mut(&key) {
+                    Some(t) => t.queue.on_claim(&part, claim, now, busy_for),
+                    None => AfterClaim::StopTask,
+                };
+                match next {
+                    AfterClaim::Upload => {
                         self.start_upload(&key, &part).await;
                         running += 1;
                         want -= 1;
                     }
-                    Claim::Done => {
-                        if let Some(t) = self.tasks.get_mut(&key) {
-                            t.todo.remove(&part);
-                            t.backoff.remove(&part);
-                            if t.todo.is_empty() {
-                                t.commit_due = true;
-                            }
-                        }
-                    }
-                    Claim::Busy => {
-                        self.counters.claims_lost += 1;
-                        if let Some(t) = self.tasks.get_mut(&key) {
-                            t.busy.insert(part, now + self.ex.config.tick * 4);
-                        }
-                    }
-                    Claim::NotPending => {
-                        if let Some(t) = self.tasks.get_mut(&key) {
-                            t.todo.clear();
-                        }
-                        break;
-                    }
-                    Claim::Gone => {
+                    AfterClaim::Next => {}
+                    AfterClaim::StopTask => break,
+                    AfterClaim::ForgetTask => {
                         self.forget(&key).await;
                         break;
                     }
@@ -169,11 +157,7 @@ impl Run<'_> {
         };
         let left: std::collections::HashSet<String> = left.into_iter().collect();
         if let Some(t) = self.tasks.get_mut(key) {
-            t.todo.retain(|p| left.contains(p));
-            t.pruned = Some(now);
-            if t.todo.is_empty() {
-                t.commit_due = true;
-            }
+            t.queue.prune(&left, now);
         }
         Ok(())
     }
@@ -225,14 +209,4 @@ impl Run<'_> {
             Err(e) => Err(e),
         }
     }
-}
-
-enum Claim {
-    Ours,
-    Busy,
-    Done,
-    /// The task left PENDING.
-    NotPending,
-    /// The task was removed or replaced.
-    Gone,
 }

@@ -8,7 +8,7 @@ use ferry_coord::{CoordError, CreateMode, Op, OpResult};
 use ferry_replica::PartName;
 use tokio::time::Instant;
 
-use super::{Backoff, Run};
+use super::{rules, Run};
 use crate::dest::PartFailure;
 use crate::model::{DataFile, ExceptionRecord, Processed, Retries, TaskKey, TaskStatus};
 
@@ -62,7 +62,8 @@ impl Run<'_> {
             }
         });
         if let Some(t) = self.tasks.get_mut(key) {
-            t.running.insert(part.to_string(), handle);
+            t.queue.started(part);
+            t.uploads.insert(part.to_string(), handle);
         }
     }
 
@@ -71,7 +72,8 @@ impl Run<'_> {
         let Some(t) = self.tasks.get_mut(&done.key) else {
             return Ok(());
         };
-        if t.running.remove(&done.part).is_none() {
+        t.uploads.remove(&done.part);
+        if !t.queue.ended(&done.part) {
             return Ok(());
         }
         let since = self.trips();
@@ -85,7 +87,7 @@ impl Run<'_> {
         .await;
         self.charge(&done.key, since);
         r?;
-        self.schedule().await
+        self.schedule(Instant::now()).await
     }
 
     async fn succeed(
@@ -142,11 +144,10 @@ impl Run<'_> {
                     Some(OpResult::Set { stat }) if stat.num_children == 0
                 );
                 if let Some(t) = t {
-                    t.todo.remove(part);
-                    t.backoff.remove(part);
+                    t.queue.exported(part);
                     t.parts_to_do = t.parts_to_do.saturating_sub(1);
-                    if t.todo.is_empty() || nothing_left {
-                        t.commit_due = true;
+                    if nothing_left {
+                        t.queue.set_commit_due(true);
                     }
                 }
                 tracing::debug!(task = %key, part, bytes = file.bytes, "part exported");
@@ -228,19 +229,9 @@ impl Run<'_> {
                 Some(v) => Op::set(retries_path, data, Some(v)),
                 None => Op::create(retries_path, data, CreateMode::Persistent),
             });
-            let max = t.metadata.settings.max_retries;
-            if max > 0 && next.retry_count >= max {
-                fail_task = true;
-            }
-            let attempts = t.backoff.get(part).map_or(0, |b| b.attempts) + 1;
-            let wait = t.metadata.settings.backoff(attempts);
-            t.backoff.insert(
-                part.to_string(),
-                Backoff {
-                    attempts,
-                    until: Instant::now() + wait,
-                },
-            );
+            fail_task = rules::fails_task(false, next.retry_count, t.metadata.settings.max_retries);
+            t.queue
+                .backed_off(part, &t.metadata.settings, Instant::now());
         }
         if fail_task {
             ops.push(crate::task::decide_op(&base, crate::task::Decision::Fail));

@@ -76,8 +76,7 @@ pub struct ExportsView {
 }
 
 impl Run<'_> {
-    pub(super) fn publish(&self) {
-        let now = Instant::now();
+    pub(super) fn publish(&self, now: Instant) {
         let mut tasks: Vec<TaskView> = self
             .tasks
             .values()
@@ -111,16 +110,8 @@ impl Run<'_> {
                     status: t.status,
                     last_exception: last,
                     exception_count: t.exceptions.values().map(|e| e.count).sum(),
-                    backoff: t
-                        .backoff
-                        .iter()
-                        .map(|(p, b)| ViewBackoff {
-                            part: p.clone(),
-                            attempts: b.attempts,
-                            retry_in_ms: b.until.saturating_duration_since(now).as_millis() as u64,
-                        })
-                        .collect(),
-                    running: t.running.keys().cloned().collect(),
+                    backoff: t.queue.backoff_view(now),
+                    running: t.queue.running().cloned().collect(),
                     commit_file: t.commit_file.clone(),
                     coordination_ops: t.coordination_ops,
                 }

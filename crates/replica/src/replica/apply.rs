@@ -13,16 +13,10 @@ use ferry_env::Disk;
 use ferry_wal::record::{self, Record};
 use ferry_wal::Lsn;
 
+use super::decide::{self, Fate};
 use super::{io, Replica, ReplicaError, TableRef, ALL_SHARDS};
 use crate::part::{self, PartMeta, PartName};
 use crate::view::ReadView;
-
-/// Applied WAL after which parts are synced and the position persisted even
-/// while the replica is behind.
-pub const PERSIST_EVERY_BYTES: u64 = 16 << 20;
-
-/// Keyed inserts of a shard remembered for deduplication.
-pub const DEDUP_WINDOW: usize = 4096;
 
 impl Replica {
     /// Where the stream must resume: the end of the WAL received and kept.
@@ -47,7 +41,7 @@ impl Replica {
     /// Like [`receive`](Self::receive), for a stream whose safekeeper
     /// announced `commit_lsn`: while the replica is behind it, parts are
     /// synced and the position persisted only every
-    /// [`PERSIST_EVERY_BYTES`] of applied WAL, so that syncing overlaps
+    /// [`PERSIST_EVERY_BYTES`](decide::PERSIST_EVERY_BYTES) of applied WAL, so that syncing overlaps
     /// applying; once it has received everything committed, at once.
     pub async fn receive_until(
         &mut self,
@@ -111,9 +105,12 @@ impl Replica {
         self.pending = buf[used..].to_vec();
         self.pending_start = Lsn(self.pending_start.0 + used as u64);
         let caught_up = self.receive_from() >= commit_lsn;
-        if applied_any
-            && (caught_up || result.is_err() || self.unpersisted_bytes >= PERSIST_EVERY_BYTES)
-        {
+        if decide::persist_due(
+            applied_any,
+            caught_up,
+            result.is_err(),
+            self.unpersisted_bytes,
+        ) {
             self.persist().await?;
         }
         if let Err(e) = &result {
@@ -222,7 +219,7 @@ impl Replica {
         else {
             return Ok(());
         };
-        if self.state.shard != ALL_SHARDS && shard != self.state.shard {
+        if !decide::is_ours(self.state.shard, ALL_SHARDS, shard) {
             return Ok(());
         }
         let bad = |detail: String| ReplicaError::BadRecord { lsn, detail };
@@ -240,21 +237,8 @@ impl Replica {
                 "block number {block_number} is not the record's LSN"
             )));
         }
-        // Idempotency: the same key applied before, by another record.
         let key = (!idempotency_key.is_empty())
             .then(|| String::from_utf8_lossy(&idempotency_key).into_owned());
-        if let Some(key) = &key {
-            let seen = self
-                .state
-                .window
-                .iter()
-                .any(|(t, s, k, at)| *t == table_id && *s == shard && k == key && *at != lsn);
-            if seen {
-                self.status
-                    .send_modify(|s| s.records_skipped_duplicate += 1);
-                return Ok(());
-            }
-        }
         // A crash after the parts but before the state: already applied.
         let covered = self
             .parts
@@ -264,35 +248,45 @@ impl Replica {
                 .unsynced
                 .iter()
                 .any(|u| u.table_id == table_id && u.meta.name.covers(block_number));
-        if !covered {
-            let def = table.def.clone();
-            let grouped = self
-                .cpu
-                .run(move || group_by_partition(&def, &arrow_ipc))
-                .await
-                .map_err(bad)?;
-            let schema = table.def.arrow_schema();
-            for (partition_id, batch) in grouped {
-                let name = PartName {
-                    partition_id,
-                    min_block: block_number,
-                    max_block: block_number,
-                    level: 0,
-                };
-                let part = self
-                    .write_part(table_id, &schema, &name, batch, (lsn, lsn))
-                    .await?;
-                self.unsynced.push(part);
-                self.decide_merges(table_id, &name.partition_id);
+        match decide::fate(
+            &self.state.window,
+            table_id,
+            shard,
+            key.as_deref(),
+            lsn,
+            covered,
+        ) {
+            Fate::Duplicate => {
+                self.status
+                    .send_modify(|s| s.records_skipped_duplicate += 1);
+                return Ok(());
+            }
+            Fate::AlreadyApplied => {}
+            Fate::Write => {
+                let def = table.def.clone();
+                let grouped = self
+                    .cpu
+                    .run(move || group_by_partition(&def, &arrow_ipc))
+                    .await
+                    .map_err(bad)?;
+                let schema = table.def.arrow_schema();
+                for (partition_id, batch) in grouped {
+                    let name = PartName {
+                        partition_id,
+                        min_block: block_number,
+                        max_block: block_number,
+                        level: 0,
+                    };
+                    let part = self
+                        .write_part(table_id, &schema, &name, batch, (lsn, lsn))
+                        .await?;
+                    self.unsynced.push(part);
+                    self.decide_merges(table_id, &name.partition_id);
+                }
             }
         }
         if let Some(key) = key {
-            if !self.state.window.iter().any(|(_, _, _, at)| *at == lsn) {
-                self.state.window.push_back((table_id, shard, key, lsn));
-                while self.state.window.len() > DEDUP_WINDOW {
-                    self.state.window.pop_front();
-                }
-            }
+            decide::remember(&mut self.state.window, table_id, shard, key, lsn);
         }
         self.status.send_modify(|s| s.records_applied += 1);
         Ok(())

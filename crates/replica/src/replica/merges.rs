@@ -10,6 +10,7 @@ use ferry_env::{Cpu, Disk};
 use serde::{Deserialize, Serialize};
 
 use super::apply::DurableFile;
+use super::decide;
 use super::{Replica, ReplicaError, SharedReplica};
 use crate::part::{self, PartMeta, PartName};
 
@@ -30,7 +31,11 @@ pub struct Merge {
 impl Replica {
     /// The parts of a partition as the WAL applied so far defines them: the
     /// active parts with every decided merge counted as done.
-    fn logical_parts(&self, table_id: u64, partition: &str) -> Vec<PartName> {
+    fn logical_parts(
+        &self,
+        table_id: u64,
+        partition: &str,
+    ) -> std::collections::BTreeSet<PartName> {
         let mut names: std::collections::BTreeSet<PartName> = self
             .parts
             .get(&table_id)
@@ -53,45 +58,17 @@ impl Replica {
                 names.insert(m.result.clone());
             }
         }
-        names.into_iter().collect()
+        names
     }
 
-    /// The merge policy, a function of the applied WAL alone: whenever a
-    /// partition holds [`MERGE_FANIN`] parts of one level (below
-    /// [`MAX_MERGE_LEVEL`]), the oldest of them (lowest blocks) become one part
-    /// of the next level; repeated while it applies. Called after every part a
-    /// record adds, so every replica decides the same merges at the same LSN.
+    /// Decides the merges the part just added to `partition` makes due
+    /// ([`decide::merges`], the policy), in the order decided. Called after
+    /// every part a record adds, so every replica decides the same merges at
+    /// the same LSN.
     pub(super) fn decide_merges(&mut self, table_id: u64, partition: &str) {
-        loop {
-            let logical = self.logical_parts(table_id, partition);
-            let mut decided = false;
-            for level in 0..MAX_MERGE_LEVEL {
-                let mut same: Vec<&PartName> =
-                    logical.iter().filter(|n| n.level == level).collect();
-                if same.len() < MERGE_FANIN {
-                    continue;
-                }
-                same.sort_by_key(|n| n.min_block);
-                let sources: Vec<PartName> =
-                    same[..MERGE_FANIN].iter().map(|n| (*n).clone()).collect();
-                let result = PartName {
-                    partition_id: partition.to_string(),
-                    min_block: sources[0].min_block,
-                    max_block: sources[MERGE_FANIN - 1].max_block,
-                    level: level + 1,
-                };
-                self.state.merges.push(Merge {
-                    table_id,
-                    result,
-                    sources,
-                });
-                decided = true;
-                break;
-            }
-            if !decided {
-                return;
-            }
-        }
+        let logical = self.logical_parts(table_id, partition);
+        let decided = decide::merges(table_id, partition, logical);
+        self.state.merges.extend(decided);
     }
 
     /// The first decided merge whose sources are all written (merges run in

@@ -39,11 +39,14 @@
 //!   writes a part it cannot vouch for.
 //!
 //! This module holds the [`Replica`] itself (opening it, its status and
-//! accessors); applying received WAL and persisting it is in `apply`, the
-//! merge policy and the merge task in `merges`, export pins and the parts
+//! accessors); the decisions (a record's fate, the idempotency window, when
+//! to persist, the merge policy) are in `decide`, apart from any I/O;
+//! applying received WAL and persisting it is in `apply`, recording merges
+//! and the merge task in `merges`, export pins and the parts
 //! merges replaced in `pins`, and the state file in `state`.
 
 mod apply;
+mod decide;
 mod merges;
 mod pins;
 mod state;
@@ -61,7 +64,7 @@ use tokio::sync::watch;
 use crate::part::{self, PartMeta, PartName};
 use crate::view::{ReadView, ReplicaReader};
 
-pub use apply::{DEDUP_WINDOW, PERSIST_EVERY_BYTES};
+pub use decide::{DEDUP_WINDOW, PERSIST_EVERY_BYTES};
 pub use merges::{run_merges, Merge, MergeJob, MAX_MERGE_LEVEL, MERGE_FANIN};
 
 use apply::UnsyncedPart;

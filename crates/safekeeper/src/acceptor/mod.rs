@@ -16,14 +16,19 @@
 //!
 //! Here: the acceptor's identity, errors and status, its opening, and the
 //! persistence of its state; in the submodules:
+//! * `decide`: the protocol's rules as functions of the acceptor's
+//!   positions and one message, which say what to refuse or which writes to
+//!   make and in which order (no I/O);
 //! * `protocol`: greetings, votes, elections and appends (the
-//!   proposer-acceptor protocol, with group commit);
+//!   proposer-acceptor protocol, with group commit), performing what
+//!   `decide` says;
 //! * `removal`: the WAL removal horizon and the removal of old segments;
 //! * `backup_state`: what the backup and the partial backup follow and report;
 //! * `feedback`: the feedback board of the replicas streaming from here;
 //! * `reads`: committed WAL for walsenders, and recovery reads for writers.
 
 mod backup_state;
+mod decide;
 mod feedback;
 mod protocol;
 mod reads;

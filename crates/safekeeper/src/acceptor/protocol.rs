@@ -9,6 +9,7 @@ use ferry_wal::proto::{
 };
 use ferry_wal::{Lsn, Term};
 
+use super::decide::{self, Positions};
 use super::{refused, Acceptor, AcceptorError};
 
 /// Most WAL gathered from a batch of appends before it is written out.
@@ -70,19 +71,27 @@ impl Acceptor {
         self.quarantine_over = true;
     }
 
+    /// What the decisions in `decide` read of this acceptor, with the WAL's
+    /// end as it stands now.
+    fn positions(&self) -> Positions {
+        Positions {
+            term: self.state.term,
+            history_term: self.state.term_history.last_term(),
+            last_log_term: self.last_log_term(),
+            flush_lsn: self.flush_lsn(),
+            commit_lsn: self.commit_lsn,
+            durable_lsn: self.state.durable_lsn,
+            restored: self.state.restored_up_to.is_some(),
+            quarantine_over: self.quarantine_over,
+        }
+    }
+
     /// Vote request: grants the vote iff `term` is above every term seen here,
     /// persisting the new term before answering.
     pub async fn handle_vote(&mut self, term: Term) -> Result<FromSafekeeper, AcceptorError> {
-        if self.state.restored_up_to.is_some() {
-            // It forgot the terms it voted in: a vote now could be a second
-            // vote in one of them.
-            return Err(refused(
-                self.state.term,
-                "restored from the backup: it votes again only once a writer brought it back",
-            ));
-        }
+        decide::vote(&self.positions(), term)?;
         self.flush().await?;
-        let vote_given = self.state.term < term;
+        let vote_given = decide::vote(&self.positions(), term)?;
         if vote_given {
             self.state.term = term;
             // Persisted positions stay consistent: backup_lsn (which may have
@@ -101,111 +110,27 @@ impl Acceptor {
         }))
     }
 
-    /// Whether this safekeeper takes the elected writer's word, decided from
-    /// its state and its WAL's end alone (nothing is written): a restored
-    /// safekeeper only rejoins, at its end and after its quarantine; WAL of
-    /// the writer's own term is never cut; committed WAL is never cut; the
-    /// writer cannot start past our end.
-    fn check_elected(&self, msg: &ProposerElected, flush_lsn: Lsn) -> Result<(), AcceptorError> {
-        match (self.state.restored_up_to.is_some(), msg.rejoin) {
-            (false, false) => {}
-            (false, true) => {
-                return Err(refused(
-                    self.state.term,
-                    "not a restored safekeeper (it rejoined already)",
-                ))
-            }
-            (true, false) => {
-                return Err(refused(
-                    self.state.term,
-                    "restored from the backup: only a writer that proved it is current may bring it back",
-                ))
-            }
-            (true, true) => {
-                // The writer greeted us after the quarantine and then heard
-                // a quorum of the others in its term; our WAL is committed
-                // WAL, so it is the writer's up to our end.
-                if !self.quarantine_over {
-                    return Err(refused(
-                        self.state.term,
-                        "restored from the backup: still in quarantine",
-                    ));
-                }
-                if msg.start_streaming_at != flush_lsn {
-                    return Err(refused(
-                        self.state.term,
-                        format!(
-                            "a restored safekeeper rejoins at its end {flush_lsn}, not at {}",
-                            msg.start_streaming_at
-                        ),
-                    ));
-                }
-            }
-        }
-        if self.last_log_term() == msg.term && flush_lsn > msg.start_streaming_at {
-            return Err(refused(
-                self.state.term,
-                format!(
-                    "already holds WAL of term {} up to {flush_lsn}, beyond {}",
-                    msg.term, msg.start_streaming_at
-                ),
-            ));
-        }
-        if msg.start_streaming_at < self.commit_lsn {
-            // The writer would lose committed WAL: never do it.
-            tracing::error!(
-                node = self.config.node_id,
-                start = %msg.start_streaming_at,
-                commit = %self.commit_lsn,
-                "election asks to truncate committed WAL"
-            );
-            return Err(refused(
-                self.state.term,
-                format!(
-                    "start_streaming_at {} is below commit_lsn {}: refusing to truncate committed WAL",
-                    msg.start_streaming_at, self.commit_lsn
-                ),
-            ));
-        }
-        if msg.start_streaming_at > flush_lsn {
-            return Err(refused(
-                self.state.term,
-                format!(
-                    "start_streaming_at {} is beyond flush_lsn {flush_lsn}",
-                    msg.start_streaming_at
-                ),
-            ));
-        }
-        Ok(())
-    }
-
     /// The elected writer tells where our WAL stops agreeing with its own: cut the
     /// divergent tail, adopt its term history, and persist before answering.
+    /// Whether to take its word is [`decide::elected`]'s answer; this performs
+    /// the writes it plans, in its order.
     pub async fn handle_elected(
         &mut self,
         msg: &ProposerElected,
     ) -> Result<FromSafekeeper, AcceptorError> {
-        if msg.term < self.state.term {
-            return Err(refused(
-                self.state.term,
-                format!("term {} is stale", msg.term),
-            ));
-        }
-        if !msg.term_history.is_well_formed() || msg.term_history.last_term() != msg.term {
-            return Err(refused(self.state.term, "malformed term history"));
-        }
+        decide::elected_message(&self.positions(), msg)?;
         self.flush().await?;
         let flush_lsn = self.flush_lsn();
-        self.check_elected(msg, flush_lsn)?;
-        if self.state.durable_lsn > msg.start_streaming_at {
+        let plan = decide::elected(&self.positions(), msg)?;
+        if let Some(lower) = plan.lower_durable_to {
             // The recorded durable point goes down before the WAL does, so that
             // a crash in between never finds less WAL than recorded.
-            self.state.durable_lsn = msg.start_streaming_at;
+            self.state.durable_lsn = lower;
             self.state.commit_lsn = self.commit_lsn;
             self.control.persist(&self.state).await?;
         }
-        self.wal.truncate(msg.start_streaming_at).await?;
-        // The pair of `check_elected`'s refusal: committed WAL is never cut.
+        self.wal.truncate(plan.truncate_at).await?;
+        // The pair of `decide::elected`'s refusal: committed WAL is never cut.
         assert!(
             self.wal.flush_lsn() >= self.commit_lsn,
             "the WAL was truncated to {} below commit_lsn {}",
@@ -237,37 +162,12 @@ impl Acceptor {
     /// Writes an append without flushing; [`Acceptor::flush_appends`] makes a
     /// batch durable with one fsync and produces the answer.
     pub async fn append_no_flush(&mut self, req: &AppendRequest) -> Result<(), AcceptorError> {
-        if req.term < self.state.term {
-            return Err(refused(
-                self.state.term,
-                format!("term {} is stale", req.term),
-            ));
-        }
-        if req.term > self.state.term || self.state.term_history.last_term() != req.term {
-            return Err(refused(
-                self.state.term,
-                format!("append of term {} before its election", req.term),
-            ));
-        }
-        if !req.is_consistent() {
-            return Err(refused(
-                self.state.term,
-                "append bounds do not match its payload",
-            ));
-        }
+        // Appends of one batch are gathered and written with one call at the
+        // flush: one system call and one fsync for the whole batch, so the
+        // WAL's end is what is written plus what is gathered.
+        let wal_end = Lsn(self.wal.write_lsn().0 + self.pending_wal_bytes as u64);
+        decide::append(&self.positions(), req, wal_end)?;
         if !req.wal.is_empty() {
-            // Appends of one batch are gathered and written with one call at the
-            // flush: one system call and one fsync for the whole batch.
-            let expected = Lsn(self.wal.write_lsn().0 + self.pending_wal_bytes as u64);
-            if req.begin_lsn != expected {
-                return Err(refused(
-                    self.state.term,
-                    format!(
-                        "WAL write at {} but the WAL ends at {expected}",
-                        req.begin_lsn
-                    ),
-                ));
-            }
             if self.pending_wal_bytes + req.wal.len() > MAX_PENDING_WAL_BYTES {
                 self.write_pending().await?;
             }
@@ -335,7 +235,8 @@ impl Acceptor {
             self.wal_fsyncs += 1;
         }
         let flush_lsn = self.wal.flush().await?;
-        let commit = self.commit_lsn.max(self.pending_commit_lsn.min(flush_lsn));
+        let commit =
+            decide::commit_after_flush(self.commit_lsn, self.pending_commit_lsn, flush_lsn);
         assert!(commit >= self.commit_lsn, "commit_lsn went back");
         if commit > self.commit_lsn {
             self.commit_lsn = commit;

@@ -1,0 +1,233 @@
+//! The replica's decisions, apart from its I/O: what an insert record does
+//! to this replica, which keys the idempotency window remembers, when what
+//! was applied is made durable, and which merges the applied WAL decides.
+//!
+//! Each function takes what the replica knows (its shard, its window, the
+//! part names it holds) and one record or position, and answers; `apply`
+//! and `merges` decode, encode, write and sync what these decide. Every
+//! replica of a shard must decide the same from the same WAL (part names
+//! and merges are compared across replicas), so nothing here reads a clock,
+//! a random number or the disk.
+
+use std::collections::{BTreeSet, VecDeque};
+
+use ferry_wal::Lsn;
+
+use super::merges::{Merge, MAX_MERGE_LEVEL, MERGE_FANIN};
+use crate::part::PartName;
+
+/// Keyed inserts of a shard remembered for deduplication.
+pub const DEDUP_WINDOW: usize = 4096;
+
+/// Applied WAL after which parts are synced and the position persisted even
+/// while the replica is behind.
+pub const PERSIST_EVERY_BYTES: u64 = 16 << 20;
+
+/// The window of keyed inserts: (table id, shard, key, LSN of the record
+/// that applied it), oldest first.
+pub(super) type Window = VecDeque<(u64, u32, String, Lsn)>;
+
+/// What an insert record of a known table does to this replica.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Fate {
+    /// Another record applied the same key of the same table and shard:
+    /// the rows are in already; nothing is written.
+    Duplicate,
+    /// A part holding this block exists (a crash came after the parts and
+    /// before the state): the rows are in; only the key is remembered.
+    AlreadyApplied,
+    /// Write its rows as level-0 parts, one per partition.
+    Write,
+}
+
+/// Whether a record of `shard` is for a replica of `replica_shard`
+/// (`all_shards` serves every shard).
+pub(super) fn is_ours(replica_shard: u32, all_shards: u32, shard: u32) -> bool {
+    replica_shard == all_shards || shard == replica_shard
+}
+
+/// The fate of an insert record at `lsn` of `table_id` and `shard`, with
+/// its idempotency `key` (if any) and its first block; `covered` says
+/// whether a part this replica holds or writes holds that block.
+pub(super) fn fate(
+    window: &Window,
+    table_id: u64,
+    shard: u32,
+    key: Option<&str>,
+    lsn: Lsn,
+    covered: bool,
+) -> Fate {
+    if let Some(key) = key {
+        let seen = window
+            .iter()
+            .any(|(t, s, k, at)| *t == table_id && *s == shard && k == key && *at != lsn);
+        if seen {
+            return Fate::Duplicate;
+        }
+    }
+    if covered {
+        Fate::AlreadyApplied
+    } else {
+        Fate::Write
+    }
+}
+
+/// Remembers that the record at `lsn` applied `key` (once: a record seen
+/// again after a crash is not counted twice), dropping the oldest keys
+/// beyond [`DEDUP_WINDOW`].
+pub(super) fn remember(window: &mut Window, table_id: u64, shard: u32, key: String, lsn: Lsn) {
+    if !window.iter().any(|(_, _, _, at)| *at == lsn) {
+        window.push_back((table_id, shard, key, lsn));
+        while window.len() > DEDUP_WINDOW {
+            window.pop_front();
+        }
+    }
+    assert!(
+        window.len() <= DEDUP_WINDOW,
+        "the idempotency window is bounded"
+    );
+}
+
+/// Whether what was applied is made durable now: when the replica caught
+/// up with what its safekeeper committed, when applying failed (what was
+/// applied before the failure stays applied), or every
+/// [`PERSIST_EVERY_BYTES`] of WAL while it is behind (so syncing overlaps
+/// applying).
+pub(super) fn persist_due(
+    applied_any: bool,
+    caught_up: bool,
+    failed: bool,
+    unpersisted_bytes: u64,
+) -> bool {
+    applied_any && (caught_up || failed || unpersisted_bytes >= PERSIST_EVERY_BYTES)
+}
+
+/// The merge policy, a function of the applied WAL alone: whenever a
+/// partition holds [`MERGE_FANIN`] parts of one level (below
+/// [`MAX_MERGE_LEVEL`]), the oldest of them (lowest blocks) become one part
+/// of the next level; repeated while it applies. `logical` is the
+/// partition's parts with every merge decided before counted as done.
+pub(super) fn merges(table_id: u64, partition: &str, logical: BTreeSet<PartName>) -> Vec<Merge> {
+    let mut names = logical;
+    let mut decided = Vec::new();
+    'again: loop {
+        for level in 0..MAX_MERGE_LEVEL {
+            let mut same: Vec<&PartName> = names.iter().filter(|n| n.level == level).collect();
+            if same.len() < MERGE_FANIN {
+                continue;
+            }
+            same.sort_by_key(|n| n.min_block);
+            let sources: Vec<PartName> = same[..MERGE_FANIN].iter().map(|n| (*n).clone()).collect();
+            let result = PartName {
+                partition_id: partition.to_string(),
+                min_block: sources[0].min_block,
+                max_block: sources[MERGE_FANIN - 1].max_block,
+                level: level + 1,
+            };
+            for s in &sources {
+                names.remove(s);
+            }
+            names.insert(result.clone());
+            decided.push(Merge {
+                table_id,
+                result,
+                sources,
+            });
+            continue 'again;
+        }
+        return decided;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn part(min: u64, max: u64, level: u32) -> PartName {
+        PartName {
+            partition_id: "202406".into(),
+            min_block: min,
+            max_block: max,
+            level,
+        }
+    }
+
+    #[test]
+    fn a_key_applied_by_another_record_is_a_duplicate_and_by_the_same_one_is_not() {
+        let mut w = Window::new();
+        remember(&mut w, 1, 0, "k".into(), Lsn(100));
+        assert_eq!(fate(&w, 1, 0, Some("k"), Lsn(200), false), Fate::Duplicate);
+        // The same record read again after a crash: its parts decide.
+        assert_eq!(fate(&w, 1, 0, Some("k"), Lsn(100), false), Fate::Write);
+        assert_eq!(
+            fate(&w, 1, 0, Some("k"), Lsn(100), true),
+            Fate::AlreadyApplied
+        );
+        // Keys are per table and shard.
+        assert_eq!(fate(&w, 2, 0, Some("k"), Lsn(200), false), Fate::Write);
+        assert_eq!(fate(&w, 1, 1, Some("k"), Lsn(200), false), Fate::Write);
+        assert_eq!(fate(&w, 1, 0, None, Lsn(200), false), Fate::Write);
+        remember(&mut w, 1, 0, "k".into(), Lsn(100));
+        assert_eq!(w.len(), 1, "a record is remembered once");
+    }
+
+    #[test]
+    fn the_window_keeps_the_newest_keys_up_to_its_bound() {
+        let mut w = Window::new();
+        for i in 0..(DEDUP_WINDOW as u64 + 10) {
+            remember(&mut w, 1, 0, format!("k{i}"), Lsn(i + 1));
+        }
+        assert_eq!(w.len(), DEDUP_WINDOW);
+        assert_eq!(
+            fate(&w, 1, 0, Some("k0"), Lsn(u64::MAX), false),
+            Fate::Write
+        );
+        let newest = format!("k{}", DEDUP_WINDOW as u64 + 9);
+        assert_eq!(
+            fate(&w, 1, 0, Some(&newest), Lsn(u64::MAX), false),
+            Fate::Duplicate
+        );
+    }
+
+    #[test]
+    fn what_was_applied_is_made_durable_when_caught_up_on_failure_or_every_16_mib() {
+        assert!(!persist_due(false, true, true, u64::MAX), "nothing applied");
+        assert!(persist_due(true, true, false, 0));
+        assert!(persist_due(true, false, true, 0));
+        assert!(!persist_due(true, false, false, PERSIST_EVERY_BYTES - 1));
+        assert!(persist_due(true, false, false, PERSIST_EVERY_BYTES));
+        assert!(is_ours(3, u32::MAX, 3));
+        assert!(!is_ours(3, u32::MAX, 2));
+        assert!(is_ours(u32::MAX, u32::MAX, 2));
+    }
+
+    #[test]
+    fn merges_take_the_oldest_fanin_of_a_level_and_cascade() {
+        let fanin = MERGE_FANIN as u64;
+        let level0: BTreeSet<PartName> = (1..fanin).map(|b| part(b, b, 0)).collect();
+        assert!(merges(7, "202406", level0.clone()).is_empty(), "one short");
+        let mut full = level0;
+        full.insert(part(fanin, fanin, 0));
+        full.insert(part(fanin + 1, fanin + 1, 0));
+        let m = merges(7, "202406", full);
+        assert_eq!(m.len(), 1);
+        assert_eq!(m[0].result, part(1, fanin, 1));
+        assert_eq!(m[0].sources.len(), MERGE_FANIN);
+        assert!(!m[0].sources.contains(&part(fanin + 1, fanin + 1, 0)));
+        // The last level-0 part completes the fan-in of level 1 as well.
+        let mut cascade: BTreeSet<PartName> = (0..fanin - 1)
+            .map(|i| part(i * fanin + 1, (i + 1) * fanin, 1))
+            .collect();
+        let base = (fanin - 1) * fanin;
+        cascade.extend((1..=fanin).map(|b| part(base + b, base + b, 0)));
+        let m = merges(7, "202406", cascade);
+        assert_eq!(m.len(), 2);
+        assert_eq!(m[0].result.level, 1);
+        assert_eq!(m[1].result, part(1, fanin * fanin, 2));
+        // Nothing merges past the last level.
+        let top: BTreeSet<PartName> = (0..fanin)
+            .map(|i| part(i * 10 + 1, i * 10 + 10, MAX_MERGE_LEVEL))
+            .collect();
+        assert!(merges(7, "202406", top).is_empty());
+    }
+}
