@@ -12,8 +12,9 @@ use ferry_safekeeper::wal_storage::Preallocation;
 use ferry_wal::segment::SegmentSize;
 use ferry_wal::ClusterId;
 
-use ferry_host::cluster::{self, ClusterRecord, ClusterState, WalState};
+use ferry_host::cluster::{self, ClusterRecord, ClusterState};
 use ferry_host::local::{LocalQuorum, Member, QuorumSpec, SafekeeperSpec};
+use ferry_node::commit_record::{self, WalState};
 
 #[derive(Debug, clap::Args)]
 pub struct DevArgs {
@@ -123,19 +124,19 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     };
     let quorum = Arc::new(quorum);
     let session = ferry_coord::RenewingSession::with(coord.factory(), session);
-    let (recording_tx, recording) =
-        tokio::sync::watch::channel(cluster::WalStateRecording::default());
-    let recorder = tokio::spawn(cluster::record_commits(
-        session.clone(),
-        quorum.writer.subscribe(),
-        recording_tx,
-    ));
-
-    let catalog = ferry_ingest::Catalog::open(coord.factory())
-        .await
-        .context("opening the table catalog")?;
     let mut registry = prometheus_client::registry::Registry::default();
-    let ingest_metrics = ferry_ingest::IngestMetrics::register(&mut registry);
+    let writer_node = ferry_node::WriterNode::start(
+        Arc::clone(&quorum.writer),
+        coord.factory(),
+        session.clone(),
+        ferry_env::Cpu::BlockingPool,
+        args.api.limits(),
+        ferry_ingest::IngestMetrics::register(&mut registry),
+    )
+    .await
+    .context("opening the table catalog")?;
+    let catalog = writer_node.catalog().clone();
+    let recording = writer_node.recording();
     let elections = ferry_host::metrics::count_elections(&mut registry, quorum.writer.subscribe());
     let destinations: Arc<dyn ferry_export::Destinations> =
         Arc::new(ferry_export::StorageDestinations::new(
@@ -144,30 +145,25 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         ));
     let mut nodes = start_replicas(&data_dir, &coord, &catalog, &quorum, &destinations).await?;
     let metrics = dev_metrics(registry, &quorum, &coord, &recording, &nodes);
-    let router = ferry_ingest::api::router(ferry_ingest::Api::new(
-        catalog.clone(),
-        Arc::clone(&quorum.writer) as Arc<dyn ferry_ingest::InsertSink>,
-        ferry_env::Cpu::BlockingPool,
-        args.api.limits(),
-        ingest_metrics,
-    ))
-    .merge(ferry_host::reads::router(Arc::new(
-        ferry_host::reads::Reads {
-            catalog,
-            replicas: nodes.iter().map(|n| n.reader.clone()).collect(),
-        },
-    )))
-    .merge(crate::exports::router(export_api(
-        &nodes,
-        &coord,
-        &session,
-        &quorum,
-        destinations,
-    )?))
-    .merge(ferry_host::http::node_routes(
-        dev_status(&record, &quorum, &nodes, recording),
-        Arc::new(metrics),
-    ));
+    let router = writer_node
+        .router()
+        .merge(ferry_host::reads::router(Arc::new(
+            ferry_host::reads::Reads {
+                catalog,
+                replicas: nodes.iter().map(|n| n.reader.clone()).collect(),
+            },
+        )))
+        .merge(crate::exports::router(export_api(
+            &nodes,
+            &coord,
+            &session,
+            &quorum,
+            destinations,
+        )?))
+        .merge(ferry_host::http::node_routes(
+            dev_status(&record, &quorum, &nodes, recording),
+            Arc::new(metrics),
+        ));
     let server = ferry_host::http::serve(http_listener, router, token)?;
     let http = server.addr.clone();
     announce(&data_dir, &record, &coord, &lake, &quorum, &http);
@@ -193,8 +189,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         node.stop_exporter().await;
     }
     elections.abort();
-    recorder.abort();
-    let _ = recorder.await;
+    let session = writer_node.stop().await;
     let term = quorum.writer.status().term;
     let quorum = Arc::into_inner(quorum).context("status endpoint still holds the quorum")?;
     // The replicas still stream: the writer's checkpoint reaches them and the
@@ -209,7 +204,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     for node in nodes {
         node.stop().await;
     }
-    cluster::record_wal_state(
+    commit_record::record_wal_state(
         &*session.session().await?,
         WalState {
             term,
@@ -268,7 +263,7 @@ async fn start_wal(
     let wal_dir = data_dir.join("wal");
     let record = identify(session, args, &coord.dir, &wal_dir).await?;
     let creating = record.state == ClusterState::Creating;
-    let known = cluster::read_wal_state(session).await?;
+    let known = commit_record::read_wal_state(session).await?;
     let segment =
         SegmentSize::new(record.segment_bytes).context("the segment size in the cluster record")?;
     let wal_server = args.wal.server_config(Some(&data_dir.join("wal-backup")))?;
@@ -426,7 +421,7 @@ fn dev_metrics(
     registry: prometheus_client::registry::Registry,
     quorum: &Arc<LocalQuorum>,
     coord: &EmbeddedCoordination,
-    recording: &tokio::sync::watch::Receiver<cluster::WalStateRecording>,
+    recording: &tokio::sync::watch::Receiver<commit_record::WalStateRecording>,
     nodes: &[ferry_node::ReplicaNode],
 ) -> ferry_host::metrics::NodeMetrics {
     let quorum = Arc::clone(quorum);
@@ -469,7 +464,7 @@ fn dev_status(
     record: &ClusterRecord,
     quorum: &Arc<LocalQuorum>,
     nodes: &[ferry_node::ReplicaNode],
-    recording: tokio::sync::watch::Receiver<cluster::WalStateRecording>,
+    recording: tokio::sync::watch::Receiver<commit_record::WalStateRecording>,
 ) -> impl Fn() -> futures::future::BoxFuture<'static, serde_json::Value> + Clone + Send + Sync + 'static
 {
     let quorum = Arc::clone(quorum);

@@ -180,7 +180,7 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
                 .await
                 .with_context(|| format!("connecting to ZooKeeper at {connect}"))?;
             check_cluster_record(&*session, &args, n).await?;
-            let known = ferry_host::cluster::read_wal_state(&*session).await?;
+            let known = ferry_node::commit_record::read_wal_state(&*session).await?;
             let session = ferry_coord::RenewingSession::with(Arc::clone(&sessions), session);
             Some((sessions, session, known))
         }
@@ -216,48 +216,42 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
     let mut registry = prometheus_client::registry::Registry::default();
     let elections = ferry_host::metrics::count_elections(&mut registry, writer.subscribe());
     let status = writer.subscribe();
-    let (recording_tx, recording) =
-        tokio::sync::watch::channel(ferry_host::cluster::WalStateRecording::default());
+    // With coordination, the writer node: catalog, table and insert API,
+    // commit record, registration for replicas.
+    let mut node = None;
+    if let Some((sessions, session, _)) = &coordination {
+        node = Some(
+            ferry_node::WriterNode::start(
+                Arc::clone(&writer),
+                Arc::clone(sessions),
+                session.clone(),
+                ferry_env::Cpu::BlockingPool,
+                args.api.limits(),
+                ferry_ingest::IngestMetrics::register(&mut registry),
+            )
+            .await
+            .context("opening the table catalog")?,
+        );
+    }
+    let recording = node.as_ref().map(ferry_node::WriterNode::recording);
     let status_recording = recording.clone();
-    let with_coordination = coordination.is_some();
     let status_route = move || {
         let mut s = serde_json::to_value(status.borrow().clone()).unwrap_or_default();
-        if with_coordination {
-            s["commit_record"] =
-                serde_json::to_value(status_recording.borrow().clone()).unwrap_or_default();
+        if let Some(r) = &status_recording {
+            s["commit_record"] = serde_json::to_value(r.borrow().clone()).unwrap_or_default();
         }
         async move { s }
     };
-    let mut router = axum::Router::new();
-    let mut recorder = None;
-    let mut writer_catalog = None;
-    if let Some((sessions, session, _)) = &coordination {
-        let catalog = ferry_ingest::Catalog::open(Arc::clone(sessions))
-            .await
-            .context("opening the table catalog")?;
-        writer_catalog = Some(catalog.clone());
-        let ingest_metrics = ferry_ingest::IngestMetrics::register(&mut registry);
-        let api = ferry_ingest::Api::new(
-            catalog,
-            Arc::clone(&writer) as Arc<dyn ferry_ingest::InsertSink>,
-            ferry_env::Cpu::BlockingPool,
-            args.api.limits(),
-            ingest_metrics,
-        );
-        router = ferry_ingest::api::router(api);
-        recorder = Some(tokio::spawn(ferry_host::cluster::record_commits(
-            session.clone(),
-            writer.subscribe(),
-            recording_tx,
-        )));
-    }
+    let router = node
+        .as_ref()
+        .map_or_else(axum::Router::new, ferry_node::WriterNode::router);
     let sampled_writer = writer.subscribe();
     let sampled_coord = Arc::clone(&coord_metrics);
     let metrics = ferry_host::metrics::NodeMetrics::new(registry, move || {
         let mut out = ferry_host::metrics::writer(&sampled_writer.borrow());
         out.extend(ferry_host::metrics::coordination(&sampled_coord));
-        if with_coordination {
-            out.extend(ferry_host::metrics::commit_record(&recording.borrow()));
+        if let Some(r) = &recording {
+            out.extend(ferry_host::metrics::commit_record(&r.borrow()));
         }
         Box::pin(async move { out })
     });
@@ -266,20 +260,9 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
         Arc::new(metrics),
     ));
     let http = ferry_host::http::serve(http_listener, router, token)?;
-    // Registered so that export requests on replicas can ask the commit
-    // position (crate::peers).
-    let registration = writer_catalog.map(|catalog| {
-        let registered_http = http.addr.clone();
-        tokio::spawn(ferry_export::peers::register(
-            catalog.renewing_session(),
-            ferry_export::peers::writer_node(&http.addr),
-            writer.subscribe(),
-            move |_| ferry_export::peers::Registration {
-                http: registered_http.clone(),
-                disk_consistent_lsn: None,
-            },
-        ))
-    });
+    if let Some(node) = &mut node {
+        node.register_for_peers(&http.addr);
+    }
     say!(
         "writer for {n} safekeepers started, status on http://{}/status{}",
         http.addr,
@@ -305,11 +288,8 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
     };
     http.stop().await;
     elections.abort();
-    if let Some(r) = recorder {
-        r.abort();
-    }
-    if let Some(r) = registration {
-        r.abort();
+    if let Some(node) = node {
+        node.stop().await;
     }
     outcome?;
     let writer = Arc::into_inner(writer)
@@ -334,9 +314,9 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
         ),
     };
     if let Some((_, session, _)) = &coordination {
-        ferry_host::cluster::record_wal_state(
+        ferry_node::commit_record::record_wal_state(
             &*session.session().await?,
-            ferry_host::cluster::WalState {
+            ferry_node::commit_record::WalState {
                 term,
                 commit_lsn: end,
             },

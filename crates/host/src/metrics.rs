@@ -107,7 +107,7 @@ pub fn coordination(metrics: &ferry_coord::CoordMetrics) -> Vec<Sample> {
 }
 
 /// How the writer's commit record in coordination fares.
-pub fn commit_record(r: &crate::cluster::WalStateRecording) -> Vec<Sample> {
+pub fn commit_record(r: &ferry_node::commit_record::WalStateRecording) -> Vec<Sample> {
     vec![
         gauge(
             "ferry_writer_commit_record_failing",

@@ -212,7 +212,6 @@ impl Sim {
         }
         if lsn > self.committed {
             self.committed = lsn;
-            self.committed_tx.send_replace(lsn);
         }
         self.produced = self.produced.max(lsn);
         Ok(())

@@ -12,13 +12,12 @@ use ferry_wal::Lsn;
 use ferry_writer::driver::encode_records;
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::rogue::RogueOutcome;
 use super::schedule::{add_disk_loss, add_partial_crashes, generate_schedule, Event};
 use super::walreceiver::{self, SharedReceived};
-use super::writers::record_commits;
 use super::{
     cluster_id, insert_record, node_name, writer_node, Failure, Outcome, Sim, LIVENESS_BOUND,
     SAFEKEEPERS, SEGMENT_BYTES,
@@ -168,7 +167,7 @@ impl Sim {
             self.old_writers
                 .insert(self.writers_started, (writer, status));
         }
-        self.start_writer_knowing(Lsn(0));
+        self.start_writer_knowing(None);
         let third = writer_node(self.writers_started);
         self.world.partition(&third, &node_name(b));
         // The split holds past the quarantine while the old writer tries to
@@ -352,11 +351,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
     .await?;
     let safekeepers = Safekeepers::new(&mut world, SAFEKEEPERS);
     let control_sessions = world.coord.factory("control", Duration::from_secs(2));
-    let (committed_tx, committed_rx) = watch::channel(Lsn(0));
-    let recorder = tokio::spawn(record_commits(
-        world.coord.factory("recorder", Duration::from_secs(2)),
-        committed_rx,
-    ));
+    let recorder_sessions = world.coord.factory("recorder", Duration::from_secs(2));
     let mut sim = Sim {
         world,
         safekeepers,
@@ -381,7 +376,8 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         seen_commits: vec![Lsn(0); SAFEKEEPERS],
         control_sessions,
         control: None,
-        committed_tx,
+        recorder_sessions,
+        recorders: BTreeMap::new(),
         restored: None,
         restoring: None,
     };
@@ -416,7 +412,9 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
     }
     let committed = sim.settle(schedule.net).await?;
     receiver.abort();
-    recorder.abort();
+    for (_, recorder) in std::mem::take(&mut sim.recorders) {
+        recorder.abort();
+    }
     sim.check_disks(committed).await?;
     let crash_stats = sim.world.crash_stats();
     Ok(Outcome {

@@ -191,8 +191,11 @@ struct Sim {
     /// current session.
     control_sessions: SimSessions,
     control: Option<ferry_coord::Session>,
-    /// What the recorder writes to coordination as the known commit.
-    committed_tx: watch::Sender<Lsn>,
+    /// Sessions of the writers' commit records, and each running writer's
+    /// recorder (the product's, `ferry_node::commit_record`), by incarnation:
+    /// it lives and dies with its writer.
+    recorder_sessions: SimSessions,
+    recorders: BTreeMap<u64, tokio::task::JoinHandle<()>>,
     /// The safekeeper whose data dir was lost, and the WAL its restore put
     /// back (checked at the end against the committed WAL).
     restored: Option<(usize, Bytes)>,

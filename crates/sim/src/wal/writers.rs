@@ -1,15 +1,15 @@
 //! The WAL workload's writers: each incarnation on a node of its own,
-//! started knowing the commit recorded in coordination (as `ferry dev`
-//! starts one), killed, restarted by a supervisor when it stops, or joined
+//! started knowing the commit recorded in coordination and keeping that
+//! record with the product's recorder (as `ferry dev` and `ferry writer` do), killed, restarted by a supervisor when it stops, or joined
 //! by a takeover's writer while it keeps running; and the appends sent
 //! through them.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_coord::{CoordError, SessionFactory};
-use ferry_wal::Lsn;
-use ferry_writer::driver::{encode_records, Writer, WriterConfig};
+use ferry_coord::{RenewingSession, SessionFactory};
+use ferry_node::commit_record::{self, CommitRecordError, WalState, WalStateRecording};
+use ferry_writer::driver::{encode_records, Writer, WriterConfig, WriterStatus};
 use ferry_writer::proposer::ProposerConfig;
 use tokio::sync::watch;
 
@@ -19,59 +19,30 @@ use super::{
 };
 use crate::world::coord::SimSessions;
 
-/// Where the known commit lives in coordination (as in `ferry dev`).
-const KNOWN_COMMIT_PATH: &str = "/known_commit";
+/// How long a writer waits before it asks coordination again.
+const COORDINATION_RETRY: Duration = Duration::from_millis(50);
 
-fn decode_lsn(data: &[u8]) -> Lsn {
-    let mut b = [0u8; 8];
-    if data.len() == 8 {
-        b.copy_from_slice(data);
-    }
-    Lsn(u64::from_le_bytes(b))
-}
-
-/// Keeps the known commit in coordination near what the writers committed:
-/// the recorder of `ferry dev`, on simulated coordination (requests may be
-/// lost before or after they apply; it writes again on the next change).
-pub(super) async fn record_commits(sessions: SimSessions, mut committed: watch::Receiver<Lsn>) {
-    use ferry_coord::CreateMode;
-    let mut session: Option<ferry_coord::Session> = None;
-    loop {
-        if committed.changed().await.is_err() {
-            return;
+/// A writer node's commit record, as `ferry dev` and `ferry writer` run it
+/// (`ferry_node::commit_record::record_commits`), on simulated coordination
+/// (requests may be lost before or after they apply): its session is opened
+/// at start, retried while coordination fails.
+async fn record_commits(sessions: SimSessions, status: watch::Receiver<WriterStatus>) {
+    let sessions: Arc<dyn SessionFactory> = Arc::new(sessions);
+    let session = loop {
+        match RenewingSession::open(Arc::clone(&sessions)).await {
+            Ok(s) => break s,
+            Err(_) => tokio::time::sleep(COORDINATION_RETRY).await,
         }
-        let lsn = *committed.borrow_and_update();
-        let s = match session.clone() {
-            Some(s) => s,
-            None => match sessions.open().await {
-                Ok(s) => {
-                    session = Some(Arc::clone(&s));
-                    s
-                }
-                Err(_) => continue,
-            },
-        };
-        let data = lsn.0.to_le_bytes();
-        let written = match s.set(KNOWN_COMMIT_PATH, &data, None).await {
-            Err(CoordError::NoNode { .. }) => s
-                .create(KNOWN_COMMIT_PATH, &data, CreateMode::Persistent)
-                .await
-                .map(drop),
-            other => other.map(drop),
-        };
-        if let Err(e) = written {
-            if e.is_session_end() {
-                session = None;
-            }
-        }
-    }
+    };
+    let (report, _) = watch::channel(WalStateRecording::default());
+    commit_record::record_commits(session, status, report).await;
 }
 
 impl Sim {
     /// The commit the cluster is known to have reached, as `ferry dev` reads it
     /// from its coordination store before it starts a writer: here from the
     /// simulated coordination, which may lose requests (then it retries).
-    pub(super) async fn known_commit(&mut self) -> Result<Lsn, Failure> {
+    pub(super) async fn known_commit(&mut self) -> Result<WalState, Failure> {
         for _ in 0..100 {
             let session = match self.control.clone() {
                 Some(s) => s,
@@ -81,16 +52,20 @@ impl Sim {
                         s
                     }
                     Err(_) => {
-                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        tokio::time::sleep(COORDINATION_RETRY).await;
                         continue;
                     }
                 },
             };
-            match session.get(KNOWN_COMMIT_PATH).await {
-                Ok((data, _)) => return Ok(decode_lsn(&data)),
-                Err(CoordError::NoNode { .. }) => return Ok(Lsn(0)),
-                Err(e) if e.is_session_end() => self.control = None,
-                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            match commit_record::read_wal_state(&*session).await {
+                Ok(known) => return Ok(known),
+                Err(CommitRecordError::Coordination { source, .. }) if source.is_session_end() => {
+                    self.control = None
+                }
+                Err(CommitRecordError::Invalid(e)) => {
+                    return Err(self.fail(format!("the commit record is not valid: {e}")))
+                }
+                Err(_) => tokio::time::sleep(COORDINATION_RETRY).await,
             }
         }
         Err(self.fail("coordination did not answer a read in 100 tries"))
@@ -98,11 +73,14 @@ impl Sim {
 
     pub(super) async fn start_writer(&mut self) -> Result<(), Failure> {
         let known = self.known_commit().await?;
-        self.start_writer_knowing(known);
+        self.start_writer_knowing(Some(known));
         Ok(())
     }
 
-    pub(super) fn start_writer_knowing(&mut self, known: Lsn) {
+    /// Starts a writer that knows the commit record `known`, and keeps it
+    /// (`None`: a writer without coordination, which knows and records
+    /// nothing).
+    pub(super) fn start_writer_knowing(&mut self, known: Option<WalState>) {
         self.writers_started += 1;
         let mut config = WriterConfig::new(
             (0..SAFEKEEPERS).map(node_name).collect(),
@@ -133,17 +111,33 @@ impl Sim {
         // As `ferry dev` does from its coordination store: the writer knows a
         // commit point (recorded there by the recorder). Committed WAL is on
         // every quorum, so this must never block an election.
-        config.proposer.known_commit_lsn = known;
+        let record = known.unwrap_or_default();
+        config.proposer.min_term = record.term;
+        config.proposer.known_commit_lsn = record.commit_lsn;
         let writer = Writer::start(
             self.world.net.node(&writer_node(self.writers_started)),
             config,
         );
         self.status = Some(writer.subscribe());
+        if known.is_some() {
+            let recorder = tokio::spawn(record_commits(
+                self.recorder_sessions.clone(),
+                writer.subscribe(),
+            ));
+            self.recorders.insert(self.writers_started, recorder);
+        }
         self.writer = Some(Arc::new(writer));
         self.log(format!(
-            "writer {} started, knowing commit {known} from coordination",
-            self.writers_started
+            "writer {} started, knowing commit {} of term {} from coordination",
+            self.writers_started, record.commit_lsn, record.term
         ));
+    }
+
+    /// A writer's process ended: its commit record ends with it.
+    fn stop_recorder(&mut self, incarnation: u64) {
+        if let Some(r) = self.recorders.remove(&incarnation) {
+            r.abort();
+        }
     }
 
     pub(super) fn kill_writer(&mut self) {
@@ -153,6 +147,7 @@ impl Sim {
         }
         if let Some(writer) = self.writer.take() {
             writer.abort();
+            self.stop_recorder(self.writers_started);
             self.log(format!("writer {} killed", self.writers_started));
         }
         self.status = None;
@@ -163,6 +158,7 @@ impl Sim {
     /// Writers replaced by a takeover have no supervisor.
     pub(super) async fn restart_stopped_writer(&mut self) -> Result<(), Failure> {
         if self.writer.take().is_some() {
+            self.stop_recorder(self.writers_started);
             self.log(format!(
                 "writer {} stopped; its supervisor starts a new one",
                 self.writers_started
@@ -186,6 +182,7 @@ impl Sim {
         self.observe_old_writers()?;
         for (incarnation, (writer, _)) in std::mem::take(&mut self.old_writers) {
             writer.abort();
+            self.stop_recorder(incarnation);
             self.log(format!("writer {incarnation} killed"));
         }
         Ok(())
@@ -211,6 +208,7 @@ impl Sim {
         }
         for i in stopped {
             self.old_writers.remove(&i);
+            self.stop_recorder(i);
             self.log(format!("writer {i} stopped"));
         }
         Ok(())
