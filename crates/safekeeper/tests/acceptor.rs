@@ -76,12 +76,8 @@ fn append(term: u64, begin: u64, wal: &Bytes, commit: u64) -> AppendRequest {
         begin_lsn: Lsn(begin),
         end_lsn: Lsn(begin + wal.len() as u64),
         commit_lsn: Lsn(commit),
-        truncate_lsn: Lsn(0),
-        backup_lsn: Lsn(0),
-        backup_duty: false,
-        remote_consistent_lsn: None,
-        probe: 0,
         wal: wal.clone(),
+        ..AppendRequest::default()
     }
 }
 

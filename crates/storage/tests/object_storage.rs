@@ -6,7 +6,7 @@
 
 use bytes::Bytes;
 use ferry_storage::{open, Location, S3Settings, StorageError, UploadBudget};
-use ferry_testkit::services::{create_bucket, s3_endpoint};
+use ferry_testkit::services::{create_bucket, s3_endpoint, s3_settings};
 
 async fn s3_location() -> Option<Location> {
     let endpoint = s3_endpoint()?;
@@ -16,13 +16,7 @@ async fn s3_location() -> Option<Location> {
         .unwrap_or_default();
     let bucket = format!("ferry-test-{nanos}");
     create_bucket(&endpoint, &bucket).await;
-    let settings = S3Settings {
-        endpoint: Some(endpoint),
-        region: Some("us-east-1".into()),
-        access_key_id: Some("test".into()),
-        secret_access_key: Some("test".into()),
-        ..S3Settings::default()
-    };
+    let settings = s3_settings(&endpoint);
     Some(open(&format!("s3://{bucket}/lake/prefix"), &settings).expect("open s3 location"))
 }
 
@@ -268,13 +262,7 @@ async fn an_s3_upload_carries_the_sha256_of_its_bytes() {
         .expect("answer");
         head
     });
-    let settings = S3Settings {
-        endpoint: Some(endpoint),
-        region: Some("us-east-1".into()),
-        access_key_id: Some("test".into()),
-        secret_access_key: Some("test".into()),
-        ..S3Settings::default()
-    };
+    let settings = s3_settings(&endpoint);
     let loc = open("s3://bucket/prefix", &settings).expect("open");
     loc.put("k", bytes::Bytes::from_static(b"hello"))
         .await

@@ -104,7 +104,7 @@ pub struct ProposerElected {
     pub rejoin: bool,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AppendRequest {
     pub term: Term,
     pub begin_lsn: Lsn,
@@ -651,13 +651,8 @@ mod tests {
             term: 1,
             begin_lsn: Lsn(10),
             end_lsn: Lsn(12),
-            commit_lsn: Lsn(0),
-            truncate_lsn: Lsn(0),
-            backup_lsn: Lsn(0),
-            backup_duty: false,
-            remote_consistent_lsn: None,
-            probe: 0,
             wal: Bytes::from_static(b"x"),
+            ..AppendRequest::default()
         }
         .is_consistent());
     }

@@ -329,13 +329,8 @@ mod tests {
             term,
             begin_lsn: Lsn(begin),
             end_lsn: Lsn(begin + wal.len() as u64),
-            commit_lsn: Lsn(0),
-            truncate_lsn: Lsn(0),
-            backup_lsn: Lsn(0),
-            backup_duty: false,
-            remote_consistent_lsn: None,
-            probe: 0,
             wal: Bytes::from_static(wal),
+            ..AppendRequest::default()
         };
         assert!(
             reason(append(&p, &req(2, 1000, b"ab"), Lsn(1000)).expect_err("refused"))

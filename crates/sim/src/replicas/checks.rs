@@ -12,8 +12,8 @@ use bytes::Bytes;
 use ferry_wal::Lsn;
 
 use super::{
-    replica_name, replicas, table, Failure, Sim, MAX_INSERT_WAL, REPLICAS_PER_SHARD, SHARDS,
-    TABLE_ID,
+    replica_name, replicas, table, BackPressureSample, Failure, Sim, MAX_INSERT_WAL,
+    REPLICAS_PER_SHARD, SHARDS, TABLE_ID,
 };
 
 impl Sim {
@@ -22,28 +22,41 @@ impl Sim {
         // is past the limit (plus the one insert released last) ahead of the
         // slowest replica it heard of. The slowest position it knows can drop
         // (a replica first heard late, through a safekeeper cut off from the
-        // writer until then): the end may be past the limit then, through no
+        // writer until then, or heard again after the writer forgot it past
+        // the replica expiry): the end may be past the limit then, through no
         // fault of the writer, but must not move until the lag is back in it.
+        // Samples are taken between events, so the writer may have known a
+        // higher minimum in between (a replica forgotten and heard again):
+        // only two samples of the same writer knowing the same replicas,
+        // having forgotten none since, the slowest no slower, are compared.
         if let (Some(writer), true) = (&self.writer, self.flush_lag > 0) {
             let s = writer.status();
             let end: Lsn = s.end_lsn.parse().unwrap_or(Lsn(0));
-            let now = s
-                .overall_minimum
-                .map(|min| (s.term, end, min.disk_consistent_lsn));
-            let previous = std::mem::replace(&mut self.back_pressure_seen, now);
-            if let (Some((term, end, min)), Some((prev_term, prev_end, prev_min))) = (now, previous)
-            {
-                let lag = end.distance_from(min);
-                // The same writer, knowing no slower replica than before,
-                // moved the end past the limit.
-                if term == prev_term
-                    && min >= prev_min
-                    && end > prev_end
+            let known: BTreeSet<(u32, u32)> = s
+                .replicas
+                .iter()
+                .map(|f| (f.shard_number, f.replica_number))
+                .collect();
+            let now = s.overall_minimum.map(|min| BackPressureSample {
+                term: s.term,
+                end,
+                min: min.disk_consistent_lsn,
+                known,
+                forgotten: s.replicas_forgotten,
+            });
+            let previous = std::mem::replace(&mut self.back_pressure_seen, now.clone());
+            if let (Some(now), Some(prev)) = (now, previous) {
+                let lag = now.end.distance_from(now.min);
+                if now.term == prev.term
+                    && now.known == prev.known
+                    && now.forgotten == prev.forgotten
+                    && now.min >= prev.min
+                    && now.end > prev.end
                     && lag > self.flush_lag + MAX_INSERT_WAL
                 {
                     return Err(self.fail(format!(
-                        "the end of WAL {end} ran {lag} bytes ahead of the slowest replica's {min} (limit {} and one insert)",
-                        self.flush_lag
+                        "the end of WAL {} ran {lag} bytes ahead of the slowest replica's {} (limit {} and one insert)",
+                        now.end, now.min, self.flush_lag
                     )));
                 }
             }

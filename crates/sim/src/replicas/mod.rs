@@ -134,9 +134,9 @@ struct Sim {
     /// Writer's and safekeepers' replica expiry in this run.
     replica_expiry: Duration,
     expiry_rng: SmallRng,
-    /// The writer's term, its end of WAL and the slowest replica position
-    /// it knew at the last step (see `check_steps`).
-    back_pressure_seen: Option<(ferry_wal::Term, Lsn, Lsn)>,
+    /// What the writer showed of back-pressure at the last step (see
+    /// `check_steps`).
+    back_pressure_seen: Option<BackPressureSample>,
     replicas: Vec<Option<ReplicaNode>>,
     /// Replicas kept down past the replica expiry, and until when: the
     /// events go on meanwhile (safekeeper crashes and restarts too).
@@ -161,4 +161,18 @@ impl Sim {
     fn fail(&self, reason: impl Into<String>) -> Failure {
         self.world.fail(reason)
     }
+}
+
+/// What the back-pressure check saw of the writer at one step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct BackPressureSample {
+    term: ferry_wal::Term,
+    /// The end of WAL.
+    end: Lsn,
+    /// The slowest replica's disk_consistent_lsn the writer knows.
+    min: Lsn,
+    /// The replicas the writer knows (shard, replica).
+    known: std::collections::BTreeSet<(u32, u32)>,
+    /// How many replicas the writer forgot since it started.
+    forgotten: u64,
 }

@@ -93,12 +93,8 @@ fn append(term: Term, begin: Lsn, wal: &Bytes) -> ToSafekeeper {
         begin_lsn: begin,
         end_lsn: end,
         commit_lsn: end,
-        truncate_lsn: Lsn(0),
-        backup_lsn: Lsn(0),
-        backup_duty: false,
-        remote_consistent_lsn: None,
-        probe: 0,
         wal: wal.clone(),
+        ..AppendRequest::default()
     })
 }
 
