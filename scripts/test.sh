@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: installs what the tests need (Debian's
-# zookeeper package, moto[s3] in a venv inside the checkout), starts ZooKeeper and the
+# zookeeper package, moto[s3] and the lake readers pyiceberg and DuckDB in a venv
+# inside the checkout), starts ZooKeeper and the
 # S3 server on free loopback ports, runs formatting, lint and every test, and stops the
 # services whatever happens. Extra arguments go to `cargo test`.
 set -euo pipefail
@@ -10,6 +11,10 @@ cd "$root"
 services="$root/.services"
 venv="$root/.venv"
 moto_version="5.2.5"
+# Lake readers the Iceberg tests read tables with, as users run them: pyiceberg,
+# and DuckDB with its Iceberg and Avro extensions from PyPI wheels (the
+# extensions must match DuckDB's version exactly; nothing is fetched at run time).
+lake_readers="pyiceberg[pyarrow]==0.12.0 duckdb==1.4.4 duckdb-ext==0.1.2 duckdb-ext-iceberg==1.4.4.20260205 duckdb-ext-avro==1.4.4.20260205"
 
 log() { printf '[test.sh] %s\n' "$*" >&2; }
 
@@ -31,6 +36,15 @@ install_moto() {
     log "installing moto[s3]==$moto_version into $venv"
     python3 -m venv "$venv"
     "$venv/bin/pip" install -q --disable-pip-version-check "moto[s3]==$moto_version" flask flask-cors
+}
+
+install_lake_readers() {
+    if "$venv/bin/python" -c "import pyiceberg, duckdb, duckdb_ext, sys; sys.exit(pyiceberg.__version__ != '0.12.0' or duckdb.__version__ != '1.4.4')" 2>/dev/null; then
+        return
+    fi
+    log "installing the lake readers into $venv: $lake_readers"
+    # shellcheck disable=SC2086
+    "$venv/bin/pip" install -q --disable-pip-version-check $lake_readers
 }
 
 free_port() {
@@ -104,6 +118,7 @@ start_moto() {
 
 install_zookeeper
 install_moto
+install_lake_readers
 
 zk_port=$(free_port)
 start_zookeeper "$zk_port"
@@ -112,6 +127,7 @@ start_moto "$s3_port"
 
 export FERRY_TEST_ZK="127.0.0.1:$zk_port"
 export FERRY_TEST_S3_ENDPOINT="http://127.0.0.1:$s3_port"
+export FERRY_TEST_PYTHON="$venv/bin/python"
 export FERRY_TEST_REQUIRE_SERVICES=1
 
 log "the product binary carries no test-only tokio features"

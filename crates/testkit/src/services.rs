@@ -10,6 +10,9 @@
 pub const ZOOKEEPER: &str = "FERRY_TEST_ZK";
 /// The S3 endpoint (`http://host:port`) tests run against.
 pub const S3_ENDPOINT: &str = "FERRY_TEST_S3_ENDPOINT";
+/// A Python with the lake readers (pyiceberg, DuckDB with its Iceberg and
+/// Avro extensions) that tests read exported tables with.
+pub const LAKE_PYTHON: &str = "FERRY_TEST_PYTHON";
 const REQUIRE: &str = "FERRY_TEST_REQUIRE_SERVICES";
 
 /// The service named by the environment variable `var`, or `None` (with a
@@ -47,6 +50,11 @@ pub fn optional_service(var: &str) -> Option<String> {
 /// The test ZooKeeper's address, or `None` (noted) without one.
 pub fn zookeeper() -> Option<String> {
     service(ZOOKEEPER)
+}
+
+/// The Python with the lake readers, or `None` (noted) without one.
+pub fn lake_python() -> Option<String> {
+    service(LAKE_PYTHON)
 }
 
 /// The test S3 endpoint, or `None` (noted) without one.

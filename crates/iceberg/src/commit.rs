@@ -1,0 +1,485 @@
+//! Finding a table's current version and committing a partition's files
+//! to it (see the crate doc for the rules).
+//!
+//! Invariant: `metadata/vN.metadata.json` is only ever created, never
+//! overwritten (`Location::put_create`), so the table's history is the
+//! sequence of versions, each the one before plus one snapshot, and two
+//! committers never both win version N. Manifests and manifest lists are
+//! written before the version that references them, under names of their
+//! own; a commit that loses its race leaves them unreferenced (orphans that
+//! upkeep may remove), never half a snapshot.
+
+use std::collections::BTreeMap;
+
+use bytes::Bytes;
+use ferry_storage::{Location, StorageError};
+use ferry_table::TableDef;
+
+use crate::manifest::{
+    read_manifest, read_manifest_list, write_manifest, write_manifest_list, DataFileEntry,
+    EntryStatus, ManifestEntry, ManifestFile, ManifestHeader,
+};
+use crate::spec::{
+    MetadataLogEntry, Snapshot, SnapshotLogEntry, SnapshotRef, SortOrder, TableMetadata,
+    FORMAT_VERSION,
+};
+use crate::table::{
+    partition_avro_type, partition_field_name, partition_spec, schema, PartitionValue,
+};
+use crate::{partition_property, IcebergError, TRANSACTION_PROPERTY};
+
+/// Where the metadata lives, relative to the table's location.
+pub const METADATA_DIR: &str = "metadata";
+/// The hint some readers look for: the current version's number.
+pub const VERSION_HINT: &str = "metadata/version-hint.text";
+/// Races a commit may lose in a row before it gives up (retryable).
+pub const MAX_COMMIT_ATTEMPTS: u32 = 64;
+
+/// One partition's files, committed as the export `transaction_id`.
+#[derive(Debug, Clone)]
+pub struct Commit {
+    /// Time-ordered (`<millis>-<hex>`): a later export has a greater id.
+    pub transaction_id: String,
+    pub partition_id: String,
+    /// Every data file of the partition (paths relative to the table's
+    /// location), replacing the partition's current ones.
+    pub files: Vec<DataFileEntry>,
+    /// The commit's time (milliseconds since the Unix epoch), from the
+    /// caller's clock.
+    pub timestamp_ms: i64,
+}
+
+/// What a commit did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CommitOutcome {
+    /// A new snapshot, in a new metadata version.
+    Committed { version: u64, snapshot_id: i64 },
+    /// This export's files are current already: nothing written.
+    AlreadyCurrent { version: u64 },
+    /// A later export of the partition is current: nothing written (the
+    /// reader never goes back to older content).
+    Superseded { version: u64, current: String },
+}
+
+/// An Iceberg table at a location.
+#[derive(Clone)]
+pub struct IcebergTable {
+    location: Location,
+}
+
+fn metadata_key(version: u64) -> String {
+    format!("{METADATA_DIR}/v{version}.metadata.json")
+}
+
+fn version_of(key: &str) -> Option<u64> {
+    key.strip_prefix("metadata/v")?
+        .strip_suffix(".metadata.json")?
+        .parse()
+        .ok()
+}
+
+/// Orders transaction ids `<millis>-<rest>` by time, then by the rest.
+fn transaction_order(id: &str) -> (u64, &str) {
+    match id.split_once('-') {
+        Some((ms, rest)) => (ms.parse().unwrap_or(0), rest),
+        None => (0, id),
+    }
+}
+
+/// A 63-bit id from a name (FNV-1a): snapshot ids and the table's uuid are
+/// derived, not drawn, so a retried commit makes the same names.
+fn derived_id(parts: &[&str]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in parts {
+        for b in p.bytes().chain(std::iter::once(0)) {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h & (i64::MAX as u64)
+}
+
+impl IcebergTable {
+    pub fn new(location: Location) -> IcebergTable {
+        IcebergTable { location }
+    }
+
+    pub fn location(&self) -> &Location {
+        &self.location
+    }
+
+    /// The full URL of a key under the table.
+    pub fn url_of(&self, key: &str) -> String {
+        format!("{}/{key}", self.location.url().trim_end_matches('/'))
+    }
+
+    /// The current version and its metadata (`None`: no table yet).
+    pub async fn current(&self) -> Result<Option<(u64, TableMetadata)>, IcebergError> {
+        let listed = self.location.list(METADATA_DIR).await?;
+        let Some(version) = listed.iter().filter_map(|(k, _)| version_of(k)).max() else {
+            return Ok(None);
+        };
+        Ok(Some((version, self.read_version(version).await?)))
+    }
+
+    async fn read_version(&self, version: u64) -> Result<TableMetadata, IcebergError> {
+        let key = metadata_key(version);
+        let body = self.location.get(&key).await?;
+        serde_json::from_slice(&body).map_err(|e| IcebergError::Metadata {
+            file: key,
+            reason: e.to_string(),
+        })
+    }
+
+    /// The live data files of the current snapshot, with their partitions.
+    pub async fn files(&self) -> Result<Vec<DataFileEntry>, IcebergError> {
+        let Some((_, meta)) = self.current().await? else {
+            return Ok(Vec::new());
+        };
+        let Some(snapshot) = meta.current_snapshot() else {
+            return Ok(Vec::new());
+        };
+        let mut out = Vec::new();
+        for m in self.manifests(snapshot).await? {
+            for e in self.entries(&m).await? {
+                if e.status != EntryStatus::Deleted {
+                    out.push(e.file);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn key_of<'a>(&self, url: &'a str) -> &'a str {
+        let base = self.location.url().trim_end_matches('/');
+        url.strip_prefix(base)
+            .map_or(url, |rest| rest.trim_start_matches('/'))
+    }
+
+    async fn manifests(&self, snapshot: &Snapshot) -> Result<Vec<ManifestFile>, IcebergError> {
+        let body = self
+            .location
+            .get(self.key_of(&snapshot.manifest_list))
+            .await?;
+        read_manifest_list(&body)
+    }
+
+    async fn entries(&self, manifest: &ManifestFile) -> Result<Vec<ManifestEntry>, IcebergError> {
+        let body = self
+            .location
+            .get(self.key_of(&manifest.manifest_path))
+            .await?;
+        read_manifest(&body)
+    }
+
+    /// Commits `commit` as the partition's files: on top of the current
+    /// version, trying again on top of the next one while it loses races.
+    pub async fn commit(
+        &self,
+        def: &TableDef,
+        commit: &Commit,
+    ) -> Result<CommitOutcome, IcebergError> {
+        let partition = PartitionValue::of(def, &commit.partition_id)?;
+        for _ in 0..MAX_COMMIT_ATTEMPTS {
+            let current = self.current().await?;
+            let version = current.as_ref().map_or(0, |(v, _)| *v);
+            if let Some((_, meta)) = &current {
+                if let Some(done) = meta
+                    .properties
+                    .get(&partition_property(&commit.partition_id))
+                {
+                    if *done == commit.transaction_id {
+                        return Ok(CommitOutcome::AlreadyCurrent { version });
+                    }
+                    if transaction_order(done) > transaction_order(&commit.transaction_id) {
+                        return Ok(CommitOutcome::Superseded {
+                            version,
+                            current: done.clone(),
+                        });
+                    }
+                }
+            }
+            let next = self
+                .next_version(def, current.map(|(_, m)| m), commit, &partition, version)
+                .await?;
+            let body = serde_json::to_vec_pretty(&next).map_err(|e| IcebergError::Metadata {
+                file: metadata_key(version + 1),
+                reason: e.to_string(),
+            })?;
+            match self
+                .location
+                .put_create(&metadata_key(version + 1), Bytes::from(body))
+                .await
+            {
+                Ok(()) => {
+                    // A hint only: readers that list or are given the
+                    // metadata file do not need it, so a failure here
+                    // changes nothing committed.
+                    let hint = Bytes::from((version + 1).to_string());
+                    if let Err(e) = self.location.put(VERSION_HINT, hint).await {
+                        tracing::warn!(error = %e, "version hint not written");
+                    }
+                    return Ok(CommitOutcome::Committed {
+                        version: version + 1,
+                        snapshot_id: next.current_snapshot_id,
+                    });
+                }
+                Err(StorageError::AlreadyExists { .. }) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(IcebergError::Contended(MAX_COMMIT_ATTEMPTS))
+    }
+
+    /// The metadata of version `version + 1`: `previous` (or a new table)
+    /// with one snapshot more, whose manifests are the previous snapshot's
+    /// except the partition's, replaced by one manifest of its new files
+    /// added and its old files deleted.
+    async fn next_version(
+        &self,
+        def: &TableDef,
+        previous: Option<TableMetadata>,
+        commit: &Commit,
+        partition: &PartitionValue,
+        version: u64,
+    ) -> Result<TableMetadata, IcebergError> {
+        let table_schema = schema(def);
+        let spec = partition_spec(def)?;
+        let mut meta = match previous {
+            Some(m) => m,
+            None => TableMetadata {
+                format_version: FORMAT_VERSION,
+                table_uuid: uuid_of(self.location.url()),
+                location: self.location.url().trim_end_matches('/').to_string(),
+                last_sequence_number: 0,
+                last_updated_ms: commit.timestamp_ms,
+                last_column_id: table_schema.fields.iter().map(|f| f.id).max().unwrap_or(0),
+                schemas: vec![table_schema.clone()],
+                current_schema_id: 0,
+                partition_specs: vec![spec.clone()],
+                default_spec_id: 0,
+                last_partition_id: crate::table::PARTITION_FIELD_ID,
+                properties: BTreeMap::from([(
+                    "write.format.default".to_string(),
+                    "parquet".to_string(),
+                )]),
+                current_snapshot_id: -1,
+                snapshots: Vec::new(),
+                snapshot_log: Vec::new(),
+                metadata_log: Vec::new(),
+                sort_orders: vec![SortOrder {
+                    order_id: 0,
+                    fields: Vec::new(),
+                }],
+                default_sort_order_id: 0,
+                refs: BTreeMap::new(),
+            },
+        };
+        if meta.schema() != Some(&table_schema) {
+            return Err(IcebergError::Table(format!(
+                "the Iceberg table at {} has another schema than table {}",
+                self.location.url(),
+                def.name
+            )));
+        }
+        let sequence = meta.last_sequence_number + 1;
+        let snapshot_id = i64::try_from(derived_id(&[
+            self.location.url(),
+            &commit.transaction_id,
+            &(version + 1).to_string(),
+        ]))
+        .unwrap_or(i64::MAX);
+        let parent = meta.current_snapshot().cloned();
+        let bound = partition.to_bytes();
+        let mut kept = Vec::new();
+        let mut removed: Vec<ManifestEntry> = Vec::new();
+        if let Some(parent) = &parent {
+            for m in self.manifests(parent).await? {
+                if m.partition_bound != bound {
+                    kept.push(m);
+                    continue;
+                }
+                for e in self.entries(&m).await? {
+                    if e.status == EntryStatus::Deleted {
+                        continue;
+                    }
+                    let data_sequence = e.sequence_number.unwrap_or(m.sequence_number);
+                    removed.push(ManifestEntry {
+                        status: EntryStatus::Deleted,
+                        snapshot_id: Some(snapshot_id),
+                        sequence_number: Some(data_sequence),
+                        file_sequence_number: Some(e.file_sequence_number.unwrap_or(data_sequence)),
+                        file: e.file,
+                    });
+                }
+            }
+        }
+        let added: Vec<ManifestEntry> = commit
+            .files
+            .iter()
+            .map(|f| ManifestEntry {
+                status: EntryStatus::Added,
+                snapshot_id: Some(snapshot_id),
+                sequence_number: None,
+                file_sequence_number: None,
+                file: DataFileEntry {
+                    path: self.url_of(&f.path),
+                    partition: partition.clone(),
+                    ..f.clone()
+                },
+            })
+            .collect();
+        let header = ManifestHeader {
+            schema_json: serde_json::to_string(&table_schema).unwrap_or_default(),
+            partition_spec_json: serde_json::to_string(&spec.fields).unwrap_or_default(),
+            partition_name: partition_field_name(def),
+            partition_type: partition_avro_type(def)?,
+        };
+        let entries: Vec<ManifestEntry> = added.iter().chain(removed.iter()).cloned().collect();
+        let manifest = write_manifest(&header, &entries, marker(snapshot_id, 0))?;
+        let manifest_key = format!(
+            "{METADATA_DIR}/{}-{}-m0.avro",
+            commit.transaction_id,
+            version + 1
+        );
+        let manifest_length = manifest.len() as i64;
+        self.location
+            .put(&manifest_key, Bytes::from(manifest))
+            .await?;
+        let rows = |es: &[ManifestEntry]| es.iter().map(|e| e.file.record_count).sum::<i64>();
+        let count = |es: &[ManifestEntry]| i32::try_from(es.len()).unwrap_or(i32::MAX);
+        let mut manifests = kept;
+        manifests.push(ManifestFile {
+            manifest_path: self.url_of(&manifest_key),
+            manifest_length,
+            sequence_number: sequence,
+            min_sequence_number: removed
+                .iter()
+                .filter_map(|e| e.sequence_number)
+                .chain(std::iter::once(sequence))
+                .min()
+                .unwrap_or(sequence),
+            added_snapshot_id: snapshot_id,
+            added_files_count: count(&added),
+            existing_files_count: 0,
+            deleted_files_count: count(&removed),
+            added_rows_count: rows(&added),
+            existing_rows_count: 0,
+            deleted_rows_count: rows(&removed),
+            partition_bound: bound,
+        });
+        let list = write_manifest_list(
+            snapshot_id,
+            parent.as_ref().map(|p| p.snapshot_id),
+            sequence,
+            &manifests,
+            marker(snapshot_id, 1),
+        )?;
+        let list_key = format!(
+            "{METADATA_DIR}/snap-{snapshot_id}-{}.avro",
+            commit.transaction_id
+        );
+        self.location.put(&list_key, Bytes::from(list)).await?;
+        let total_files: i64 = manifests
+            .iter()
+            .map(|m| i64::from(m.added_files_count) + i64::from(m.existing_files_count))
+            .sum();
+        let summary = BTreeMap::from([
+            (
+                "operation".to_string(),
+                if removed.is_empty() {
+                    "append"
+                } else {
+                    "overwrite"
+                }
+                .to_string(),
+            ),
+            (
+                TRANSACTION_PROPERTY.to_string(),
+                commit.transaction_id.clone(),
+            ),
+            (
+                "ferry.partition-id".to_string(),
+                commit.partition_id.clone(),
+            ),
+            ("added-data-files".to_string(), added.len().to_string()),
+            ("deleted-data-files".to_string(), removed.len().to_string()),
+            ("added-records".to_string(), rows(&added).to_string()),
+            ("deleted-records".to_string(), rows(&removed).to_string()),
+            ("total-data-files".to_string(), total_files.to_string()),
+        ]);
+        if version > 0 {
+            meta.metadata_log.push(MetadataLogEntry {
+                metadata_file: self.url_of(&metadata_key(version)),
+                timestamp_ms: meta.last_updated_ms,
+            });
+        }
+        meta.snapshots.push(Snapshot {
+            snapshot_id,
+            parent_snapshot_id: parent.as_ref().map(|p| p.snapshot_id),
+            sequence_number: sequence,
+            timestamp_ms: commit.timestamp_ms,
+            manifest_list: self.url_of(&list_key),
+            summary,
+            schema_id: 0,
+        });
+        meta.snapshot_log.push(SnapshotLogEntry {
+            snapshot_id,
+            timestamp_ms: commit.timestamp_ms,
+        });
+        meta.current_snapshot_id = snapshot_id;
+        meta.last_sequence_number = sequence;
+        meta.last_updated_ms = meta.last_updated_ms.max(commit.timestamp_ms);
+        meta.refs.insert(
+            "main".into(),
+            SnapshotRef {
+                snapshot_id,
+                kind: "branch".into(),
+            },
+        );
+        meta.properties.insert(
+            partition_property(&commit.partition_id),
+            commit.transaction_id.clone(),
+        );
+        Ok(meta)
+    }
+}
+
+/// The Avro sync marker of a snapshot's `n`th file.
+fn marker(snapshot_id: i64, n: u8) -> [u8; 16] {
+    let a = derived_id(&["marker", &snapshot_id.to_string(), &n.to_string()]);
+    let b = derived_id(&["marker2", &snapshot_id.to_string(), &n.to_string()]);
+    let mut out = [0u8; 16];
+    out[..8].copy_from_slice(&a.to_le_bytes());
+    out[8..].copy_from_slice(&b.to_le_bytes());
+    out
+}
+
+/// A UUID-shaped id derived from the table's URL.
+fn uuid_of(url: &str) -> String {
+    let a = derived_id(&["table", url]);
+    let b = derived_id(&["uuid", url]);
+    let hex = format!("{a:016x}{b:016x}");
+    format!(
+        "{}-{}-4{}-8{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[13..16],
+        &hex[17..20],
+        &hex[20..32]
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transaction_ids_order_by_time_then_rest() {
+        assert!(transaction_order("1000-b") > transaction_order("999-z"));
+        assert!(transaction_order("1000-b") > transaction_order("1000-a"));
+        assert_eq!(version_of("metadata/v12.metadata.json"), Some(12));
+        assert_eq!(version_of("metadata/v12.metadata.json.tmp"), None);
+        assert_eq!(uuid_of("file:///x").len(), 36);
+    }
+}

@@ -1,0 +1,173 @@
+//! Data files: a partition's rows as one Parquet file whose columns carry
+//! the table's Iceberg field ids, and the statistics a manifest records of
+//! it (rows, size, per column: bytes, values, nulls, lower and upper bounds
+//! in Iceberg's single-value serialisation), read from the file's own footer.
+
+use arrow::array::RecordBatch;
+use ferry_table::def::ColumnType;
+use ferry_table::TableDef;
+use parquet::arrow::ArrowWriter;
+use parquet::basic::{Compression, ZstdLevel};
+use parquet::file::metadata::ParquetMetaData;
+use parquet::file::properties::WriterProperties;
+use parquet::file::statistics::Statistics;
+
+use crate::manifest::DataFileEntry;
+use crate::table::{data_file_schema, PartitionValue};
+use crate::IcebergError;
+
+/// Rows per row group of a data file.
+pub const ROW_GROUP_ROWS: usize = 1 << 20;
+
+/// A data file, encoded, with its manifest entry (its path still to be set).
+pub struct EncodedDataFile {
+    pub bytes: Vec<u8>,
+    pub entry: DataFileEntry,
+}
+
+fn parquet_error(e: parquet::errors::ParquetError) -> IcebergError {
+    IcebergError::Parquet(e.to_string())
+}
+
+/// Encodes `batches` (rows of one partition, in the table's schema) as one
+/// zstd Parquet file with field ids.
+pub fn encode_data_file(
+    def: &TableDef,
+    partition: PartitionValue,
+    batches: &[RecordBatch],
+) -> Result<EncodedDataFile, IcebergError> {
+    let schema = data_file_schema(def);
+    let props = WriterProperties::builder()
+        .set_compression(Compression::ZSTD(ZstdLevel::default()))
+        .set_max_row_group_row_count(Some(ROW_GROUP_ROWS))
+        .build();
+    let mut writer =
+        ArrowWriter::try_new(Vec::new(), schema.clone(), Some(props)).map_err(parquet_error)?;
+    for b in batches {
+        let b = b
+            .clone()
+            .with_schema(schema.clone())
+            .map_err(|e| IcebergError::Table(format!("rows do not match the table: {e}")))?;
+        writer.write(&b).map_err(parquet_error)?;
+    }
+    let bytes = writer.into_inner().map_err(parquet_error)?;
+    let entry = stats(def, partition, &bytes)?;
+    Ok(EncodedDataFile { bytes, entry })
+}
+
+/// The manifest entry of an encoded file, from its footer.
+fn stats(
+    def: &TableDef,
+    partition: PartitionValue,
+    bytes: &[u8],
+) -> Result<DataFileEntry, IcebergError> {
+    let reader = parquet::file::serialized_reader::SerializedFileReader::new(
+        bytes::Bytes::copy_from_slice(bytes),
+    )
+    .map_err(parquet_error)?;
+    let meta: &ParquetMetaData = parquet::file::reader::FileReader::metadata(&reader);
+    let n = def.columns.len();
+    let mut sizes = vec![0i64; n];
+    let mut values = vec![0i64; n];
+    let mut nulls = vec![0i64; n];
+    let mut lower: Vec<Option<Vec<u8>>> = vec![None; n];
+    let mut upper: Vec<Option<Vec<u8>>> = vec![None; n];
+    for rg in meta.row_groups() {
+        for (i, col) in rg.columns().iter().enumerate().take(n) {
+            sizes[i] += col.compressed_size();
+            values[i] += col.num_values();
+            let Some(st) = col.statistics() else { continue };
+            nulls[i] += st.null_count_opt().map_or(0, |c| c as i64);
+            let ty = def.columns[i].column_type;
+            if let (Some(lo), Some(hi)) = (bound(ty, st, true), bound(ty, st, false)) {
+                lower[i] = Some(match lower[i].take() {
+                    Some(old) if less(ty, &old, &lo) => old,
+                    _ => lo,
+                });
+                upper[i] = Some(match upper[i].take() {
+                    Some(old) if less(ty, &hi, &old) => old,
+                    _ => hi,
+                });
+            }
+        }
+    }
+    let id = |i: usize| i32::try_from(i + 1).unwrap_or(i32::MAX);
+    Ok(DataFileEntry {
+        path: String::new(),
+        record_count: meta.file_metadata().num_rows(),
+        file_size_in_bytes: bytes.len() as i64,
+        partition,
+        column_sizes: sizes.iter().enumerate().map(|(i, v)| (id(i), *v)).collect(),
+        value_counts: values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (id(i), *v))
+            .collect(),
+        null_value_counts: nulls.iter().enumerate().map(|(i, v)| (id(i), *v)).collect(),
+        lower_bounds: lower
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, b)| b.map(|b| (id(i), b)))
+            .collect(),
+        upper_bounds: upper
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, b)| b.map(|b| (id(i), b)))
+            .collect(),
+    })
+}
+
+/// A column chunk's lower (`min`) or upper bound, serialised as Iceberg
+/// does: little-endian ints and longs (dates as days, timestamps as
+/// microseconds), IEEE doubles, one byte for booleans, UTF-8 for strings.
+/// Doubles with a NaN bound are left out (Iceberg keeps NaN apart).
+fn bound(ty: ColumnType, st: &Statistics, min: bool) -> Option<Vec<u8>> {
+    match (ty, st) {
+        (ColumnType::Int32 | ColumnType::Date, Statistics::Int32(s)) => {
+            let v = if min { s.min_opt()? } else { s.max_opt()? };
+            Some(v.to_le_bytes().to_vec())
+        }
+        (ColumnType::Int64 | ColumnType::Timestamp, Statistics::Int64(s)) => {
+            let v = if min { s.min_opt()? } else { s.max_opt()? };
+            Some(v.to_le_bytes().to_vec())
+        }
+        (ColumnType::Float64, Statistics::Double(s)) => {
+            let v = if min { s.min_opt()? } else { s.max_opt()? };
+            (!v.is_nan()).then(|| v.to_le_bytes().to_vec())
+        }
+        (ColumnType::Boolean, Statistics::Boolean(s)) => {
+            let v = if min { s.min_opt()? } else { s.max_opt()? };
+            Some(vec![u8::from(*v)])
+        }
+        (ColumnType::Utf8, Statistics::ByteArray(s)) => {
+            let v = if min { s.min_opt()? } else { s.max_opt()? };
+            // Truncated statistics are not exact bounds: left out.
+            let exact = if min {
+                s.min_is_exact()
+            } else {
+                s.max_is_exact()
+            };
+            exact.then(|| v.data().to_vec())
+        }
+        _ => None,
+    }
+}
+
+/// Whether bound `a` is below bound `b` for a column of type `ty`.
+fn less(ty: ColumnType, a: &[u8], b: &[u8]) -> bool {
+    fn arr<const N: usize>(x: &[u8]) -> [u8; N] {
+        let mut out = [0u8; N];
+        out.copy_from_slice(&x[..N.min(x.len())]);
+        out
+    }
+    match ty {
+        ColumnType::Int32 | ColumnType::Date => {
+            i32::from_le_bytes(arr::<4>(a)) < i32::from_le_bytes(arr::<4>(b))
+        }
+        ColumnType::Int64 | ColumnType::Timestamp => {
+            i64::from_le_bytes(arr::<8>(a)) < i64::from_le_bytes(arr::<8>(b))
+        }
+        ColumnType::Float64 => f64::from_le_bytes(arr::<8>(a)) < f64::from_le_bytes(arr::<8>(b)),
+        ColumnType::Boolean | ColumnType::Utf8 => a < b,
+    }
+}

@@ -1,0 +1,281 @@
+//! An Iceberg table committed partition by partition on a local folder:
+//! overwrites, identity, races; and read back as lake readers read it
+//! (pyiceberg and DuckDB, from the test venv `scripts/test.sh` makes).
+
+use std::sync::Arc;
+
+use arrow::array::{ArrayRef, Int64Array, RecordBatch, StringArray, TimestampMicrosecondArray};
+use bytes::Bytes;
+use ferry_iceberg::{encode_data_file, Commit, CommitOutcome, IcebergTable, PartitionValue};
+use ferry_storage::{open, Location, S3Settings};
+use ferry_table::TableDef;
+
+fn def() -> TableDef {
+    TableDef::from_toml(
+        r#"
+name = "events"
+partition_by = { column = "ts", transform = "month" }
+shard_by = { column = "user_id", shards = 2 }
+replicas = 1
+[[columns]]
+name = "ts"
+type = "Timestamp"
+[[columns]]
+name = "user_id"
+type = "Int64"
+[[columns]]
+name = "note"
+type = "Utf8"
+nullable = true
+"#,
+    )
+    .expect("definition")
+}
+
+/// Rows of one month: `n` users from `first`, at noon on the 1st + i days.
+fn rows(def: &TableDef, month: &str, first: i64, n: i64) -> RecordBatch {
+    let (y, m): (i64, i64) = (
+        month[..4].parse().expect("year"),
+        month[4..].parse().expect("month"),
+    );
+    // Days since 1970 of the 1st of the month (good enough for 1970..2100).
+    let days = (y - 1970) * 365
+        + (y - 1969) / 4
+        + [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334][(m - 1) as usize]
+        + i64::from(m > 2 && y % 4 == 0);
+    let ts: Vec<i64> = (0..n)
+        .map(|i| (days + i % 28) * 86_400_000_000 + 43_200_000_000)
+        .collect();
+    let users: Vec<i64> = (first..first + n).collect();
+    let notes: Vec<Option<String>> = (0..n)
+        .map(|i| (i % 3 != 0).then(|| format!("note {}", first + i)))
+        .collect();
+    RecordBatch::try_new(
+        def.arrow_schema(),
+        vec![
+            Arc::new(TimestampMicrosecondArray::from(ts).with_timezone("+00:00")) as ArrayRef,
+            Arc::new(Int64Array::from(users)),
+            Arc::new(StringArray::from(notes)),
+        ],
+    )
+    .expect("batch")
+}
+
+async fn put_file(
+    loc: &Location,
+    def: &TableDef,
+    month: &str,
+    name: &str,
+    batch: RecordBatch,
+) -> ferry_iceberg::DataFileEntry {
+    let encoded = encode_data_file(
+        def,
+        PartitionValue::of(def, month).expect("partition"),
+        &[batch],
+    )
+    .expect("encode");
+    let key = format!("data/ts_month={month}/{name}.parquet");
+    loc.put_create(&key, Bytes::from(encoded.bytes))
+        .await
+        .expect("data file");
+    ferry_iceberg::DataFileEntry {
+        path: key,
+        ..encoded.entry
+    }
+}
+
+fn commit(tx: &str, month: &str, files: Vec<ferry_iceberg::DataFileEntry>) -> Commit {
+    Commit {
+        transaction_id: tx.into(),
+        partition_id: month.into(),
+        files,
+        timestamp_ms: 1_700_000_000_000,
+    }
+}
+
+async fn local_table() -> (tempfile::TempDir, Location) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let loc = open(
+        &format!("file://{}/events", dir.path().display()),
+        &S3Settings::default(),
+    )
+    .expect("location");
+    (dir, loc)
+}
+
+#[tokio::test]
+async fn a_re_export_replaces_its_partition_and_retries_change_nothing() {
+    let def = def();
+    let (_dir, loc) = local_table().await;
+    let table = IcebergTable::new(loc.clone());
+    assert!(table.current().await.expect("read").is_none());
+
+    let june = put_file(&loc, &def, "202406", "a", rows(&def, "202406", 0, 5)).await;
+    let out = table
+        .commit(&def, &commit("1000-a", "202406", vec![june]))
+        .await
+        .expect("commit");
+    assert!(
+        matches!(out, CommitOutcome::Committed { version: 1, .. }),
+        "{out:?}"
+    );
+    let july = put_file(&loc, &def, "202407", "b", rows(&def, "202407", 100, 3)).await;
+    let out = table
+        .commit(&def, &commit("1001-b", "202407", vec![july]))
+        .await
+        .expect("commit");
+    assert!(
+        matches!(out, CommitOutcome::Committed { version: 2, .. }),
+        "{out:?}"
+    );
+
+    // June exported again, as two files: its old file goes in the same
+    // snapshot.
+    let j1 = put_file(&loc, &def, "202406", "c1", rows(&def, "202406", 0, 4)).await;
+    let j2 = put_file(&loc, &def, "202406", "c2", rows(&def, "202406", 4, 3)).await;
+    let out = table
+        .commit(&def, &commit("1002-c", "202406", vec![j1, j2]))
+        .await
+        .expect("commit");
+    assert!(
+        matches!(out, CommitOutcome::Committed { version: 3, .. }),
+        "{out:?}"
+    );
+    let mut files: Vec<(String, i64)> = table
+        .files()
+        .await
+        .expect("files")
+        .into_iter()
+        .map(|f| {
+            (
+                f.path.rsplit('/').next().unwrap_or_default().to_string(),
+                f.record_count,
+            )
+        })
+        .collect();
+    files.sort();
+    assert_eq!(
+        files,
+        [
+            ("b.parquet".to_string(), 3),
+            ("c1.parquet".to_string(), 4),
+            ("c2.parquet".to_string(), 3)
+        ]
+    );
+
+    // The same export again: nothing written. An older one arriving late:
+    // nothing written either, the reader keeps the newer content.
+    let out = table
+        .commit(&def, &commit("1002-c", "202406", Vec::new()))
+        .await
+        .expect("retry");
+    assert_eq!(out, CommitOutcome::AlreadyCurrent { version: 3 });
+    let out = table
+        .commit(&def, &commit("1000-a", "202406", Vec::new()))
+        .await
+        .expect("late");
+    assert_eq!(
+        out,
+        CommitOutcome::Superseded {
+            version: 3,
+            current: "1002-c".into()
+        }
+    );
+    let (version, meta) = table.current().await.expect("read").expect("table");
+    assert_eq!(version, 3);
+    assert_eq!(meta.snapshots.len(), 3);
+    let summary = &meta.current_snapshot().expect("snapshot").summary;
+    assert_eq!(
+        summary.get("operation").map(String::as_str),
+        Some("overwrite")
+    );
+    assert_eq!(
+        summary
+            .get(ferry_iceberg::TRANSACTION_PROPERTY)
+            .map(String::as_str),
+        Some("1002-c")
+    );
+    assert_eq!(
+        loc.get("metadata/version-hint.text").await.expect("hint"),
+        Bytes::from_static(b"3")
+    );
+    read_with_lake_readers(&loc, &[("202406", 7), ("202407", 3)]);
+}
+
+#[tokio::test]
+async fn racing_commits_each_get_a_version_of_their_own() {
+    let def = def();
+    let (_dir, loc) = local_table().await;
+    let mut commits = Vec::new();
+    for (i, month) in ["202401", "202402", "202403", "202404"].iter().enumerate() {
+        let f = put_file(&loc, &def, month, "x", rows(&def, month, i as i64 * 10, 2)).await;
+        commits.push(commit(&format!("100{i}-r"), month, vec![f]));
+    }
+    let table = IcebergTable::new(loc.clone());
+    let results = futures::future::join_all(commits.iter().map(|c| table.commit(&def, c))).await;
+    let mut versions: Vec<u64> = results
+        .into_iter()
+        .map(|r| match r.expect("commit") {
+            CommitOutcome::Committed { version, .. } => version,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    versions.sort();
+    assert_eq!(versions, [1, 2, 3, 4]);
+    assert_eq!(table.files().await.expect("files").len(), 4);
+    read_with_lake_readers(
+        &loc,
+        &[("202401", 2), ("202402", 2), ("202403", 2), ("202404", 2)],
+    );
+}
+
+/// Reads the table's current version with pyiceberg and DuckDB when the test
+/// venv has them (`FERRY_TEST_PYTHON`, set by `scripts/test.sh`), and
+/// checks the rows per partition month.
+fn read_with_lake_readers(loc: &Location, expected: &[(&str, i64)]) {
+    let Some(python) = ferry_testkit::services::lake_python() else {
+        return;
+    };
+    let root = loc.url().trim_start_matches("file://").to_string();
+    let script = r#"
+import json, os, sys
+root = sys.argv[1]
+hint = open(os.path.join(root, "metadata", "version-hint.text")).read().strip()
+meta = os.path.join(root, "metadata", f"v{hint}.metadata.json")
+from pyiceberg.table import StaticTable
+t = StaticTable.from_metadata(meta)
+import pyarrow.compute as pc
+py = {}
+for m in pc.strftime(t.scan().to_arrow()["ts"], format="%Y%m").to_pylist():
+    py[m] = py.get(m, 0) + 1
+import duckdb, duckdb_ext
+con = duckdb.connect()
+con.execute(f"SET extension_directory = '{duckdb_ext.get_extension_dir()}'")
+con.execute("SET autoinstall_known_extensions = false")
+con.execute("LOAD avro")
+con.execute("LOAD iceberg")
+rows = con.execute(f"SELECT strftime(ts, '%Y%m') AS m, count(*) FROM iceberg_scan('{meta}') GROUP BY m").fetchall()
+dk = {m: int(n) for m, n in rows}
+print(json.dumps({"pyiceberg": py, "duckdb": dk}))
+"#;
+    let out = std::process::Command::new(&python)
+        .args(["-c", script, &root])
+        .output()
+        .expect("run python");
+    assert!(
+        out.status.success(),
+        "lake readers failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got: serde_json::Value = serde_json::from_slice(&out.stdout).expect("readers' answer");
+    for reader in ["pyiceberg", "duckdb"] {
+        for (month, n) in expected {
+            assert_eq!(got[reader][month].as_i64(), Some(*n), "{reader}: {got}");
+        }
+        assert_eq!(
+            got[reader].as_object().map(|o| o.len()),
+            Some(expected.len()),
+            "{reader}: {got}"
+        );
+    }
+}
