@@ -229,6 +229,82 @@ async fn racing_commits_each_get_a_version_of_their_own() {
     );
 }
 
+/// On S3 (moto, which honours `If-None-Match`): racing commits each get a
+/// version of their own, an overwrite replaces its partition, and pyiceberg
+/// reads the table from the bucket.
+#[tokio::test]
+async fn on_s3_racing_commits_each_get_a_version_and_pyiceberg_reads_the_table() {
+    use ferry_testkit::services::{create_bucket, s3_endpoint, s3_settings};
+    let Some(endpoint) = s3_endpoint() else {
+        return;
+    };
+    let bucket = format!("ferry-iceberg-{}", std::process::id());
+    create_bucket(&endpoint, &bucket).await;
+    let loc = open(
+        &format!("s3://{bucket}/lake/events"),
+        &s3_settings(&endpoint),
+    )
+    .expect("s3 location");
+    let def = def();
+    let mut commits = Vec::new();
+    for (i, month) in ["202401", "202402", "202403"].iter().enumerate() {
+        let f = put_file(&loc, &def, month, "x", rows(&def, month, i as i64 * 10, 2)).await;
+        commits.push(commit(&format!("100{i}-s"), month, vec![f]));
+    }
+    let table = IcebergTable::new(loc.clone());
+    let results = futures::future::join_all(commits.iter().map(|c| table.commit(&def, c))).await;
+    let mut versions: Vec<u64> = results
+        .into_iter()
+        .map(|r| match r.expect("commit") {
+            CommitOutcome::Committed { version, .. } => version,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    versions.sort();
+    assert_eq!(versions, [1, 2, 3]);
+    let again = put_file(&loc, &def, "202402", "y", rows(&def, "202402", 50, 5)).await;
+    let out = table
+        .commit(&def, &commit("1009-s", "202402", vec![again]))
+        .await
+        .expect("overwrite");
+    assert!(
+        matches!(out, CommitOutcome::Committed { version: 4, .. }),
+        "{out:?}"
+    );
+    assert_eq!(table.files().await.expect("files").len(), 3);
+    let Some(python) = ferry_testkit::services::lake_python() else {
+        return;
+    };
+    let script = r#"
+import json, sys
+from pyiceberg.table import StaticTable
+import pyarrow.compute as pc
+meta, endpoint = sys.argv[1], sys.argv[2]
+t = StaticTable.from_metadata(meta, properties={
+    "s3.endpoint": endpoint, "s3.access-key-id": "test",
+    "s3.secret-access-key": "test", "s3.region": "us-east-1"})
+out = {}
+for m in pc.strftime(t.scan().to_arrow()["ts"], format="%Y%m").to_pylist():
+    out[m] = out.get(m, 0) + 1
+print(json.dumps(out))
+"#;
+    let meta = format!("s3://{bucket}/lake/events/metadata/v4.metadata.json");
+    let out = std::process::Command::new(&python)
+        .args(["-c", script, &meta, &endpoint])
+        .output()
+        .expect("run python");
+    assert!(
+        out.status.success(),
+        "pyiceberg failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got: serde_json::Value = serde_json::from_slice(&out.stdout).expect("answer");
+    assert_eq!(
+        got,
+        serde_json::json!({"202401": 2, "202402": 5, "202403": 2})
+    );
+}
+
 /// Reads the table's current version with pyiceberg and DuckDB when the test
 /// venv has them (`FERRY_TEST_PYTHON`, set by `scripts/test.sh`), and
 /// checks the rows per partition month.
