@@ -212,15 +212,7 @@ async fn racing_commits_each_get_a_version_of_their_own() {
         commits.push(commit(&format!("100{i}-r"), month, vec![f]));
     }
     let table = IcebergTable::new(loc.clone());
-    let results = futures::future::join_all(commits.iter().map(|c| table.commit(&def, c))).await;
-    let mut versions: Vec<u64> = results
-        .into_iter()
-        .map(|r| match r.expect("commit") {
-            CommitOutcome::Committed { version, .. } => version,
-            other => panic!("{other:?}"),
-        })
-        .collect();
-    versions.sort();
+    let versions = commit_racing(&table, &def, &commits).await;
     assert_eq!(versions, [1, 2, 3, 4]);
     assert_eq!(table.files().await.expect("files").len(), 4);
     read_with_lake_readers(
@@ -252,15 +244,7 @@ async fn on_s3_racing_commits_each_get_a_version_and_pyiceberg_reads_the_table()
         commits.push(commit(&format!("100{i}-s"), month, vec![f]));
     }
     let table = IcebergTable::new(loc.clone());
-    let results = futures::future::join_all(commits.iter().map(|c| table.commit(&def, c))).await;
-    let mut versions: Vec<u64> = results
-        .into_iter()
-        .map(|r| match r.expect("commit") {
-            CommitOutcome::Committed { version, .. } => version,
-            other => panic!("{other:?}"),
-        })
-        .collect();
-    versions.sort();
+    let versions = commit_racing(&table, &def, &commits).await;
     assert_eq!(versions, [1, 2, 3]);
     let again = put_file(&loc, &def, "202402", "y", rows(&def, "202402", 50, 5)).await;
     let out = table
@@ -303,6 +287,22 @@ print(json.dumps(out))
         got,
         serde_json::json!({"202401": 2, "202402": 5, "202403": 2})
     );
+}
+
+/// Commits all at once (interleaved on one runtime: each reads the same
+/// current version, one wins it, the others retry); the versions they got,
+/// sorted.
+async fn commit_racing(table: &IcebergTable, def: &TableDef, commits: &[Commit]) -> Vec<u64> {
+    let results = futures::future::join_all(commits.iter().map(|c| table.commit(def, c))).await;
+    let mut versions: Vec<u64> = results
+        .into_iter()
+        .map(|r| match r.expect("commit") {
+            CommitOutcome::Committed { version, .. } => version,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    versions.sort();
+    versions
 }
 
 /// Reads the table's current version with pyiceberg and DuckDB when the test
