@@ -38,8 +38,13 @@ pub const MAX_COMMIT_ATTEMPTS: u32 = 64;
 /// One partition's files, committed as the export `transaction_id`.
 #[derive(Debug, Clone)]
 pub struct Commit {
-    /// Time-ordered (`<millis>-<hex>`): a later export has a greater id.
     pub transaction_id: String,
+    /// The export's place among the partition's exports (one more than the
+    /// partition's current commit when the export was asked, as for commit
+    /// files), then its create time: together with the transaction id, the
+    /// order in which exports of a partition supersede each other.
+    pub sequence: u64,
+    pub create_time: u64,
     pub partition_id: String,
     /// Every data file of the partition (paths relative to the table's
     /// location), replacing the partition's current ones.
@@ -78,11 +83,22 @@ fn version_of(key: &str) -> Option<u64> {
         .ok()
 }
 
-/// Orders transaction ids `<millis>-<rest>` by time, then by the rest.
-fn transaction_order(id: &str) -> (u64, &str) {
-    match id.split_once('-') {
-        Some((ms, rest)) => (ms.parse().unwrap_or(0), rest),
-        None => (0, id),
+/// The export whose files are current for a partition, as the table's
+/// properties record it ([`partition_property`]).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+pub struct CurrentExport {
+    pub sequence: u64,
+    pub create_time: u64,
+    pub transaction_id: String,
+}
+
+impl CurrentExport {
+    fn of(commit: &Commit) -> CurrentExport {
+        CurrentExport {
+            sequence: commit.sequence,
+            create_time: commit.create_time,
+            transaction_id: commit.transaction_id.clone(),
+        }
     }
 }
 
@@ -184,17 +200,20 @@ impl IcebergTable {
             let current = self.current().await?;
             let version = current.as_ref().map_or(0, |(v, _)| *v);
             if let Some((_, meta)) = &current {
-                if let Some(done) = meta
-                    .properties
-                    .get(&partition_property(&commit.partition_id))
-                {
-                    if *done == commit.transaction_id {
+                let key = partition_property(&commit.partition_id);
+                if let Some(done) = meta.properties.get(&key) {
+                    let done: CurrentExport =
+                        serde_json::from_str(done).map_err(|e| IcebergError::Metadata {
+                            file: metadata_key(version),
+                            reason: format!("property {key}: {e}"),
+                        })?;
+                    if done.transaction_id == commit.transaction_id {
                         return Ok(CommitOutcome::AlreadyCurrent { version });
                     }
-                    if transaction_order(done) > transaction_order(&commit.transaction_id) {
+                    if done > CurrentExport::of(commit) {
                         return Ok(CommitOutcome::Superseded {
                             version,
-                            current: done.clone(),
+                            current: done.transaction_id,
                         });
                     }
                 }
@@ -439,7 +458,7 @@ impl IcebergTable {
         );
         meta.properties.insert(
             partition_property(&commit.partition_id),
-            commit.transaction_id.clone(),
+            serde_json::to_string(&CurrentExport::of(commit)).unwrap_or_default(),
         );
         Ok(meta)
     }
@@ -475,9 +494,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn transaction_ids_order_by_time_then_rest() {
-        assert!(transaction_order("1000-b") > transaction_order("999-z"));
-        assert!(transaction_order("1000-b") > transaction_order("1000-a"));
+    fn exports_supersede_by_sequence_then_create_time_then_id() {
+        let e = |sequence, create_time, id: &str| CurrentExport {
+            sequence,
+            create_time,
+            transaction_id: id.into(),
+        };
+        assert!(e(2, 1, "a") > e(1, 9, "z"));
+        assert!(e(1, 2, "a") > e(1, 1, "z"));
+        assert!(e(1, 1, "b") > e(1, 1, "a"));
         assert_eq!(version_of("metadata/v12.metadata.json"), Some(12));
         assert_eq!(version_of("metadata/v12.metadata.json.tmp"), None);
         assert_eq!(uuid_of("file:///x").len(), 36);

@@ -14,9 +14,10 @@
 //! partition, the export whose files are current
 //! ([`partition_property`]). Properties are carried into every new metadata
 //! version, so expiring snapshots cannot erase them. A commit of the export
-//! already current is a no-op; a commit of an export older than the current
-//! one (a late retry) is a no-op too, so a reader never goes back to older
-//! content.
+//! already current is a no-op; a commit of an export that an export already
+//! current supersedes (lower sequence, then create time, then transaction
+//! id: the order of ferry's commit files) is a no-op too, so a reader never
+//! goes back to older content.
 //!
 //! Here: the errors and the identity's names; in the modules: `spec` (the
 //! metadata JSON), `table` (a ferry table's schema, partition spec and
@@ -30,7 +31,7 @@ pub mod manifest;
 pub mod spec;
 pub mod table;
 
-pub use commit::{Commit, CommitOutcome, IcebergTable};
+pub use commit::{Commit, CommitOutcome, CurrentExport, IcebergTable};
 pub use data_file::{encode_data_file, EncodedDataFile};
 pub use manifest::DataFileEntry;
 pub use table::PartitionValue;
@@ -39,7 +40,7 @@ pub use table::PartitionValue;
 pub const TRANSACTION_PROPERTY: &str = "ferry.transaction-id";
 
 /// The table property that names the export whose files are current for a
-/// partition.
+/// partition (JSON: `commit::CurrentExport`).
 pub fn partition_property(partition_id: &str) -> String {
     format!("ferry.partition.{partition_id}.transaction-id")
 }

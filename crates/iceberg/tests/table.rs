@@ -84,9 +84,22 @@ async fn put_file(
     }
 }
 
-fn commit(tx: &str, month: &str, files: Vec<ferry_iceberg::DataFileEntry>) -> Commit {
+/// The export `tx` (`<create time>-<name>`) of `month`, the `sequence`th
+/// of the partition.
+fn commit(
+    tx: &str,
+    sequence: u64,
+    month: &str,
+    files: Vec<ferry_iceberg::DataFileEntry>,
+) -> Commit {
     Commit {
         transaction_id: tx.into(),
+        sequence,
+        create_time: tx
+            .split('-')
+            .next()
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(0),
         partition_id: month.into(),
         files,
         timestamp_ms: 1_700_000_000_000,
@@ -112,7 +125,7 @@ async fn a_re_export_replaces_its_partition_and_retries_change_nothing() {
 
     let june = put_file(&loc, &def, "202406", "a", rows(&def, "202406", 0, 5)).await;
     let out = table
-        .commit(&def, &commit("1000-a", "202406", vec![june]))
+        .commit(&def, &commit("1000-a", 1, "202406", vec![june]))
         .await
         .expect("commit");
     assert!(
@@ -121,7 +134,7 @@ async fn a_re_export_replaces_its_partition_and_retries_change_nothing() {
     );
     let july = put_file(&loc, &def, "202407", "b", rows(&def, "202407", 100, 3)).await;
     let out = table
-        .commit(&def, &commit("1001-b", "202407", vec![july]))
+        .commit(&def, &commit("1001-b", 1, "202407", vec![july]))
         .await
         .expect("commit");
     assert!(
@@ -134,7 +147,7 @@ async fn a_re_export_replaces_its_partition_and_retries_change_nothing() {
     let j1 = put_file(&loc, &def, "202406", "c1", rows(&def, "202406", 0, 4)).await;
     let j2 = put_file(&loc, &def, "202406", "c2", rows(&def, "202406", 4, 3)).await;
     let out = table
-        .commit(&def, &commit("1002-c", "202406", vec![j1, j2]))
+        .commit(&def, &commit("1002-c", 2, "202406", vec![j1, j2]))
         .await
         .expect("commit");
     assert!(
@@ -166,12 +179,12 @@ async fn a_re_export_replaces_its_partition_and_retries_change_nothing() {
     // The same export again: nothing written. An older one arriving late:
     // nothing written either, the reader keeps the newer content.
     let out = table
-        .commit(&def, &commit("1002-c", "202406", Vec::new()))
+        .commit(&def, &commit("1002-c", 2, "202406", Vec::new()))
         .await
         .expect("retry");
     assert_eq!(out, CommitOutcome::AlreadyCurrent { version: 3 });
     let out = table
-        .commit(&def, &commit("1000-a", "202406", Vec::new()))
+        .commit(&def, &commit("1000-a", 1, "202406", Vec::new()))
         .await
         .expect("late");
     assert_eq!(
@@ -209,7 +222,7 @@ async fn racing_commits_each_get_a_version_of_their_own() {
     let mut commits = Vec::new();
     for (i, month) in ["202401", "202402", "202403", "202404"].iter().enumerate() {
         let f = put_file(&loc, &def, month, "x", rows(&def, month, i as i64 * 10, 2)).await;
-        commits.push(commit(&format!("100{i}-r"), month, vec![f]));
+        commits.push(commit(&format!("100{i}-r"), 1, month, vec![f]));
     }
     let table = IcebergTable::new(loc.clone());
     let versions = commit_racing(&table, &def, &commits).await;
@@ -241,14 +254,14 @@ async fn on_s3_racing_commits_each_get_a_version_and_pyiceberg_reads_the_table()
     let mut commits = Vec::new();
     for (i, month) in ["202401", "202402", "202403"].iter().enumerate() {
         let f = put_file(&loc, &def, month, "x", rows(&def, month, i as i64 * 10, 2)).await;
-        commits.push(commit(&format!("100{i}-s"), month, vec![f]));
+        commits.push(commit(&format!("100{i}-s"), 1, month, vec![f]));
     }
     let table = IcebergTable::new(loc.clone());
     let versions = commit_racing(&table, &def, &commits).await;
     assert_eq!(versions, [1, 2, 3]);
     let again = put_file(&loc, &def, "202402", "y", rows(&def, "202402", 50, 5)).await;
     let out = table
-        .commit(&def, &commit("1009-s", "202402", vec![again]))
+        .commit(&def, &commit("1009-s", 2, "202402", vec![again]))
         .await
         .expect("overwrite");
     assert!(
