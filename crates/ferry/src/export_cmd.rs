@@ -366,8 +366,9 @@ pub enum LakeCommand {
     /// Prints exactly the data files a reader should read now, one per line:
     /// of every partition, the files of its current commit (never the union
     /// of all commit files: a re-export lists files holding the same rows as
-    /// the commit it supersedes). Reads the destination itself (S3 settings
-    /// from the AWS_* environment).
+    /// the commit it supersedes); of an Iceberg table, the live files of its
+    /// current snapshot. Reads the destination itself (S3 settings from the
+    /// AWS_* environment).
     Files(LakeFilesArgs),
 }
 
@@ -395,6 +396,14 @@ pub async fn lake(cmd: LakeCommand) -> anyhow::Result<()> {
         ferry_export::model::check_name("partition id", p)?;
     }
     let location = open_to_read(&args.url)?;
+    let iceberg = ferry_iceberg::IcebergTable::new(location.clone());
+    if let Some((version, meta)) = iceberg
+        .current()
+        .await
+        .with_context(|| format!("reading {}", args.url))?
+    {
+        return iceberg_files(&args, &iceberg, version, &meta).await;
+    }
     let view = ferry_export::lake::read(&location, args.partition.as_deref())
         .await
         .with_context(|| format!("reading {}", args.url))?;
@@ -439,6 +448,63 @@ pub async fn lake(cmd: LakeCommand) -> anyhow::Result<()> {
         );
     } else {
         for (_, f) in view.current_files() {
+            println!("{}", name(&f.path));
+        }
+    }
+    Ok(())
+}
+
+/// `ferry lake files` of an Iceberg table: the live data files of its
+/// current snapshot.
+async fn iceberg_files(
+    args: &LakeFilesArgs,
+    table: &ferry_iceberg::IcebergTable,
+    version: u64,
+    meta: &ferry_iceberg::spec::TableMetadata,
+) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        args.partition.is_none(),
+        "{} is an Iceberg table: --partition is not supported for Iceberg tables yet (read every file, or filter in the reader)",
+        args.url
+    );
+    let mut files = table
+        .files()
+        .await
+        .with_context(|| format!("reading {}", args.url))?;
+    files.sort_by(|a, b| a.path.cmp(&b.path));
+    let base = table.location().url().trim_end_matches('/').to_string();
+    let name = |url: &str| -> String {
+        if args.full {
+            url.strip_prefix("file://").unwrap_or(url).to_string()
+        } else {
+            url.strip_prefix(&base)
+                .map_or(url, |rest| rest.trim_start_matches('/'))
+                .to_string()
+        }
+    };
+    if args.json {
+        let files: Vec<serde_json::Value> = files
+            .iter()
+            .map(|f| {
+                json!({
+                    "path": name(&f.path),
+                    "rows": f.record_count,
+                    "bytes": f.file_size_in_bytes,
+                })
+            })
+            .collect();
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({
+                "destination": args.url,
+                "format": "iceberg",
+                "metadata_version": version,
+                "snapshot_id": meta.current_snapshot_id,
+                "files": files,
+            }))?
+        );
+    } else {
+        for f in &files {
             println!("{}", name(&f.path));
         }
     }

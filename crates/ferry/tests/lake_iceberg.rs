@@ -1,0 +1,132 @@
+//! `ferry lake files` on an Iceberg table: the live data files of its current
+//! snapshot, after a partition was exported again (its old files are no
+//! longer listed).
+
+mod common;
+
+use std::sync::Arc;
+
+use arrow::array::{ArrayRef, Int64Array, RecordBatch, TimestampMicrosecondArray};
+use bytes::Bytes;
+use ferry_iceberg::{encode_data_file, Commit, DataFileEntry, IcebergTable, PartitionValue};
+use ferry_table::TableDef;
+
+use common::{ferry, ferry_ok, runtime};
+
+fn def() -> TableDef {
+    TableDef::from_toml(
+        r#"
+name = "events"
+partition_by = { column = "ts", transform = "day" }
+shard_by = { column = "user_id", shards = 1 }
+replicas = 1
+[[columns]]
+name = "ts"
+type = "Timestamp"
+[[columns]]
+name = "user_id"
+type = "Int64"
+"#,
+    )
+    .expect("definition")
+}
+
+/// `n` rows on day `day` (days since 1970).
+fn rows(def: &TableDef, day: i64, n: i64) -> RecordBatch {
+    RecordBatch::try_new(
+        def.arrow_schema(),
+        vec![
+            Arc::new(
+                TimestampMicrosecondArray::from(vec![day * 86_400_000_000; n as usize])
+                    .with_timezone("+00:00"),
+            ) as ArrayRef,
+            Arc::new(Int64Array::from((0..n).collect::<Vec<_>>())),
+        ],
+    )
+    .expect("batch")
+}
+
+#[test]
+fn lake_files_lists_the_current_snapshot_of_an_iceberg_table() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let url = format!("file://{}/events", dir.path().display());
+    let def = def();
+    let rt = runtime();
+    rt.block_on(async {
+        let loc =
+            ferry_storage::open(&url, &ferry_storage::S3Settings::default()).expect("location");
+        let table = IcebergTable::new(loc.clone());
+        // 20240601 is day 19875, 20240602 day 19876.
+        for (seq, (day, id, name, n)) in [
+            (19875, "20240601", "a", 3),
+            (19876, "20240602", "b", 2),
+            (19875, "20240601", "c", 4),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let encoded = encode_data_file(
+                &def,
+                PartitionValue::of(&def, id).expect("partition"),
+                &[rows(&def, day, n)],
+            )
+            .expect("encode");
+            let key = format!("data/ts_day={id}/{name}.parquet");
+            loc.put_create(&key, Bytes::from(encoded.bytes))
+                .await
+                .expect("put");
+            let commit = Commit {
+                transaction_id: format!("{}-{name}", 1000 + seq),
+                sequence: seq as u64 + 1,
+                create_time: 1000 + seq as u64,
+                partition_id: id.into(),
+                files: vec![DataFileEntry {
+                    path: key,
+                    ..encoded.entry
+                }],
+                timestamp_ms: 1_700_000_000_000,
+            };
+            table.commit(&def, &commit).await.expect("commit");
+        }
+    });
+    let listed = ferry_ok(&["lake", "files", &url], "http://127.0.0.1:9");
+    assert_eq!(
+        listed.lines().collect::<Vec<_>>(),
+        [
+            "data/ts_day=20240601/c.parquet",
+            "data/ts_day=20240602/b.parquet"
+        ]
+    );
+    let full = ferry_ok(&["lake", "files", &url, "--full"], "http://127.0.0.1:9");
+    let base = dir.path().join("events");
+    assert_eq!(
+        full.lines().next(),
+        Some(
+            base.join("data/ts_day=20240601/c.parquet")
+                .to_string_lossy()
+                .as_ref()
+        )
+    );
+    let json: serde_json::Value = serde_json::from_str(&ferry_ok(
+        &["lake", "files", &url, "--json"],
+        "http://127.0.0.1:9",
+    ))
+    .expect("json");
+    assert_eq!(json["format"], "iceberg");
+    assert_eq!(json["metadata_version"], 3);
+    let rows: i64 = json["files"]
+        .as_array()
+        .expect("files")
+        .iter()
+        .map(|f| f["rows"].as_i64().expect("rows"))
+        .sum();
+    assert_eq!(rows, 6, "{json}");
+    let (ok, _, err) = ferry(
+        &["lake", "files", &url, "--partition", "20240601"],
+        "http://127.0.0.1:9",
+    );
+    assert!(
+        !ok && err.contains("not supported for Iceberg tables yet"),
+        "{err}"
+    );
+}
