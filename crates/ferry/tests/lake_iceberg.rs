@@ -1,6 +1,7 @@
-//! `ferry lake files` on an Iceberg table: the live data files of its current
-//! snapshot, after a partition was exported again (its old files are no
-//! longer listed).
+//! `ferry lake files` and `ferry verify` on an Iceberg table: the live data
+//! files of its current snapshot, after a partition was exported again (its
+//! old files are no longer listed); a file changed under the table and a
+//! file no snapshot references are found.
 
 mod common;
 
@@ -128,5 +129,33 @@ fn lake_files_lists_the_current_snapshot_of_an_iceberg_table() {
     assert!(
         !ok && err.contains("not supported for Iceberg tables yet"),
         "{err}"
+    );
+
+    let verified = ferry_ok(&["verify", &url], "http://127.0.0.1:9");
+    assert!(
+        verified.contains("metadata version 3")
+            && verified.contains("2 data files checked, 6 rows"),
+        "{verified}"
+    );
+    assert!(!verified.contains("orphan"), "{verified}");
+    // A file no snapshot references: an orphan, not a mismatch.
+    let data = base.join("data");
+    std::fs::write(data.join("ts_day=20240601/stray.parquet"), b"PAR1").expect("stray");
+    let verified = ferry_ok(&["verify", &url], "http://127.0.0.1:9");
+    assert!(
+        verified.contains("orphan (no snapshot references it; readers never see it): data/ts_day=20240601/stray.parquet"),
+        "{verified}"
+    );
+    // A live file replaced by other bytes: a mismatch, and exit 1.
+    std::fs::write(
+        data.join("ts_day=20240602/b.parquet"),
+        b"not a parquet file",
+    )
+    .expect("tamper");
+    let (ok, out, _) = ferry(&["verify", &url], "http://127.0.0.1:9");
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("MISMATCH data/ts_day=20240602/b.parquet"),
+        "{out}"
     );
 }

@@ -166,13 +166,17 @@ impl IcebergTable {
         Ok(out)
     }
 
-    fn key_of<'a>(&self, url: &'a str) -> &'a str {
+    /// The key under the table of a URL the metadata records.
+    pub(crate) fn key_of<'a>(&self, url: &'a str) -> &'a str {
         let base = self.location.url().trim_end_matches('/');
         url.strip_prefix(base)
             .map_or(url, |rest| rest.trim_start_matches('/'))
     }
 
-    async fn manifests(&self, snapshot: &Snapshot) -> Result<Vec<ManifestFile>, IcebergError> {
+    pub(crate) async fn manifests(
+        &self,
+        snapshot: &Snapshot,
+    ) -> Result<Vec<ManifestFile>, IcebergError> {
         let body = self
             .location
             .get(self.key_of(&snapshot.manifest_list))
@@ -180,7 +184,10 @@ impl IcebergTable {
         read_manifest_list(&body)
     }
 
-    async fn entries(&self, manifest: &ManifestFile) -> Result<Vec<ManifestEntry>, IcebergError> {
+    pub(crate) async fn entries(
+        &self,
+        manifest: &ManifestFile,
+    ) -> Result<Vec<ManifestEntry>, IcebergError> {
         let body = self
             .location
             .get(self.key_of(&manifest.manifest_path))

@@ -23,13 +23,15 @@
 //! metadata JSON), `table` (a ferry table's schema, partition spec and
 //! partition values), `manifest` (the Avro manifests and manifest lists),
 //! `data_file` (Parquet files with field ids and their statistics),
-//! `commit` (finding the current version and committing).
+//! `commit` (finding the current version and committing), `verify` (the
+//! current snapshot checked as a reader reads it).
 
 pub mod commit;
 pub mod data_file;
 pub mod manifest;
 pub mod spec;
 pub mod table;
+pub mod verify;
 
 pub use commit::{Commit, CommitOutcome, CurrentExport, IcebergTable};
 pub use data_file::{encode_data_file, EncodedDataFile};

@@ -1,0 +1,141 @@
+//! An Iceberg table checked as a reader reads it: every live data file of
+//! the current snapshot must be there with the size its manifest records,
+//! its Parquet footer must hold the rows recorded, and no file may be live
+//! twice. Data files under `data/` that no snapshot kept in the metadata
+//! references (live or deleted) are orphans, which readers never see (an
+//! upload whose commit never happened, or files of expired snapshots).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use bytes::Bytes;
+use serde::Serialize;
+
+use crate::manifest::EntryStatus;
+use crate::{IcebergError, IcebergTable};
+
+/// Bytes fetched from the end of a file to find its footer at once.
+const TAIL_BYTES: u64 = 64 << 10;
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct IcebergReport {
+    /// The metadata version and snapshot checked.
+    pub version: u64,
+    pub snapshot_id: i64,
+    /// Live files checked, and the rows a reader reads.
+    pub files_checked: usize,
+    pub rows: u64,
+    /// Every mismatch found; empty means the table is consistent.
+    pub problems: Vec<String>,
+    /// Data files no snapshot references.
+    pub orphans: Vec<String>,
+}
+
+impl IcebergReport {
+    pub fn ok(&self) -> bool {
+        self.problems.is_empty()
+    }
+}
+
+/// Checks the table's current snapshot (`None`: no table there).
+pub async fn verify(table: &IcebergTable) -> Result<Option<IcebergReport>, IcebergError> {
+    let Some((version, meta)) = table.current().await? else {
+        return Ok(None);
+    };
+    let loc = table.location();
+    let listing: BTreeMap<String, u64> = loc.list("data").await?.into_iter().collect();
+    let mut report = IcebergReport {
+        version,
+        snapshot_id: meta.current_snapshot_id,
+        ..IcebergReport::default()
+    };
+    let mut referenced = BTreeSet::new();
+    for snapshot in &meta.snapshots {
+        for m in table.manifests(snapshot).await? {
+            for e in table.entries(&m).await? {
+                referenced.insert(table.key_of(&e.file.path).to_string());
+            }
+        }
+    }
+    let mut live = BTreeSet::new();
+    if let Some(current) = meta.current_snapshot() {
+        for m in table.manifests(current).await? {
+            for e in table.entries(&m).await? {
+                if e.status == EntryStatus::Deleted {
+                    continue;
+                }
+                let key = table.key_of(&e.file.path).to_string();
+                if !live.insert(key.clone()) {
+                    report.problems.push(format!("{key}: live twice"));
+                    continue;
+                }
+                let Some(&size) = listing.get(&key) else {
+                    report.problems.push(format!("{key}: missing"));
+                    continue;
+                };
+                if i64::try_from(size) != Ok(e.file.file_size_in_bytes) {
+                    report.problems.push(format!(
+                        "{key}: {size} bytes, the manifest {}",
+                        e.file.file_size_in_bytes
+                    ));
+                    continue;
+                }
+                match footer_rows(table, &key, size).await? {
+                    Ok(rows) if rows == e.file.record_count => {
+                        report.files_checked += 1;
+                        report.rows += u64::try_from(rows).unwrap_or(0);
+                    }
+                    Ok(rows) => report.problems.push(format!(
+                        "{key}: footer says {rows} rows, the manifest {}",
+                        e.file.record_count
+                    )),
+                    Err(why) => report.problems.push(format!("{key}: {why}")),
+                }
+            }
+        }
+    }
+    report.orphans = listing
+        .keys()
+        .filter(|k| k.ends_with(".parquet") && !referenced.contains(*k))
+        .cloned()
+        .collect();
+    Ok(Some(report))
+}
+
+/// The rows a Parquet file's footer records (`Err`: why it has none).
+async fn footer_rows(
+    table: &IcebergTable,
+    key: &str,
+    size: u64,
+) -> Result<Result<i64, String>, IcebergError> {
+    if size < 12 {
+        return Ok(Err("too short for Parquet".into()));
+    }
+    let loc = table.location();
+    let tail = loc
+        .get_range(key, size.saturating_sub(TAIL_BYTES)..size)
+        .await?;
+    let n = tail.len();
+    if n < 12 || &tail[n - 4..] != b"PAR1" {
+        return Ok(Err("no Parquet footer".into()));
+    }
+    let footer_len = u64::from(u32::from_le_bytes([
+        tail[n - 8],
+        tail[n - 7],
+        tail[n - 6],
+        tail[n - 5],
+    ]));
+    if footer_len + 8 > size {
+        return Ok(Err("footer longer than the file".into()));
+    }
+    let footer: Bytes = if footer_len + 8 <= n as u64 {
+        tail.slice(n - 8 - footer_len as usize..n - 8)
+    } else {
+        loc.get_range(key, size - 8 - footer_len..size - 8).await?
+    };
+    Ok(
+        match parquet::file::metadata::ParquetMetaDataReader::decode_metadata(&footer) {
+            Ok(m) => Ok(m.file_metadata().num_rows()),
+            Err(e) => Err(format!("footer does not decode: {e}")),
+        },
+    )
+}
