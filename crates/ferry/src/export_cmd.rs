@@ -403,6 +403,21 @@ pub enum LakeCommand {
     /// current snapshot. Reads the destination itself (S3 settings from the
     /// AWS_* environment).
     Files(LakeFilesArgs),
+    /// Expires the snapshots of an Iceberg table taken more than
+    /// `--older-than` ago (never the current one), in a new metadata
+    /// version; each partition's commit identity is kept, so a retried
+    /// export still finds its commit. Files only expired snapshots held
+    /// become orphans (`ferry verify` names them); nothing is deleted.
+    ExpireSnapshots(ExpireArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ExpireArgs {
+    /// The Iceberg table: file:///dir or s3://bucket/prefix.
+    pub url: String,
+    /// Age past which a snapshot expires, e.g. 7d or 12h.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub older_than: std::time::Duration,
 }
 
 #[derive(Debug, clap::Args)]
@@ -424,7 +439,10 @@ pub struct LakeFilesArgs {
 }
 
 pub async fn lake(cmd: LakeCommand) -> anyhow::Result<()> {
-    let LakeCommand::Files(args) = cmd;
+    let args = match cmd {
+        LakeCommand::Files(args) => args,
+        LakeCommand::ExpireSnapshots(args) => return expire_snapshots(args).await,
+    };
     if let Some(p) = &args.partition {
         ferry_export::model::check_name("partition id", p)?;
     }
@@ -483,6 +501,38 @@ pub async fn lake(cmd: LakeCommand) -> anyhow::Result<()> {
         for (_, f) in view.current_files() {
             println!("{}", name(&f.path));
         }
+    }
+    Ok(())
+}
+
+async fn expire_snapshots(args: ExpireArgs) -> anyhow::Result<()> {
+    let location = open_to_read(&args.url)?;
+    let table = ferry_iceberg::IcebergTable::new(location);
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+    let cut = now_ms.saturating_sub(i64::try_from(args.older_than.as_millis()).unwrap_or(i64::MAX));
+    match table
+        .expire_snapshots(cut, now_ms)
+        .await
+        .with_context(|| format!("expiring snapshots of {}", args.url))?
+    {
+        ferry_iceberg::ExpireOutcome::NoTable => {
+            anyhow::bail!(
+                "{}: no Iceberg table (no metadata/vN.metadata.json)",
+                args.url
+            )
+        }
+        ferry_iceberg::ExpireOutcome::Nothing { version } => {
+            println!(
+                "{}: no snapshot to expire (metadata version {version})",
+                args.url
+            )
+        }
+        ferry_iceberg::ExpireOutcome::Expired { version, expired } => println!(
+            "{}: {expired} snapshots expired, metadata version {version}",
+            args.url
+        ),
     }
     Ok(())
 }

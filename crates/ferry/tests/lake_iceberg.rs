@@ -138,6 +138,25 @@ fn lake_files_lists_the_current_snapshot_of_an_iceberg_table() {
         "{verified}"
     );
     assert!(!verified.contains("orphan"), "{verified}");
+    // Every snapshot but the current one expires: c.parquet replaced
+    // a.parquet, which becomes an orphan; what a reader reads is unchanged.
+    let expired = ferry_ok(
+        &["lake", "expire-snapshots", &url, "--older-than", "1h"],
+        "http://127.0.0.1:9",
+    );
+    assert!(
+        expired.contains("2 snapshots expired, metadata version 4"),
+        "{expired}"
+    );
+    assert_eq!(
+        ferry_ok(&["lake", "files", &url], "http://127.0.0.1:9"),
+        listed
+    );
+    let verified = ferry_ok(&["verify", &url], "http://127.0.0.1:9");
+    assert!(
+        verified.contains("orphan (no snapshot references it; readers never see it): data/ts_day=20240601/a.parquet"),
+        "{verified}"
+    );
     // A file no snapshot references: an orphan, not a mismatch.
     let data = base.join("data");
     std::fs::write(data.join("ts_day=20240601/stray.parquet"), b"PAR1").expect("stray");

@@ -72,7 +72,7 @@ pub struct IcebergTable {
     location: Location,
 }
 
-fn metadata_key(version: u64) -> String {
+pub(crate) fn metadata_key(version: u64) -> String {
     format!("{METADATA_DIR}/v{version}.metadata.json")
 }
 

@@ -24,19 +24,22 @@
 //! partition values), `manifest` (the Avro manifests and manifest lists),
 //! `data_file` (Parquet files with field ids and their statistics),
 //! `commit` (finding the current version and committing), `verify` (the
-//! current snapshot checked as a reader reads it).
+//! current snapshot checked as a reader reads it), `upkeep` (expiring old
+//! snapshots, keeping the commit identities).
 
 pub mod commit;
 pub mod data_file;
 pub mod manifest;
 pub mod spec;
 pub mod table;
+pub mod upkeep;
 pub mod verify;
 
 pub use commit::{Commit, CommitOutcome, CurrentExport, IcebergTable};
 pub use data_file::{encode_data_file, EncodedDataFile};
 pub use manifest::DataFileEntry;
 pub use table::PartitionValue;
+pub use upkeep::ExpireOutcome;
 
 /// The snapshot summary key that names the export a snapshot commits.
 pub const TRANSACTION_PROPERTY: &str = "ferry.transaction-id";

@@ -1,9 +1,9 @@
 //! An Iceberg table checked as a reader reads it: every live data file of
 //! the current snapshot must be there with the size its manifest records,
 //! its Parquet footer must hold the rows recorded, and no file may be live
-//! twice. Data files under `data/` that no snapshot kept in the metadata
-//! references (live or deleted) are orphans, which readers never see (an
-//! upload whose commit never happened, or files of expired snapshots).
+//! twice. Data files under `data/` live in no snapshot the metadata keeps
+//! are orphans, which readers never see (an upload whose commit never
+//! happened, or files only expired snapshots held).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -52,7 +52,9 @@ pub async fn verify(table: &IcebergTable) -> Result<Option<IcebergReport>, Icebe
     for snapshot in &meta.snapshots {
         for m in table.manifests(snapshot).await? {
             for e in table.entries(&m).await? {
-                referenced.insert(table.key_of(&e.file.path).to_string());
+                if e.status != EntryStatus::Deleted {
+                    referenced.insert(table.key_of(&e.file.path).to_string());
+                }
             }
         }
     }

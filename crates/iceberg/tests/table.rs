@@ -311,6 +311,71 @@ print(json.dumps(out))
     );
 }
 
+/// Snapshots expire but the commit identity stays: a retried export is
+/// still a no-op afterwards, an older one still superseded, and readers read
+/// the same rows.
+#[tokio::test]
+async fn expired_snapshots_keep_the_commit_identity() {
+    let def = def();
+    let (_dir, loc) = local_table().await;
+    let table = IcebergTable::new(loc.clone());
+    for (i, (tx, seq, name, first, n)) in [
+        ("1000-a", 1, "a", 0, 5),
+        ("1001-b", 2, "b", 0, 6),
+        ("1002-c", 3, "c", 0, 7),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let f = put_file(&loc, &def, "202406", name, rows(&def, "202406", first, n)).await;
+        let mut c = commit(tx, seq, "202406", vec![f]);
+        c.timestamp_ms = 1_000 * (i as i64 + 1);
+        table.commit(&def, &c).await.expect("commit");
+    }
+    let out = table.expire_snapshots(3_000, 9_000).await.expect("expire");
+    assert_eq!(
+        out,
+        ferry_iceberg::ExpireOutcome::Expired {
+            version: 4,
+            expired: 2
+        }
+    );
+    assert_eq!(
+        table.expire_snapshots(3_000, 9_000).await.expect("again"),
+        ferry_iceberg::ExpireOutcome::Nothing { version: 4 }
+    );
+    let (_, meta) = table.current().await.expect("read").expect("table");
+    assert_eq!(meta.snapshots.len(), 1);
+    for (tx, seq) in [("1002-c", 3), ("1001-b", 2)] {
+        let out = table
+            .commit(&def, &commit(tx, seq, "202406", Vec::new()))
+            .await
+            .expect("retry");
+        assert!(
+            matches!(
+                out,
+                CommitOutcome::AlreadyCurrent { version: 4 }
+                    | CommitOutcome::Superseded { version: 4, .. }
+            ),
+            "{tx}: {out:?}"
+        );
+    }
+    let report = ferry_iceberg::verify::verify(&table)
+        .await
+        .expect("verify")
+        .expect("table");
+    assert!(report.ok(), "{report:?}");
+    assert_eq!(report.rows, 7);
+    assert_eq!(
+        report.orphans,
+        [
+            "data/ts_month=202406/a.parquet",
+            "data/ts_month=202406/b.parquet"
+        ]
+    );
+    read_with_lake_readers(&loc, &[("202406", 7)]);
+}
+
 /// Commits all at once (interleaved on one runtime: each reads the same
 /// current version, one wins it, the others retry); the versions they got,
 /// sorted.
