@@ -409,6 +409,11 @@ pub enum LakeCommand {
     /// export still finds its commit. Files only expired snapshots held
     /// become orphans (`ferry verify` names them); nothing is deleted.
     ExpireSnapshots(ExpireArgs),
+    /// Deletes the data files of an Iceberg table that no snapshot it keeps
+    /// holds and that were last modified more than `--older-than` ago
+    /// (choose it longer than the longest export: an export's files are
+    /// orphans until its commit lands).
+    RemoveOrphans(ExpireArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -442,6 +447,7 @@ pub async fn lake(cmd: LakeCommand) -> anyhow::Result<()> {
     let args = match cmd {
         LakeCommand::Files(args) => args,
         LakeCommand::ExpireSnapshots(args) => return expire_snapshots(args).await,
+        LakeCommand::RemoveOrphans(args) => return remove_orphans(args).await,
     };
     if let Some(p) = &args.partition {
         ferry_export::model::check_name("partition id", p)?;
@@ -505,13 +511,43 @@ pub async fn lake(cmd: LakeCommand) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn expire_snapshots(args: ExpireArgs) -> anyhow::Result<()> {
-    let location = open_to_read(&args.url)?;
-    let table = ferry_iceberg::IcebergTable::new(location);
+/// Now and `now - older_than`, in milliseconds since the Unix epoch.
+fn cut_off(older_than: std::time::Duration) -> (i64, i64) {
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
-    let cut = now_ms.saturating_sub(i64::try_from(args.older_than.as_millis()).unwrap_or(i64::MAX));
+    let age = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
+    (now_ms, now_ms.saturating_sub(age))
+}
+
+async fn remove_orphans(args: ExpireArgs) -> anyhow::Result<()> {
+    let table = ferry_iceberg::IcebergTable::new(open_to_read(&args.url)?);
+    anyhow::ensure!(
+        table.current().await?.is_some(),
+        "{}: no Iceberg table (no metadata/vN.metadata.json)",
+        args.url
+    );
+    let (_, cut) = cut_off(args.older_than);
+    let out = table
+        .remove_orphans(cut)
+        .await
+        .with_context(|| format!("removing orphans of {}", args.url))?;
+    for key in &out.removed {
+        println!("removed {key}");
+    }
+    println!(
+        "{}: {} orphan data files removed, {} newer than the cut-off kept",
+        args.url,
+        out.removed.len(),
+        out.recent
+    );
+    Ok(())
+}
+
+async fn expire_snapshots(args: ExpireArgs) -> anyhow::Result<()> {
+    let location = open_to_read(&args.url)?;
+    let table = ferry_iceberg::IcebergTable::new(location);
+    let (now_ms, cut) = cut_off(args.older_than);
     match table
         .expire_snapshots(cut, now_ms)
         .await

@@ -177,4 +177,29 @@ fn lake_files_lists_the_current_snapshot_of_an_iceberg_table() {
         out.contains("MISMATCH data/ts_day=20240602/b.parquet"),
         "{out}"
     );
+
+    // Upkeep: an orphan older than the cut-off goes (a.parquet, dated back),
+    // a recent one stays (the stray file), and what a reader reads is
+    // unchanged.
+    let touched = std::process::Command::new("touch")
+        .args(["-d", "2000-01-01"])
+        .arg(data.join("ts_day=20240601/a.parquet"))
+        .status()
+        .expect("touch");
+    assert!(touched.success());
+    let removed = ferry_ok(
+        &["lake", "remove-orphans", &url, "--older-than", "1h"],
+        "http://127.0.0.1:9",
+    );
+    assert!(
+        removed.contains("removed data/ts_day=20240601/a.parquet")
+            && removed.contains("1 orphan data files removed, 1 newer than the cut-off kept"),
+        "{removed}"
+    );
+    assert!(!data.join("ts_day=20240601/a.parquet").exists());
+    assert!(data.join("ts_day=20240601/stray.parquet").exists());
+    assert_eq!(
+        ferry_ok(&["lake", "files", &url], "http://127.0.0.1:9"),
+        listed
+    );
 }

@@ -39,7 +39,7 @@ pub use commit::{Commit, CommitOutcome, CurrentExport, IcebergTable};
 pub use data_file::{encode_data_file, EncodedDataFile};
 pub use manifest::DataFileEntry;
 pub use table::PartitionValue;
-pub use upkeep::ExpireOutcome;
+pub use upkeep::{ExpireOutcome, RemovedOrphans};
 
 /// The snapshot summary key that names the export a snapshot commits.
 pub const TRANSACTION_PROPERTY: &str = "ferry.transaction-id";

@@ -1,10 +1,18 @@
-//! Lake upkeep: expiring old snapshots. A new metadata version (created
+//! Lake upkeep: expiring old snapshots, and removing orphan data files.
+//!
+//! Expiring: a new metadata version (created
 //! create-only, like a commit's) keeps the current snapshot and every
 //! snapshot newer than a cut-off; the table's properties, and with them
 //! each partition's current export (the commit identity), are carried over
 //! untouched, so a retried commit of an export still finds it after its
 //! snapshot expired. Files only expired snapshots referenced become
-//! orphans (`ferry verify` names them); nothing is deleted here.
+//! orphans (`ferry verify` names them); nothing is deleted then.
+//!
+//! Removing orphans: data files under `data/` live in no snapshot the
+//! current metadata keeps, and last modified before a cut-off, are deleted.
+//! The cut-off protects uploads of a commit in progress (their files are
+//! orphans until the commit lands): it must be longer than the longest
+//! export. Metadata files of expired snapshots are left in place.
 
 use bytes::Bytes;
 use ferry_storage::StorageError;
@@ -79,4 +87,46 @@ impl IcebergTable {
         }
         Err(IcebergError::Contended(MAX_COMMIT_ATTEMPTS))
     }
+
+    /// Deletes the orphan data files last modified before `older_than_ms`;
+    /// returns the keys removed and how many orphans were too recent.
+    pub async fn remove_orphans(&self, older_than_ms: i64) -> Result<RemovedOrphans, IcebergError> {
+        for _ in 0..MAX_COMMIT_ATTEMPTS {
+            let Some((version, meta)) = self.current().await? else {
+                return Ok(RemovedOrphans::default());
+            };
+            let live = crate::verify::live_in_any_snapshot(self, &meta).await?;
+            let mut out = RemovedOrphans::default();
+            let mut doomed = Vec::new();
+            for (key, _, modified_ms) in self.location().list_modified("data").await? {
+                if !key.ends_with(".parquet") || live.contains(&key) {
+                    continue;
+                }
+                if modified_ms >= older_than_ms {
+                    out.recent += 1;
+                } else {
+                    doomed.push(key);
+                }
+            }
+            // A commit that landed meanwhile may have made one of them
+            // live: decide again on top of it.
+            if self.current().await?.map(|(v, _)| v) != Some(version) {
+                continue;
+            }
+            for key in doomed {
+                self.location().delete(&key).await?;
+                out.removed.push(key);
+            }
+            return Ok(out);
+        }
+        Err(IcebergError::Contended(MAX_COMMIT_ATTEMPTS))
+    }
+}
+
+/// What [`IcebergTable::remove_orphans`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RemovedOrphans {
+    pub removed: Vec<String>,
+    /// Orphans left because they changed after the cut-off.
+    pub recent: usize,
 }

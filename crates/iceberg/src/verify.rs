@@ -48,16 +48,7 @@ pub async fn verify(table: &IcebergTable) -> Result<Option<IcebergReport>, Icebe
         snapshot_id: meta.current_snapshot_id,
         ..IcebergReport::default()
     };
-    let mut referenced = BTreeSet::new();
-    for snapshot in &meta.snapshots {
-        for m in table.manifests(snapshot).await? {
-            for e in table.entries(&m).await? {
-                if e.status != EntryStatus::Deleted {
-                    referenced.insert(table.key_of(&e.file.path).to_string());
-                }
-            }
-        }
-    }
+    let referenced = live_in_any_snapshot(table, &meta).await?;
     let mut live = BTreeSet::new();
     if let Some(current) = meta.current_snapshot() {
         for m in table.manifests(current).await? {
@@ -101,6 +92,25 @@ pub async fn verify(table: &IcebergTable) -> Result<Option<IcebergReport>, Icebe
         .cloned()
         .collect();
     Ok(Some(report))
+}
+
+/// The keys of the data files live in some snapshot `meta` keeps: what is
+/// not among them is an orphan.
+pub(crate) async fn live_in_any_snapshot(
+    table: &IcebergTable,
+    meta: &crate::spec::TableMetadata,
+) -> Result<BTreeSet<String>, IcebergError> {
+    let mut referenced = BTreeSet::new();
+    for snapshot in &meta.snapshots {
+        for m in table.manifests(snapshot).await? {
+            for e in table.entries(&m).await? {
+                if e.status != EntryStatus::Deleted {
+                    referenced.insert(table.key_of(&e.file.path).to_string());
+                }
+            }
+        }
+    }
+    Ok(referenced)
 }
 
 /// The rows a Parquet file's footer records (`Err`: why it has none).

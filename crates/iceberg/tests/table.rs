@@ -373,6 +373,17 @@ async fn expired_snapshots_keep_the_commit_identity() {
             "data/ts_month=202406/b.parquet"
         ]
     );
+    // Orphans newer than the cut-off stay; older ones go; the table reads
+    // the same.
+    let kept = table.remove_orphans(0).await.expect("remove");
+    assert_eq!((kept.removed.len(), kept.recent), (0, 2));
+    let gone = table.remove_orphans(i64::MAX).await.expect("remove");
+    assert_eq!(gone.removed.len(), 2);
+    let report = ferry_iceberg::verify::verify(&table)
+        .await
+        .expect("verify")
+        .expect("table");
+    assert!(report.ok() && report.orphans.is_empty(), "{report:?}");
     read_with_lake_readers(&loc, &[("202406", 7)]);
 }
 

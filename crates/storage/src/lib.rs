@@ -185,6 +185,29 @@ impl Location {
         Ok(out)
     }
 
+    /// Keys under `dir` like [`list`](Self::list), with their sizes and
+    /// last-modified times (milliseconds since the Unix epoch, as the store
+    /// reports them): what upkeep needs to leave recent objects alone.
+    pub async fn list_modified(&self, dir: &str) -> Result<Vec<(String, u64, i64)>, StorageError> {
+        let base = if dir.is_empty() {
+            self.prefix.clone()
+        } else {
+            self.key(dir)?
+        };
+        let mut out: Vec<(String, u64, i64)> = self
+            .store
+            .list(Some(&base))
+            .map_ok(|meta| {
+                let (key, size) = self.entry(&meta);
+                (key, size, meta.last_modified.timestamp_millis())
+            })
+            .try_collect()
+            .await
+            .map_err(|e| StorageError::about(e, &base))?;
+        out.sort();
+        Ok(out)
+    }
+
     /// The objects directly in the location's top folder (not in its
     /// subfolders), with their sizes, sorted: a commit listing that does
     /// not walk every data file.
