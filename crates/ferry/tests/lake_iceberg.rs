@@ -11,25 +11,15 @@ use arrow::array::{ArrayRef, Int64Array, RecordBatch, TimestampMicrosecondArray}
 use bytes::Bytes;
 use ferry_iceberg::{encode_data_file, Commit, DataFileEntry, IcebergTable, PartitionValue};
 use ferry_table::TableDef;
+use ferry_testkit::table::TableToml;
 
 use common::{ferry, ferry_ok, runtime};
 
 fn def() -> TableDef {
-    TableDef::from_toml(
-        r#"
-name = "events"
-partition_by = { column = "ts", transform = "day" }
-shard_by = { column = "user_id", shards = 1 }
-replicas = 1
-[[columns]]
-name = "ts"
-type = "Timestamp"
-[[columns]]
-name = "user_id"
-type = "Int64"
-"#,
-    )
-    .expect("definition")
+    TableToml::new("events", ("ts", "day"), ("user_id", 1))
+        .column("ts", "Timestamp")
+        .column("user_id", "Int64")
+        .def()
 }
 
 /// `n` rows on day `day` (days since 1970).

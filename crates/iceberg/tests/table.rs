@@ -9,27 +9,14 @@ use bytes::Bytes;
 use ferry_iceberg::{encode_data_file, Commit, CommitOutcome, IcebergTable, PartitionValue};
 use ferry_storage::{open, Location, S3Settings};
 use ferry_table::TableDef;
+use ferry_testkit::table::TableToml;
 
 fn def() -> TableDef {
-    TableDef::from_toml(
-        r#"
-name = "events"
-partition_by = { column = "ts", transform = "month" }
-shard_by = { column = "user_id", shards = 2 }
-replicas = 1
-[[columns]]
-name = "ts"
-type = "Timestamp"
-[[columns]]
-name = "user_id"
-type = "Int64"
-[[columns]]
-name = "note"
-type = "Utf8"
-nullable = true
-"#,
-    )
-    .expect("definition")
+    TableToml::new("events", ("ts", "month"), ("user_id", 2))
+        .column("ts", "Timestamp")
+        .column("user_id", "Int64")
+        .nullable("note", "Utf8")
+        .def()
 }
 
 /// Rows of one month: `n` users from `first`, at noon on the 1st + i days.
