@@ -32,6 +32,8 @@ use crate::{partition_property, IcebergError, TRANSACTION_PROPERTY};
 pub const METADATA_DIR: &str = "metadata";
 /// The hint some readers look for: the current version's number.
 pub const VERSION_HINT: &str = "metadata/version-hint.text";
+/// The highest metadata version a table may hold.
+pub const MAX_VERSION: u64 = 1 << 62;
 /// Races a commit may lose in a row before it gives up (retryable).
 pub const MAX_COMMIT_ATTEMPTS: u32 = 64;
 
@@ -135,6 +137,14 @@ impl IcebergTable {
         let Some(version) = listed.iter().filter_map(|(k, _)| version_of(k)).max() else {
             return Ok(None);
         };
+        // Every caller writes `version + 1`: a file named past any version a
+        // table can reach is refused, never wrapped around.
+        if version >= MAX_VERSION {
+            return Err(IcebergError::Metadata {
+                file: metadata_key(version),
+                reason: format!("version number above {MAX_VERSION}"),
+            });
+        }
         Ok(Some((version, self.read_version(version).await?)))
     }
 
@@ -513,5 +523,9 @@ mod tests {
         assert_eq!(version_of("metadata/v12.metadata.json"), Some(12));
         assert_eq!(version_of("metadata/v12.metadata.json.tmp"), None);
         assert_eq!(uuid_of("file:///x").len(), 36);
+        assert_eq!(
+            version_of("metadata/v18446744073709551615.metadata.json"),
+            Some(u64::MAX)
+        );
     }
 }

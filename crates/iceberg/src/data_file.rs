@@ -1,7 +1,7 @@
 //! Data files: a partition's rows as one Parquet file whose columns carry
 //! the table's Iceberg field ids, and the statistics a manifest records of
 //! it (rows, size, per column: bytes, values, nulls, lower and upper bounds
-//! in Iceberg's single-value serialisation), read from the file's own footer.
+//! in Iceberg's single-value serialisation), taken from the footer metadata the writer wrote.
 
 use arrow::array::RecordBatch;
 use ferry_table::def::ColumnType;
@@ -50,22 +50,22 @@ pub fn encode_data_file(
             .map_err(|e| IcebergError::Table(format!("rows do not match the table: {e}")))?;
         writer.write(&b).map_err(parquet_error)?;
     }
-    let bytes = writer.into_inner().map_err(parquet_error)?;
-    let entry = stats(def, partition, &bytes)?;
+    // The footer's metadata as the writer wrote it: the file is not read
+    // back to find it.
+    let metadata = writer.finish().map_err(parquet_error)?;
+    let bytes = std::mem::take(writer.inner_mut());
+    let entry = stats(def, partition, &metadata, bytes.len())?;
     Ok(EncodedDataFile { bytes, entry })
 }
 
-/// The manifest entry of an encoded file, from its footer.
+/// The manifest entry of an encoded file of `file_size` bytes, from its
+/// footer's metadata.
 fn stats(
     def: &TableDef,
     partition: PartitionValue,
-    bytes: &[u8],
+    meta: &ParquetMetaData,
+    file_size: usize,
 ) -> Result<DataFileEntry, IcebergError> {
-    let reader = parquet::file::serialized_reader::SerializedFileReader::new(
-        bytes::Bytes::copy_from_slice(bytes),
-    )
-    .map_err(parquet_error)?;
-    let meta: &ParquetMetaData = parquet::file::reader::FileReader::metadata(&reader);
     let n = def.columns.len();
     let mut sizes = vec![0i64; n];
     let mut values = vec![0i64; n];
@@ -95,7 +95,7 @@ fn stats(
     Ok(DataFileEntry {
         path: String::new(),
         record_count: meta.file_metadata().num_rows(),
-        file_size_in_bytes: bytes.len() as i64,
+        file_size_in_bytes: file_size as i64,
         partition,
         column_sizes: sizes.iter().enumerate().map(|(i, v)| (id(i), *v)).collect(),
         value_counts: values

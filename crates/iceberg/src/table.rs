@@ -165,7 +165,8 @@ impl PartitionValue {
                 PartitionValue::Int(y - 1970)
             }
             PartitionTransform::Month => {
-                if partition_id.len() != 6 {
+                // Digits only, so that slicing by bytes cuts no character.
+                if partition_id.len() != 6 || !partition_id.bytes().all(|b| b.is_ascii_digit()) {
                     return Err(bad());
                 }
                 let y: i32 = partition_id[..4].parse().map_err(|_| bad())?;
@@ -362,6 +363,8 @@ nullable = true
             ("day", "ts", "20230229"),
             ("identity", "id", "x"),
             ("year", "ts", ""),
+            ("month", "ts", "202é4"),
+            ("day", "ts", "2024é601"),
         ] {
             assert!(v(t, c, id).is_err(), "{t} {id}");
         }

@@ -200,6 +200,20 @@ async fn a_re_export_replaces_its_partition_and_retries_change_nothing() {
         Bytes::from_static(b"3")
     );
     read_with_lake_readers(&loc, &[("202406", 7), ("202407", 3)]);
+
+    // A metadata file named past any version a table reaches: a clear
+    // error, nothing written.
+    loc.put_create(
+        "metadata/v18446744073709551615.metadata.json",
+        Bytes::from_static(b"{}"),
+    )
+    .await
+    .expect("put");
+    let e = table
+        .commit(&def, &commit("1003-d", 3, "202406", Vec::new()))
+        .await
+        .expect_err("refused");
+    assert!(e.to_string().contains("version number above"), "{e}");
 }
 
 #[tokio::test]
