@@ -17,7 +17,7 @@ use ferry_storage::{Location, StorageError, UploadBudget};
 
 use crate::model::{
     commit_key, schema_difference, CommitFile, Compression, DataFile, DestinationSchema,
-    ExportSettings, FileExistsPolicy, SCHEMA_FORMAT, SCHEMA_KEY,
+    ExportSettings, FileExistsPolicy, LakeFormat, Metadata, SCHEMA_FORMAT, SCHEMA_KEY,
 };
 use ferry_table::def::ColumnDef;
 
@@ -118,6 +118,7 @@ impl Destination {
         &self,
         table: &str,
         columns: &[ColumnDef],
+        format: LakeFormat,
     ) -> Result<(), PartFailure> {
         if columns.is_empty() {
             return Ok(());
@@ -129,6 +130,7 @@ impl Destination {
                     format: SCHEMA_FORMAT,
                     table: table.to_string(),
                     columns: columns.to_vec(),
+                    lake_format: format,
                 };
                 let body = serde_json::to_vec_pretty(&marker).expect("schema marker serialises");
                 match self
@@ -147,6 +149,13 @@ impl Destination {
             }
         };
         match schema_difference(columns, &found.columns) {
+            None if found.lake_format != format => Err(PartFailure::Fatal(format!(
+                "the destination {} is {} (an export of table {:?} made it so); an export to \
+                 it cannot be {format}",
+                self.url(),
+                found.lake_format,
+                found.table
+            ))),
             None if found.table != table => Err(PartFailure::Fatal(format!(
                 "the destination {} holds table {:?}, not {table:?} (a destination holds one table)",
                 self.url(),
@@ -168,30 +177,49 @@ impl Destination {
         format!("{partition_dir}/{part}_{checksum:08x}.parquet")
     }
 
+    /// The key of a part's data file in a destination of `format`: an
+    /// Iceberg table keeps its data files under `data/`.
+    pub fn file_key(format: LakeFormat, partition_dir: &str, meta: &PartMeta) -> String {
+        match format {
+            LakeFormat::Parquet => Self::data_key(partition_dir, &meta.name, meta.checksum),
+            LakeFormat::Iceberg => Self::data_key(
+                &format!("{ICEBERG_DATA_DIR}/{partition_dir}"),
+                &meta.name,
+                meta.checksum,
+            ),
+        }
+    }
+
     /// Writes one part's file, streaming it with bounded memory: the part's
     /// own bytes when the settings match how parts are written, otherwise
     /// re-encoded a row group at a time (rows checked against the part's
-    /// checksum as they pass). Small files are written create-only in one
-    /// request; larger ones by a multipart upload, which S3 cannot make
-    /// create-only, so the key is checked first (a racing writer of the
-    /// same key writes the same rows).
+    /// checksum as they pass; for an Iceberg table with its field ids, and
+    /// the statistics its manifest records taken from the footer written).
+    /// Small files are written create-only in one request; larger ones by a
+    /// multipart upload, which S3 cannot make create-only, so the key is
+    /// checked first (a racing writer of the same key writes the same rows).
     pub async fn write_part(
         &self,
-        partition_dir: &str,
+        task: &Metadata,
         source: &SourcePart,
-        settings: &ExportSettings,
         cpu: Cpu,
         budget: UploadBudget,
     ) -> Result<DataFile, PartFailure> {
+        let settings = &task.settings;
         let meta = &source.meta;
-        let key = Self::data_key(partition_dir, &meta.name, meta.checksum);
-        let file = |bytes, crc| DataFile {
+        let iceberg = match settings.format {
+            LakeFormat::Parquet => None,
+            LakeFormat::Iceberg => Some(IcebergTarget::of(task)?),
+        };
+        let key = Self::file_key(settings.format, &task.partition_dir, meta);
+        let file = |bytes, crc, iceberg| DataFile {
             path: key.clone(),
             rows: meta.rows,
             bytes,
             checksum: meta.checksum,
             shard: source.shard,
             crc32c: Some(crc),
+            iceberg,
         };
         if settings.file_exists != FileExistsPolicy::Overwrite {
             match self.location.size(&key).await {
@@ -200,7 +228,13 @@ impl Destination {
                     let crc = file_crc32c(&self.location, &key, size)
                         .await
                         .map_err(|e| classify(&e))?;
-                    return Ok(file(size, crc));
+                    let stats = match &iceberg {
+                        Some(target) => {
+                            Some(target.stats_of_file(&self.location, &key, size).await?)
+                        }
+                        None => None,
+                    };
+                    return Ok(file(size, crc, stats));
                 }
                 Ok(None) => {}
                 Err(e) => return Err(classify(&e)),
@@ -223,9 +257,9 @@ impl Destination {
                     let crc = file_crc32c(&self.location, &key, existing)
                         .await
                         .map_err(|e| classify(&e))?;
-                    return Ok(file(existing, crc));
+                    return Ok(file(existing, crc, None));
                 }
-                return Ok(file(len, crc));
+                return Ok(file(len, crc, None));
             }
             let mut upload = self
                 .location
@@ -252,7 +286,7 @@ impl Destination {
                 at += n as u64;
             }
             upload.finish().await.map_err(|e| classify(&e))?;
-            return Ok(file(len, crc));
+            return Ok(file(len, crc, None));
         }
         // Re-encoded: one row group of the source and one of the output at
         // a time; the output goes out in pieces as it is produced.
@@ -268,7 +302,13 @@ impl Destination {
         let mut reader = PartReader::open(source.disk.as_ref(), &source.path, &meta.name)
             .await
             .map_err(|e| local(&e))?;
-        let schema = Arc::clone(reader.schema());
+        let schema = match &iceberg {
+            Some(target) => {
+                ferry_iceberg::table::data_file_schema_for(&target.def, reader.schema())
+                    .map_err(|e| PartFailure::Fatal(e.to_string()))?
+            }
+            None => Arc::clone(reader.schema()),
+        };
         let (name, table_id, lsns) = (
             meta.name.clone(),
             meta.table_id,
@@ -309,17 +349,21 @@ impl Destination {
             }
         }
         check.finish(meta).map_err(|e| local(&e))?;
-        let (tail, out) = cpu
-            .run(move || encoder.finish())
+        let (tail, out, footer) = cpu
+            .run(move || encoder.finish_with_footer())
             .await
             .map_err(|e| local(&e))?;
+        let stats = match &iceberg {
+            Some(target) => Some(target.stats(&footer, out.bytes)?),
+            None => None,
+        };
         crc = crc32c::crc32c_append(crc, &tail);
         upload
             .write(Bytes::from(tail))
             .await
             .map_err(|e| classify(&e))?;
         upload.finish().await.map_err(|e| classify(&e))?;
-        Ok(file(out.bytes, crc))
+        Ok(file(out.bytes, crc, stats))
     }
 
     /// Writes a small file; `Some(size)` when another writer's file was
@@ -376,6 +420,62 @@ impl Destination {
         }
     }
 
+    /// Commits an export's files as an Iceberg snapshot replacing the
+    /// partition's files, made from the commit's records alone (the same
+    /// snapshot whoever makes it); returns the key of the metadata version
+    /// that holds the export's files, or one of a later export that
+    /// superseded it. Committed already (a retry, a commit finished after
+    /// a kill, a forced export of the same content): nothing is written.
+    pub async fn commit_iceberg(
+        &self,
+        task: &Metadata,
+        commit: &CommitFile,
+        now_ms: u64,
+    ) -> Result<String, PartFailure> {
+        let target = IcebergTarget::of(task)?;
+        let mut files = Vec::with_capacity(commit.files.len());
+        for f in &commit.files {
+            let stats = f.iceberg.clone().ok_or_else(|| {
+                PartFailure::Fatal(format!(
+                    "data file {} has no Iceberg statistics recorded",
+                    f.path
+                ))
+            })?;
+            files.push(ferry_iceberg::DataFileEntry::with_stats(
+                f.path.clone(),
+                target.partition.clone(),
+                stats,
+            ));
+        }
+        let iceberg = ferry_iceberg::Commit {
+            transaction_id: commit.transaction_id.clone(),
+            sequence: commit.sequence,
+            create_time: commit.create_time,
+            content_id: commit.content_id.clone(),
+            snapshot_lsn: commit.snapshot_lsn,
+            partition_id: commit.partition_id.clone(),
+            files,
+            timestamp_ms: i64::try_from(now_ms).unwrap_or(i64::MAX),
+        };
+        let table = ferry_iceberg::IcebergTable::new(self.location.clone());
+        let outcome = table.commit(&target.def, &iceberg).await.map_err(|e| {
+            if e.is_retryable() {
+                PartFailure::Retryable(e.to_string())
+            } else {
+                PartFailure::Fatal(e.to_string())
+            }
+        })?;
+        let version = match outcome {
+            ferry_iceberg::CommitOutcome::Committed { version, .. }
+            | ferry_iceberg::CommitOutcome::AlreadyCurrent { version } => version,
+            ferry_iceberg::CommitOutcome::Superseded { version, current } => {
+                tracing::info!(transaction_id = %commit.transaction_id, %current, "a later export of the partition is current: nothing committed");
+                version
+            }
+        };
+        Ok(ferry_iceberg::commit::metadata_key(version))
+    }
+
     /// Whether the commit file of an export exists.
     pub async fn committed(
         &self,
@@ -387,6 +487,57 @@ impl Destination {
             .size(&commit_key(partition_id, transaction_id))
             .await?
             .is_some())
+    }
+}
+
+/// Where an Iceberg table keeps its data files, under its location.
+pub const ICEBERG_DATA_DIR: &str = "data";
+
+/// What an Iceberg table's data file needs besides its rows: the table (for
+/// field ids and statistics) and the partition's value.
+struct IcebergTarget {
+    def: ferry_table::TableDef,
+    partition: ferry_iceberg::PartitionValue,
+}
+
+impl IcebergTarget {
+    fn of(task: &Metadata) -> Result<IcebergTarget, PartFailure> {
+        let def = task.definition.clone().ok_or_else(|| {
+            PartFailure::Fatal(
+                "the task records no table definition, which an Iceberg destination needs".into(),
+            )
+        })?;
+        let partition = ferry_iceberg::PartitionValue::of(&def, &task.partition_id)
+            .map_err(|e| PartFailure::Fatal(e.to_string()))?;
+        Ok(IcebergTarget { def, partition })
+    }
+
+    fn stats(
+        &self,
+        footer: &parquet::file::metadata::ParquetMetaData,
+        size: u64,
+    ) -> Result<ferry_iceberg::FileStats, PartFailure> {
+        ferry_iceberg::entry_from_footer(&self.def, self.partition.clone(), footer, size as usize)
+            .map(|e| e.stats())
+            .map_err(|e| PartFailure::Fatal(e.to_string()))
+    }
+
+    /// The statistics of a data file already in the destination, from its
+    /// footer (a file without one fails the export: the file-exists policy
+    /// keeps it, and no manifest can describe it).
+    async fn stats_of_file(
+        &self,
+        location: &Location,
+        key: &str,
+        size: u64,
+    ) -> Result<ferry_iceberg::FileStats, PartFailure> {
+        let footer = ferry_iceberg::read_footer(location, key, size)
+            .await
+            .map_err(|e| classify(&e))?
+            .map_err(|why| {
+                PartFailure::Fatal(format!("data file {key} in the destination: {why}"))
+            })?;
+        self.stats(&footer, size)
     }
 }
 

@@ -25,7 +25,8 @@ use ferry_replica::PartName;
 use ferry_storage::{Location, StorageError};
 use serde::Serialize;
 
-use crate::model::{CommitFile, DataFile};
+use crate::model::{CommitFile, DataFile, LakeFormat};
+use ferry_table::TableDef;
 
 /// A commit file read from the destination.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -126,6 +127,79 @@ pub async fn read(location: &Location, partition: Option<&str>) -> Result<LakeVi
     Ok(view)
 }
 
+/// A partition's current export in a destination of either format: what a
+/// new export of the partition must supersede.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CurrentCommit {
+    /// The commit file's key, or the Iceberg metadata version's.
+    pub key: String,
+    pub transaction_id: String,
+    pub content_id: String,
+    pub sequence: u64,
+    pub snapshot_lsn: u64,
+    pub rows: u64,
+    /// The paths of its data files (keys, or an Iceberg table's URLs).
+    pub files: Vec<String>,
+}
+
+/// The partition's current export in `location`, a destination of
+/// `format` holding table `def`.
+pub async fn current_commit(
+    location: &Location,
+    format: LakeFormat,
+    def: &TableDef,
+    partition_id: &str,
+) -> Result<Option<CurrentCommit>, String> {
+    match format {
+        LakeFormat::Parquet => {
+            let view = read(location, Some(partition_id))
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(view.partitions.into_iter().next().map(|p| {
+                let c = p.current;
+                CurrentCommit {
+                    files: c.file.files.iter().map(|f| f.path.clone()).collect(),
+                    key: c.key,
+                    transaction_id: c.file.transaction_id,
+                    content_id: c.file.content_id,
+                    sequence: c.file.sequence,
+                    snapshot_lsn: c.file.snapshot_lsn,
+                    rows: c.file.rows,
+                }
+            }))
+        }
+        LakeFormat::Iceberg => {
+            let table = ferry_iceberg::IcebergTable::new(location.clone());
+            let Some((version, export)) = table
+                .current_export(partition_id)
+                .await
+                .map_err(|e| e.to_string())?
+            else {
+                return Ok(None);
+            };
+            let value =
+                ferry_iceberg::PartitionValue::of(def, partition_id).map_err(|e| e.to_string())?;
+            let files = table
+                .files()
+                .await
+                .map_err(|e| e.to_string())?
+                .into_iter()
+                .filter(|f| f.partition == value)
+                .map(|f| f.path)
+                .collect();
+            Ok(Some(CurrentCommit {
+                key: ferry_iceberg::commit::metadata_key(version),
+                transaction_id: export.transaction_id,
+                content_id: export.content_id,
+                sequence: export.sequence,
+                snapshot_lsn: export.snapshot_lsn,
+                rows: export.rows,
+                files,
+            }))
+        }
+    }
+}
+
 /// The part a data file holds, from its name `<part>_<checksum>.parquet`.
 pub fn part_of(path: &str) -> Option<PartName> {
     let file = path.rsplit('/').next()?.strip_suffix(".parquet")?;
@@ -200,6 +274,7 @@ mod tests {
             checksum: 0,
             shard,
             crc32c: None,
+            iceberg: None,
         }
     }
 

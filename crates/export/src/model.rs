@@ -193,6 +193,47 @@ impl std::str::FromStr for FileExistsPolicy {
     }
 }
 
+/// What a destination is, for readers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LakeFormat {
+    /// Hive-layout Parquet files with ferry's commit files
+    /// ([`CommitFile`]): readers read each partition's current commit.
+    #[default]
+    Parquet,
+    /// An Apache Iceberg v2 table (`ferry_iceberg`): data files under
+    /// `data/`, and a snapshot per commit that any Iceberg reader reads.
+    Iceberg,
+}
+
+impl LakeFormat {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LakeFormat::Parquet => "parquet",
+            LakeFormat::Iceberg => "iceberg",
+        }
+    }
+}
+
+impl std::fmt::Display for LakeFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for LakeFormat {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "parquet" => Ok(LakeFormat::Parquet),
+            "iceberg" => Ok(LakeFormat::Iceberg),
+            other => Err(format!(
+                "destination format {other:?}: expected parquet or iceberg"
+            )),
+        }
+    }
+}
+
 /// Parquet compression of exported files.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -241,6 +282,9 @@ pub struct ExportSettings {
     /// Rows per row group of exported files.
     pub row_group_rows: u64,
     pub file_exists: FileExistsPolicy,
+    /// The destination's format (tasks created before it existed: Parquet).
+    #[serde(default)]
+    pub format: LakeFormat,
 }
 
 impl Default for ExportSettings {
@@ -255,6 +299,7 @@ impl Default for ExportSettings {
             compression: Compression::Zstd,
             row_group_rows: ferry_replica::part::ROW_GROUP_ROWS as u64,
             file_exists: FileExistsPolicy::Skip,
+            format: LakeFormat::Parquet,
         }
     }
 }
@@ -281,9 +326,11 @@ impl ExportSettings {
         Ok(())
     }
 
-    /// Whether exported files are the parts' own bytes.
+    /// Whether exported files are the parts' own bytes (an Iceberg table's
+    /// files carry field ids, which parts do not).
     pub fn copies_parts(&self) -> bool {
-        self.compression == Compression::Zstd
+        self.format == LakeFormat::Parquet
+            && self.compression == Compression::Zstd
             && self.row_group_rows == ferry_replica::part::ROW_GROUP_ROWS as u64
     }
 
@@ -338,6 +385,11 @@ pub struct Metadata {
     /// [`content_id`] of the snapshot.
     #[serde(default)]
     pub content_id: String,
+    /// The table's definition at request time: an Iceberg destination's
+    /// schema and partition spec come from it (absent in tasks created
+    /// before it was recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub definition: Option<ferry_table::TableDef>,
 }
 
 pub const METADATA_FORMAT: u32 = 1;
@@ -434,6 +486,11 @@ pub struct DataFile {
     /// file changed anywhere (not only in its footer) is found.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub crc32c: Option<u32>,
+    /// For an Iceberg destination: what its manifest entry records (rows,
+    /// size, column statistics), so that the commit needs only these
+    /// records.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub iceberg: Option<ferry_iceberg::FileStats>,
 }
 
 /// `processed/<part>`.
@@ -500,6 +557,10 @@ pub struct DestinationSchema {
     /// The table of the export that wrote the marker (for the operator).
     pub table: String,
     pub columns: Vec<ColumnDef>,
+    /// What the destination is (markers written before it was recorded:
+    /// Parquet): exports of another format are refused.
+    #[serde(default)]
+    pub lake_format: LakeFormat,
 }
 
 pub const SCHEMA_FORMAT: u32 = 1;

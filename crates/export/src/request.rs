@@ -13,8 +13,7 @@ use crate::lake;
 use crate::local::{Destinations, LocalParts, SnapshotError, SnapshotRequest};
 use crate::model::{
     check_name, check_transaction_id, chunk_parts, exports_path, schema_difference, table_path,
-    CommitFile, ExportSettings, Metadata, SnapshotPart, TaskKey, TaskStatus, MAX_PARTS,
-    METADATA_FORMAT,
+    ExportSettings, Metadata, SnapshotPart, TaskKey, TaskStatus, MAX_PARTS, METADATA_FORMAT,
 };
 use crate::task;
 
@@ -309,6 +308,16 @@ impl Requester<'_> {
         // Files of another schema in the destination: refused before the
         // task exists (a worker checks again before its first upload).
         match destination.schema().await {
+            Ok(Some(found)) if found.lake_format != req.settings.format => {
+                return Err(RequestError::Destination {
+                    url: destination.url().to_string(),
+                    detail: format!(
+                        "it is a {} destination (an export of table {:?} made it so), and this \
+                         export's format is {}; export to another destination",
+                        found.lake_format, found.table, req.settings.format
+                    ),
+                });
+            }
             Ok(Some(found)) => {
                 // One table per destination: two tables' partitions of one
                 // id would otherwise supersede each other's commits.
@@ -365,25 +374,32 @@ impl Requester<'_> {
             }
         }
         let content_id = crate::model::content_id(&req.table, &req.partition_id, &parts);
-        let lake_error = |e: ferry_storage::StorageError| RequestError::Destination {
-            url: destination.url().to_string(),
-            detail: e.to_string(),
-        };
-        let mut current = lake::read(destination.location(), Some(&req.partition_id))
+        let read_current = || async {
+            lake::current_commit(
+                destination.location(),
+                req.settings.format,
+                &table.def,
+                &req.partition_id,
+            )
             .await
-            .map_err(lake_error)?;
+            .map_err(|detail| RequestError::Destination {
+                url: destination.url().to_string(),
+                detail,
+            })
+        };
+        let mut current = read_current().await?;
         // The same content committed again would be committed once: what
         // the reader sees is already this.
-        if let Some(p) = current.partitions.first() {
-            if p.current.file.content_id == content_id {
-                tracing::info!(task = %key, commit = %p.current.key, "export unchanged: the current commit holds these parts");
+        if let Some(c) = &current {
+            if c.content_id == content_id {
+                tracing::info!(task = %key, commit = %c.key, "export unchanged: the current commit holds these parts");
                 return Ok(Created {
-                    transaction_id: p.current.file.transaction_id.clone(),
+                    transaction_id: c.transaction_id.clone(),
                     key,
                     parts_count: parts.len() as u64,
                     rows,
-                    snapshot_lsn: p.current.file.snapshot_lsn,
-                    unchanged: Some(p.current.key.clone()),
+                    snapshot_lsn: c.snapshot_lsn,
+                    unchanged: Some(c.key.clone()),
                 });
             }
         }
@@ -399,6 +415,7 @@ impl Requester<'_> {
                     Some(&existing.transaction_id),
                     destination,
                     "replaced by a forced export",
+                    self.now_unix_millis,
                 )
                 .await
                 .map_err(|e| match e {
@@ -408,23 +425,21 @@ impl Requester<'_> {
             }
             task::remove(self.session, &key).await?;
             // The task replaced may have committed on its way out.
-            current = lake::read(destination.location(), Some(&req.partition_id))
-                .await
-                .map_err(lake_error)?;
+            current = read_current().await?;
         }
         // The new commit supersedes the current one: it must hold every row
         // the current one holds (a node whose replicas lag would otherwise
         // take rows away from readers).
-        let sequence = match current.partitions.first() {
-            Some(p) => {
-                if let Some(detail) = lacks(&p.current.file, snapshot) {
+        let sequence = match &current {
+            Some(c) => {
+                if let Some(detail) = lacks(c, snapshot) {
                     return Err(RequestError::StaleSnapshot {
                         url: destination.url().to_string(),
-                        commit: p.current.key.clone(),
+                        commit: c.key.clone(),
                         detail,
                     });
                 }
-                p.current.file.sequence + 1
+                c.sequence + 1
             }
             None => 1,
         };
@@ -449,6 +464,7 @@ impl Requester<'_> {
             columns: table.def.columns.clone(),
             sequence,
             content_id,
+            definition: Some(table.def.clone()),
         };
         ferry_coord::create_all(self.session.as_ref(), &exports_path(&req.table)).await?;
         match create(self.session, &key, &metadata, &parts, chunks).await {
@@ -480,18 +496,18 @@ impl Requester<'_> {
 
 /// What of `commit` the snapshot does not hold, if anything: fewer rows, or
 /// a block (a part's first or last) that no snapshot part covers.
-fn lacks(commit: &CommitFile, snapshot: &[ferry_replica::PartMeta]) -> Option<String> {
+fn lacks(commit: &lake::CurrentCommit, snapshot: &[ferry_replica::PartMeta]) -> Option<String> {
     let rows: u64 = snapshot.iter().map(|p| p.rows).sum();
     if rows < commit.rows {
         return Some(format!("{} rows, the snapshot {rows}", commit.rows));
     }
-    for f in &commit.files {
-        let Some(name) = lake::part_of(&f.path) else {
+    for path in &commit.files {
+        let Some(name) = lake::part_of(path) else {
             continue;
         };
         for block in [name.min_block, name.max_block] {
             if !snapshot.iter().any(|p| p.name.covers(block)) {
-                return Some(format!("block {block} of {}", f.path));
+                return Some(format!("block {block} of {path}"));
             }
         }
     }

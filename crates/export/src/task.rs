@@ -21,7 +21,7 @@ use ferry_coord::{CoordError, CreateMode, Op, Session};
 
 use crate::dest::{Destination, PartFailure};
 use crate::model::{
-    commit_key, CommitFile, DataFile, Metadata, Processed, SnapshotPart, TaskKey, TaskStatus,
+    CommitFile, DataFile, LakeFormat, Metadata, Processed, SnapshotPart, TaskKey, TaskStatus,
     COMMIT_FORMAT,
 };
 
@@ -316,22 +316,33 @@ pub async fn kill_in_own_session(
     expect_transaction: Option<&str>,
     destination: &Destination,
     reason: &str,
+    now_ms: u64,
 ) -> Result<TaskStatus, KillError> {
     let session = sessions.open().await?;
-    let result = kill(&session, key, expect_transaction, destination, reason).await;
+    let result = kill(
+        &session,
+        key,
+        expect_transaction,
+        destination,
+        reason,
+        now_ms,
+    )
+    .await;
     session.close().await;
     result
 }
 
 /// Sets a PENDING task KILLED, under its commit lock; returns the status it
 /// ends in (already terminal: unchanged; its commit file already written:
-/// COMPLETED).
+/// COMPLETED). `now_ms` (Unix milliseconds) is the time of a commit it
+/// finishes.
 pub async fn kill(
     session: &Session,
     key: &TaskKey,
     expect_transaction: Option<&str>,
     destination: &Destination,
     reason: &str,
+    now_ms: u64,
 ) -> Result<TaskStatus, KillError> {
     let Some(head) = read_head(session, key).await? else {
         return Err(KillError::NotFound(key.to_string()));
@@ -352,7 +363,7 @@ pub async fn kill(
     else {
         return Err(KillError::Busy(key.to_string()));
     };
-    let result = kill_locked(session, key, &metadata, destination, reason).await;
+    let result = kill_locked(session, key, &metadata, destination, reason, now_ms).await;
     lock.release(session).await;
     result
 }
@@ -363,6 +374,7 @@ async fn kill_locked(
     metadata: &Metadata,
     destination: &Destination,
     reason: &str,
+    now_ms: u64,
 ) -> Result<TaskStatus, KillError> {
     match read_status(session, key).await? {
         Some(TaskStatus::Pending) => {}
@@ -404,7 +416,7 @@ async fn kill_locked(
             // Too late to kill: the commit file may be written. The commit
             // is finished here (the same bytes as the committer's).
             Some(Decision::Commit) => {
-                match commit_decided(session, key, metadata, destination, None).await {
+                match commit_decided(session, key, metadata, destination, None, now_ms).await {
                     Ok(CommitOutcome::Completed(_)) => Ok(TaskStatus::Completed),
                     Ok(CommitOutcome::Terminal(s)) => Ok(s),
                     Ok(CommitOutcome::Failed(_)) => Ok(TaskStatus::Failed),
@@ -427,9 +439,9 @@ async fn set_completed(
     session: &Session,
     key: &TaskKey,
     metadata: &Metadata,
+    info: &str,
 ) -> Result<(), CoordError> {
     let base = key.path();
-    let info = commit_key(&metadata.partition_id, &metadata.transaction_id);
     let ops = vec![
         Op::check(crate::model::fence_path(&base, &metadata.transaction_id), 0),
         // Decided (a task whose status is still version 0 can only have
@@ -470,20 +482,22 @@ pub enum CommitOutcome {
     Failed(String),
 }
 
-/// Commits a task whose parts are all processed: writes the commit file,
-/// then sets COMPLETED, under the commit lock.
+/// Commits a task whose parts are all processed: writes the commit file
+/// (or the Iceberg snapshot, timed `now_ms`, Unix milliseconds), then sets
+/// COMPLETED, under the commit lock.
 pub async fn commit(
     session: &Session,
     key: &TaskKey,
     metadata: &Metadata,
     destination: &Destination,
     replica: &str,
+    now_ms: u64,
 ) -> Result<CommitOutcome, CommitError> {
     let Some(lock) = try_lock(session, &format!("{}/commit_lock", key.path()), replica).await?
     else {
         return Ok(CommitOutcome::NotNow);
     };
-    let result = commit_locked(session, key, metadata, destination).await;
+    let result = commit_locked(session, key, metadata, destination, now_ms).await;
     lock.release(session).await;
     result
 }
@@ -501,6 +515,7 @@ async fn commit_locked(
     key: &TaskKey,
     metadata: &Metadata,
     destination: &Destination,
+    now_ms: u64,
 ) -> Result<CommitOutcome, CommitError> {
     let base = key.path();
     // The task this node knows may have been replaced by a forced export.
@@ -551,7 +566,7 @@ async fn commit_locked(
     };
     match decided {
         Some(Decision::Commit) => {
-            commit_decided(session, key, metadata, destination, Some(names)).await
+            commit_decided(session, key, metadata, destination, Some(names), now_ms).await
         }
         Some(_) => Ok(CommitOutcome::Terminal(
             read_status(session, key)
@@ -575,6 +590,7 @@ async fn commit_decided(
     metadata: &Metadata,
     destination: &Destination,
     processed: Option<Vec<String>>,
+    now_ms: u64,
 ) -> Result<CommitOutcome, CommitError> {
     let base = key.path();
     let names = match processed {
@@ -609,7 +625,11 @@ async fn commit_decided(
         snapshot_lsn: metadata.snapshot_lsn,
         content_id: metadata.content_id.clone(),
     };
-    let key_written = match destination.commit(&commit).await {
+    let written = match metadata.settings.format {
+        LakeFormat::Parquet => destination.commit(&commit).await,
+        LakeFormat::Iceberg => destination.commit_iceberg(metadata, &commit, now_ms).await,
+    };
+    let key_written = match written {
         Ok(k) => k,
         Err(PartFailure::Retryable(e)) => return Err(CommitError::Destination(e)),
         Err(PartFailure::Fatal(e)) => {
@@ -645,7 +665,7 @@ async fn commit_decided(
             tracing::warn!(task = %key, error = %e, "could not remove staging files of cut-short writes")
         }
     }
-    set_completed(session, key, metadata).await?;
+    set_completed(session, key, metadata, &key_written).await?;
     tracing::info!(task = %key, transaction_id = %metadata.transaction_id, commit_file = %key_written, "export committed");
     Ok(CommitOutcome::Completed(key_written))
 }

@@ -11,7 +11,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use bytes::Bytes;
 use ferry_storage::{Location, StorageError};
 use serde::Serialize;
 
@@ -51,9 +50,6 @@ pub enum Depth {
     /// Also the rows, decoded and checksummed.
     Rows,
 }
-
-/// Bytes fetched from the end of a file to find its footer at once.
-const TAIL_BYTES: u64 = 64 << 10;
 
 pub async fn verify(location: &Location, depth: Depth) -> Result<VerifyReport, StorageError> {
     let listing: BTreeMap<String, u64> = location.list("").await?.into_iter().collect();
@@ -148,37 +144,9 @@ async fn check_file(
     let Some(name) = part_of(&f.path) else {
         return Ok(Err("not a ferry data file name".into()));
     };
-    if size < 12 {
-        return Ok(Err("too short for Parquet".into()));
-    }
-    let tail = location
-        .get_range(&f.path, size.saturating_sub(TAIL_BYTES)..size)
-        .await?;
-    let n = tail.len();
-    // The object may have changed since it was listed.
-    if n < 12 {
-        return Ok(Err(format!(
-            "{n} bytes read from the end of a {size}-byte file"
-        )));
-    }
-    if &tail[n - 4..] != b"PAR1" {
-        return Ok(Err("no Parquet footer".into()));
-    }
-    let footer_len =
-        u32::from_le_bytes([tail[n - 8], tail[n - 7], tail[n - 6], tail[n - 5]]) as u64;
-    if footer_len + 8 > size {
-        return Ok(Err("footer longer than the file".into()));
-    }
-    let footer: Bytes = if footer_len + 8 <= n as u64 {
-        tail.slice(n - 8 - footer_len as usize..n - 8)
-    } else {
-        location
-            .get_range(&f.path, size - 8 - footer_len..size - 8)
-            .await?
-    };
-    let metadata = match parquet::file::metadata::ParquetMetaDataReader::decode_metadata(&footer) {
+    let metadata = match ferry_iceberg::read_footer(location, &f.path, size).await? {
         Ok(m) => m,
-        Err(e) => return Ok(Err(format!("footer does not decode: {e}"))),
+        Err(why) => return Ok(Err(why)),
     };
     let meta = match ferry_replica::part::meta_from_footer(&name, size, &metadata) {
         Ok(m) => m,

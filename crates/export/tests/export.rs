@@ -858,6 +858,7 @@ async fn a_killed_export_stops_and_never_gets_a_commit_file() {
                 Some(&created.transaction_id),
                 &destination,
                 "test",
+                0,
             )
             .await
             {
@@ -875,7 +876,7 @@ async fn a_killed_export_stops_and_never_gets_a_commit_file() {
         store.set_faults(ObjectFaults::default());
         assert!(!w.keys(&url).await.iter().any(|k| k.contains("commit_")));
         // A second kill changes nothing.
-        let again = ferry_export::task::kill(&w.session, &key, None, &destination, "again")
+        let again = ferry_export::task::kill(&w.session, &key, None, &destination, "again", 0)
             .await
             .expect("kill");
         assert_eq!(again, TaskStatus::Killed);
@@ -1071,6 +1072,7 @@ async fn a_destination_of_another_schema_is_refused_and_fails_a_task_at_once() {
                 column_type: ferry_table::def::ColumnType::Utf8,
                 nullable: false,
             }],
+            lake_format: ferry_export::model::LakeFormat::Parquet,
         };
         let marker = Bytes::from(serde_json::to_vec(&foreign).expect("json"));
         // At request time: refused, nothing created.

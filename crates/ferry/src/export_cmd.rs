@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use ferry_export::model::{Compression, ExportSettings, FileExistsPolicy};
+use ferry_export::model::{Compression, ExportSettings, FileExistsPolicy, LakeFormat};
 use ferry_export::{ExportsView, TaskStatus, TaskView};
 use serde_json::json;
 
@@ -96,6 +96,11 @@ pub struct SettingsArgs {
     /// skip, error or overwrite a data file already there. Default: skip.
     #[arg(long)]
     pub file_exists: Option<FileExistsPolicy>,
+    /// parquet (Hive-layout files and ferry commit files) or iceberg (an
+    /// Apache Iceberg v2 table). A destination keeps the format of its
+    /// first export. Default: parquet.
+    #[arg(long)]
+    pub format: Option<LakeFormat>,
 }
 
 impl SettingsArgs {
@@ -113,6 +118,7 @@ impl SettingsArgs {
             compression: self.compression.unwrap_or(d.compression),
             row_group_rows: self.row_group_rows.unwrap_or(d.row_group_rows),
             file_exists: self.file_exists.unwrap_or(d.file_exists),
+            format: self.format.unwrap_or(d.format),
         }
     }
 }

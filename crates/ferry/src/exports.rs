@@ -323,6 +323,7 @@ async fn kill(
             expect.as_deref(),
             &destination,
             "killed by request",
+            api.clock.unix_micros() / 1000,
         )
         .await
         {

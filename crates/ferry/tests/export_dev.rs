@@ -458,3 +458,141 @@ fn every_partition_gets_its_own_task_and_an_unexpired_one_is_skipped() {
     }
     dev.stop();
 }
+
+/// `--format iceberg`: partitions exported into an Iceberg table that
+/// pyiceberg and DuckDB read (when `scripts/test.sh` installed them) with
+/// every row once, before and after a partition is exported again over
+/// merged parts; the same parts again change nothing; `ferry lake files`
+/// and `ferry verify` read the table; a Parquet export into it is refused.
+#[test]
+fn an_iceberg_export_is_read_once_by_lake_readers_before_and_after_a_re_export() {
+    let dev = Dev::start(&table_toml("t", 1));
+    let (rt, c, url) = (&dev.rt, &dev.client, dev.url.clone());
+    let root = dev.data.join("lake/ice");
+    let lake_url = format!("file://{}", root.display());
+    for batch in 0..3 {
+        insert_ids(
+            rt,
+            c,
+            batch * 10..batch * 10 + 10,
+            "a",
+            &format!("a{batch}"),
+        );
+    }
+    insert_ids(rt, c, 1000..1005, "b", "b0");
+    let out = ferry_ok(
+        &[
+            "export",
+            "t",
+            "--all-partitions",
+            "--to",
+            &lake_url,
+            "--format",
+            "iceberg",
+            "--wait",
+        ],
+        &url,
+    );
+    assert_eq!(out.matches("COMPLETED").count(), 2, "{out}");
+    let metadata = |version: u64| {
+        root.join(format!("metadata/v{version}.metadata.json"))
+            .display()
+            .to_string()
+    };
+    let hint = || {
+        std::fs::read_to_string(root.join("metadata/version-hint.text"))
+            .expect("version hint")
+            .trim()
+            .parse::<u64>()
+            .expect("a version")
+    };
+    assert_eq!(hint(), 2, "one snapshot per partition");
+    let read = |version: u64, expected: serde_json::Value| {
+        if let Some(got) =
+            ferry_testkit::services::iceberg_row_counts(&metadata(version), "p", None)
+        {
+            assert_eq!(got["pyiceberg"], expected, "{got}");
+            assert_eq!(got["duckdb"], expected, "{got}");
+        }
+    };
+    read(2, serde_json::json!({"a": 30, "b": 5}));
+    let files = ferry_ok(&["lake", "files", &lake_url], &url);
+    assert_eq!(
+        files.lines().filter(|l| l.starts_with("data/p=a/")).count(),
+        3,
+        "{files}"
+    );
+    assert_eq!(
+        files.lines().filter(|l| l.starts_with("data/p=b/")).count(),
+        1,
+        "{files}"
+    );
+    let mut ids = ids_in(
+        &files
+            .lines()
+            .map(|l| root.join(l).display().to_string())
+            .collect::<Vec<_>>(),
+    );
+    ids.sort_unstable();
+    assert_eq!(ids.len(), 35);
+
+    // More rows; the parts merge; partition a is exported again: one
+    // snapshot replaces its files.
+    for batch in 3..8 {
+        insert_ids(
+            rt,
+            c,
+            batch * 10..batch * 10 + 10,
+            "a",
+            &format!("a{batch}"),
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let parts = rt.block_on(c.partitions("t", 0)).expect("partitions");
+        let a = parts
+            .as_array()
+            .expect("partitions")
+            .iter()
+            .find(|p| p["partition_id"] == "a")
+            .expect("partition a")
+            .clone();
+        if a["parts"].as_array().map(Vec::len) == Some(1) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no merge: {parts}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let iceberg_a = [
+        "export", "t", "a", "--to", &lake_url, "--format", "iceberg", "--force", "--wait",
+    ];
+    let forced = ferry_ok(&iceberg_a, &url);
+    assert!(forced.contains("COMPLETED"), "{forced}");
+    assert_eq!(hint(), 3);
+    read(3, serde_json::json!({"a": 80, "b": 5}));
+    // The snapshot before is still readable as it was (time travel).
+    read(2, serde_json::json!({"a": 30, "b": 5}));
+    let files = ferry_ok(&["lake", "files", &lake_url], &url);
+    assert_eq!(
+        files.lines().filter(|l| l.starts_with("data/p=a/")).count(),
+        1,
+        "{files}"
+    );
+    let verified = ferry_ok(&["verify", &lake_url], &url);
+    assert!(
+        verified.contains("2 data files checked, 85 rows"),
+        "{verified}"
+    );
+
+    // The same parts again: nothing to do, no new version.
+    let again = ferry_ok(&iceberg_a, &url);
+    assert!(again.contains("unchanged"), "{again}");
+    assert_eq!(hint(), 3);
+    assert!(!root.join("metadata/v4.metadata.json").exists());
+
+    // A Parquet export into the Iceberg table's folder is refused.
+    let (ok, out, err) = ferry(&["export", "t", "b", "--to", &lake_url, "--force"], &url);
+    assert!(!ok, "{out}");
+    assert!(err.contains("iceberg destination"), "{err}");
+    dev.stop();
+}

@@ -70,6 +70,8 @@ fn lake_files_lists_the_current_snapshot_of_an_iceberg_table() {
                 transaction_id: format!("{}-{name}", 1000 + seq),
                 sequence: seq as u64 + 1,
                 create_time: 1000 + seq as u64,
+                content_id: format!("content-{name}"),
+                snapshot_lsn: 0,
                 partition_id: id.into(),
                 files: vec![DataFileEntry {
                     path: key,

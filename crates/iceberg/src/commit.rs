@@ -26,7 +26,7 @@ use crate::spec::{
 use crate::table::{
     partition_avro_type, partition_field_name, partition_spec, schema, PartitionValue,
 };
-use crate::{partition_property, IcebergError, TRANSACTION_PROPERTY};
+use crate::{partition_property, IcebergError, CONTENT_PROPERTY, TRANSACTION_PROPERTY};
 
 /// Where the metadata lives, relative to the table's location.
 pub const METADATA_DIR: &str = "metadata";
@@ -47,6 +47,12 @@ pub struct Commit {
     /// order in which exports of a partition supersede each other.
     pub sequence: u64,
     pub create_time: u64,
+    /// What the export holds, as an id derived from the table, the
+    /// partition and its parts' checksums: a commit of content already
+    /// current (a forced export of unchanged rows) is a no-op.
+    pub content_id: String,
+    /// The commit position the export's snapshot includes.
+    pub snapshot_lsn: u64,
     pub partition_id: String,
     /// Every data file of the partition (paths relative to the table's
     /// location), replacing the partition's current ones.
@@ -74,7 +80,8 @@ pub struct IcebergTable {
     location: Location,
 }
 
-pub(crate) fn metadata_key(version: u64) -> String {
+/// The key of metadata version `version` under the table.
+pub fn metadata_key(version: u64) -> String {
     format!("{METADATA_DIR}/v{version}.metadata.json")
 }
 
@@ -87,11 +94,20 @@ fn version_of(key: &str) -> Option<u64> {
 
 /// The export whose files are current for a partition, as the table's
 /// properties record it ([`partition_property`]).
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Default, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 pub struct CurrentExport {
     pub sequence: u64,
     pub create_time: u64,
     pub transaction_id: String,
+    #[serde(default)]
+    pub content_id: String,
+    #[serde(default)]
+    pub snapshot_lsn: u64,
+    /// Rows of the partition's files.
+    #[serde(default)]
+    pub rows: u64,
 }
 
 impl CurrentExport {
@@ -100,8 +116,41 @@ impl CurrentExport {
             sequence: commit.sequence,
             create_time: commit.create_time,
             transaction_id: commit.transaction_id.clone(),
+            content_id: commit.content_id.clone(),
+            snapshot_lsn: commit.snapshot_lsn,
+            rows: commit
+                .files
+                .iter()
+                .map(|f| u64::try_from(f.record_count).unwrap_or(0))
+                .sum(),
         }
     }
+
+    /// Whether committing `commit` would change nothing: the same export,
+    /// or the same content under another transaction (a forced export of
+    /// unchanged rows).
+    fn holds(&self, commit: &Commit) -> bool {
+        self.transaction_id == commit.transaction_id
+            || (!commit.content_id.is_empty() && self.content_id == commit.content_id)
+    }
+}
+
+/// The export `meta` records as current for a partition.
+fn current_export(
+    meta: &TableMetadata,
+    version: u64,
+    partition_id: &str,
+) -> Result<Option<CurrentExport>, IcebergError> {
+    let key = partition_property(partition_id);
+    let Some(done) = meta.properties.get(&key) else {
+        return Ok(None);
+    };
+    serde_json::from_str(done)
+        .map(Some)
+        .map_err(|e| IcebergError::Metadata {
+            file: metadata_key(version),
+            reason: format!("property {key}: {e}"),
+        })
 }
 
 /// A 63-bit id from a name (FNV-1a): snapshot ids and the table's uuid are
@@ -155,6 +204,18 @@ impl IcebergTable {
             file: key,
             reason: e.to_string(),
         })
+    }
+
+    /// The export whose files are current for a partition, with the
+    /// current version (`None`: no table, or the partition has no export).
+    pub async fn current_export(
+        &self,
+        partition_id: &str,
+    ) -> Result<Option<(u64, CurrentExport)>, IcebergError> {
+        let Some((version, meta)) = self.current().await? else {
+            return Ok(None);
+        };
+        Ok(current_export(&meta, version, partition_id)?.map(|e| (version, e)))
     }
 
     /// The live data files of the current snapshot, with their partitions.
@@ -217,14 +278,8 @@ impl IcebergTable {
             let current = self.current().await?;
             let version = current.as_ref().map_or(0, |(v, _)| *v);
             if let Some((_, meta)) = &current {
-                let key = partition_property(&commit.partition_id);
-                if let Some(done) = meta.properties.get(&key) {
-                    let done: CurrentExport =
-                        serde_json::from_str(done).map_err(|e| IcebergError::Metadata {
-                            file: metadata_key(version),
-                            reason: format!("property {key}: {e}"),
-                        })?;
-                    if done.transaction_id == commit.transaction_id {
+                if let Some(done) = current_export(meta, version, &commit.partition_id)? {
+                    if done.holds(commit) {
                         return Ok(CommitOutcome::AlreadyCurrent { version });
                     }
                     if done > CurrentExport::of(commit) {
@@ -438,6 +493,7 @@ impl IcebergTable {
                 "ferry.partition-id".to_string(),
                 commit.partition_id.clone(),
             ),
+            (CONTENT_PROPERTY.to_string(), commit.content_id.clone()),
             ("added-data-files".to_string(), added.len().to_string()),
             ("deleted-data-files".to_string(), removed.len().to_string()),
             ("added-records".to_string(), rows(&added).to_string()),
@@ -450,22 +506,24 @@ impl IcebergTable {
                 timestamp_ms: meta.last_updated_ms,
             });
         }
+        // Snapshot times never go back, whatever the committers' clocks.
+        let timestamp_ms = commit.timestamp_ms.max(meta.last_updated_ms);
         meta.snapshots.push(Snapshot {
             snapshot_id,
             parent_snapshot_id: parent.as_ref().map(|p| p.snapshot_id),
             sequence_number: sequence,
-            timestamp_ms: commit.timestamp_ms,
+            timestamp_ms,
             manifest_list: self.url_of(&list_key),
             summary,
             schema_id: 0,
         });
         meta.snapshot_log.push(SnapshotLogEntry {
             snapshot_id,
-            timestamp_ms: commit.timestamp_ms,
+            timestamp_ms,
         });
         meta.current_snapshot_id = snapshot_id;
         meta.last_sequence_number = sequence;
-        meta.last_updated_ms = meta.last_updated_ms.max(commit.timestamp_ms);
+        meta.last_updated_ms = timestamp_ms;
         meta.refs.insert(
             "main".into(),
             SnapshotRef {
@@ -516,6 +574,7 @@ mod tests {
             sequence,
             create_time,
             transaction_id: id.into(),
+            ..CurrentExport::default()
         };
         assert!(e(2, 1, "a") > e(1, 9, "z"));
         assert!(e(1, 2, "a") > e(1, 1, "z"));

@@ -4,11 +4,13 @@
 //! in Iceberg's single-value serialisation), taken from the footer metadata the writer wrote.
 
 use arrow::array::RecordBatch;
+use bytes::Bytes;
+use ferry_storage::{Location, StorageError};
 use ferry_table::def::ColumnType;
 use ferry_table::TableDef;
 use parquet::arrow::ArrowWriter;
 use parquet::basic::{Compression, ZstdLevel};
-use parquet::file::metadata::ParquetMetaData;
+use parquet::file::metadata::{ParquetMetaData, ParquetMetaDataReader};
 use parquet::file::properties::WriterProperties;
 use parquet::file::statistics::Statistics;
 
@@ -54,13 +56,60 @@ pub fn encode_data_file(
     // back to find it.
     let metadata = writer.finish().map_err(parquet_error)?;
     let bytes = std::mem::take(writer.inner_mut());
-    let entry = stats(def, partition, &metadata, bytes.len())?;
+    let entry = entry_from_footer(def, partition, &metadata, bytes.len())?;
     Ok(EncodedDataFile { bytes, entry })
 }
 
-/// The manifest entry of an encoded file of `file_size` bytes, from its
-/// footer's metadata.
-fn stats(
+/// Bytes fetched from the end of a file to find its footer at once.
+const TAIL_BYTES: u64 = 64 << 10;
+
+/// The footer metadata of the Parquet file `key` of `size` bytes (`Err`:
+/// why it has none: too short, no footer, one that does not decode).
+pub async fn read_footer(
+    location: &Location,
+    key: &str,
+    size: u64,
+) -> Result<Result<ParquetMetaData, String>, StorageError> {
+    if size < 12 {
+        return Ok(Err("too short for Parquet".into()));
+    }
+    let tail = location
+        .get_range(key, size.saturating_sub(TAIL_BYTES)..size)
+        .await?;
+    let n = tail.len();
+    // The object may have changed since its size was read.
+    if n < 12 {
+        return Ok(Err(format!(
+            "{n} bytes read from the end of a {size}-byte file"
+        )));
+    }
+    if &tail[n - 4..] != b"PAR1" {
+        return Ok(Err("no Parquet footer".into()));
+    }
+    let footer_len = u64::from(u32::from_le_bytes([
+        tail[n - 8],
+        tail[n - 7],
+        tail[n - 6],
+        tail[n - 5],
+    ]));
+    if footer_len + 8 > size {
+        return Ok(Err("footer longer than the file".into()));
+    }
+    let footer: Bytes = if footer_len + 8 <= n as u64 {
+        tail.slice(n - 8 - footer_len as usize..n - 8)
+    } else {
+        location
+            .get_range(key, size - 8 - footer_len..size - 8)
+            .await?
+    };
+    Ok(ParquetMetaDataReader::decode_metadata(&footer)
+        .map_err(|e| format!("footer does not decode: {e}")))
+}
+
+/// The manifest entry of a data file of `file_size` bytes (its path still
+/// to be set), from its footer's metadata: as the writer returned it, or
+/// as [`read_footer`] read it.
+pub fn entry_from_footer(
     def: &TableDef,
     partition: PartitionValue,
     meta: &ParquetMetaData,

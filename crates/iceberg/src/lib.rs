@@ -14,7 +14,8 @@
 //! partition, the export whose files are current
 //! ([`partition_property`]). Properties are carried into every new metadata
 //! version, so expiring snapshots cannot erase them. A commit of the export
-//! already current is a no-op; a commit of an export that an export already
+//! already current, or of the same content under another transaction (a
+//! forced export of unchanged rows), is a no-op; a commit of an export that an export already
 //! current supersedes (lower sequence, then create time, then transaction
 //! id: the order of ferry's commit files) is a no-op too, so a reader never
 //! goes back to older content.
@@ -36,13 +37,17 @@ pub mod upkeep;
 pub mod verify;
 
 pub use commit::{Commit, CommitOutcome, CurrentExport, IcebergTable};
-pub use data_file::{encode_data_file, EncodedDataFile};
-pub use manifest::DataFileEntry;
+pub use data_file::{encode_data_file, entry_from_footer, read_footer, EncodedDataFile};
+pub use manifest::{DataFileEntry, FileStats};
 pub use table::PartitionValue;
 pub use upkeep::{ExpireOutcome, RemovedOrphans};
 
 /// The snapshot summary key that names the export a snapshot commits.
 pub const TRANSACTION_PROPERTY: &str = "ferry.transaction-id";
+
+/// The snapshot summary key that names the content (table, partition and
+/// part checksums) a snapshot commits.
+pub const CONTENT_PROPERTY: &str = "ferry.content-id";
 
 /// The table property that names the export whose files are current for a
 /// partition (JSON: `commit::CurrentExport`).

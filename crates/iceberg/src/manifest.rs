@@ -26,6 +26,50 @@ pub struct DataFileEntry {
     pub upper_bounds: Vec<(i32, Vec<u8>)>,
 }
 
+/// What a manifest records of a data file apart from its path and
+/// partition: an exporter keeps it with the file's record in coordination,
+/// so that a commit is made from records alone, never from the source rows.
+#[derive(
+    Debug, Clone, Default, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+pub struct FileStats {
+    pub record_count: i64,
+    pub file_size_in_bytes: i64,
+    pub column_sizes: Vec<(i32, i64)>,
+    pub value_counts: Vec<(i32, i64)>,
+    pub null_value_counts: Vec<(i32, i64)>,
+    pub lower_bounds: Vec<(i32, Vec<u8>)>,
+    pub upper_bounds: Vec<(i32, Vec<u8>)>,
+}
+
+impl DataFileEntry {
+    pub fn stats(&self) -> FileStats {
+        FileStats {
+            record_count: self.record_count,
+            file_size_in_bytes: self.file_size_in_bytes,
+            column_sizes: self.column_sizes.clone(),
+            value_counts: self.value_counts.clone(),
+            null_value_counts: self.null_value_counts.clone(),
+            lower_bounds: self.lower_bounds.clone(),
+            upper_bounds: self.upper_bounds.clone(),
+        }
+    }
+
+    pub fn with_stats(path: String, partition: PartitionValue, stats: FileStats) -> DataFileEntry {
+        DataFileEntry {
+            path,
+            record_count: stats.record_count,
+            file_size_in_bytes: stats.file_size_in_bytes,
+            partition,
+            column_sizes: stats.column_sizes,
+            value_counts: stats.value_counts,
+            null_value_counts: stats.null_value_counts,
+            lower_bounds: stats.lower_bounds,
+            upper_bounds: stats.upper_bounds,
+        }
+    }
+}
+
 /// A manifest entry's status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EntryStatus {

@@ -257,6 +257,28 @@ pub fn data_file_schema(def: &TableDef) -> SchemaRef {
     Arc::new(ArrowSchema::new(fields))
 }
 
+/// The schema to encode rows of `rows` schema as the table's data files:
+/// [`data_file_schema`], once the rows are checked to have the table's
+/// columns in its order (a column's position is its field id).
+pub fn data_file_schema_for(def: &TableDef, rows: &ArrowSchema) -> Result<SchemaRef, IcebergError> {
+    let want = def.arrow_schema();
+    let names = |s: &ArrowSchema| -> Vec<(String, arrow::datatypes::DataType)> {
+        s.fields()
+            .iter()
+            .map(|f| (f.name().clone(), f.data_type().clone()))
+            .collect()
+    };
+    if names(rows) != names(&want) {
+        return Err(IcebergError::Table(format!(
+            "rows with columns {:?} are not table {}'s {:?}",
+            names(rows),
+            def.name,
+            names(&want)
+        )));
+    }
+    Ok(data_file_schema(def))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,14 +7,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use bytes::Bytes;
 use serde::Serialize;
 
 use crate::manifest::EntryStatus;
 use crate::{IcebergError, IcebergTable};
-
-/// Bytes fetched from the end of a file to find its footer at once.
-const TAIL_BYTES: u64 = 64 << 10;
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct IcebergReport {
@@ -119,35 +115,7 @@ async fn footer_rows(
     key: &str,
     size: u64,
 ) -> Result<Result<i64, String>, IcebergError> {
-    if size < 12 {
-        return Ok(Err("too short for Parquet".into()));
-    }
-    let loc = table.location();
-    let tail = loc
-        .get_range(key, size.saturating_sub(TAIL_BYTES)..size)
-        .await?;
-    let n = tail.len();
-    if n < 12 || &tail[n - 4..] != b"PAR1" {
-        return Ok(Err("no Parquet footer".into()));
-    }
-    let footer_len = u64::from(u32::from_le_bytes([
-        tail[n - 8],
-        tail[n - 7],
-        tail[n - 6],
-        tail[n - 5],
-    ]));
-    if footer_len + 8 > size {
-        return Ok(Err("footer longer than the file".into()));
-    }
-    let footer: Bytes = if footer_len + 8 <= n as u64 {
-        tail.slice(n - 8 - footer_len as usize..n - 8)
-    } else {
-        loc.get_range(key, size - 8 - footer_len..size - 8).await?
-    };
-    Ok(
-        match parquet::file::metadata::ParquetMetaDataReader::decode_metadata(&footer) {
-            Ok(m) => Ok(m.file_metadata().num_rows()),
-            Err(e) => Err(format!("footer does not decode: {e}")),
-        },
-    )
+    Ok(crate::data_file::read_footer(table.location(), key, size)
+        .await?
+        .map(|m| m.file_metadata().num_rows()))
 }

@@ -87,6 +87,8 @@ fn commit(
             .next()
             .and_then(|t| t.parse().ok())
             .unwrap_or(0),
+        content_id: format!("content-{tx}"),
+        snapshot_lsn: 0,
         partition_id: month.into(),
         files,
         timestamp_ms: 1_700_000_000_000,

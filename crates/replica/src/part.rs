@@ -211,6 +211,15 @@ impl PartEncoder {
     /// Writes the footer (with the rows and checksum); returns the file's last
     /// bytes and the part's metadata.
     pub fn finish(self) -> Result<(Vec<u8>, PartMeta), PartError> {
+        self.finish_with_footer().map(|(out, meta, _)| (out, meta))
+    }
+
+    /// [`PartEncoder::finish`], with the footer's metadata as written (the
+    /// column statistics a table format's manifests record, without
+    /// reading the file back).
+    pub fn finish_with_footer(
+        self,
+    ) -> Result<(Vec<u8>, PartMeta, parquet::file::metadata::ParquetMetaData), PartError> {
         let PartEncoder {
             name,
             table_id,
@@ -226,7 +235,7 @@ impl PartEncoder {
             "ferry.checksum".into(),
             checksum.to_string(),
         ));
-        writer.finish().map_err(|e| encode_error(&name, e))?;
+        let footer = writer.finish().map_err(|e| encode_error(&name, e))?;
         let out = take_output(&mut writer, &mut bytes);
         Ok((
             out,
@@ -239,6 +248,7 @@ impl PartEncoder {
                 checksum,
                 bytes,
             },
+            footer,
         ))
     }
 }

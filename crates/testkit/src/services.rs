@@ -149,3 +149,50 @@ pub fn s3_settings(endpoint: &str) -> ferry_storage::S3Settings {
         ..ferry_storage::S3Settings::default()
     }
 }
+
+/// Rows per value of `column` as the lake readers installed by
+/// `scripts/test.sh` read the Iceberg table whose metadata file is
+/// `metadata` (a path, or an `s3://` URL on `s3_endpoint`): `{"pyiceberg":
+/// {value: rows}, "duckdb": {...}}`, DuckDB only for a local table (its
+/// wheels carry no S3 support). `None` (noted) without the readers.
+pub fn iceberg_row_counts(
+    metadata: &str,
+    column: &str,
+    s3_endpoint: Option<&str>,
+) -> Option<serde_json::Value> {
+    let python = lake_python()?;
+    let script = r#"
+import json, sys
+from pyiceberg.table import StaticTable
+meta, column, endpoint = sys.argv[1], sys.argv[2], sys.argv[3]
+props = {}
+if endpoint:
+    props = {"s3.endpoint": endpoint, "s3.access-key-id": "test",
+             "s3.secret-access-key": "test", "s3.region": "us-east-1"}
+t = StaticTable.from_metadata(meta, properties=props)
+py = {}
+for v in t.scan().to_arrow()[column].to_pylist():
+    py[str(v)] = py.get(str(v), 0) + 1
+out = {"pyiceberg": py}
+if not endpoint:
+    import duckdb, duckdb_ext
+    con = duckdb.connect()
+    con.execute(f"SET extension_directory = '{duckdb_ext.get_extension_dir()}'")
+    con.execute("SET autoinstall_known_extensions = false")
+    con.execute("LOAD avro")
+    con.execute("LOAD iceberg")
+    rows = con.execute(f"SELECT CAST({column} AS VARCHAR), count(*) FROM iceberg_scan('{meta}') GROUP BY 1").fetchall()
+    out["duckdb"] = {v: int(n) for v, n in rows}
+print(json.dumps(out))
+"#;
+    let out = std::process::Command::new(&python)
+        .args(["-c", script, metadata, column, s3_endpoint.unwrap_or("")])
+        .output()
+        .expect("run the lake readers");
+    assert!(
+        out.status.success(),
+        "lake readers failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(serde_json::from_slice(&out.stdout).expect("the lake readers' answer"))
+}

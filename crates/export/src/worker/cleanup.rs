@@ -61,7 +61,10 @@ impl Run<'_> {
                 }
                 if duty == Duty::Kill {
                     if let Some(d) = t.destination.clone() {
-                        match task::kill(&self.session, &key, None, &d, "task timeout").await {
+                        let now_ms = self.ex.clock.unix_micros() / 1000;
+                        match task::kill(&self.session, &key, None, &d, "task timeout", now_ms)
+                            .await
+                        {
                             Ok(_)
                             | Err(task::KillError::Busy(_))
                             | Err(task::KillError::NotFound(_)) => {}

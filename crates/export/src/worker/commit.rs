@@ -27,7 +27,17 @@ impl Run<'_> {
             return Ok(());
         };
         let metadata = t.metadata.clone();
-        match task::commit(&self.session, key, &metadata, &destination, self.name()).await {
+        let now_ms = self.ex.clock.unix_micros() / 1000;
+        match task::commit(
+            &self.session,
+            key,
+            &metadata,
+            &destination,
+            self.name(),
+            now_ms,
+        )
+        .await
+        {
             Ok(CommitOutcome::Completed(file)) => {
                 self.counters.commits += 1;
                 if let Some(t) = self.tasks.get_mut(key) {

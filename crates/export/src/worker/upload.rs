@@ -26,11 +26,7 @@ impl Run<'_> {
         let Some(destination) = t.destination.clone() else {
             return;
         };
-        let (settings, dir, table_id) = (
-            t.metadata.settings.clone(),
-            t.metadata.partition_dir.clone(),
-            t.metadata.table_id,
-        );
+        let (task, table_id) = (t.metadata.clone(), t.metadata.table_id);
         let (table, columns, schema_checked) = (
             t.metadata.table.clone(),
             t.metadata.columns.clone(),
@@ -48,11 +44,11 @@ impl Run<'_> {
                     PartFailure::Retryable(format!("part {part2} is no longer on this node"))
                 })?;
                 schema_checked
-                    .get_or_try_init(|| destination.claim_schema(&table, &columns))
+                    .get_or_try_init(|| {
+                        destination.claim_schema(&table, &columns, task.settings.format)
+                    })
                     .await?;
-                destination
-                    .write_part(&dir, &source, &settings, cpu, budget)
-                    .await
+                destination.write_part(&task, &source, cpu, budget).await
             }
             .await;
             Done {

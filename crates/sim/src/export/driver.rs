@@ -223,6 +223,7 @@ impl Sim {
             Some(&tx),
             &destination,
             "schedule",
+            self.world.clock.unix_micros() / 1000,
         )
         .await;
         let line = match &result {
