@@ -13,7 +13,7 @@ use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use ferry_coord::{CoordMetrics, CreateMode, EmbeddedSessions, SessionFactory};
 use ferry_env::{Cpu, Disk, RealDisk, SystemClock};
-use ferry_export::model::ExportSettings;
+use ferry_export::model::{ExportSettings, LakeFormat};
 use ferry_export::{
     Destinations, ExportRequest, Exporter, ExporterConfig, LocalParts, ReplicaSet, Requester,
     StorageDestinations, TaskStatus,
@@ -41,6 +41,15 @@ pub struct ExportBenchArgs {
     /// An S3 endpoint (moto) for the S3 half: a bucket is created there.
     #[arg(long, env = "FERRY_TEST_S3_ENDPOINT")]
     s3_endpoint: Option<String>,
+    /// iceberg: also export into an Iceberg table, next to the Parquet
+    /// destination of the same run, and time Iceberg commits of 1, 10 and
+    /// 100 partitions at once.
+    #[arg(long, default_value = "parquet")]
+    format: LakeFormat,
+    /// With --format iceberg: how many partitions commit at once, per
+    /// round of the commit-latency figures.
+    #[arg(long, value_delimiter = ',', default_value = "1,10,100")]
+    commit_partitions: Vec<usize>,
 }
 
 fn table() -> Table {
@@ -234,6 +243,10 @@ pub async fn export(args: ExportBenchArgs) -> anyhow::Result<()> {
         )
         .await?;
 
+    let formats: Vec<LakeFormat> = match args.format {
+        LakeFormat::Parquet => vec![LakeFormat::Parquet],
+        LakeFormat::Iceberg => vec![LakeFormat::Parquet, LakeFormat::Iceberg],
+    };
     for (what, base_url, s3) in &destinations {
         for nodes in [1usize, 2] {
             let concurrency = nodes * args.parallelism as usize;
@@ -273,62 +286,65 @@ pub async fn export(args: ExportBenchArgs) -> anyhow::Result<()> {
             }
             let raw_secs = started.elapsed().as_secs_f64();
 
-            // The export.
-            let url = format!("{base_url}/export{nodes}");
-            let dests: Arc<dyn Destinations> = Arc::new(StorageDestinations::new(
-                s3.clone(),
-                ferry_storage::LocalRoots::new([dir.path().join("lake")])?,
-            ));
-            let mut views = Vec::new();
-            let mut tasks = Vec::new();
-            for (n, replica) in replicas.iter().take(nodes).enumerate() {
-                let parts: Arc<dyn LocalParts> =
-                    Arc::new(ReplicaSet::new(vec![Arc::clone(replica)]));
-                let config = ExporterConfig::new(format!("bench{n}"));
-                let exporter = Exporter::new(
-                    config,
-                    Arc::clone(&sessions),
-                    Arc::new(SystemClock),
-                    Cpu::BlockingPool,
-                    parts,
-                    Arc::clone(&dests),
-                );
-                views.push(exporter.subscribe());
-                tasks.push(tokio::spawn(exporter.run()));
-            }
-            // Mirrors loaded before the clock starts.
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            let requester_parts = ReplicaSet::new(vec![Arc::clone(&replicas[0])]);
-            let before = metrics.snapshot().total_round_trips();
-            rustix::fs::sync();
-            let started = Instant::now();
-            let created = Requester {
-                session: &session,
-                sessions: sessions.as_ref(),
-                parts: &requester_parts,
-                destinations: dests.as_ref(),
-                replica_name: "bench0",
-                now_unix_millis: ferry_env::Clock::unix_micros(&SystemClock) / 1000,
-                random: nodes as u64,
-                commit_lsn: end,
-                wait: Duration::from_secs(30),
-            }
-            .export(&ExportRequest {
-                table: "bench".into(),
-                partition_id: "x".into(),
-                destination: url.clone(),
-                force: true,
-                settings: ExportSettings {
-                    parallelism: args.parallelism,
-                    ..ExportSettings::default()
-                },
-            })
-            .await
-            .with_context(|| format!("exporting to {url}"))?;
-            let request_secs = started.elapsed().as_secs_f64();
-            let view = &mut views[0];
-            let done =
-                loop {
+            // The export, to a Parquet destination and (with --format
+            // iceberg) to an Iceberg table.
+            let mut parquet_secs = None;
+            for format in formats.iter().copied() {
+                let url = format!("{base_url}/export{nodes}-{format}");
+                let dests: Arc<dyn Destinations> = Arc::new(StorageDestinations::new(
+                    s3.clone(),
+                    ferry_storage::LocalRoots::new([dir.path().join("lake")])?,
+                ));
+                let mut views = Vec::new();
+                let mut tasks = Vec::new();
+                for (n, replica) in replicas.iter().take(nodes).enumerate() {
+                    let parts: Arc<dyn LocalParts> =
+                        Arc::new(ReplicaSet::new(vec![Arc::clone(replica)]));
+                    let config = ExporterConfig::new(format!("bench{n}"));
+                    let exporter = Exporter::new(
+                        config,
+                        Arc::clone(&sessions),
+                        Arc::new(SystemClock),
+                        Cpu::BlockingPool,
+                        parts,
+                        Arc::clone(&dests),
+                    );
+                    views.push(exporter.subscribe());
+                    tasks.push(tokio::spawn(exporter.run()));
+                }
+                // Mirrors loaded before the clock starts.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let requester_parts = ReplicaSet::new(vec![Arc::clone(&replicas[0])]);
+                let before = metrics.snapshot().total_round_trips();
+                rustix::fs::sync();
+                let started = Instant::now();
+                let created = Requester {
+                    session: &session,
+                    sessions: sessions.as_ref(),
+                    parts: &requester_parts,
+                    destinations: dests.as_ref(),
+                    replica_name: "bench0",
+                    now_unix_millis: ferry_env::Clock::unix_micros(&SystemClock) / 1000,
+                    random: nodes as u64,
+                    commit_lsn: end,
+                    wait: Duration::from_secs(30),
+                }
+                .export(&ExportRequest {
+                    table: "bench".into(),
+                    partition_id: "x".into(),
+                    destination: url.clone(),
+                    force: true,
+                    settings: ExportSettings {
+                        parallelism: args.parallelism,
+                        format,
+                        ..ExportSettings::default()
+                    },
+                })
+                .await
+                .with_context(|| format!("exporting to {url}"))?;
+                let request_secs = started.elapsed().as_secs_f64();
+                let view = &mut views[0];
+                let done = loop {
                     if let Some(t) = view.borrow_and_update().tasks.iter().find(|t| {
                         t.transaction_id == created.transaction_id && t.status.is_terminal()
                     }) {
@@ -338,23 +354,33 @@ pub async fn export(args: ExportBenchArgs) -> anyhow::Result<()> {
                         .await
                         .context("the export took over 10 minutes")??;
                 };
-            let secs = started.elapsed().as_secs_f64();
-            let trips = metrics.snapshot().total_round_trips() - before;
-            anyhow::ensure!(
-                done.status == TaskStatus::Completed,
-                "the export ended {}",
-                done.status
-            );
-            let shares: Vec<u64> = views
-                .iter()
-                .map(|v| v.borrow().counters.parts_exported)
-                .collect();
-            for t in tasks {
-                t.abort();
-            }
-            let mb = total as f64 / 1e6;
-            say!(
-                "bench export: {what}, {nodes} node(s) x {} parts at once: export {:.2} s (the request {:.0} ms of it) = {:.0} MB/s; raw object_store writes of the same files {:.2} s = {:.0} MB/s; ratio {:.0}%; {:.2} coordination round trips per part (all nodes, request and commit included); parts per node {shares:?}",
+                let secs = started.elapsed().as_secs_f64();
+                let trips = metrics.snapshot().total_round_trips() - before;
+                anyhow::ensure!(
+                    done.status == TaskStatus::Completed,
+                    "the export ended {}",
+                    done.status
+                );
+                let shares: Vec<u64> = views
+                    .iter()
+                    .map(|v| v.borrow().counters.parts_exported)
+                    .collect();
+                for t in tasks {
+                    t.abort();
+                }
+                let mb = total as f64 / 1e6;
+                let versus_parquet = match parquet_secs {
+                    None => {
+                        parquet_secs = Some(secs);
+                        String::new()
+                    }
+                    Some(p) => format!(
+                        "; {:.0}% of the Parquet destination's rate",
+                        100.0 * p / secs
+                    ),
+                };
+                say!(
+                "bench export: {what}, {format}, {nodes} node(s) x {} parts at once: export {:.2} s (the request {:.0} ms of it) = {:.0} MB/s; raw object_store writes of the same files {:.2} s = {:.0} MB/s; ratio {:.0}%; {:.2} coordination round trips per part (all nodes, request and commit included); parts per node {shares:?}{versus_parquet}",
                 args.parallelism,
                 secs,
                 request_secs * 1000.0,
@@ -364,11 +390,86 @@ pub async fn export(args: ExportBenchArgs) -> anyhow::Result<()> {
                 100.0 * raw_secs / secs,
                 trips as f64 / created.parts_count as f64
             );
-            // The counters are per exporter run: restart them per row.
-            let _ = shares;
+                // The counters are per exporter run: restart them per row.
+                let _ = shares;
+            }
         }
     }
     session.close().await;
     store.shutdown().await;
+    if args.format == LakeFormat::Iceberg {
+        for (what, base_url, s3) in &destinations {
+            commit_latency(what, base_url, s3, &args.commit_partitions).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Iceberg commits of `n` partitions at once (one data file each, every
+/// committer racing the others for the next metadata version, a loser
+/// trying again on top of the winner as an exporter does), for each n of
+/// `rounds`: the time until all are committed, and per snapshot.
+async fn commit_latency(
+    what: &str,
+    base_url: &str,
+    s3: &S3Settings,
+    rounds: &[usize],
+) -> anyhow::Result<()> {
+    let def = table().def;
+    for n in rounds.iter().copied().filter(|n| *n > 0) {
+        let url = format!("{base_url}/commits{n}");
+        let iceberg = ferry_iceberg::IcebergTable::new(ferry_storage::open(&url, s3)?);
+        let started = Instant::now();
+        let mut committers = Vec::new();
+        for i in 0..n {
+            let (iceberg, def) = (iceberg.clone(), def.clone());
+            committers.push(tokio::spawn(async move {
+                let partition_id = format!("p{i}");
+                let partition = ferry_iceberg::PartitionValue::of(&def, &partition_id)?;
+                let commit = ferry_iceberg::Commit {
+                    transaction_id: format!("1700000000000-{i:016x}"),
+                    sequence: 1,
+                    create_time: 1_700_000_000,
+                    content_id: format!("content-{i}"),
+                    snapshot_lsn: 0,
+                    partition_id: partition_id.clone(),
+                    files: vec![ferry_iceberg::DataFileEntry::with_stats(
+                        format!("data/p={partition_id}/part.parquet"),
+                        partition,
+                        ferry_iceberg::FileStats {
+                            record_count: 1000,
+                            file_size_in_bytes: 30_000,
+                            ..Default::default()
+                        },
+                    )],
+                    timestamp_ms: 1_700_000_000_000,
+                };
+                let mut tries = 0u32;
+                loop {
+                    tries += 1;
+                    match iceberg.commit(&def, &commit).await {
+                        Ok(_) => return Ok::<_, anyhow::Error>((started.elapsed(), tries)),
+                        Err(ferry_iceberg::IcebergError::Contended(_)) => continue,
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+            }));
+        }
+        let mut latencies = Vec::new();
+        for c in committers {
+            latencies.push(c.await??);
+        }
+        let secs = started.elapsed().as_secs_f64();
+        latencies.sort();
+        let median = latencies[latencies.len() / 2].0.as_secs_f64();
+        let max = latencies.last().map_or(0.0, |l| l.0.as_secs_f64());
+        say!(
+            "bench export: {what}, Iceberg commits of {n} partition(s) at once: all in {:.3} s = {:.1} ms per snapshot; each committer waited {:.1} ms (median), {:.1} ms (longest)",
+            secs,
+            1000.0 * secs / n as f64,
+            1000.0 * median,
+            1000.0 * max
+        );
+    }
     Ok(())
 }

@@ -309,13 +309,13 @@ impl Requester<'_> {
         // task exists (a worker checks again before its first upload).
         match destination.schema().await {
             Ok(Some(found)) if found.lake_format != req.settings.format => {
-                return Err(RequestError::Destination {
+                return Err(RequestError::SchemaMismatch {
                     url: destination.url().to_string(),
                     detail: format!(
-                        "it is a {} destination (an export of table {:?} made it so), and this \
-                         export's format is {}; export to another destination",
-                        found.lake_format, found.table, req.settings.format
+                        "its format is {}, this export's {}",
+                        found.lake_format, req.settings.format
                     ),
+                    table: found.table,
                 });
             }
             Ok(Some(found)) => {

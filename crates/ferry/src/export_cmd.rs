@@ -587,17 +587,23 @@ async fn iceberg_files(
     version: u64,
     meta: &ferry_iceberg::spec::TableMetadata,
 ) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        args.partition.is_none(),
-        "{} is an Iceberg table: --partition is not supported for Iceberg tables yet (read every file, or filter in the reader)",
-        args.url
-    );
     let mut files = table
         .files()
         .await
         .with_context(|| format!("reading {}", args.url))?;
     files.sort_by(|a, b| a.path.cmp(&b.path));
     let base = table.location().url().trim_end_matches('/').to_string();
+    if let Some(partition) = &args.partition {
+        // ferry writes a partition's files under `data/<column>[_<transform>]=<id>/`.
+        files.retain(|f| {
+            table
+                .key_of(&f.path)
+                .strip_prefix("data/")
+                .and_then(|rest| rest.split('/').next())
+                .and_then(|folder| folder.split_once('='))
+                .is_some_and(|(_, id)| id == partition)
+        });
+    }
     let name = |url: &str| -> String {
         if args.full {
             url.strip_prefix("file://").unwrap_or(url).to_string()

@@ -323,8 +323,25 @@ fn ingest_benchmark_runs_at_a_tiny_size() {
 #[test]
 fn export_benchmark_runs_at_a_tiny_size() {
     bench_smoke(
-        &["export", "--mib", "4", "--parts", "8"],
-        &["local folder, 1 node(s)", "local folder, 2 node(s)"],
+        &[
+            "export",
+            "--mib",
+            "4",
+            "--parts",
+            "8",
+            "--format",
+            "iceberg",
+            "--commit-partitions",
+            "1,10",
+        ],
+        &[
+            "local folder, parquet, 1 node(s)",
+            "local folder, parquet, 2 node(s)",
+            "local folder, iceberg, 1 node(s)",
+            "local folder, iceberg, 2 node(s)",
+            "of the Parquet destination's rate",
+            "Iceberg commits of 10 partition(s) at once",
+        ],
     );
 }
 

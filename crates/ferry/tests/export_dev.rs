@@ -593,6 +593,9 @@ fn an_iceberg_export_is_read_once_by_lake_readers_before_and_after_a_re_export()
     // A Parquet export into the Iceberg table's folder is refused.
     let (ok, out, err) = ferry(&["export", "t", "b", "--to", &lake_url, "--force"], &url);
     assert!(!ok, "{out}");
-    assert!(err.contains("iceberg destination"), "{err}");
+    assert!(
+        err.contains("its format is iceberg, this export's parquet"),
+        "{err}"
+    );
     dev.stop();
 }

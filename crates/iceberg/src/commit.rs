@@ -238,16 +238,14 @@ impl IcebergTable {
     }
 
     /// The key under the table of a URL the metadata records.
-    pub(crate) fn key_of<'a>(&self, url: &'a str) -> &'a str {
+    pub fn key_of<'a>(&self, url: &'a str) -> &'a str {
         let base = self.location.url().trim_end_matches('/');
         url.strip_prefix(base)
             .map_or(url, |rest| rest.trim_start_matches('/'))
     }
 
-    pub(crate) async fn manifests(
-        &self,
-        snapshot: &Snapshot,
-    ) -> Result<Vec<ManifestFile>, IcebergError> {
+    /// The manifests of a snapshot, from its manifest list.
+    pub async fn manifests(&self, snapshot: &Snapshot) -> Result<Vec<ManifestFile>, IcebergError> {
         let body = self
             .location
             .get(self.key_of(&snapshot.manifest_list))
@@ -255,7 +253,8 @@ impl IcebergTable {
         read_manifest_list(&body)
     }
 
-    pub(crate) async fn entries(
+    /// The entries of a manifest.
+    pub async fn entries(
         &self,
         manifest: &ManifestFile,
     ) -> Result<Vec<ManifestEntry>, IcebergError> {

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use arrow::array::AsArray;
 use arrow::datatypes::Int64Type;
 use ferry_coord::Session;
-use ferry_export::model::{CommitFile, TaskKey, TaskStatus};
+use ferry_export::model::{CommitFile, LakeFormat, TaskKey, TaskStatus};
 use ferry_storage::Location;
 
 use super::{Failure, Sim};
@@ -52,7 +52,11 @@ impl Sim {
         Ok(out)
     }
 
-    pub(super) async fn check(&mut self, checker: &Session) -> Result<(usize, usize), Failure> {
+    /// Commit files checked, tasks killed, Iceberg snapshots checked.
+    pub(super) async fn check(
+        &mut self,
+        checker: &Session,
+    ) -> Result<(usize, usize, usize), Failure> {
         let tasks = self.tasks(checker).await.map_err(|e| self.fail(e))?;
         let store = Location::from_store("sim://lake", self.world.lake_store.truth(), "")
             .map_err(|e| self.fail(format!("the lake: {e}")))?;
@@ -214,14 +218,20 @@ impl Sim {
                 }
             }
         }
-        // Every task: terminal, and COMPLETED unless the schedule killed it.
-        for (tx, (key, status, _)) in &tasks {
+        let snapshots = self.check_iceberg(&tasks).await?.snapshots;
+        // Every task: terminal, and COMPLETED unless the schedule killed it
+        // (with a commit file in a Parquet destination; an Iceberg one's
+        // are checked above).
+        for (tx, (key, status, metadata)) in &tasks {
+            let iceberg = metadata
+                .as_ref()
+                .is_some_and(|m| m.settings.format == LakeFormat::Iceberg);
             let asked = self.asked.get(tx);
             let committed = objects
                 .iter()
                 .any(|(k, _)| is_commit(k) && k.ends_with(tx.as_str()));
             match status {
-                Some(TaskStatus::Completed) if !committed => {
+                Some(TaskStatus::Completed) if !committed && !iceberg => {
                     return Err(self.fail(format!("{key} {tx} is COMPLETED without a commit file")))
                 }
                 Some(TaskStatus::Completed) => {}
@@ -239,7 +249,7 @@ impl Sim {
             }
         }
         self.check_ephemerals(checker).await?;
-        Ok((completed, killed))
+        Ok((completed, killed, snapshots))
     }
 
     /// No lock outlives its owner's session: every ephemeral node of the

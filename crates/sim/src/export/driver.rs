@@ -71,15 +71,16 @@ impl Sim {
         let Ok(objects) = store.list("").await else {
             return;
         };
-        let txs: Vec<String> = objects
+        let mut txs: Vec<String> = objects
             .iter()
             .filter_map(|(k, _)| {
                 let file = k.rsplit('/').next()?;
                 let tx = file.strip_prefix("commit_")?;
                 tx.get(tx.len().checked_sub(30)?..).map(str::to_string)
             })
-            .filter(|tx| self.asked.contains_key(tx) && !self.killed_on_commit.contains(tx))
             .collect();
+        txs.extend(self.iceberg_committed_now().await);
+        txs.retain(|tx| self.asked.contains_key(tx) && !self.killed_on_commit.contains(tx));
         for tx in txs {
             self.killed_on_commit.insert(tx.clone());
             if !self.world.rng.random_bool(0.5) {
@@ -106,6 +107,7 @@ impl Sim {
             return;
         };
         let partition = PARTITIONS[partition].to_string();
+        let destination_index = destination;
         let destination = DESTINATIONS[destination].to_string();
         let end = Lsn(self.wal.len() as u64);
         let random: u64 = self.world.rng.random();
@@ -155,6 +157,7 @@ impl Sim {
             destination: destination.clone(),
             force,
             settings: ExportSettings {
+                format: self.format_of(destination_index),
                 retry_initial_backoff_ms: 100,
                 retry_max_backoff_ms: 1000,
                 ttl_seconds: 86_400,
@@ -319,6 +322,8 @@ pub fn run_seed(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
 
 async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
     let mut rng = SmallRng::seed_from_u64(seed ^ 0x6578_706f_7274_2121);
+    let mut upkeep_rng = SmallRng::seed_from_u64(seed ^ 0x6963_6562_6572_6721);
+    let iceberg = upkeep_rng.random_bool(0.5);
     let events = generate(&mut rng);
     let world = World::new(
         seed,
@@ -351,8 +356,16 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         asked: BTreeMap::new(),
         killed_on_commit: BTreeSet::new(),
         crashes: 0,
+        iceberg,
+        upkeep_rng,
     };
     sim.log(format!("seed {seed}: {} events", events.len()));
+    if iceberg {
+        sim.log(format!(
+            "{} is an Iceberg table",
+            DESTINATIONS[super::ICEBERG_DESTINATION]
+        ));
+    }
     let setup = sim.own_session("setup").await?;
     // The table exists before anything runs (set up without faults).
     let mut attempts = 0;
@@ -392,15 +405,16 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         while tokio::time::Instant::now() + COMMIT_WATCH_STEP < due {
             tokio::time::sleep(COMMIT_WATCH_STEP).await;
             sim.kill_on_commit_file().await;
+            sim.maybe_expire_snapshots().await;
         }
         tokio::time::sleep_until(due).await;
         sim.log(format!("{event:?}"));
         sim.apply(event).await?;
     }
     let checker = sim.settle().await?;
-    let (completed, killed) = sim.check(&checker).await?;
+    let (completed, killed, snapshots) = sim.check(&checker).await?;
     sim.log(format!(
-        "settled: {} exports asked, {completed} commit files checked, {killed} killed",
+        "settled: {} exports asked, {completed} commit files checked, {snapshots} Iceberg snapshots checked, {killed} killed",
         sim.asked.len()
     ));
     stop_all(&mut sim.nodes).await;
@@ -409,6 +423,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         run: sim.world.finish(events.len()),
         exports: sim.asked.len(),
         completed,
+        snapshots,
         killed,
         crashes: sim.crashes,
         injected_object_faults,

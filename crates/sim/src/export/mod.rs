@@ -23,6 +23,13 @@
 //!   part name);
 //! * a reader of the lake reads, of every partition, its current commit,
 //!   which holds every row any commit of the partition holds;
+//! * in half of the runs the second destination is an Iceberg table
+//!   (commits race on its metadata versions; snapshots are expired now and
+//!   then): every export is committed in at most one snapshot, and that
+//!   snapshot holds the partition's rows as of the request, each once; the
+//!   current snapshot holds each partition's current export; versions are
+//!   contiguous (none overwritten); a COMPLETED export was committed, or
+//!   its content or a later export of the partition already was;
 //! * no lock of the export protocol (cleanup, commit and part locks, worker
 //!   registrations) outlives its owner's session.
 //!
@@ -35,6 +42,7 @@
 
 mod checks;
 mod driver;
+mod iceberg;
 mod nodes;
 mod schedule;
 
@@ -44,10 +52,12 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use ferry_coord::{Session, SessionFactory};
+use ferry_export::model::LakeFormat;
 use ferry_export::Destinations;
 use ferry_storage::{Location, StorageError};
 use ferry_table::Table;
 use ferry_wal::Lsn;
+use rand::rngs::SmallRng;
 use tokio::sync::watch;
 
 pub use driver::run_seed;
@@ -60,6 +70,8 @@ const TABLE_ID: u64 = 1;
 const PARTITIONS: [&str; 3] = ["p0", "p1", "p2"];
 /// Destinations: two prefixes of the simulated lake.
 const DESTINATIONS: [&str; 2] = ["sim://lake/d0", "sim://lake/d1"];
+/// The destination that is an Iceberg table in Iceberg runs.
+const ICEBERG_DESTINATION: usize = 1;
 const SESSION_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often, between events, the schedule looks for new commit files.
 const COMMIT_WATCH_STEP: Duration = Duration::from_millis(50);
@@ -114,6 +126,8 @@ pub struct Outcome {
     pub run: Run,
     pub exports: usize,
     pub completed: usize,
+    /// Iceberg snapshots checked.
+    pub snapshots: usize,
     pub killed: usize,
     pub crashes: usize,
     pub injected_object_faults: u64,
@@ -138,6 +152,7 @@ impl crate::seeds::Workload for Export {
         vec![
             format!("{} exports asked", o.exports),
             format!("{} commit files checked", o.completed),
+            format!("{} Iceberg snapshots checked", o.snapshots),
             format!("{} killed", o.killed),
             format!("{} crashes", o.crashes),
             format!("{} object faults", o.injected_object_faults),
@@ -149,6 +164,7 @@ impl crate::seeds::Workload for Export {
         vec![
             format!("{} exports asked", sum(|o| o.exports)),
             format!("{} commit files checked", sum(|o| o.completed)),
+            format!("{} Iceberg snapshots checked", sum(|o| o.snapshots)),
             format!("{} killed", sum(|o| o.killed)),
             format!("{} crashes", sum(|o| o.crashes)),
         ]
@@ -169,6 +185,13 @@ struct Sim {
     /// Exports whose commit file the schedule saw (and maybe killed).
     killed_on_commit: BTreeSet<String>,
     crashes: usize,
+    /// Whether the second destination is an Iceberg table (half of the
+    /// runs); the first is always Parquet with commit files.
+    iceberg: bool,
+    /// Draws the lake upkeep (snapshot expiry) of Iceberg runs, apart from
+    /// the world's generator so that Parquet runs draw what they drew
+    /// before Iceberg existed.
+    upkeep_rng: SmallRng,
 }
 
 impl Sim {
@@ -194,5 +217,14 @@ impl Sim {
 
     fn lake(&self) -> Lake {
         Lake(Arc::new(self.world.lake_store.clone()))
+    }
+
+    /// The format of destination `d` in this run.
+    fn format_of(&self, d: usize) -> LakeFormat {
+        if self.iceberg && d == ICEBERG_DESTINATION {
+            LakeFormat::Iceberg
+        } else {
+            LakeFormat::Parquet
+        }
     }
 }
