@@ -243,6 +243,12 @@ impl Destination {
         let local = |e: &dyn std::fmt::Display| {
             PartFailure::Retryable(format!("reading local part {}: {e}", source.path))
         };
+        if let (Some(target), true) = (&iceberg, settings.copies_parts()) {
+            let (size, crc, stats) = self
+                .copy_with_field_ids(&key, source, target, settings, cpu, budget)
+                .await?;
+            return Ok(file(size, crc, Some(stats)));
+        }
         if settings.copies_parts() {
             let len = meta.bytes;
             if len <= budget.part_bytes as u64 {
@@ -364,6 +370,109 @@ impl Destination {
             .map_err(|e| classify(&e))?;
         upload.finish().await.map_err(|e| classify(&e))?;
         Ok(file(out.bytes, crc, stats))
+    }
+
+    /// Writes a part as a data file of an Iceberg table: its bytes up to its
+    /// footer as they are, then its footer with the table's field ids
+    /// ([`ferry_iceberg::footer_with_field_ids`]); the statistics come from
+    /// the part's footer. Returns the file's size, crc32c and statistics.
+    async fn copy_with_field_ids(
+        &self,
+        key: &str,
+        source: &SourcePart,
+        target: &IcebergTarget,
+        settings: &ExportSettings,
+        cpu: Cpu,
+        budget: UploadBudget,
+    ) -> Result<(u64, u32, ferry_iceberg::FileStats), PartFailure> {
+        let local = |e: &dyn std::fmt::Display| {
+            PartFailure::Retryable(format!("reading local part {}: {e}", source.path))
+        };
+        let len = source.meta.bytes;
+        if len < 12 {
+            return Err(local(&"too short for Parquet"));
+        }
+        let tail = source
+            .disk
+            .read_range(&source.path, len - 8, 8)
+            .await
+            .map_err(|e| local(&e))?;
+        if tail.len() != 8 || &tail[4..] != b"PAR1" {
+            return Err(local(&"no Parquet footer"));
+        }
+        let footer_len = u64::from(u32::from_le_bytes([tail[0], tail[1], tail[2], tail[3]]));
+        let body_len = len
+            .checked_sub(8 + footer_len)
+            .ok_or_else(|| local(&"footer longer than the file"))?;
+        let footer = source
+            .disk
+            .read_range(&source.path, body_len, footer_len as usize)
+            .await
+            .map_err(|e| local(&e))?;
+        let def = target.def.clone();
+        let (parquet_meta, new_footer) = cpu
+            .run(move || {
+                let m = parquet::file::metadata::ParquetMetaDataReader::decode_metadata(&footer)
+                    .map_err(|e| PartFailure::Retryable(format!("part footer: {e}")))?;
+                let f = ferry_iceberg::footer_with_field_ids(&def, &m)
+                    .map_err(|e| PartFailure::Fatal(e.to_string()))?;
+                Ok::<_, PartFailure>((m, f))
+            })
+            .await?;
+        let size = body_len + new_footer.len() as u64;
+        let stats = target.stats(&parquet_meta, size)?;
+        if size <= budget.part_bytes as u64 {
+            let mut data = source
+                .disk
+                .read_range(&source.path, 0, body_len as usize)
+                .await
+                .map_err(|e| local(&e))?;
+            if data.len() as u64 != body_len {
+                return Err(local(&"the file is shorter than its footer says"));
+            }
+            data.extend_from_slice(&new_footer);
+            let crc = crc32c::crc32c(&data);
+            if let Some(existing) = self.put_small(key, Bytes::from(data), settings).await? {
+                // Another writer's copy, which may differ byte for byte.
+                let crc = file_crc32c(&self.location, key, existing)
+                    .await
+                    .map_err(|e| classify(&e))?;
+                let stats = target.stats_of_file(&self.location, key, existing).await?;
+                return Ok((existing, crc, stats));
+            }
+            return Ok((size, crc, stats));
+        }
+        let mut upload = self
+            .location
+            .upload(key, budget)
+            .await
+            .map_err(|e| classify(&e))?;
+        let mut at = 0u64;
+        let mut crc = 0u32;
+        while at < body_len {
+            let n = (body_len - at).min(COPY_CHUNK_BYTES as u64) as usize;
+            let chunk = source
+                .disk
+                .read_range(&source.path, at, n)
+                .await
+                .map_err(|e| local(&e))?;
+            if chunk.len() != n {
+                return Err(local(&"the file is shorter than its footer says"));
+            }
+            crc = crc32c::crc32c_append(crc, &chunk);
+            upload
+                .write(Bytes::from(chunk))
+                .await
+                .map_err(|e| classify(&e))?;
+            at += n as u64;
+        }
+        crc = crc32c::crc32c_append(crc, &new_footer);
+        upload
+            .write(Bytes::from(new_footer))
+            .await
+            .map_err(|e| classify(&e))?;
+        upload.finish().await.map_err(|e| classify(&e))?;
+        Ok((size, crc, stats))
     }
 
     /// Writes a small file; `Some(size)` when another writer's file was

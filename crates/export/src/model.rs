@@ -326,11 +326,10 @@ impl ExportSettings {
         Ok(())
     }
 
-    /// Whether exported files are the parts' own bytes (an Iceberg table's
-    /// files carry field ids, which parts do not).
+    /// Whether exported files are the parts' own bytes (for an Iceberg
+    /// table, up to the footer, which is written again with field ids).
     pub fn copies_parts(&self) -> bool {
-        self.format == LakeFormat::Parquet
-            && self.compression == Compression::Zstd
+        self.compression == Compression::Zstd
             && self.row_group_rows == ferry_replica::part::ROW_GROUP_ROWS as u64
     }
 

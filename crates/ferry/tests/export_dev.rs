@@ -590,6 +590,38 @@ fn an_iceberg_export_is_read_once_by_lake_readers_before_and_after_a_re_export()
     assert_eq!(hint(), 3);
     assert!(!root.join("metadata/v4.metadata.json").exists());
 
+    // Re-encoded (another compression) rather than copied: the same rows.
+    let root2 = dev.data.join("lake/ice-snappy");
+    let url2 = format!("file://{}", root2.display());
+    ferry_ok(
+        &[
+            "export",
+            "t",
+            "a",
+            "--to",
+            &url2,
+            "--format",
+            "iceberg",
+            "--compression",
+            "snappy",
+            "--wait",
+        ],
+        &url,
+    );
+    let meta2 = root2
+        .join("metadata/v1.metadata.json")
+        .display()
+        .to_string();
+    if let Some(got) = ferry_testkit::services::iceberg_row_counts(&meta2, "p", None) {
+        assert_eq!(got["pyiceberg"], serde_json::json!({"a": 80}), "{got}");
+        assert_eq!(got["duckdb"], serde_json::json!({"a": 80}), "{got}");
+    }
+    let verified = ferry_ok(&["verify", &url2], &url);
+    assert!(
+        verified.contains("1 data files checked, 80 rows"),
+        "{verified}"
+    );
+
     // A Parquet export into the Iceberg table's folder is refused.
     let (ok, out, err) = ferry(&["export", "t", "b", "--to", &lake_url, "--force"], &url);
     assert!(!ok, "{out}");

@@ -182,8 +182,7 @@ impl IcebergTable {
 
     /// The current version and its metadata (`None`: no table yet).
     pub async fn current(&self) -> Result<Option<(u64, TableMetadata)>, IcebergError> {
-        let listed = self.location.list(METADATA_DIR).await?;
-        let Some(version) = listed.iter().filter_map(|(k, _)| version_of(k)).max() else {
+        let Some(version) = self.newest_version().await? else {
             return Ok(None);
         };
         // Every caller writes `version + 1`: a file named past any version a
@@ -195,6 +194,37 @@ impl IcebergTable {
             });
         }
         Ok(Some((version, self.read_version(version).await?)))
+    }
+
+    /// The newest version: from the hint forward when there is one (a hint
+    /// is written after its version was created, and versions are never
+    /// removed, so the newest is the hint or after it; racing writers may
+    /// leave an older hint, which costs a few more steps), else from a
+    /// listing of the metadata (which grows with the table's history).
+    async fn newest_version(&self) -> Result<Option<u64>, IcebergError> {
+        let hinted = match self.location.get(VERSION_HINT).await {
+            Ok(body) => std::str::from_utf8(&body)
+                .ok()
+                .and_then(|s| s.trim().parse::<u64>().ok()),
+            Err(StorageError::NotFound { .. }) => None,
+            Err(e) => return Err(e.into()),
+        };
+        if let Some(mut version) = hinted.filter(|v| (1..MAX_VERSION).contains(v)) {
+            if self.location.size(&metadata_key(version)).await?.is_some() {
+                while version < MAX_VERSION
+                    && self
+                        .location
+                        .size(&metadata_key(version + 1))
+                        .await?
+                        .is_some()
+                {
+                    version += 1;
+                }
+                return Ok(Some(version));
+            }
+        }
+        let listed = self.location.list(METADATA_DIR).await?;
+        Ok(listed.iter().filter_map(|(k, _)| version_of(k)).max())
     }
 
     async fn read_version(&self, version: u64) -> Result<TableMetadata, IcebergError> {

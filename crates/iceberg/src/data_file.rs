@@ -220,3 +220,75 @@ fn less(ty: ColumnType, a: &[u8], b: &[u8]) -> bool {
         ColumnType::Boolean | ColumnType::Utf8 => a < b,
     }
 }
+
+/// The footer (metadata, its length and the magic) of a Parquet file of the
+/// table whose data pages are `metadata`'s file's, with each column's
+/// Iceberg field id set: a part written by a replica becomes a data file of
+/// the table by copying its bytes up to its footer and appending this one
+/// (the pages, their offsets and the statistics are unchanged).
+pub fn footer_with_field_ids(
+    def: &TableDef,
+    metadata: &ParquetMetaData,
+) -> Result<Vec<u8>, IcebergError> {
+    use parquet::file::metadata::{FileMetaData, ParquetMetaDataWriter};
+    use parquet::schema::types::{SchemaDescriptor, Type};
+    use std::sync::Arc;
+
+    let file = metadata.file_metadata();
+    let root = file.schema();
+    let fields = root.get_fields();
+    let names: Vec<&str> = fields.iter().map(|f| f.name()).collect();
+    let want: Vec<&str> = def.columns.iter().map(|c| c.name.as_str()).collect();
+    if names != want {
+        return Err(IcebergError::Table(format!(
+            "a file with columns {names:?} is not of table {}'s {want:?}",
+            def.name
+        )));
+    }
+    let mut with_ids = Vec::with_capacity(fields.len());
+    for (i, field) in fields.iter().enumerate() {
+        let Type::PrimitiveType {
+            basic_info,
+            physical_type,
+            type_length,
+            scale,
+            precision,
+        } = field.as_ref()
+        else {
+            return Err(IcebergError::Table(format!(
+                "column {} is not a primitive column",
+                field.name()
+            )));
+        };
+        let id = i32::try_from(i + 1).unwrap_or(i32::MAX);
+        let typed = Type::primitive_type_builder(basic_info.name(), *physical_type)
+            .with_repetition(basic_info.repetition())
+            .with_converted_type(basic_info.converted_type())
+            .with_logical_type(basic_info.logical_type_ref().cloned())
+            .with_length(*type_length)
+            .with_precision(*precision)
+            .with_scale(*scale)
+            .with_id(Some(id))
+            .build()
+            .map_err(parquet_error)?;
+        with_ids.push(Arc::new(typed));
+    }
+    let root = Type::group_type_builder(root.name())
+        .with_fields(with_ids)
+        .build()
+        .map_err(parquet_error)?;
+    let file_metadata = FileMetaData::new(
+        file.version(),
+        file.num_rows(),
+        file.created_by().map(str::to_string),
+        file.key_value_metadata().cloned(),
+        Arc::new(SchemaDescriptor::new(Arc::new(root))),
+        file.column_orders().cloned(),
+    );
+    let rewritten = ParquetMetaData::new(file_metadata, metadata.row_groups().to_vec());
+    let mut out = Vec::new();
+    ParquetMetaDataWriter::new(&mut out, &rewritten)
+        .finish()
+        .map_err(parquet_error)?;
+    Ok(out)
+}

@@ -37,7 +37,9 @@ pub mod upkeep;
 pub mod verify;
 
 pub use commit::{Commit, CommitOutcome, CurrentExport, IcebergTable};
-pub use data_file::{encode_data_file, entry_from_footer, read_footer, EncodedDataFile};
+pub use data_file::{
+    encode_data_file, entry_from_footer, footer_with_field_ids, read_footer, EncodedDataFile,
+};
 pub use manifest::{DataFileEntry, FileStats};
 pub use table::PartitionValue;
 pub use upkeep::{ExpireOutcome, RemovedOrphans};

@@ -203,8 +203,24 @@ async fn a_re_export_replaces_its_partition_and_retries_change_nothing() {
     );
     read_with_lake_readers(&loc, &[("202406", 7), ("202407", 3)]);
 
-    // A metadata file named past any version a table reaches: a clear
-    // error, nothing written.
+    // A hint a slower writer left behind: the newest version is found from
+    // it, and the next commit lands after it.
+    loc.put("metadata/version-hint.text", Bytes::from_static(b"1"))
+        .await
+        .expect("put");
+    let out = table
+        .commit(&def, &commit("1003-e", 3, "202407", Vec::new()))
+        .await
+        .expect("commit");
+    assert!(
+        matches!(out, CommitOutcome::Committed { version: 4, .. }),
+        "{out:?}"
+    );
+    // A metadata file named past any version a table reaches, found by a
+    // listing (no hint to start from): a clear error, nothing written.
+    loc.delete("metadata/version-hint.text")
+        .await
+        .expect("delete the hint");
     loc.put_create(
         "metadata/v18446744073709551615.metadata.json",
         Bytes::from_static(b"{}"),
