@@ -405,10 +405,12 @@ pub async fn export(args: ExportBenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Iceberg commits of `n` partitions at once (one data file each, every
-/// committer racing the others for the next metadata version, a loser
-/// trying again on top of the winner as an exporter does), for each n of
-/// `rounds`: the time until all are committed, and per snapshot.
+/// Iceberg commits of `n` partitions at once (one data file each), for each
+/// n of `rounds`: the time until all are committed, per snapshot, and what
+/// each committer waited. Twice: as `n` committers of as many nodes, every
+/// one racing the others for the next metadata version (a loser tries again
+/// on top of the winner), and as one node's commits through its
+/// `CommitQueue` (those waiting share the next version).
 async fn commit_latency(
     what: &str,
     base_url: &str,
@@ -417,59 +419,67 @@ async fn commit_latency(
 ) -> anyhow::Result<()> {
     let def = table().def;
     for n in rounds.iter().copied().filter(|n| *n > 0) {
-        let url = format!("{base_url}/commits{n}");
-        let iceberg = ferry_iceberg::IcebergTable::new(ferry_storage::open(&url, s3)?);
-        let started = Instant::now();
-        let mut committers = Vec::new();
-        for i in 0..n {
-            let (iceberg, def) = (iceberg.clone(), def.clone());
-            committers.push(tokio::spawn(async move {
-                let partition_id = format!("p{i}");
-                let partition = ferry_iceberg::PartitionValue::of(&def, &partition_id)?;
-                let commit = ferry_iceberg::Commit {
-                    transaction_id: format!("1700000000000-{i:016x}"),
-                    sequence: 1,
-                    create_time: 1_700_000_000,
-                    content_id: format!("content-{i}"),
-                    snapshot_lsn: 0,
-                    partition_id: partition_id.clone(),
-                    files: vec![ferry_iceberg::DataFileEntry::with_stats(
-                        format!("data/p={partition_id}/part.parquet"),
-                        partition,
-                        ferry_iceberg::FileStats {
-                            record_count: 1000,
-                            file_size_in_bytes: 30_000,
-                            ..Default::default()
-                        },
-                    )],
-                    timestamp_ms: 1_700_000_000_000,
-                };
-                let mut tries = 0u32;
-                loop {
-                    tries += 1;
-                    match iceberg.commit(&def, &commit).await {
-                        Ok(_) => return Ok::<_, anyhow::Error>((started.elapsed(), tries)),
-                        Err(ferry_iceberg::IcebergError::Contended(_)) => continue,
-                        Err(e) => return Err(e.into()),
+        for queued in [false, true] {
+            let how = if queued { "queued" } else { "racing" };
+            let url = format!("{base_url}/commits{n}-{how}");
+            let iceberg = ferry_iceberg::IcebergTable::new(ferry_storage::open(&url, s3)?);
+            let queue = Arc::new(ferry_iceberg::CommitQueue::new());
+            let started = Instant::now();
+            let mut committers = Vec::new();
+            for i in 0..n {
+                let (iceberg, def, queue) = (iceberg.clone(), def.clone(), Arc::clone(&queue));
+                committers.push(tokio::spawn(async move {
+                    let partition_id = format!("p{i}");
+                    let partition = ferry_iceberg::PartitionValue::of(&def, &partition_id)?;
+                    let commit = ferry_iceberg::Commit {
+                        transaction_id: format!("1700000000000-{i:016x}"),
+                        sequence: 1,
+                        create_time: 1_700_000_000,
+                        content_id: format!("content-{i}"),
+                        snapshot_lsn: 0,
+                        partition_id: partition_id.clone(),
+                        files: vec![ferry_iceberg::DataFileEntry::with_stats(
+                            format!("data/p={partition_id}/part.parquet"),
+                            partition,
+                            ferry_iceberg::FileStats {
+                                record_count: 1000,
+                                file_size_in_bytes: 30_000,
+                                ..Default::default()
+                            },
+                        )],
+                        timestamp_ms: 1_700_000_000_000,
+                    };
+                    loop {
+                        let result = if queued {
+                            queue.commit(&iceberg, &def, commit.clone()).await
+                        } else {
+                            iceberg.commit(&def, &commit).await
+                        };
+                        match result {
+                            Ok(_) => return Ok::<_, anyhow::Error>(started.elapsed()),
+                            Err(e) if e.is_retryable() => continue,
+                            Err(e) => return Err(e.into()),
+                        }
                     }
-                }
-            }));
+                }));
+            }
+            let mut latencies = Vec::new();
+            for c in committers {
+                latencies.push(c.await??);
+            }
+            let secs = started.elapsed().as_secs_f64();
+            latencies.sort();
+            let median = latencies[latencies.len() / 2].as_secs_f64();
+            let max = latencies.last().map_or(0.0, |l| l.as_secs_f64());
+            let versions = iceberg.current().await?.map_or(0, |(v, _)| v);
+            say!(
+                "bench export: {what}, Iceberg commits of {n} partition(s) at once, {how}: all in {:.3} s = {:.1} ms per snapshot, {versions} metadata versions; each committer waited {:.1} ms (median), {:.1} ms (longest)",
+                secs,
+                1000.0 * secs / n as f64,
+                1000.0 * median,
+                1000.0 * max
+            );
         }
-        let mut latencies = Vec::new();
-        for c in committers {
-            latencies.push(c.await??);
-        }
-        let secs = started.elapsed().as_secs_f64();
-        latencies.sort();
-        let median = latencies[latencies.len() / 2].0.as_secs_f64();
-        let max = latencies.last().map_or(0.0, |l| l.0.as_secs_f64());
-        say!(
-            "bench export: {what}, Iceberg commits of {n} partition(s) at once: all in {:.3} s = {:.1} ms per snapshot; each committer waited {:.1} ms (median), {:.1} ms (longest)",
-            secs,
-            1000.0 * secs / n as f64,
-            1000.0 * median,
-            1000.0 * max
-        );
     }
     Ok(())
 }

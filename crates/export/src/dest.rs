@@ -64,15 +64,29 @@ pub struct SourcePart {
     pub shard: Option<u32>,
 }
 
-/// An export destination (Hive layout).
+/// An export destination (Hive layout, or an Iceberg table).
 #[derive(Clone)]
 pub struct Destination {
     location: Location,
+    /// The node's Iceberg commits, gathered per table (without one, each
+    /// commit races for its own version).
+    commits: Option<Arc<ferry_iceberg::CommitQueue>>,
 }
 
 impl Destination {
     pub fn new(location: Location) -> Destination {
-        Destination { location }
+        Destination {
+            location,
+            commits: None,
+        }
+    }
+
+    /// Commits to an Iceberg table go through `queue`.
+    pub fn with_commit_queue(self, queue: Arc<ferry_iceberg::CommitQueue>) -> Destination {
+        Destination {
+            commits: Some(queue),
+            ..self
+        }
     }
 
     pub fn url(&self) -> &str {
@@ -567,7 +581,11 @@ impl Destination {
             timestamp_ms: i64::try_from(now_ms).unwrap_or(i64::MAX),
         };
         let table = ferry_iceberg::IcebergTable::new(self.location.clone());
-        let outcome = table.commit(&target.def, &iceberg).await.map_err(|e| {
+        let outcome = match &self.commits {
+            Some(queue) => queue.commit(&table, &target.def, iceberg).await,
+            None => table.commit(&target.def, &iceberg).await,
+        };
+        let outcome = outcome.map_err(|e| {
             if e.is_retryable() {
                 PartFailure::Retryable(e.to_string())
             } else {

@@ -340,7 +340,8 @@ fn export_benchmark_runs_at_a_tiny_size() {
             "local folder, iceberg, 1 node(s)",
             "local folder, iceberg, 2 node(s)",
             "of the Parquet destination's rate",
-            "Iceberg commits of 10 partition(s) at once",
+            "Iceberg commits of 10 partition(s) at once, racing",
+            "Iceberg commits of 10 partition(s) at once, queued",
         ],
     );
 }

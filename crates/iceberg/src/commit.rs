@@ -302,26 +302,75 @@ impl IcebergTable {
         def: &TableDef,
         commit: &Commit,
     ) -> Result<CommitOutcome, IcebergError> {
-        let partition = PartitionValue::of(def, &commit.partition_id)?;
+        self.commit_all(def, std::slice::from_ref(commit))
+            .await?
+            .pop()
+            .unwrap_or(Err(IcebergError::Contended(0)))
+    }
+
+    /// Commits `commits` in one new metadata version, one snapshot each in
+    /// their order (each judged against the table as the ones before it
+    /// left it: already current, superseded, or committed), trying again on
+    /// top of the next version while it loses races. One outcome per
+    /// commit; `Err` for the whole when the table cannot be read or written.
+    pub async fn commit_all(
+        &self,
+        def: &TableDef,
+        commits: &[Commit],
+    ) -> Result<Vec<Result<CommitOutcome, IcebergError>>, IcebergError> {
         for _ in 0..MAX_COMMIT_ATTEMPTS {
             let current = self.current().await?;
             let version = current.as_ref().map_or(0, |(v, _)| *v);
-            if let Some((_, meta)) = &current {
-                if let Some(done) = current_export(meta, version, &commit.partition_id)? {
-                    if done.holds(commit) {
-                        return Ok(CommitOutcome::AlreadyCurrent { version });
+            let mut meta = current.map(|(_, m)| m);
+            // The manifests of `meta`'s current snapshot once a commit of
+            // this version wrote them (read from the store before).
+            let mut manifests: Option<Vec<ManifestFile>> = None;
+            let mut outcomes = Vec::with_capacity(commits.len());
+            let mut added = 0usize;
+            for commit in commits {
+                let partition = match PartitionValue::of(def, &commit.partition_id) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        outcomes.push(Err(e));
+                        continue;
                     }
-                    if done > CurrentExport::of(commit) {
-                        return Ok(CommitOutcome::Superseded {
-                            version,
-                            current: done.transaction_id,
-                        });
+                };
+                if let Some(m) = &meta {
+                    if let Some(done) = current_export(m, version, &commit.partition_id)? {
+                        if done.holds(commit) {
+                            outcomes.push(Ok(CommitOutcome::AlreadyCurrent { version }));
+                            continue;
+                        }
+                        if done > CurrentExport::of(commit) {
+                            outcomes.push(Ok(CommitOutcome::Superseded {
+                                version,
+                                current: done.transaction_id,
+                            }));
+                            continue;
+                        }
                     }
                 }
+                let (next, next_manifests) = self
+                    .next_snapshot(
+                        def,
+                        meta.take(),
+                        manifests.take(),
+                        commit,
+                        &partition,
+                        version,
+                    )
+                    .await?;
+                outcomes.push(Ok(CommitOutcome::Committed {
+                    version: version + 1,
+                    snapshot_id: next.current_snapshot_id,
+                }));
+                meta = Some(next);
+                manifests = Some(next_manifests);
+                added += 1;
             }
-            let next = self
-                .next_version(def, current.map(|(_, m)| m), commit, &partition, version)
-                .await?;
+            let Some(next) = meta.filter(|_| added > 0) else {
+                return Ok(outcomes);
+            };
             let body = serde_json::to_vec_pretty(&next).map_err(|e| IcebergError::Metadata {
                 file: metadata_key(version + 1),
                 reason: e.to_string(),
@@ -339,10 +388,7 @@ impl IcebergTable {
                     if let Err(e) = self.location.put(VERSION_HINT, hint).await {
                         tracing::warn!(error = %e, "version hint not written");
                     }
-                    return Ok(CommitOutcome::Committed {
-                        version: version + 1,
-                        snapshot_id: next.current_snapshot_id,
-                    });
+                    return Ok(outcomes);
                 }
                 Err(StorageError::AlreadyExists { .. }) => continue,
                 Err(e) => return Err(e.into()),
@@ -351,18 +397,20 @@ impl IcebergTable {
         Err(IcebergError::Contended(MAX_COMMIT_ATTEMPTS))
     }
 
-    /// The metadata of version `version + 1`: `previous` (or a new table)
-    /// with one snapshot more, whose manifests are the previous snapshot's
-    /// except the partition's, replaced by one manifest of its new files
-    /// added and its old files deleted.
-    async fn next_version(
+    /// `previous` (or a new table) with one snapshot more, for version
+    /// `version + 1`: its manifests are the previous snapshot's
+    /// (`previous_manifests` when known, else read) except the partition's,
+    /// replaced by one manifest of its new files added and its old files
+    /// deleted. Returns the metadata and the new snapshot's manifests.
+    async fn next_snapshot(
         &self,
         def: &TableDef,
         previous: Option<TableMetadata>,
+        previous_manifests: Option<Vec<ManifestFile>>,
         commit: &Commit,
         partition: &PartitionValue,
         version: u64,
-    ) -> Result<TableMetadata, IcebergError> {
+    ) -> Result<(TableMetadata, Vec<ManifestFile>), IcebergError> {
         let table_schema = schema(def);
         let spec = partition_spec(def)?;
         let mut meta = match previous {
@@ -414,7 +462,11 @@ impl IcebergTable {
         let mut kept = Vec::new();
         let mut removed: Vec<ManifestEntry> = Vec::new();
         if let Some(parent) = &parent {
-            for m in self.manifests(parent).await? {
+            let parent_manifests = match previous_manifests {
+                Some(known) => known,
+                None => self.manifests(parent).await?,
+            };
+            for m in parent_manifests {
                 if m.partition_bound != bound {
                     kept.push(m);
                     continue;
@@ -529,9 +581,13 @@ impl IcebergTable {
             ("deleted-records".to_string(), rows(&removed).to_string()),
             ("total-data-files".to_string(), total_files.to_string()),
         ]);
-        if version > 0 {
+        // The version this one follows, logged once (a version may add
+        // several snapshots).
+        let previous_file = self.url_of(&metadata_key(version));
+        if version > 0 && meta.metadata_log.last().map(|e| &e.metadata_file) != Some(&previous_file)
+        {
             meta.metadata_log.push(MetadataLogEntry {
-                metadata_file: self.url_of(&metadata_key(version)),
+                metadata_file: previous_file,
                 timestamp_ms: meta.last_updated_ms,
             });
         }
@@ -564,7 +620,7 @@ impl IcebergTable {
             partition_property(&commit.partition_id),
             serde_json::to_string(&CurrentExport::of(commit)).unwrap_or_default(),
         );
-        Ok(meta)
+        Ok((meta, manifests))
     }
 }
 
@@ -615,5 +671,99 @@ mod tests {
             version_of("metadata/v18446744073709551615.metadata.json"),
             Some(u64::MAX)
         );
+    }
+}
+
+/// Commits of one node to Iceberg tables, gathered per table: commits that
+/// arrive while one is being written wait, and the next writer puts them all
+/// into one metadata version (one snapshot each, in the order they came).
+/// N exports of a table finishing at once then cost a few versions, not N
+/// committers racing for each version (N² attempts). Commits of other nodes
+/// still race as before: the queue only spares a node from racing itself.
+#[derive(Default)]
+pub struct CommitQueue {
+    tables: std::sync::Mutex<BTreeMap<String, std::sync::Arc<TableQueue>>>,
+}
+
+#[derive(Default)]
+struct TableQueue {
+    waiting: std::sync::Mutex<Vec<Waiting>>,
+    /// Held by the one committer writing a version of the table.
+    writer: tokio::sync::Mutex<()>,
+}
+
+struct Waiting {
+    commit: Commit,
+    answer: tokio::sync::oneshot::Sender<Result<CommitOutcome, IcebergError>>,
+}
+
+/// Commits a queue gathers into one version at most (a bound on a version's
+/// size and on the work one loss of a race throws away).
+pub const MAX_COMMITS_PER_VERSION: usize = 256;
+
+impl CommitQueue {
+    pub fn new() -> CommitQueue {
+        CommitQueue::default()
+    }
+
+    /// Commits `commit` to `table`, with whatever other commits of the same
+    /// table (and definition) are waiting.
+    pub async fn commit(
+        &self,
+        table: &IcebergTable,
+        def: &TableDef,
+        commit: Commit,
+    ) -> Result<CommitOutcome, IcebergError> {
+        let key = format!(
+            "{}\n{}",
+            table.location().url(),
+            serde_json::to_string(def).unwrap_or_default()
+        );
+        let queue = {
+            let mut tables = self.tables.lock().unwrap_or_else(|p| p.into_inner());
+            std::sync::Arc::clone(tables.entry(key).or_default())
+        };
+        let (answer, mut answered) = tokio::sync::oneshot::channel();
+        queue
+            .waiting
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Waiting { commit, answer });
+        let _writer = queue.writer.lock().await;
+        // A writer before this one may have taken this commit along.
+        if let Ok(result) = answered.try_recv() {
+            return result;
+        }
+        let batch: Vec<Waiting> = {
+            let mut waiting = queue.waiting.lock().unwrap_or_else(|p| p.into_inner());
+            let n = waiting.len().min(MAX_COMMITS_PER_VERSION);
+            waiting.drain(..n).collect()
+        };
+        let commits: Vec<Commit> = batch.iter().map(|w| w.commit.clone()).collect();
+        match table.commit_all(def, &commits).await {
+            Ok(outcomes) => {
+                for (w, outcome) in batch.into_iter().zip(outcomes) {
+                    let _ = w.answer.send(outcome);
+                }
+            }
+            Err(e) => {
+                // One error for all: each waiter gets it in its own words.
+                let retryable = e.is_retryable();
+                let detail = e.to_string();
+                for w in batch {
+                    let _ = w.answer.send(Err(IcebergError::Batch {
+                        detail: detail.clone(),
+                        retryable,
+                    }));
+                }
+            }
+        }
+        drop(_writer);
+        answered.await.unwrap_or_else(|_| {
+            Err(IcebergError::Batch {
+                detail: "the commit was not written (its batch was abandoned)".into(),
+                retryable: true,
+            })
+        })
     }
 }

@@ -36,7 +36,7 @@ pub mod table;
 pub mod upkeep;
 pub mod verify;
 
-pub use commit::{Commit, CommitOutcome, CurrentExport, IcebergTable};
+pub use commit::{Commit, CommitOutcome, CommitQueue, CurrentExport, IcebergTable};
 pub use data_file::{
     encode_data_file, entry_from_footer, footer_with_field_ids, read_footer, EncodedDataFile,
 };
@@ -77,6 +77,10 @@ pub enum IcebergError {
     /// Commits kept losing races to other committers.
     #[error("the commit lost {0} races to other commits in a row")]
     Contended(u32),
+    /// The commit of a batch ([`commit::CommitQueue`]) that failed as a
+    /// whole.
+    #[error("{detail}")]
+    Batch { detail: String, retryable: bool },
 }
 
 impl IcebergError {
@@ -85,6 +89,7 @@ impl IcebergError {
         match self {
             IcebergError::Storage(e) => !e.is_permanent(),
             IcebergError::Contended(_) => true,
+            IcebergError::Batch { retryable, .. } => *retryable,
             _ => false,
         }
     }

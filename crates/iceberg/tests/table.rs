@@ -253,6 +253,53 @@ async fn racing_commits_each_get_a_version_of_their_own() {
     );
 }
 
+/// Commits through one node's queue, all at once: every one lands, in
+/// fewer versions than commits (those waiting share the next version, a
+/// snapshot each), every partition's files are current once, and a commit
+/// queued again (a retry) changes nothing.
+#[tokio::test]
+async fn queued_commits_share_versions_and_each_lands_once() {
+    let def = def();
+    let (_dir, loc) = local_table().await;
+    let months: Vec<String> = (1..=12).map(|m| format!("2023{m:02}")).collect();
+    let mut commits = Vec::new();
+    for (i, month) in months.iter().enumerate() {
+        let f = put_file(&loc, &def, month, "q", rows(&def, month, i as i64 * 10, 3)).await;
+        commits.push(commit(&format!("200{i:02}-q"), 1, month, vec![f]));
+    }
+    let table = IcebergTable::new(loc.clone());
+    let queue = std::sync::Arc::new(ferry_iceberg::CommitQueue::new());
+    let mut running = Vec::new();
+    for c in commits.clone() {
+        let (queue, table, def) = (std::sync::Arc::clone(&queue), table.clone(), def.clone());
+        running.push(tokio::spawn(
+            async move { queue.commit(&table, &def, c).await },
+        ));
+    }
+    for r in running {
+        let out = r.await.expect("task").expect("commit");
+        assert!(matches!(out, CommitOutcome::Committed { .. }), "{out:?}");
+    }
+    let (version, meta) = table.current().await.expect("read").expect("a table");
+    assert!(version < 12, "12 commits took {version} versions");
+    assert_eq!(meta.snapshots.len(), 12);
+    let committed: std::collections::BTreeSet<&str> = meta
+        .snapshots
+        .iter()
+        .filter_map(|s| s.summary.get(ferry_iceberg::TRANSACTION_PROPERTY))
+        .map(String::as_str)
+        .collect();
+    assert_eq!(committed.len(), 12);
+    assert_eq!(table.files().await.expect("files").len(), 12);
+    let again = queue
+        .commit(&table, &def, commits[3].clone())
+        .await
+        .expect("retry");
+    assert_eq!(again, CommitOutcome::AlreadyCurrent { version });
+    let expected: Vec<(&str, i64)> = months.iter().map(|m| (m.as_str(), 3)).collect();
+    read_with_lake_readers(&loc, &expected);
+}
+
 /// On S3 (moto): commits get one version each, an overwrite replaces its
 /// partition, and pyiceberg reads the table from the bucket. The commits do
 /// not race here: moto does not make concurrent create-only puts atomic

@@ -214,7 +214,11 @@ impl Run<'_> {
         t.snapshot_names = parts.iter().map(|p| p.name.clone()).collect();
         if status == TaskStatus::Pending {
             match self.ex.destinations.open(&t.metadata.destination) {
-                Ok(l) => t.destination = Some(Destination::new(l)),
+                Ok(l) => {
+                    t.destination = Some(
+                        Destination::new(l).with_commit_queue(Arc::clone(&self.ex.iceberg_commits)),
+                    )
+                }
                 Err(e) => {
                     tracing::warn!(task = %key, error = %e, "export destination cannot be opened here");
                 }

@@ -151,6 +151,8 @@ pub struct Exporter {
     parts: Arc<dyn LocalParts>,
     destinations: Arc<dyn Destinations>,
     view: watch::Sender<ExportsView>,
+    /// This node's Iceberg commits, gathered per table.
+    iceberg_commits: Arc<ferry_iceberg::CommitQueue>,
 }
 
 impl Exporter {
@@ -170,6 +172,7 @@ impl Exporter {
             parts,
             destinations,
             view: watch::channel(ExportsView::default()).0,
+            iceberg_commits: Arc::new(ferry_iceberg::CommitQueue::new()),
         }
     }
 
