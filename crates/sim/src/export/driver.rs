@@ -11,7 +11,7 @@ use arrow::array::{Int64Array, RecordBatch, StringArray};
 use bytes::{Bytes, BytesMut};
 use ferry_coord::Session;
 use ferry_env::Clock;
-use ferry_export::model::{ExportSettings, TaskKey, TaskStatus};
+use ferry_export::model::{ExportSettings, LakeFormat, TaskKey, TaskStatus};
 use ferry_export::{Destination, Destinations, ExportRequest, Requester};
 use ferry_storage::Location;
 use ferry_wal::record::Record;
@@ -255,7 +255,20 @@ impl Sim {
                 partition,
                 destination,
                 force,
-            } => self.export(*node, *partition, *destination, *force).await,
+            } => {
+                self.export(*node, *partition, *destination, *force).await;
+                // An Iceberg table's commits race for its versions: half of
+                // its exports come with the other partitions' from the
+                // other nodes, so that their commits land together.
+                if self.format_of(*destination) == LakeFormat::Iceberg
+                    && self.upkeep_rng.random_bool(0.5)
+                {
+                    for k in 1..PARTITIONS.len() {
+                        let (n, p) = ((node + k) % NODES, (partition + k) % PARTITIONS.len());
+                        self.export(n, p, *destination, *force).await;
+                    }
+                }
+            }
             Event::Kill { node, pick } => self.kill(*node, *pick).await,
             Event::Crash(i) => self.crash(*i).await?,
             Event::ExpireSession(i) => {
