@@ -14,7 +14,7 @@ moto_version="5.2.5"
 # Lake readers the Iceberg tests read tables with, as users run them: pyiceberg,
 # and DuckDB with its Iceberg and Avro extensions from PyPI wheels (the
 # extensions must match DuckDB's version exactly; nothing is fetched at run time).
-lake_readers="pyiceberg[pyarrow]==0.12.0 duckdb==1.4.4 duckdb-ext==0.1.2 duckdb-ext-iceberg==1.4.4.20260205 duckdb-ext-avro==1.4.4.20260205"
+lake_readers="pyiceberg[pyarrow]==0.12.0 duckdb==1.4.4 duckdb-ext==0.1.2 duckdb-ext-iceberg==1.4.4.20260205 duckdb-ext-avro==1.4.4.20260205 duckdb-ext-httpfs==1.4.4.20260205"
 
 log() { printf '[test.sh] %s\n' "$*" >&2; }
 
@@ -39,7 +39,8 @@ install_moto() {
 }
 
 install_lake_readers() {
-    if "$venv/bin/python" -c "import pyiceberg, duckdb, duckdb_ext, sys; sys.exit(pyiceberg.__version__ != '0.12.0' or duckdb.__version__ != '1.4.4')" 2>/dev/null; then
+    if "$venv/bin/python" -c "import pyiceberg, duckdb, duckdb_ext, sys; sys.exit(pyiceberg.__version__ != '0.12.0' or duckdb.__version__ != '1.4.4')" 2>/dev/null &&
+        "$venv/bin/pip" show -q duckdb-ext-httpfs >/dev/null 2>&1; then
         return
     fi
     log "installing the lake readers into $venv: $lake_readers"

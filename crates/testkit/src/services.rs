@@ -152,9 +152,9 @@ pub fn s3_settings(endpoint: &str) -> ferry_storage::S3Settings {
 
 /// Rows per value of `column` as the lake readers installed by
 /// `scripts/test.sh` read the Iceberg table whose metadata file is
-/// `metadata` (a path, or an `s3://` URL on `s3_endpoint`): `{"pyiceberg":
-/// {value: rows}, "duckdb": {...}}`, DuckDB only for a local table (its
-/// wheels carry no S3 support). `None` (noted) without the readers.
+/// `metadata` (a path, or an `s3://` URL on `s3_endpoint`, the test S3
+/// server: DuckDB through its httpfs extension): `{"pyiceberg": {value:
+/// rows}, "duckdb": {...}}`. `None` (noted) without the readers.
 pub fn iceberg_row_counts(
     metadata: &str,
     column: &str,
@@ -174,15 +174,18 @@ py = {}
 for v in t.scan().to_arrow()[column].to_pylist():
     py[str(v)] = py.get(str(v), 0) + 1
 out = {"pyiceberg": py}
-if not endpoint:
-    import duckdb, duckdb_ext
-    con = duckdb.connect()
-    con.execute(f"SET extension_directory = '{duckdb_ext.get_extension_dir()}'")
-    con.execute("SET autoinstall_known_extensions = false")
-    con.execute("LOAD avro")
-    con.execute("LOAD iceberg")
-    rows = con.execute(f"SELECT CAST({column} AS VARCHAR), count(*) FROM iceberg_scan('{meta}') GROUP BY 1").fetchall()
-    out["duckdb"] = {v: int(n) for v, n in rows}
+import duckdb, duckdb_ext
+con = duckdb.connect()
+con.execute(f"SET extension_directory = '{duckdb_ext.get_extension_dir()}'")
+con.execute("SET autoinstall_known_extensions = false")
+con.execute("LOAD avro")
+con.execute("LOAD iceberg")
+if endpoint:
+    con.execute("LOAD httpfs")
+    host = endpoint.split("://", 1)[-1].rstrip("/")
+    con.execute(f"CREATE SECRET s3 (TYPE s3, KEY_ID 'test', SECRET 'test', REGION 'us-east-1', ENDPOINT '{host}', URL_STYLE 'path', USE_SSL false)")
+rows = con.execute(f"SELECT CAST({column} AS VARCHAR), count(*) FROM iceberg_scan('{meta}') GROUP BY 1").fetchall()
+out["duckdb"] = {v: int(n) for v, n in rows}
 print(json.dumps(out))
 "#;
     let out = std::process::Command::new(&python)
