@@ -286,25 +286,7 @@ impl Destination {
                 .upload(&key, budget)
                 .await
                 .map_err(|e| classify(&e))?;
-            let mut at = 0u64;
-            let mut crc = 0u32;
-            while at < len {
-                let n = (len - at).min(COPY_CHUNK_BYTES as u64) as usize;
-                let chunk = source
-                    .disk
-                    .read_range(&source.path, at, n)
-                    .await
-                    .map_err(|e| local(&e))?;
-                if chunk.len() != n {
-                    return Err(local(&"the file is shorter than its footer says"));
-                }
-                crc = crc32c::crc32c_append(crc, &chunk);
-                upload
-                    .write(Bytes::from(chunk))
-                    .await
-                    .map_err(|e| classify(&e))?;
-                at += n as u64;
-            }
+            let crc = stream_part(source, len, &mut upload).await?;
             upload.finish().await.map_err(|e| classify(&e))?;
             return Ok(file(len, crc, None));
         }
@@ -461,26 +443,8 @@ impl Destination {
             .upload(key, budget)
             .await
             .map_err(|e| classify(&e))?;
-        let mut at = 0u64;
-        let mut crc = 0u32;
-        while at < body_len {
-            let n = (body_len - at).min(COPY_CHUNK_BYTES as u64) as usize;
-            let chunk = source
-                .disk
-                .read_range(&source.path, at, n)
-                .await
-                .map_err(|e| local(&e))?;
-            if chunk.len() != n {
-                return Err(local(&"the file is shorter than its footer says"));
-            }
-            crc = crc32c::crc32c_append(crc, &chunk);
-            upload
-                .write(Bytes::from(chunk))
-                .await
-                .map_err(|e| classify(&e))?;
-            at += n as u64;
-        }
-        crc = crc32c::crc32c_append(crc, &new_footer);
+        let crc = stream_part(source, body_len, &mut upload).await?;
+        let crc = crc32c::crc32c_append(crc, &new_footer);
         upload
             .write(Bytes::from(new_footer))
             .await
@@ -615,6 +579,38 @@ impl Destination {
             .await?
             .is_some())
     }
+}
+
+/// Streams the first `end` bytes of a part's file into `upload`,
+/// [`COPY_CHUNK_BYTES`] at a time; returns their crc32c.
+async fn stream_part(
+    source: &SourcePart,
+    end: u64,
+    upload: &mut ferry_storage::Upload,
+) -> Result<u32, PartFailure> {
+    let local = |e: &dyn std::fmt::Display| {
+        PartFailure::Retryable(format!("reading local part {}: {e}", source.path))
+    };
+    let mut at = 0u64;
+    let mut crc = 0u32;
+    while at < end {
+        let n = (end - at).min(COPY_CHUNK_BYTES as u64) as usize;
+        let chunk = source
+            .disk
+            .read_range(&source.path, at, n)
+            .await
+            .map_err(|e| local(&e))?;
+        if chunk.len() != n {
+            return Err(local(&"the file is shorter than its footer says"));
+        }
+        crc = crc32c::crc32c_append(crc, &chunk);
+        upload
+            .write(Bytes::from(chunk))
+            .await
+            .map_err(|e| classify(&e))?;
+        at += n as u64;
+    }
+    Ok(crc)
 }
 
 /// Where an Iceberg table keeps its data files, under its location.

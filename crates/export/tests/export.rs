@@ -582,6 +582,34 @@ fn active_rows(replica: &Replica, partition: &str) -> (usize, u64) {
     (parts.len(), parts.iter().map(|p| p.rows).sum())
 }
 
+/// Runs the merges of `nodes` until partition `partition` of the first no
+/// longer has `parts` parts; returns the merge tasks, still running.
+async fn merge_away(
+    nodes: &[&Node],
+    partition: &str,
+    parts: usize,
+) -> Vec<tokio::task::JoinHandle<ferry_replica::ReplicaError>> {
+    let mergers = nodes
+        .iter()
+        .map(|n| {
+            tokio::spawn(ferry_replica::replica::run_merges(
+                Arc::clone(&n.replica),
+                Duration::ZERO,
+            ))
+        })
+        .collect();
+    let first = &nodes[0].replica;
+    let mut status = first.lock().await.subscribe();
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while active_rows(&*first.lock().await, partition).0 == parts {
+            status.changed().await.expect("replica");
+        }
+    })
+    .await
+    .expect("merges ran");
+    mergers
+}
+
 #[tokio::test]
 async fn two_replicas_share_an_export_and_the_lake_holds_each_part_once() {
     for backend in backends() {
@@ -946,24 +974,8 @@ async fn merges_during_an_export_keep_the_snapshot_parts_until_it_ends() {
         let mut req = request(&url, "a");
         req.settings.parallelism = 1;
         let created = w.export_to(&a, dest.as_ref(), &req).await.expect("created");
-        let mergers: Vec<_> = [&a, &b]
-            .iter()
-            .map(|n| {
-                tokio::spawn(ferry_replica::replica::run_merges(
-                    Arc::clone(&n.replica),
-                    Duration::ZERO,
-                ))
-            })
-            .collect();
         // The merges replace the snapshot's parts while the export runs.
-        let mut status = a.replica.lock().await.subscribe();
-        tokio::time::timeout(Duration::from_secs(30), async {
-            while active_rows(&*a.replica.lock().await, "a").0 == parts {
-                status.changed().await.expect("replica");
-            }
-        })
-        .await
-        .expect("merges ran");
+        let mergers = merge_away(&[&a, &b], "a", parts).await;
         let done = wait_terminal(&mut a.view, &created.transaction_id).await;
         assert_eq!(done.status, TaskStatus::Completed, "{backend:?}: {done:?}");
         store.set_faults(ObjectFaults::default());
@@ -1179,23 +1191,7 @@ async fn an_iceberg_export_is_read_once_before_and_after_a_re_export_over_merged
         assert_eq!(files(&table).await, parts_a);
 
         // Merges replace partition "a"'s parts; exported again, forced.
-        let mergers: Vec<_> = [&a, &b]
-            .iter()
-            .map(|n| {
-                tokio::spawn(ferry_replica::replica::run_merges(
-                    Arc::clone(&n.replica),
-                    Duration::ZERO,
-                ))
-            })
-            .collect();
-        let mut status = a.replica.lock().await.subscribe();
-        tokio::time::timeout(Duration::from_secs(30), async {
-            while active_rows(&*a.replica.lock().await, "a").0 == parts_a {
-                status.changed().await.expect("replica");
-            }
-        })
-        .await
-        .expect("merges ran");
+        let mergers = merge_away(&[&a, &b], "a", parts_a).await;
         for m in mergers {
             m.abort();
         }
