@@ -310,8 +310,9 @@ pub struct VerifyArgs {
     pub json: bool,
 }
 
-/// `ferry verify`'s report of an Iceberg table (sizes and footers of the
-/// current snapshot's files: `--quick` and `--deep` read the same).
+/// `ferry verify`'s report of an Iceberg table: the current snapshot's
+/// files, their sizes, footers (rows and rows checksum) and blocks, and with
+/// `--deep` their rows.
 fn print_iceberg_report(
     args: &VerifyArgs,
     report: &ferry_iceberg::verify::IcebergReport,
@@ -354,18 +355,23 @@ fn open_to_read(url: &str) -> anyhow::Result<ferry_storage::Location> {
 
 pub async fn verify(args: VerifyArgs) -> anyhow::Result<()> {
     let location = open_to_read(&args.url)?;
-    let iceberg = ferry_iceberg::IcebergTable::new(location.clone());
-    if let Some(report) = ferry_iceberg::verify::verify(&iceberg)
-        .await
-        .with_context(|| format!("reading {}", args.url))?
-    {
-        return print_iceberg_report(&args, &report);
-    }
     let depth = match (args.quick, args.deep) {
         (true, _) => ferry_export::verify::Depth::Quick,
         (_, true) => ferry_export::verify::Depth::Rows,
         _ => ferry_export::verify::Depth::Bytes,
     };
+    let iceberg = ferry_iceberg::IcebergTable::new(location.clone());
+    if let Some(mut report) = ferry_iceberg::verify::verify(&iceberg)
+        .await
+        .with_context(|| format!("reading {}", args.url))?
+    {
+        if report.ok() {
+            report.problems = ferry_export::verify::check_iceberg_files(&iceberg, depth)
+                .await
+                .with_context(|| format!("reading {}", args.url))?;
+        }
+        return print_iceberg_report(&args, &report);
+    }
     let report = ferry_export::verify::verify(&location, depth)
         .await
         .with_context(|| format!("reading {}", args.url))?;

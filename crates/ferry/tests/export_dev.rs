@@ -622,6 +622,30 @@ fn an_iceberg_export_is_read_once_by_lake_readers_before_and_after_a_re_export()
         "{verified}"
     );
 
+    // A byte of a data file's pages changed under the table: the sizes and
+    // footers still agree, the rows do not (`--deep`).
+    let files = ferry_ok(&["lake", "files", &lake_url, "--full"], &url);
+    let b_file = files
+        .lines()
+        .find(|l| l.contains("/data/p=b/"))
+        .expect("partition b's file")
+        .to_string();
+    let mut bytes = std::fs::read(&b_file).expect("read");
+    let n = bytes.len();
+    let footer = u32::from_le_bytes(bytes[n - 8..n - 4].try_into().expect("4 bytes")) as usize;
+    let middle = (4 + (n - 8 - footer)) / 2;
+    bytes[middle] ^= 0x01;
+    std::fs::write(&b_file, &bytes).expect("write");
+    ferry_ok(&["verify", &lake_url], &url);
+    let (ok, out, _) = ferry(&["verify", &lake_url, "--deep"], &url);
+    assert!(
+        !ok && out.contains("MISMATCH") && out.contains("data/p=b/"),
+        "{out}"
+    );
+    bytes[middle] ^= 0x01;
+    std::fs::write(&b_file, &bytes).expect("write");
+    ferry_ok(&["verify", &lake_url, "--deep"], &url);
+
     // A Parquet export into the Iceberg table's folder is refused.
     let (ok, out, err) = ferry(&["export", "t", "b", "--to", &lake_url, "--force"], &url);
     assert!(!ok, "{out}");
