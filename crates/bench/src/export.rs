@@ -336,7 +336,7 @@ pub async fn export(args: ExportBenchArgs) -> anyhow::Result<()> {
                     force: true,
                     settings: ExportSettings {
                         parallelism: args.parallelism,
-                        format,
+                        format: Some(format),
                         ..ExportSettings::default()
                     },
                 })

@@ -221,11 +221,11 @@ impl Destination {
     ) -> Result<DataFile, PartFailure> {
         let settings = &task.settings;
         let meta = &source.meta;
-        let iceberg = match settings.format {
+        let iceberg = match settings.format() {
             LakeFormat::Parquet => None,
             LakeFormat::Iceberg => Some(IcebergTarget::of(task)?),
         };
-        let key = Self::file_key(settings.format, &task.partition_dir, meta);
+        let key = Self::file_key(settings.format(), &task.partition_dir, meta);
         let file = |bytes, crc, iceberg| DataFile {
             path: key.clone(),
             rows: meta.rows,

@@ -193,46 +193,7 @@ impl std::str::FromStr for FileExistsPolicy {
     }
 }
 
-/// What a destination is, for readers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum LakeFormat {
-    /// Hive-layout Parquet files with ferry's commit files
-    /// ([`CommitFile`]): readers read each partition's current commit.
-    #[default]
-    Parquet,
-    /// An Apache Iceberg v2 table (`ferry_iceberg`): data files under
-    /// `data/`, and a snapshot per commit that any Iceberg reader reads.
-    Iceberg,
-}
-
-impl LakeFormat {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            LakeFormat::Parquet => "parquet",
-            LakeFormat::Iceberg => "iceberg",
-        }
-    }
-}
-
-impl std::fmt::Display for LakeFormat {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::str::FromStr for LakeFormat {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "parquet" => Ok(LakeFormat::Parquet),
-            "iceberg" => Ok(LakeFormat::Iceberg),
-            other => Err(format!(
-                "destination format {other:?}: expected parquet or iceberg"
-            )),
-        }
-    }
-}
+pub use ferry_table::def::LakeFormat;
 
 /// Parquet compression of exported files.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -282,9 +243,11 @@ pub struct ExportSettings {
     /// Rows per row group of exported files.
     pub row_group_rows: u64,
     pub file_exists: FileExistsPolicy,
-    /// The destination's format (tasks created before it existed: Parquet).
-    #[serde(default)]
-    pub format: LakeFormat,
+    /// The destination's format: in a request, `None` takes the table's
+    /// (`[export] format`, else Parquet); a task's metadata holds the one
+    /// chosen (tasks created before it existed: none, Parquet).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<LakeFormat>,
 }
 
 impl Default for ExportSettings {
@@ -299,7 +262,7 @@ impl Default for ExportSettings {
             compression: Compression::Zstd,
             row_group_rows: ferry_replica::part::ROW_GROUP_ROWS as u64,
             file_exists: FileExistsPolicy::Skip,
-            format: LakeFormat::Parquet,
+            format: None,
         }
     }
 }
@@ -324,6 +287,11 @@ impl ExportSettings {
             return Err("ttl_seconds must be positive".into());
         }
         Ok(())
+    }
+
+    /// The destination's format ([`ExportSettings::format`]).
+    pub fn format(&self) -> LakeFormat {
+        self.format.unwrap_or_default()
     }
 
     /// Whether exported files are the parts' own bytes (for an Iceberg

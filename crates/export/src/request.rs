@@ -297,6 +297,14 @@ impl Requester<'_> {
             )));
         }
 
+        // The destination's format: the request's, else the table's.
+        let format = req
+            .settings
+            .format
+            .or(table.def.export.as_ref().map(|e| e.format))
+            .unwrap_or_default();
+        let mut settings = req.settings.clone();
+        settings.format = Some(format);
         // The destination is checked before an existing task is replaced.
         destination
             .probe(transaction_id)
@@ -308,12 +316,12 @@ impl Requester<'_> {
         // Files of another schema in the destination: refused before the
         // task exists (a worker checks again before its first upload).
         match destination.schema().await {
-            Ok(Some(found)) if found.lake_format != req.settings.format => {
+            Ok(Some(found)) if found.lake_format != format => {
                 return Err(RequestError::SchemaMismatch {
                     url: destination.url().to_string(),
                     detail: format!(
-                        "its format is {}, this export's {}",
-                        found.lake_format, req.settings.format
+                        "its format is {}, this export's {format}",
+                        found.lake_format
                     ),
                     table: found.table,
                 });
@@ -377,7 +385,7 @@ impl Requester<'_> {
         let read_current = || async {
             lake::current_commit(
                 destination.location(),
-                req.settings.format,
+                format,
                 &table.def,
                 &req.partition_id,
             )
@@ -460,7 +468,7 @@ impl Requester<'_> {
             parts_count: parts.len() as u64,
             rows,
             parts_chunks: chunks.len() as u32,
-            settings: req.settings.clone(),
+            settings,
             columns: table.def.columns.clone(),
             sequence,
             content_id,

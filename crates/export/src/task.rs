@@ -625,7 +625,7 @@ async fn commit_decided(
         snapshot_lsn: metadata.snapshot_lsn,
         content_id: metadata.content_id.clone(),
     };
-    let written = match metadata.settings.format {
+    let written = match metadata.settings.format() {
         LakeFormat::Parquet => destination.commit(&commit).await,
         LakeFormat::Iceberg => destination.commit_iceberg(metadata, &commit, now_ms).await,
     };

@@ -1149,7 +1149,7 @@ async fn an_iceberg_export_is_read_once_before_and_after_a_re_export_over_merged
         let b = w.node("r1", w.destinations()).await;
         let iceberg = |partition: &str, force: bool| {
             let mut req = request(&url, partition);
-            req.settings.format = ferry_export::model::LakeFormat::Iceberg;
+            req.settings.format = Some(ferry_export::model::LakeFormat::Iceberg);
             req.force = force;
             req
         };

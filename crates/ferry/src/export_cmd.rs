@@ -98,7 +98,7 @@ pub struct SettingsArgs {
     pub file_exists: Option<FileExistsPolicy>,
     /// parquet (Hive-layout files and ferry commit files) or iceberg (an
     /// Apache Iceberg v2 table). A destination keeps the format of its
-    /// first export. Default: parquet.
+    /// first export. Default: the table's `[export] format`, else parquet.
     #[arg(long)]
     pub format: Option<LakeFormat>,
 }
@@ -118,7 +118,7 @@ impl SettingsArgs {
             compression: self.compression.unwrap_or(d.compression),
             row_group_rows: self.row_group_rows.unwrap_or(d.row_group_rows),
             file_exists: self.file_exists.unwrap_or(d.file_exists),
-            format: self.format.unwrap_or(d.format),
+            format: self.format,
         }
     }
 }

@@ -653,5 +653,26 @@ fn an_iceberg_export_is_read_once_by_lake_readers_before_and_after_a_re_export()
         err.contains("its format is iceberg, this export's parquet"),
         "{err}"
     );
+
+    // A table whose definition names the format: its exports need no flag.
+    let toml = format!("{}\n[export]\nformat = \"iceberg\"\n", table_toml("u", 1));
+    rt.block_on(c.create_table_toml(&toml))
+        .expect("create table u");
+    rt.block_on(c.insert_body(
+        "u",
+        Format::Ndjson,
+        Bytes::from("{\"id\":1,\"p\":\"a\"}\n"),
+        None,
+    ))
+    .expect("insert");
+    let root_u = dev.data.join("lake/u");
+    let url_u = format!("file://{}", root_u.display());
+    let out = ferry_ok(&["export", "u", "a", "--to", &url_u, "--wait"], &url);
+    assert!(out.contains("COMPLETED"), "{out}");
+    assert!(root_u.join("metadata/v1.metadata.json").exists(), "{out}");
+    // A bad format in a definition is refused, naming the field.
+    let bad = format!("{}\n[export]\nformat = \"orc\"\n", table_toml("v", 1));
+    let refused = rt.block_on(c.create_table_toml(&bad)).expect_err("refused");
+    assert!(refused.to_string().contains("export.format"), "{refused}");
     dev.stop();
 }

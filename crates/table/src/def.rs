@@ -144,6 +144,56 @@ pub struct ShardBy {
     pub shards: u32,
 }
 
+/// What a lake destination is, for readers (here because a table's
+/// definition may name the one its exports use).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LakeFormat {
+    /// Hive-layout Parquet files with ferry's commit files: readers read
+    /// each partition's current commit.
+    #[default]
+    Parquet,
+    /// An Apache Iceberg v2 table: data files under `data/`, and a snapshot
+    /// per commit that any Iceberg reader reads.
+    Iceberg,
+}
+
+impl LakeFormat {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LakeFormat::Parquet => "parquet",
+            LakeFormat::Iceberg => "iceberg",
+        }
+    }
+}
+
+impl std::fmt::Display for LakeFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for LakeFormat {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "parquet" => Ok(LakeFormat::Parquet),
+            "iceberg" => Ok(LakeFormat::Iceberg),
+            other => Err(format!(
+                "destination format {other:?}: expected parquet or iceberg"
+            )),
+        }
+    }
+}
+
+/// How the table's exports are made when a request does not say
+/// (`[export]` in the definition).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExportDefaults {
+    /// The destination format of an export that names none.
+    pub format: LakeFormat,
+}
+
 /// A checked table definition (the id is not part of it: see [`Table`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TableDef {
@@ -152,6 +202,10 @@ pub struct TableDef {
     pub partition_by: PartitionBy,
     pub shard_by: ShardBy,
     pub replicas: u32,
+    /// Absent in definitions without `[export]` (and in catalogs written
+    /// before it existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub export: Option<ExportDefaults>,
 }
 
 /// A created table: its definition and the id the catalog gave it.
@@ -172,6 +226,13 @@ struct RawDef {
     partition_by: Option<RawPartition>,
     shard_by: Option<RawShard>,
     replicas: Option<i64>,
+    export: Option<RawExport>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawExport {
+    format: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -351,6 +412,16 @@ impl TableDef {
                 format!("{replicas} is out of range 1..={MAX_REPLICAS}"),
             ));
         }
+        let export = match raw.export {
+            None => None,
+            Some(e) => {
+                let format = required("export.format", e.format)?;
+                let format = format
+                    .parse::<LakeFormat>()
+                    .map_err(|reason| DefError::new("export.format", reason))?;
+                Some(ExportDefaults { format })
+            }
+        };
         Ok(TableDef {
             name,
             columns,
@@ -363,6 +434,7 @@ impl TableDef {
                 shards: shards as u32,
             },
             replicas: replicas as u32,
+            export,
         })
     }
 

@@ -45,7 +45,7 @@ impl Run<'_> {
                 })?;
                 schema_checked
                     .get_or_try_init(|| {
-                        destination.claim_schema(&table, &columns, task.settings.format)
+                        destination.claim_schema(&table, &columns, task.settings.format())
                     })
                     .await?;
                 destination.write_part(&task, &source, cpu, budget).await

@@ -225,7 +225,7 @@ impl Sim {
         for (tx, (key, status, metadata)) in &tasks {
             let iceberg = metadata
                 .as_ref()
-                .is_some_and(|m| m.settings.format == LakeFormat::Iceberg);
+                .is_some_and(|m| m.settings.format() == LakeFormat::Iceberg);
             let asked = self.asked.get(tx);
             let committed = objects
                 .iter()

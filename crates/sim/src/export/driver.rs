@@ -157,7 +157,7 @@ impl Sim {
             destination: destination.clone(),
             force,
             settings: ExportSettings {
-                format: self.format_of(destination_index),
+                format: Some(self.format_of(destination_index)),
                 retry_initial_backoff_ms: 100,
                 retry_max_backoff_ms: 1000,
                 ttl_seconds: 86_400,

@@ -344,7 +344,8 @@ impl Sim {
         // a later export of its partition was.
         for (tx, (key, status, metadata)) in tasks {
             let Some(m) = metadata else { continue };
-            if m.settings.format != LakeFormat::Iceberg || *status != Some(TaskStatus::Completed) {
+            if m.settings.format() != LakeFormat::Iceberg || *status != Some(TaskStatus::Completed)
+            {
                 continue;
             }
             if committed.contains_key(tx) {
