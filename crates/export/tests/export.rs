@@ -1165,17 +1165,26 @@ async fn an_iceberg_export_is_read_once_before_and_after_a_re_export_over_merged
             Backend::Embedded => None,
         };
         let table = ferry_iceberg::IcebergTable::new(w.location(&url));
+        // The readers run off the runtime, which keeps the sessions alive.
         let read = |version: u64| {
             let meta = format!("{url}/metadata/v{version}.metadata.json");
             let meta = meta.strip_prefix("file://").unwrap_or(&meta).to_string();
-            ferry_testkit::services::iceberg_row_counts(&meta, "p", s3.as_deref())
+            let s3 = s3.clone();
+            async move {
+                tokio::task::spawn_blocking(move || {
+                    ferry_testkit::services::iceberg_row_counts(&meta, "p", s3.as_deref())
+                })
+                .await
+                .expect("the lake readers")
+            }
         };
         let expected = serde_json::json!({"a": rows_a, "b": rows_b});
         let (version, _) = table.current().await.expect("read").expect("a table");
         assert_eq!(version, 2);
-        if let Some(got) = read(version) {
+        if let Some(got) = read(version).await {
             assert_eq!(got["pyiceberg"], expected, "{backend:?}: {got}");
             assert_eq!(got["duckdb"], expected, "{backend:?}: {got}");
+            assert_eq!(got["pyiceberg_table"], expected, "{backend:?}: {got}");
         }
         let files = |t: &ferry_iceberg::IcebergTable| {
             let t = t.clone();
@@ -1209,9 +1218,10 @@ async fn an_iceberg_export_is_read_once_before_and_after_a_re_export_over_merged
             Some("overwrite".to_string())
         );
         assert_eq!(files(&table).await, merged);
-        if let Some(got) = read(version) {
+        if let Some(got) = read(version).await {
             assert_eq!(got["pyiceberg"], expected, "{backend:?}: {got}");
             assert_eq!(got["duckdb"], expected, "{backend:?}: {got}");
+            assert_eq!(got["pyiceberg_table"], expected, "{backend:?}: {got}");
         }
         let report = ferry_iceberg::verify::verify(&table)
             .await

@@ -154,7 +154,9 @@ pub fn s3_settings(endpoint: &str) -> ferry_storage::S3Settings {
 /// `scripts/test.sh` read the Iceberg table whose metadata file is
 /// `metadata` (a path, or an `s3://` URL on `s3_endpoint`, the test S3
 /// server: DuckDB through its httpfs extension): `{"pyiceberg": {value:
-/// rows}, "duckdb": {...}}`. `None` (noted) without the readers.
+/// rows}, "duckdb": {...}, "pyiceberg_table": {...}}`, the last read by
+/// pyiceberg from the table's folder (it follows `version-hint.text` to
+/// the newest version). `None` (noted) without the readers.
 pub fn iceberg_row_counts(
     metadata: &str,
     column: &str,
@@ -169,11 +171,13 @@ props = {}
 if endpoint:
     props = {"s3.endpoint": endpoint, "s3.access-key-id": "test",
              "s3.secret-access-key": "test", "s3.region": "us-east-1"}
-t = StaticTable.from_metadata(meta, properties=props)
-py = {}
-for v in t.scan().to_arrow()[column].to_pylist():
-    py[str(v)] = py.get(str(v), 0) + 1
-out = {"pyiceberg": py}
+def counts(location):
+    t = StaticTable.from_metadata(location, properties=props)
+    out = {}
+    for v in t.scan().to_arrow()[column].to_pylist():
+        out[str(v)] = out.get(str(v), 0) + 1
+    return out
+out = {"pyiceberg": counts(meta), "pyiceberg_table": counts(meta.rsplit("/metadata/", 1)[0])}
 import duckdb, duckdb_ext
 con = duckdb.connect()
 con.execute(f"SET extension_directory = '{duckdb_ext.get_extension_dir()}'")
