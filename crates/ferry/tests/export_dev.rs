@@ -470,15 +470,16 @@ fn an_iceberg_export_is_read_once_by_lake_readers_before_and_after_a_re_export()
     let (rt, c, url) = (&dev.rt, &dev.client, dev.url.clone());
     let root = dev.data.join("lake/ice");
     let lake_url = format!("file://{}", root.display());
-    for batch in 0..3 {
+    let insert = |batch: i64| {
         insert_ids(
             rt,
             c,
             batch * 10..batch * 10 + 10,
             "a",
             &format!("a{batch}"),
-        );
-    }
+        )
+    };
+    (0..3).for_each(insert);
     insert_ids(rt, c, 1000..1005, "b", "b0");
     let out = ferry_ok(
         &[
@@ -538,15 +539,7 @@ fn an_iceberg_export_is_read_once_by_lake_readers_before_and_after_a_re_export()
 
     // More rows; the parts merge; partition a is exported again: one
     // snapshot replaces its files.
-    for batch in 3..8 {
-        insert_ids(
-            rt,
-            c,
-            batch * 10..batch * 10 + 10,
-            "a",
-            &format!("a{batch}"),
-        );
-    }
+    (3..8).for_each(insert);
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let parts = rt.block_on(c.partitions("t", 0)).expect("partitions");
