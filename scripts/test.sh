@@ -117,6 +117,21 @@ start_moto() {
     return 1
 }
 
+# A clean build of every test binary needs about 12 GiB (less without the
+# incremental cache, see .ci/run); fail early and say so rather than dying in
+# the linker with "No space left on device".
+check_free_disk() {
+    local need_gib=${FERRY_TEST_MIN_FREE_GIB:-15} target="${CARGO_TARGET_DIR:-$root/target}" avail_kib
+    mkdir -p "$target"
+    avail_kib=$(df -Pk "$target" | awk 'NR == 2 { print $4 }')
+    if [ "$avail_kib" -lt $((need_gib * 1024 * 1024)) ] && [ ! -d "$target/debug/deps" ]; then
+        log "only $((avail_kib / 1024 / 1024)) GiB free under $target; a clean test build needs about $need_gib GiB (set FERRY_TEST_MIN_FREE_GIB to override)"
+        exit 1
+    fi
+    log "$((avail_kib / 1024 / 1024)) GiB free under $target"
+}
+
+check_free_disk
 install_zookeeper
 install_moto
 install_lake_readers
