@@ -334,6 +334,7 @@ pub async fn export(args: ExportBenchArgs) -> anyhow::Result<()> {
                     partition_id: "x".into(),
                     destination: url.clone(),
                     force: true,
+                    replace_finished: false,
                     settings: ExportSettings {
                         parallelism: args.parallelism,
                         format: Some(format),

@@ -260,6 +260,7 @@ pub async fn export_scale(args: ScaleBenchArgs) -> anyhow::Result<()> {
         partition_id: "x".into(),
         destination: url.clone(),
         force: false,
+        replace_finished: false,
         settings: ExportSettings {
             parallelism: args.parallelism,
             task_timeout_seconds: 24 * 3600,

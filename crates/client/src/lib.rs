@@ -245,6 +245,23 @@ impl Client {
             .1)
     }
 
+    /// Replaces a table's `[export]` section (`export` is its JSON form, as
+    /// in a definition; `null` removes it).
+    pub async fn set_export(
+        &self,
+        name: &str,
+        export: &serde_json::Value,
+    ) -> Result<Table, ClientError> {
+        let path = format!("/tables/{}", path_segment(name)?);
+        Ok(self
+            .send(
+                self.request(reqwest::Method::PATCH, &path)
+                    .json(&serde_json::json!({ "export": export })),
+            )
+            .await?
+            .1)
+    }
+
     pub async fn drop_table(&self, name: &str) -> Result<Table, ClientError> {
         let path = format!("/tables/{}", path_segment(name)?);
         Ok(self

@@ -21,6 +21,7 @@ pub mod lake;
 pub mod local;
 pub mod model;
 pub mod peers;
+pub mod policy;
 pub mod request;
 pub mod task;
 pub mod verify;

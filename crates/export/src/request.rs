@@ -25,6 +25,11 @@ pub struct ExportRequest {
     pub destination: String,
     #[serde(default)]
     pub force: bool,
+    /// Replace a finished task of the key (COMPLETED, FAILED or KILLED) even
+    /// before its TTL, but never a PENDING one (an export policy's request:
+    /// it must not kill a manual export in flight).
+    #[serde(default)]
+    pub replace_finished: bool,
     #[serde(default)]
     pub settings: ExportSettings,
 }
@@ -163,6 +168,7 @@ pub async fn request_table<'a>(
             partition_id: partition_id.clone(),
             destination: req.destination.clone(),
             force: req.force,
+            replace_finished: false,
             settings: req.settings.clone(),
         };
         match requester(random()).export(&one).await {
@@ -367,7 +373,8 @@ impl Requester<'_> {
         if let Some(existing) = &existing {
             let expired = existing.metadata.as_ref().is_some_and(|m| {
                 m.create_time + m.settings.ttl_seconds < self.now_unix_millis / 1000
-            });
+            }) || (req.replace_finished
+                && existing.status.is_some_and(|s| s != TaskStatus::Pending));
             if !req.force && !expired && existing.metadata.is_some() {
                 return Err(RequestError::AlreadyExists {
                     table: req.table.clone(),

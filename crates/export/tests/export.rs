@@ -534,6 +534,7 @@ fn request(url: &str, partition: &str) -> ExportRequest {
         partition_id: partition.into(),
         destination: url.into(),
         force: false,
+        replace_finished: false,
         settings: ExportSettings {
             retry_initial_backoff_ms: 50,
             retry_max_backoff_ms: 200,

@@ -74,6 +74,26 @@ pub enum TableCommand {
         #[command(flatten)]
         client: ClientArgs,
     },
+    /// Sets where a table exports itself (its export policy) or its
+    /// exports' default format; `--off` removes the `[export]` section.
+    SetExport {
+        /// The table's name.
+        name: String,
+        /// The destination the table exports itself to (file:// or s3://).
+        #[arg(long)]
+        to: Option<String>,
+        /// parquet or iceberg (default parquet).
+        #[arg(long)]
+        format: Option<String>,
+        /// How stale the lake may be (`10s`, `5m`; default 60s).
+        #[arg(long)]
+        freshness: Option<String>,
+        /// Removes the table's `[export]` section: no policy, no default format.
+        #[arg(long, conflicts_with_all = ["to", "format", "freshness"])]
+        off: bool,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
     /// Drops a table nothing uses.
     Drop {
         /// The table's name.
@@ -119,6 +139,45 @@ pub async fn table(cmd: TableCommand) -> anyhow::Result<()> {
         TableCommand::Show { name, client } => {
             let t = client.client()?.table(&name).await?;
             say!("# table id {}\n{}", t.id, t.def.to_toml());
+        }
+        TableCommand::SetExport {
+            name,
+            to,
+            format,
+            freshness,
+            off,
+            client,
+        } => {
+            let export = if off {
+                serde_json::Value::Null
+            } else {
+                let mut e = serde_json::Map::new();
+                for (k, v) in [("to", to), ("format", format), ("freshness", freshness)] {
+                    if let Some(v) = v {
+                        e.insert(k.into(), v.into());
+                    }
+                }
+                // Checked here too, so that a mistake is named before any request.
+                let v = serde_json::Value::Object(e);
+                ferry_table::def::ExportDefaults::from_json(v.to_string().as_bytes())?;
+                v
+            };
+            let t = client.client()?.set_export(&name, &export).await?;
+            match t
+                .def
+                .export
+                .as_ref()
+                .and_then(|e| e.policy.as_ref().map(|p| (e, p)))
+            {
+                Some((e, p)) => say!(
+                    "table {} exports itself to {} as {} within {}s",
+                    t.def.name,
+                    p.to,
+                    e.format,
+                    p.freshness_seconds
+                ),
+                None => say!("table {} has no export policy", t.def.name),
+            }
         }
         TableCommand::Drop { name, client } => {
             let t = client.client()?.drop_table(&name).await?;

@@ -144,7 +144,17 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
             ferry_host::paths::export_roots(&args.export_roots, &data_dir)?,
         ));
     let mut nodes = start_replicas(&data_dir, &coord, &catalog, &quorum, &destinations).await?;
-    let metrics = dev_metrics(registry, &quorum, &coord, &recording, &nodes);
+    let exports = export_api(&nodes, &coord, &session, &quorum, destinations)?;
+    // Tables that export themselves.
+    let policies = crate::exports::Policies::start(&exports);
+    let metrics = dev_metrics(
+        registry,
+        &quorum,
+        &coord,
+        &recording,
+        &nodes,
+        policies.status.clone(),
+    );
     let router = writer_node
         .router()
         .merge(ferry_host::reads::router(Arc::new(
@@ -153,15 +163,9 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
                 replicas: nodes.iter().map(|n| n.reader.clone()).collect(),
             },
         )))
-        .merge(crate::exports::router(export_api(
-            &nodes,
-            &coord,
-            &session,
-            &quorum,
-            destinations,
-        )?))
+        .merge(crate::exports::router(exports))
         .merge(ferry_host::http::node_routes(
-            dev_status(&record, &quorum, &nodes, recording),
+            dev_status(&record, &quorum, &nodes, recording, policies.status.clone()),
             Arc::new(metrics),
         ));
     let server = ferry_host::http::serve(http_listener, router, token)?;
@@ -181,6 +185,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     };
     // Inserts in progress finish (or time out) before the writer stops.
     server.stop().await;
+    policies.stop().await;
     // A replica is consistent at any instant: stopping its stream is safe.
     // Exporters stop first: their uploads are abandoned (a part's upload
     // leaves nothing visible unless it finished) and their locks go with
@@ -423,6 +428,7 @@ fn dev_metrics(
     coord: &EmbeddedCoordination,
     recording: &tokio::sync::watch::Receiver<commit_record::WalStateRecording>,
     nodes: &[ferry_node::ReplicaNode],
+    policies: tokio::sync::watch::Receiver<ferry_export::policy::PolicyStatus>,
 ) -> ferry_host::metrics::NodeMetrics {
     let quorum = Arc::clone(quorum);
     let coord_metrics = Arc::clone(&coord.metrics);
@@ -443,8 +449,10 @@ fn dev_metrics(
             .map(|(n, rx)| (n.clone(), rx.borrow().clone()))
             .collect();
         let commit_record = ferry_host::metrics::commit_record(&recording.borrow());
+        let policies = ferry_host::metrics::export_policies(&policies.borrow());
         Box::pin(async move {
             let mut out = ferry_host::metrics::writer(&q.writer.status());
+            out.extend(policies);
             out.extend(commit_record);
             for s in q.servers() {
                 out.extend(ferry_host::metrics::safekeeper(&s.status().await));
@@ -465,6 +473,7 @@ fn dev_status(
     quorum: &Arc<LocalQuorum>,
     nodes: &[ferry_node::ReplicaNode],
     recording: tokio::sync::watch::Receiver<commit_record::WalStateRecording>,
+    policies: tokio::sync::watch::Receiver<ferry_export::policy::PolicyStatus>,
 ) -> impl Fn() -> futures::future::BoxFuture<'static, serde_json::Value> + Clone + Send + Sync + 'static
 {
     let quorum = Arc::clone(quorum);
@@ -476,6 +485,7 @@ fn dev_status(
         let replicas: Vec<_> = replicas.iter().map(|r| r.status()).collect();
         let cluster_id = cluster_id.clone();
         let commit_record = recording.borrow().clone();
+        let export_policies = policies.borrow().tables.clone();
         Box::pin(async move {
             serde_json::json!({
                 "cluster_id": cluster_id,
@@ -483,6 +493,7 @@ fn dev_status(
                 "commit_record": commit_record,
                 "safekeepers": q.member_status().await,
                 "replicas": replicas,
+                "export_policies": export_policies,
             })
         })
     }

@@ -28,7 +28,6 @@ use ferry_env::Clock;
 use ferry_export::model::{check_name, check_transaction_id, ExportSettings, TaskKey};
 use ferry_export::{Destination, Destinations, ExportsView, LocalParts, RequestError, Requester};
 use ferry_ingest::api::ApiError;
-use ferry_wal::Lsn;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
@@ -112,8 +111,43 @@ pub struct KillResult {
 }
 
 /// Where a node learns the commit position when a request arrives.
-pub type CommitPosition =
-    Arc<dyn Fn() -> futures::future::BoxFuture<'static, Result<Lsn, String>> + Send + Sync>;
+pub use ferry_export::policy::CommitPosition;
+
+/// The export policies a node runs, and how they stop.
+pub struct Policies {
+    pub status: watch::Receiver<ferry_export::policy::PolicyStatus>,
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Policies {
+    /// Starts the rounds of every table's export policy on this node's
+    /// replicas (one node at a time runs a table's, under its policy lock).
+    pub fn start(api: &ExportApi) -> Policies {
+        let runner = ferry_export::policy::PolicyRunner {
+            session: api.session.clone(),
+            sessions: Arc::clone(&api.sessions),
+            parts: Arc::clone(&api.parts),
+            destinations: Arc::clone(&api.destinations),
+            replica_name: api.replica_name.clone(),
+            clock: Arc::clone(&api.clock),
+            commit_lsn: Arc::clone(&api.commit_lsn),
+            view: api.view.clone(),
+            // The edge's randomness: transaction ids only need to differ.
+            seed: rand::random(),
+        };
+        let (status_tx, status) = watch::channel(Default::default());
+        let (stop, stop_rx) = watch::channel(false);
+        let task = tokio::spawn(runner.run(status_tx, stop_rx));
+        Policies { status, stop, task }
+    }
+
+    /// Stops the rounds (a round in flight finishes) and releases the locks.
+    pub async fn stop(self) {
+        let _ = self.stop.send(true);
+        let _ = self.task.await;
+    }
+}
 
 pub fn router(api: Arc<ExportApi>) -> Router {
     Router::new()

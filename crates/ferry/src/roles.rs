@@ -680,15 +680,32 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
         }),
         view: export_view.clone(),
     });
+    // Tables that export themselves: one replica node runs each table's rounds.
+    let policies = crate::exports::Policies::start(&export_api);
     let status_replica = status_rx.clone();
+    let status_policies = policies.status.clone();
     let status = move || {
         let s = status_replica.borrow().clone();
-        async move { serde_json::to_value(s).unwrap_or_default() }
+        let policies = status_policies.borrow().tables.clone();
+        async move {
+            let mut v = serde_json::to_value(s).unwrap_or_default();
+            if let Some(o) = v.as_object_mut() {
+                o.insert(
+                    "export_policies".into(),
+                    serde_json::to_value(policies).unwrap_or_default(),
+                );
+            }
+            v
+        }
     };
     let sampled = status_rx.clone();
     let sampled_coord = Arc::clone(&coord_metrics);
+    let sampled_policies = policies.status.clone();
     let metrics = ferry_host::metrics::NodeMetrics::new(Default::default(), move || {
         let mut out = ferry_host::metrics::replica(&sampled.borrow());
+        out.extend(ferry_host::metrics::export_policies(
+            &sampled_policies.borrow(),
+        ));
         out.extend(ferry_host::metrics::coordination(&sampled_coord));
         out.extend(ferry_host::metrics::exporter(
             &exporter_name,
@@ -721,6 +738,7 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
         _ = shutdown.recv() => Ok(()),
         e = node.stopped() => Err(anyhow::Error::new(e)),
     };
+    policies.stop().await;
     node.stop().await;
     registration.abort();
     http.stop().await;

@@ -669,3 +669,182 @@ fn an_iceberg_export_is_read_once_by_lake_readers_before_and_after_a_re_export()
     assert!(refused.to_string().contains("export.format"), "{refused}");
     dev.stop();
 }
+
+/// Every id in what `ferry lake files --full` lists for `lake_url`, with
+/// repeats (empty while nothing is committed).
+fn lake_ids(lake_url: &str, url: &str) -> Vec<i64> {
+    let (ok, listed, _) = ferry(&["lake", "files", lake_url, "--full"], url);
+    if !ok {
+        return Vec::new();
+    }
+    let files: Vec<String> = listed.lines().map(str::to_string).collect();
+    let mut ids = ids_in(&files);
+    ids.sort_unstable();
+    ids
+}
+
+/// A table with an export policy exports itself: inserts into two
+/// partitions, with merges in between, reach the lake with nobody asking,
+/// each row once as a reader reads it; `/metrics` and `/status` show the
+/// policy; a manual export to the same destination composes with it; a
+/// table switched to Iceberg exports itself there and pyiceberg and DuckDB
+/// read each row once.
+#[test]
+fn a_table_with_an_export_policy_exports_itself_and_readers_read_each_row_once() {
+    let dev = Dev::start(&table_toml("t", 1));
+    let (rt, c, url) = (&dev.rt, &dev.client, dev.url.clone());
+    let lake = dev.data.join("lake/auto");
+    let lake_url = format!("file://{}", lake.display());
+    let set = ferry_ok(
+        &[
+            "table",
+            "set-export",
+            "t",
+            "--to",
+            &lake_url,
+            "--freshness",
+            "1s",
+        ],
+        &url,
+    );
+    assert!(set.contains("exports itself to"), "{set}");
+    let shown = ferry_ok(&["table", "show", "t"], &url);
+    assert!(shown.contains("freshness = \"1s\""), "{shown}");
+    // Bad policies are refused, naming the field, and change nothing.
+    let (ok, _, err) = ferry(&["table", "set-export", "t", "--to", "http://x/y"], &url);
+    assert!(!ok && err.contains("export.to"), "{err}");
+    let refused = rt
+        .block_on(c.set_export(
+            "t",
+            &serde_json::json!({"to": &lake_url, "freshness": "0s"}),
+        ))
+        .expect_err("refused");
+    assert!(
+        refused.to_string().contains("export.freshness"),
+        "{refused}"
+    );
+    assert_eq!(ferry_ok(&["table", "show", "t"], &url), shown);
+
+    let wait_for = |expected: &[i64]| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let ids = lake_ids(&lake_url, &url);
+            if ids == expected {
+                return;
+            }
+            assert!(
+                ids.windows(2).all(|w| w[0] != w[1]),
+                "a row twice in the lake: {ids:?}"
+            );
+            assert!(Instant::now() < deadline, "the lake holds {ids:?}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    // Batches into two partitions; eight level-0 parts of `a` merge on the
+    // way, combining exported and new rows.
+    let mut expected = Vec::new();
+    for batch in 0..11i64 {
+        let partition = if batch % 4 == 3 { "b" } else { "a" };
+        insert_ids(
+            rt,
+            c,
+            batch * 10..batch * 10 + 10,
+            partition,
+            &format!("k{batch}"),
+        );
+        expected.extend(batch * 10..batch * 10 + 10);
+        if batch % 3 == 2 {
+            expected.sort_unstable();
+            wait_for(&expected);
+        }
+    }
+    expected.sort_unstable();
+    wait_for(&expected);
+    let status: serde_json::Value =
+        serde_json::from_str(&http_get(&format!("{url}/status"))).expect("status");
+    assert!(
+        status["replicas"][0]["merges_done"].as_u64() > Some(0),
+        "no merge: {status}"
+    );
+    ferry_ok(&["verify", &lake_url, "--deep"], &url);
+
+    let metrics = http_get(&format!("{url}/metrics"));
+    assert!(
+        metrics.contains("ferry_export_lag_seconds{table=\"t\"}"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("ferry_export_policy_exports_total{table=\"t\"}"),
+        "{metrics}"
+    );
+    let status: serde_json::Value =
+        serde_json::from_str(&http_get(&format!("{url}/status"))).expect("status");
+    let policy = &status["export_policies"]["t"];
+    assert_eq!(policy["running_here"], true, "{status}");
+    assert_eq!(policy["to"], lake_url.as_str(), "{status}");
+
+    // A manual export of a partition the policy keeps current: unchanged
+    // with --force, nothing written twice.
+    let manual = ferry_ok(
+        &["export", "t", "a", "--to", &lake_url, "--force", "--wait"],
+        &url,
+    );
+    assert!(manual.contains("unchanged"), "{manual}");
+    assert_eq!(lake_ids(&lake_url, &url), expected);
+
+    // The same table switched to an Iceberg destination.
+    let ice = dev.data.join("lake/ice");
+    let ice_url = format!("file://{}", ice.display());
+    ferry_ok(
+        &[
+            "table",
+            "set-export",
+            "t",
+            "--to",
+            &ice_url,
+            "--format",
+            "iceberg",
+            "--freshness",
+            "1s",
+        ],
+        &url,
+    );
+    insert_ids(rt, c, 500..510, "b", "k-ice");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let metadata = loop {
+        let listed = ferry(&["lake", "files", &ice_url, "--json"], &url);
+        let rows: u64 = serde_json::from_str::<serde_json::Value>(&listed.1)
+            .ok()
+            .and_then(|v| {
+                v["files"]
+                    .as_array()
+                    .map(|fs| fs.iter().map(|f| f["rows"].as_u64().unwrap_or(0)).sum())
+            })
+            .unwrap_or(0);
+        if rows == 120 {
+            let hint = std::fs::read_to_string(ice.join("metadata/version-hint.text"))
+                .expect("version hint");
+            break ice
+                .join(format!("metadata/v{}.metadata.json", hint.trim()))
+                .display()
+                .to_string();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the Iceberg table: {}\nstatus: {}\nexports: {}",
+            listed.1,
+            http_get(&format!("{url}/status")),
+            http_get(&format!("{url}/exports"))
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    if let Some(got) = ferry_testkit::services::iceberg_row_counts(&metadata, "p", None) {
+        let expected = serde_json::json!({"a": 80, "b": 40});
+        assert_eq!(got["pyiceberg"], expected, "{got}");
+        assert_eq!(got["duckdb"], expected, "{got}");
+    }
+    // Off: the table stops exporting itself.
+    let off = ferry_ok(&["table", "set-export", "t", "--off"], &url);
+    assert!(off.contains("no export policy"), "{off}");
+    dev.stop();
+}

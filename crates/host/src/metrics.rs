@@ -420,6 +420,34 @@ pub fn exporter(node: &str, view: &ferry_export::ExportsView) -> Vec<Sample> {
     out
 }
 
+/// The export policies this node runs (`running_here`): lag, partitions
+/// behind and exports requested, per table.
+pub fn export_policies(status: &ferry_export::policy::PolicyStatus) -> Vec<Sample> {
+    let mut out = Vec::new();
+    for (table, t) in status.tables.iter().filter(|(_, t)| t.running_here) {
+        let labels = [("table", table.as_str())];
+        out.push(gauge(
+            "ferry_export_lag_seconds",
+            "Age of the oldest change to a policy table not yet in the lake (0: the lake holds every partition's current rows)",
+            &labels,
+            t.lag_seconds,
+        ));
+        out.push(gauge(
+            "ferry_export_partitions_behind",
+            "Partitions of a policy table whose current rows are not all in the lake",
+            &labels,
+            t.partitions_behind as f64,
+        ));
+        out.push(counter(
+            "ferry_export_policy_exports",
+            "Export tasks a table's export policy created on this node",
+            &labels,
+            t.exports_requested as f64,
+        ));
+    }
+    out
+}
+
 /// Counts elections won by a writer: a task following its status.
 pub fn count_elections(
     registry: &mut Registry,

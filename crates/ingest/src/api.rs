@@ -240,7 +240,10 @@ struct InsertQuery {
 pub fn router(api: Arc<Api>) -> Router {
     Router::new()
         .route("/tables", post(create_table).get(list_tables))
-        .route("/tables/{name}", get(show_table).delete(drop_table))
+        .route(
+            "/tables/{name}",
+            get(show_table).delete(drop_table).patch(set_export),
+        )
         .route("/tables/{name}/insert", post(insert))
         .with_state(api)
 }
@@ -342,6 +345,47 @@ async fn show_table(
         Some(t) => Ok(Json(t)),
         None => Err(CatalogError::NoSuchTable(name).into()),
     }
+}
+
+/// `PATCH /tables/<name>` `{"export": {...} | null}`: the one part of a
+/// definition that changes after creation (its export defaults and policy).
+async fn set_export(
+    State(api): State<Arc<Api>>,
+    Path(name): Path<String>,
+    body: Body,
+) -> Result<Json<Table>, ApiError> {
+    let body = read_body(&api, body).await?;
+    let invalid = |e: ferry_table::DefError| ApiError {
+        at: Some(Box::new(ErrorAt {
+            field: Some(e.field.clone()),
+            reason: Some(e.reason.clone()),
+            ..ErrorAt::default()
+        })),
+        ..ApiError::new(StatusCode::BAD_REQUEST, "invalid_definition", e.to_string())
+    };
+    let patch: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&body).map_err(|e| {
+            invalid(ferry_table::DefError {
+                field: "definition".into(),
+                reason: format!("not a JSON object: {e}"),
+            })
+        })?;
+    let export = match (patch.len(), patch.get("export")) {
+        (1, Some(serde_json::Value::Null)) => None,
+        (1, Some(v)) => Some(
+            ferry_table::def::ExportDefaults::from_json(v.to_string().as_bytes())
+                .map_err(invalid)?,
+        ),
+        _ => {
+            return Err(invalid(ferry_table::DefError {
+                field: "definition".into(),
+                reason: "only export changes after creation: give {\"export\": {...}} or \
+                         {\"export\": null}"
+                    .into(),
+            }))
+        }
+    };
+    Ok(Json(api.catalog.set_export(&name, export).await?))
 }
 
 async fn drop_table(

@@ -4,7 +4,9 @@
 //! Layout:
 //!
 //! ```text
-//! /ferry/tables/<name>          JSON of the Table (id and definition); immutable
+//! /ferry/tables/<name>          JSON of the Table (id and definition); only its
+//!                               `export` section changes (`set_export`, a
+//!                               compare-and-swap on the node's version)
 //! /ferry/tables/<name>/refs/    one child per holder (a replica, an export) that
 //!                               needs the table; a table with refs is not dropped
 //! /ferry/table_ids/id-NNNNNNNNNN  one persistent sequential node per id handed out
@@ -25,6 +27,7 @@
 use std::sync::Arc;
 
 use ferry_coord::{CoordError, CreateMode, Op, RenewingSession, Session, SessionFactory};
+use ferry_table::def::ExportDefaults;
 use ferry_table::{Table, TableDef};
 
 pub const TABLES: &str = "/ferry/tables";
@@ -36,8 +39,13 @@ const ATTEMPTS: usize = 5;
 pub enum CatalogError {
     #[error("no table named {0:?}")]
     NoSuchTable(String),
-    #[error("table {name:?} exists with a different definition (id {id}); drop it first or choose another name")]
-    Conflict { name: String, id: u64 },
+    #[error("table {name:?} exists with a different definition (id {id}){hint}")]
+    Conflict {
+        name: String,
+        id: u64,
+        /// What to do instead: change only the export, or drop the table.
+        hint: &'static str,
+    },
     #[error("table {name:?} is still used by {holders:?}")]
     InUse { name: String, holders: Vec<String> },
     #[error("table record {path} in coordination is not valid: {detail}")]
@@ -69,6 +77,21 @@ pub struct Catalog {
 
 fn table_path(name: &str) -> String {
     format!("{TABLES}/{name}")
+}
+
+/// A table node's JSON, which must name the table it is stored under.
+fn parse_table(path: &str, name: &str, data: &[u8]) -> Result<Table, CatalogError> {
+    let table: Table = serde_json::from_slice(data).map_err(|e| CatalogError::Damaged {
+        path: path.to_string(),
+        detail: e.to_string(),
+    })?;
+    if table.def.name != name {
+        return Err(CatalogError::Damaged {
+            path: path.to_string(),
+            detail: format!("it names table {:?}", table.def.name),
+        });
+    }
+    Ok(table)
 }
 
 impl Catalog {
@@ -109,9 +132,19 @@ impl Catalog {
                 return if &existing.def == def {
                     Ok((existing, false))
                 } else {
+                    let only_export = TableDef {
+                        export: def.export.clone(),
+                        ..existing.def.clone()
+                    } == *def;
                     Err(CatalogError::Conflict {
                         name: def.name.clone(),
                         id: existing.id,
+                        hint: if only_export {
+                            "; only its [export] differs: change that with PATCH /tables/<name> \
+                             (ferry table set-export)"
+                        } else {
+                            "; drop it first or choose another name"
+                        },
                     })
                 };
             }
@@ -158,6 +191,56 @@ impl Catalog {
             .into())
     }
 
+    /// Replaces a table's `[export]` section (its default format and export
+    /// policy); `None` removes it. Everything else of a definition is
+    /// fixed at creation. A compare-and-swap on the table node: a racing
+    /// change makes this one read again and apply on top of it.
+    pub async fn set_export(
+        &self,
+        name: &str,
+        export: Option<ExportDefaults>,
+    ) -> Result<Table, CatalogError> {
+        if !ferry_table::def::valid_name(name) {
+            return Err(CatalogError::InvalidName(name.to_string()));
+        }
+        let path = table_path(name);
+        let mut last = None;
+        for _ in 0..ATTEMPTS {
+            let session = self.session().await?;
+            let (data, stat) = match session.get(&path).await {
+                Ok(found) => found,
+                Err(CoordError::NoNode { .. }) => {
+                    return Err(CatalogError::NoSuchTable(name.to_string()))
+                }
+                Err(e) => return Err(e.into()),
+            };
+            let mut table = parse_table(&path, name, &data)?;
+            if table.def.export == export {
+                return Ok(table);
+            }
+            table.def.export = export.clone();
+            let data = serde_json::to_vec(&table).expect("a table serialises");
+            match session.set(&path, &data, Some(stat.version)).await {
+                Ok(_) => {
+                    tracing::info!(table = %name, export = ?table.def.export, "table export changed");
+                    return Ok(table);
+                }
+                // Changed meanwhile, or applied before the connection dropped:
+                // the next round reads it again.
+                Err(e @ (CoordError::BadVersion { .. } | CoordError::ConnectionLoss { .. })) => {
+                    last = Some(e)
+                }
+                Err(CoordError::NoNode { .. }) => {
+                    return Err(CatalogError::NoSuchTable(name.to_string()))
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(last
+            .unwrap_or_else(|| CoordError::Backend("the export change did not settle".into()))
+            .into())
+    }
+
     /// The table named `name`, if it exists.
     pub async fn get(&self, name: &str) -> Result<Option<Table>, CatalogError> {
         if !ferry_table::def::valid_name(name) {
@@ -165,20 +248,7 @@ impl Catalog {
         }
         let path = table_path(name);
         match self.session().await?.get(&path).await {
-            Ok((data, _)) => {
-                let table: Table =
-                    serde_json::from_slice(&data).map_err(|e| CatalogError::Damaged {
-                        path: path.clone(),
-                        detail: e.to_string(),
-                    })?;
-                if table.def.name != name {
-                    return Err(CatalogError::Damaged {
-                        path,
-                        detail: format!("it names table {:?}", table.def.name),
-                    });
-                }
-                Ok(Some(table))
-            }
+            Ok((data, _)) => Ok(Some(parse_table(&path, name, &data)?)),
             Err(CoordError::NoNode { .. }) => Ok(None),
             Err(e) => Err(e.into()),
         }

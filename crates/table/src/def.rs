@@ -187,11 +187,156 @@ impl std::str::FromStr for LakeFormat {
 }
 
 /// How the table's exports are made when a request does not say
-/// (`[export]` in the definition).
+/// (`[export]` in the definition), and where the table exports itself.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ExportDefaults {
     /// The destination format of an export that names none.
     pub format: LakeFormat,
+    /// The export policy: with it, the table's partitions are exported to
+    /// this destination whenever they change, with nobody asking. Flat in
+    /// JSON (`to`, `freshness_seconds`), as `[export]` is written.
+    #[serde(flatten)]
+    pub policy: Option<ExportPolicy>,
+}
+
+/// Where a table exports itself, and how stale the lake may be.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExportPolicy {
+    /// The destination URL (`file://` or `s3://`), opened by the exporting
+    /// node under its own export roots.
+    pub to: String,
+    /// Every acknowledged row is in the lake within this many seconds.
+    pub freshness_seconds: u64,
+}
+
+/// The freshness target when `[export] to` names none: a minute, as the
+/// streaming lakes peers default to.
+pub const DEFAULT_FRESHNESS_SECONDS: u64 = 60;
+/// The freshness range a policy accepts: a second to a day.
+pub const MIN_FRESHNESS_SECONDS: u64 = 1;
+pub const MAX_FRESHNESS_SECONDS: u64 = 86_400;
+/// A destination URL is at most this long (it becomes part of coordination
+/// paths and commit files).
+pub const MAX_DESTINATION_URL_BYTES: usize = 1024;
+
+impl ExportDefaults {
+    /// Checks an `[export]` section (TOML or JSON, also the body of
+    /// `PATCH /tables/<t>`); field names in errors are `export.<field>`.
+    pub fn from_raw(raw: RawExport) -> Result<ExportDefaults, DefError> {
+        let format = match raw.format {
+            Some(f) => f
+                .parse::<LakeFormat>()
+                .map_err(|reason| DefError::new("export.format", reason))?,
+            None if raw.to.is_none() => {
+                return Err(DefError::new(
+                    "export",
+                    "give a format, or a destination (to) to export to",
+                ))
+            }
+            None => LakeFormat::default(),
+        };
+        let freshness = match raw.freshness {
+            None => None,
+            Some(RawDuration::Seconds(s)) if s >= 0 => Some(s as u64),
+            Some(RawDuration::Seconds(s)) => {
+                return Err(DefError::new(
+                    "export.freshness",
+                    format!("{s} is negative"),
+                ))
+            }
+            Some(RawDuration::Text(t)) => Some(
+                parse_duration_seconds(&t)
+                    .map_err(|reason| DefError::new("export.freshness", reason))?,
+            ),
+        };
+        let policy = match (raw.to, freshness) {
+            (None, None) => None,
+            (None, Some(_)) => {
+                return Err(DefError::new(
+                    "export.freshness",
+                    "a freshness target needs a destination (to) to export to",
+                ))
+            }
+            (Some(to), freshness) => {
+                check_destination_url(&to)?;
+                let freshness_seconds = freshness.unwrap_or(DEFAULT_FRESHNESS_SECONDS);
+                if !(MIN_FRESHNESS_SECONDS..=MAX_FRESHNESS_SECONDS).contains(&freshness_seconds) {
+                    return Err(DefError::new(
+                        "export.freshness",
+                        format!(
+                            "{freshness_seconds}s is out of range \
+                             {MIN_FRESHNESS_SECONDS}s..={MAX_FRESHNESS_SECONDS}s"
+                        ),
+                    ));
+                }
+                Some(ExportPolicy {
+                    to,
+                    freshness_seconds,
+                })
+            }
+        };
+        Ok(ExportDefaults { format, policy })
+    }
+
+    /// Parses and checks an `[export]` section given as JSON.
+    pub fn from_json(text: &[u8]) -> Result<ExportDefaults, DefError> {
+        let raw: RawExport =
+            serde_json::from_slice(text).map_err(|e| DefError::new("export", e.to_string()))?;
+        ExportDefaults::from_raw(raw)
+    }
+
+    /// The section as TOML lines (without its `[export]` header).
+    fn to_toml_lines(&self) -> String {
+        let mut out = format!("format = {:?}\n", self.format.as_str());
+        if let Some(p) = &self.policy {
+            out += &format!(
+                "to = {:?}\nfreshness = \"{}s\"\n",
+                p.to, p.freshness_seconds
+            );
+        }
+        out
+    }
+}
+
+/// `10s`, `5m`, `1h 30m`, `2days` (humantime's forms), or a number of
+/// seconds: whole seconds.
+fn parse_duration_seconds(text: &str) -> Result<u64, String> {
+    if let Ok(s) = text.trim().parse::<u64>() {
+        return Ok(s);
+    }
+    let d = humantime::parse_duration(text.trim())
+        .map_err(|e| format!("{text:?} is not a duration like 10s, 5m or 1h: {e}"))?;
+    if d.subsec_nanos() != 0 {
+        return Err(format!("{text:?} is not a whole number of seconds"));
+    }
+    Ok(d.as_secs())
+}
+
+/// A destination URL as a table may name it: `file://` or `s3://`, short
+/// and printable. Whether this node may open it is the exporting node's
+/// check (its export roots).
+fn check_destination_url(url: &str) -> Result<(), DefError> {
+    let field = "export.to";
+    if url.len() > MAX_DESTINATION_URL_BYTES {
+        return Err(DefError::new(
+            field,
+            format!("longer than {MAX_DESTINATION_URL_BYTES} bytes"),
+        ));
+    }
+    if url.chars().any(|c| c.is_control()) {
+        return Err(DefError::new(field, "holds a control character"));
+    }
+    let rest = url
+        .strip_prefix("file://")
+        .or_else(|| url.strip_prefix("s3://"))
+        .ok_or_else(|| DefError::new(field, format!("{url:?} is not a file:// or s3:// URL")))?;
+    if rest.trim_matches('/').is_empty() {
+        return Err(DefError::new(
+            field,
+            format!("{url:?} names no folder or bucket"),
+        ));
+    }
+    Ok(())
 }
 
 /// A checked table definition (the id is not part of it: see [`Table`]).
@@ -229,10 +374,22 @@ struct RawDef {
     export: Option<RawExport>,
 }
 
+/// An `[export]` section as written, before checking.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct RawExport {
+pub struct RawExport {
     format: Option<String>,
+    to: Option<String>,
+    #[serde(alias = "freshness_seconds")]
+    freshness: Option<RawDuration>,
+}
+
+/// A duration as written: `"10s"` or a number of seconds.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum RawDuration {
+    Seconds(i64),
+    Text(String),
 }
 
 #[derive(Debug, Deserialize)]
@@ -412,16 +569,7 @@ impl TableDef {
                 format!("{replicas} is out of range 1..={MAX_REPLICAS}"),
             ));
         }
-        let export = match raw.export {
-            None => None,
-            Some(e) => {
-                let format = required("export.format", e.format)?;
-                let format = format
-                    .parse::<LakeFormat>()
-                    .map_err(|reason| DefError::new("export.format", reason))?;
-                Some(ExportDefaults { format })
-            }
-        };
+        let export = raw.export.map(ExportDefaults::from_raw).transpose()?;
         Ok(TableDef {
             name,
             columns,
@@ -476,6 +624,9 @@ impl TableDef {
                 c.column_type.name(),
                 c.nullable
             );
+        }
+        if let Some(e) = &self.export {
+            out += &format!("\n[export]\n{}", e.to_toml_lines());
         }
         out
     }
@@ -592,5 +743,93 @@ nullable = true
         for bad in ["", "9a", "a-b", "a b", "é", &"x".repeat(65), "a/b", ".."] {
             assert!(!valid_name(bad), "{bad}");
         }
+    }
+
+    #[test]
+    fn an_export_policy_is_checked_and_round_trips() {
+        let def = TableDef::from_toml(&format!(
+            "{GOOD}\n[export]\nto = \"s3://lake/events\"\nfreshness = \"10s\"\n"
+        ))
+        .expect("valid");
+        let export = def.export.clone().expect("export");
+        assert_eq!(export.format, LakeFormat::Parquet, "the format defaults");
+        assert_eq!(
+            export.policy,
+            Some(ExportPolicy {
+                to: "s3://lake/events".into(),
+                freshness_seconds: 10
+            })
+        );
+        assert_eq!(TableDef::from_toml(&def.to_toml()).expect("again"), def);
+        let json = serde_json::to_vec(&def).expect("json");
+        assert_eq!(TableDef::from_json(&json).expect("json back"), def);
+        // A destination alone takes the default freshness; seconds as a number.
+        let e = ExportDefaults::from_json(br#"{"to": "file:///lake", "format": "iceberg"}"#)
+            .expect("valid");
+        assert_eq!(e.format, LakeFormat::Iceberg);
+        assert_eq!(
+            e.policy.map(|p| p.freshness_seconds),
+            Some(DEFAULT_FRESHNESS_SECONDS)
+        );
+        let e = ExportDefaults::from_json(br#"{"to": "file:///lake", "freshness": 90}"#)
+            .expect("valid");
+        assert_eq!(e.policy.map(|p| p.freshness_seconds), Some(90));
+        let e = ExportDefaults::from_json(br#"{"to": "file:///lake", "freshness": "1h 30m"}"#)
+            .expect("valid");
+        assert_eq!(e.policy.map(|p| p.freshness_seconds), Some(5400));
+        // Definitions of the earlier form still read.
+        let e = ExportDefaults::from_json(br#"{"format": "parquet"}"#).expect("valid");
+        assert_eq!(e.policy, None);
+    }
+
+    #[test]
+    fn every_invalid_export_policy_names_its_field() {
+        let cases: &[(&str, &str)] = &[
+            (r#"{}"#, "export"),
+            (r#"{"format": "orc"}"#, "export.format"),
+            (
+                r#"{"freshness": "10s", "format": "parquet"}"#,
+                "export.freshness",
+            ),
+            (r#"{"to": "http://x/y"}"#, "export.to"),
+            (r#"{"to": "/tmp/lake"}"#, "export.to"),
+            (r#"{"to": "s3://"}"#, "export.to"),
+            (r#"{"to": "file:///a\u0007b"}"#, "export.to"),
+            (
+                r#"{"to": "file:///lake", "freshness": "0s"}"#,
+                "export.freshness",
+            ),
+            (
+                r#"{"to": "file:///lake", "freshness": "2days"}"#,
+                "export.freshness",
+            ),
+            (
+                r#"{"to": "file:///lake", "freshness": -5}"#,
+                "export.freshness",
+            ),
+            (
+                r#"{"to": "file:///lake", "freshness": "1500ms"}"#,
+                "export.freshness",
+            ),
+            (
+                r#"{"to": "file:///lake", "freshness": "soon"}"#,
+                "export.freshness",
+            ),
+            (r#"{"to": "file:///lake", "retention": "7d"}"#, "export"),
+        ];
+        for (json, field) in cases {
+            let e = ExportDefaults::from_json(json.as_bytes()).expect_err(json);
+            assert_eq!(&e.field, field, "{json}: {e}");
+        }
+        let long = format!(
+            r#"{{"to": "s3://b/{}"}}"#,
+            "x".repeat(MAX_DESTINATION_URL_BYTES)
+        );
+        assert_eq!(
+            ExportDefaults::from_json(long.as_bytes())
+                .expect_err("long")
+                .field,
+            "export.to"
+        );
     }
 }

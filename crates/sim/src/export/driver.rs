@@ -156,6 +156,7 @@ impl Sim {
             partition_id: partition.clone(),
             destination: destination.clone(),
             force,
+            replace_finished: false,
             settings: ExportSettings {
                 format: Some(self.format_of(destination_index)),
                 retry_initial_backoff_ms: 100,

@@ -1,0 +1,567 @@
+//! Export policies: tables that export themselves (`[export] to = URL,
+//! freshness = "10s"` in a definition, or `PATCH /tables/<t>`).
+//!
+//! One node at a time runs a table's policy: the holder of the table's
+//! ephemeral policy lock (`/ferry/export_policy/<table>`); when its session
+//! ends, another node takes over. Every round it lists the table's active
+//! parts at the commit position, and asks for an export (an ordinary
+//! EXPORT PARTITION task, [`ExportRequest::replace_finished`]) of each
+//! partition whose content is not the lake's. The export protocol does the
+//! rest, so a policy's export is exactly as safe as a manual one.
+//!
+//! Invariants (ARCHITECTURE.md):
+//! * a policy never replaces a PENDING task of its key: a manual export in
+//!   flight finishes first, and the next round exports what it missed;
+//! * a partition's rows are "in the lake" only when a COMPLETED task (or
+//!   the destination's current commit, answered `unchanged`) holds exactly
+//!   the partition's current content; until then the partition counts in
+//!   the table's lag.
+//!
+//! [`TablePolicy`] is the decision, apart from I/O: it takes the parts'
+//! contents, the tasks' statuses and the time, and names the partitions to
+//! request. [`PolicyRunner`] performs it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_coord::{CoordError, CreateMode, RenewingSession, Session, SessionFactory};
+use ferry_env::Clock;
+use ferry_table::def::{ExportPolicy, LakeFormat};
+use ferry_table::Table;
+use ferry_wal::Lsn;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use crate::local::{Destinations, LocalParts, SnapshotRequest};
+use crate::model::{content_id, SnapshotPart, TaskStatus, TABLES};
+use crate::request::{ExportRequest, RequestError, Requester};
+use crate::worker::ExportsView;
+
+/// Where the policy locks live (outside the table's node, so a drop is
+/// never blocked by a running policy).
+pub const POLICY_LOCKS: &str = "/ferry/export_policy";
+
+/// A round runs every quarter of the freshness target, within these bounds.
+pub const MIN_ROUND: Duration = Duration::from_millis(250);
+pub const MAX_ROUND: Duration = Duration::from_secs(15);
+/// How often a node without any policy looks for new ones.
+pub const IDLE_ROUND: Duration = Duration::from_secs(2);
+/// A table's replicas must apply the commit position within this long of a
+/// round (at most the freshness target).
+pub const MAX_APPLY_WAIT: Duration = Duration::from_secs(30);
+/// Partitions one round requests per table: a bound on a round's work
+/// (the rest wait for the next round).
+pub const MAX_REQUESTS_PER_ROUND: usize = 64;
+
+/// Where a node learns the commit position now.
+pub type CommitPosition =
+    Arc<dyn Fn() -> futures::future::BoxFuture<'static, Result<Lsn, String>> + Send + Sync>;
+
+/// What a policy knows of one partition.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct PartitionState {
+    /// The content the lake holds, as far as this node saw.
+    in_lake: Option<String>,
+    /// The export this node asked for and has not seen end.
+    requested: Option<Asked>,
+    /// When this node first saw the partition's content differ from the
+    /// lake's (unix ms); `None` while they agree.
+    behind_since_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Asked {
+    content_id: String,
+    transaction_id: String,
+    at_ms: u64,
+}
+
+/// One table's policy decisions, apart from I/O.
+#[derive(Debug, Clone, Default)]
+pub struct TablePolicy {
+    /// The destination (URL and format) what follows is about.
+    destination: String,
+    partitions: BTreeMap<String, PartitionState>,
+}
+
+impl TablePolicy {
+    /// Forgets everything known when the policy names another destination
+    /// or format: what one lake holds says nothing of another.
+    pub fn destination(&mut self, destination: &str) {
+        if self.destination != destination {
+            self.destination = destination.to_string();
+            self.partitions.clear();
+        }
+    }
+
+    /// The partitions to request now, given each partition's current
+    /// content (`contents`: partition → content id, partitions with rows
+    /// only) and the status of a task by transaction id (`None`: not
+    /// known here). `forget_after_ms`: how long a requested task may stay
+    /// unknown before it is asked again.
+    pub fn plan(
+        &mut self,
+        now_ms: u64,
+        contents: &BTreeMap<String, String>,
+        status_of: impl Fn(&str) -> Option<TaskStatus>,
+        forget_after_ms: u64,
+    ) -> Vec<String> {
+        self.partitions.retain(|p, _| contents.contains_key(p));
+        let mut out = Vec::new();
+        for (partition, content) in contents {
+            let st = self.partitions.entry(partition.clone()).or_default();
+            if let Some(asked) = &st.requested {
+                match status_of(&asked.transaction_id) {
+                    Some(TaskStatus::Completed) => {
+                        st.in_lake = Some(asked.content_id.clone());
+                        st.requested = None;
+                    }
+                    Some(TaskStatus::Failed | TaskStatus::Killed) => st.requested = None,
+                    Some(TaskStatus::Pending) => {}
+                    None if now_ms.saturating_sub(asked.at_ms) > forget_after_ms => {
+                        st.requested = None
+                    }
+                    None => {}
+                }
+            }
+            if st.in_lake.as_ref() == Some(content) {
+                st.behind_since_ms = None;
+                continue;
+            }
+            st.behind_since_ms.get_or_insert(now_ms);
+            if st.requested.is_none() {
+                out.push(partition.clone());
+            }
+        }
+        out
+    }
+
+    /// A task was created for `content_id`.
+    pub fn requested(
+        &mut self,
+        partition: &str,
+        content_id: &str,
+        transaction_id: &str,
+        now_ms: u64,
+    ) {
+        let st = self.partitions.entry(partition.to_string()).or_default();
+        st.requested = Some(Asked {
+            content_id: content_id.to_string(),
+            transaction_id: transaction_id.to_string(),
+            at_ms: now_ms,
+        });
+    }
+
+    /// The destination's current commit holds `content_id` already.
+    pub fn in_lake(&mut self, partition: &str, content_id: &str) {
+        let st = self.partitions.entry(partition.to_string()).or_default();
+        st.in_lake = Some(content_id.to_string());
+        st.requested = None;
+        st.behind_since_ms = None;
+    }
+
+    /// Age of the oldest change not yet in the lake (0 when none), and how
+    /// many partitions are behind.
+    pub fn lag(&self, now_ms: u64) -> (u64, usize) {
+        let behind: Vec<u64> = self
+            .partitions
+            .values()
+            .filter_map(|s| s.behind_since_ms)
+            .collect();
+        let oldest = behind.iter().min().map_or(0, |t| now_ms.saturating_sub(*t));
+        (oldest, behind.len())
+    }
+}
+
+/// The contents of a table's partitions with rows, from a snapshot of its
+/// active parts.
+pub fn partition_contents(
+    table: &str,
+    parts: &[ferry_replica::PartMeta],
+) -> BTreeMap<String, String> {
+    let mut by_partition: BTreeMap<String, Vec<SnapshotPart>> = BTreeMap::new();
+    for p in parts.iter().filter(|p| p.rows > 0) {
+        by_partition
+            .entry(p.name.partition_id.clone())
+            .or_default()
+            .push(SnapshotPart {
+                name: p.name.to_string(),
+                rows: p.rows,
+                checksum: p.checksum,
+            });
+    }
+    by_partition
+        .into_iter()
+        .map(|(partition, parts)| {
+            let id = content_id(table, &partition, &parts);
+            (partition, id)
+        })
+        .collect()
+}
+
+/// What `/status` and `/metrics` show of a table's policy on this node.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TablePolicyStatus {
+    pub to: String,
+    pub format: String,
+    pub freshness_seconds: u64,
+    /// This node holds the table's policy lock (runs its rounds).
+    pub running_here: bool,
+    /// Age of the oldest change this node saw that is not in the lake yet.
+    pub lag_seconds: f64,
+    pub partitions_behind: u64,
+    pub partitions: u64,
+    /// Tasks this node's rounds created (since it started).
+    pub exports_requested: u64,
+    pub last_round_unix_ms: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+}
+
+/// Every policy table this node knows, by name.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PolicyStatus {
+    pub tables: BTreeMap<String, TablePolicyStatus>,
+}
+
+/// What a node needs to run export policies.
+pub struct PolicyRunner {
+    pub session: RenewingSession,
+    pub sessions: Arc<dyn SessionFactory>,
+    pub parts: Arc<dyn LocalParts>,
+    pub destinations: Arc<dyn Destinations>,
+    pub replica_name: String,
+    pub clock: Arc<dyn Clock>,
+    pub commit_lsn: CommitPosition,
+    pub view: watch::Receiver<ExportsView>,
+    /// Seeds the transaction ids' random part.
+    pub seed: u64,
+}
+
+impl PolicyRunner {
+    /// Runs rounds until `stop` turns true; publishes what it knows in
+    /// `status`.
+    pub async fn run(self, status: watch::Sender<PolicyStatus>, mut stop: watch::Receiver<bool>) {
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(self.seed);
+        let mut policies: BTreeMap<String, TablePolicy> = BTreeMap::new();
+        loop {
+            let round = self.round(&mut policies, &mut rng, &status).await;
+            tokio::select! {
+                _ = tokio::time::sleep(round) => {}
+                _ = stop.changed() => {}
+            }
+            if *stop.borrow() {
+                break;
+            }
+        }
+        if let Ok(session) = self.session.session().await {
+            for table in policies.keys() {
+                release_lock(&session, table).await;
+            }
+        }
+    }
+
+    /// One round over every policy table; answers how long to wait for the
+    /// next.
+    async fn round(
+        &self,
+        policies: &mut BTreeMap<String, TablePolicy>,
+        rng: &mut rand::rngs::SmallRng,
+        status: &watch::Sender<PolicyStatus>,
+    ) -> Duration {
+        let session = match self.session.session().await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "export policies: no coordination session");
+                return IDLE_ROUND;
+            }
+        };
+        let tables = match policy_tables(&session).await {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::warn!(error = %e, "export policies: cannot read the catalog");
+                return IDLE_ROUND;
+            }
+        };
+        let names: BTreeSet<String> = tables.iter().map(|(t, _, _)| t.def.name.clone()).collect();
+        for gone in policies
+            .keys()
+            .filter(|t| !names.contains(*t))
+            .cloned()
+            .collect::<Vec<_>>()
+        {
+            policies.remove(&gone);
+            release_lock(&session, &gone).await;
+        }
+        let mut next = IDLE_ROUND;
+        let mut published = PolicyStatus::default();
+        for (table, policy, format) in &tables {
+            let name = &table.def.name;
+            let freshness = Duration::from_secs(policy.freshness_seconds);
+            next = next.min((freshness / 4).clamp(MIN_ROUND, MAX_ROUND));
+            let previous = status
+                .borrow()
+                .tables
+                .get(name)
+                .cloned()
+                .unwrap_or_default();
+            let mut st = TablePolicyStatus {
+                to: policy.to.clone(),
+                format: format.to_string(),
+                freshness_seconds: policy.freshness_seconds,
+                exports_requested: previous.exports_requested,
+                ..TablePolicyStatus::default()
+            };
+            match take_lock(&session, name, &self.replica_name).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    policies.remove(name);
+                    published.tables.insert(name.clone(), st);
+                    continue;
+                }
+                Err(e) => {
+                    st.last_error = Some(format!("policy lock: {e}"));
+                    published.tables.insert(name.clone(), st);
+                    continue;
+                }
+            }
+            st.running_here = true;
+            let state = policies.entry(name.clone()).or_default();
+            state.destination(&format!("{format} {}", policy.to));
+            if let Err(e) = self
+                .table_round(&session, table, policy, state, rng, &mut st)
+                .await
+            {
+                tracing::warn!(table = %name, error = %e, "export policy round");
+                st.last_error = Some(e);
+            }
+            let now_ms = self.clock.unix_micros() / 1000;
+            let (lag_ms, behind) = state.lag(now_ms);
+            st.lag_seconds = lag_ms as f64 / 1000.0;
+            st.partitions_behind = behind as u64;
+            st.partitions = state.partitions.len() as u64;
+            st.last_round_unix_ms = now_ms;
+            published.tables.insert(name.clone(), st);
+        }
+        status.send_replace(published);
+        next
+    }
+
+    async fn table_round(
+        &self,
+        session: &Session,
+        table: &Table,
+        policy: &ExportPolicy,
+        state: &mut TablePolicy,
+        rng: &mut rand::rngs::SmallRng,
+        st: &mut TablePolicyStatus,
+    ) -> Result<(), String> {
+        let name = &table.def.name;
+        let commit_lsn = (self.commit_lsn)()
+            .await
+            .map_err(|e| format!("cannot learn the commit position: {e}"))?;
+        let wait = Duration::from_secs(policy.freshness_seconds).min(MAX_APPLY_WAIT);
+        let parts = self
+            .parts
+            .snapshot(&SnapshotRequest {
+                table: table.clone(),
+                partition_id: None,
+                at: commit_lsn,
+                wait_ms: wait.as_millis() as u64,
+                pin: None,
+            })
+            .await
+            .map_err(|e| format!("listing the table's parts: {e}"))?;
+        let contents = partition_contents(name, &parts);
+        let view = self.view.borrow().clone();
+        let status_of = |tx: &str| {
+            view.tasks
+                .iter()
+                .find(|t| t.transaction_id == tx)
+                .map(|t| t.status)
+        };
+        let now_ms = self.clock.unix_micros() / 1000;
+        let forget_after_ms = (policy.freshness_seconds * 1000).max(10_000);
+        let wanted = state.plan(now_ms, &contents, status_of, forget_after_ms);
+        let mut errors = Vec::new();
+        for partition in wanted.into_iter().take(MAX_REQUESTS_PER_ROUND) {
+            let requester = Requester {
+                session,
+                sessions: self.sessions.as_ref(),
+                parts: self.parts.as_ref(),
+                destinations: self.destinations.as_ref(),
+                replica_name: &self.replica_name,
+                now_unix_millis: self.clock.unix_micros() / 1000,
+                random: rng.random(),
+                commit_lsn,
+                wait,
+            };
+            let request = ExportRequest {
+                table: name.clone(),
+                partition_id: partition.clone(),
+                destination: policy.to.clone(),
+                force: false,
+                replace_finished: true,
+                settings: Default::default(),
+            };
+            match requester.export(&request).await {
+                Ok(created) => {
+                    // The content the task holds is the one snapshotted now,
+                    // which may be newer than the round's listing.
+                    let content = contents.get(&partition).cloned().unwrap_or_default();
+                    if created.unchanged.is_some() {
+                        state.in_lake(&partition, &content);
+                    } else {
+                        st.exports_requested += 1;
+                        state.requested(&partition, &content, &created.transaction_id, now_ms);
+                        tracing::info!(table = %name, partition = %partition, transaction_id = %created.transaction_id, rows = created.rows, "export policy: export requested");
+                    }
+                }
+                // A task of the key is in flight (a manual export, or this
+                // policy's own before this node saw it): the next round looks
+                // again.
+                Err(RequestError::AlreadyExists { .. }) => {}
+                Err(e) => errors.push(format!("partition {partition}: {e}")),
+            }
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors.join("; "))
+        }
+    }
+}
+
+/// Tables with an export policy, from the catalog.
+async fn policy_tables(
+    session: &Session,
+) -> Result<Vec<(Table, ExportPolicy, LakeFormat)>, CoordError> {
+    let names = match session.children(TABLES).await {
+        Ok((names, _)) => names,
+        Err(CoordError::NoNode { .. }) => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    let mut out = Vec::new();
+    for name in names {
+        let data = match session.get(&format!("{TABLES}/{name}")).await {
+            Ok((data, _)) => data,
+            Err(CoordError::NoNode { .. }) => continue,
+            Err(e) => return Err(e),
+        };
+        let Ok(table) = serde_json::from_slice::<Table>(&data) else {
+            tracing::warn!(table = %name, "export policies: a damaged table definition is skipped");
+            continue;
+        };
+        if let Some(export) = &table.def.export {
+            if let Some(policy) = &export.policy {
+                let (policy, format) = (policy.clone(), export.format);
+                out.push((table, policy, format));
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn lock_path(table: &str) -> String {
+    format!("{POLICY_LOCKS}/{table}")
+}
+
+/// Takes (or confirms this session holds) the table's policy lock.
+async fn take_lock(session: &Session, table: &str, holder: &str) -> Result<bool, CoordError> {
+    let path = lock_path(table);
+    match session
+        .create(&path, holder.as_bytes(), CreateMode::Ephemeral)
+        .await
+    {
+        Ok(_) => {
+            tracing::info!(%table, %holder, "export policy: running here");
+            return Ok(true);
+        }
+        Err(CoordError::NoNode { .. }) => {
+            ferry_coord::create_all(session.as_ref(), POLICY_LOCKS).await?;
+            return Box::pin(take_lock(session, table, holder)).await;
+        }
+        Err(CoordError::NodeExists { .. }) => {}
+        Err(e) => return Err(e),
+    }
+    match session.exists(&path).await? {
+        Some(stat) => Ok(stat.ephemeral_owner == session.session_id()),
+        // Released meanwhile: the next round takes it.
+        None => Ok(false),
+    }
+}
+
+async fn release_lock(session: &Session, table: &str) {
+    let path = lock_path(table);
+    if let Ok(Some(stat)) = session.exists(&path).await {
+        if stat.ephemeral_owner == session.session_id() {
+            let _ = session.delete(&path, Some(stat.version)).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn contents(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(p, c)| (p.to_string(), c.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn a_changed_partition_is_requested_once_until_its_task_ends() {
+        let mut policy = TablePolicy::default();
+        let none = |_: &str| None;
+        assert_eq!(
+            policy.plan(1000, &contents(&[("a", "c1")]), none, 10_000),
+            vec!["a"]
+        );
+        policy.requested("a", "c1", "tx1", 1000);
+        // Pending (or not seen yet): not asked again.
+        let pending = |_: &str| Some(TaskStatus::Pending);
+        assert!(policy
+            .plan(2000, &contents(&[("a", "c1")]), pending, 10_000)
+            .is_empty());
+        assert!(policy
+            .plan(2500, &contents(&[("a", "c2")]), none, 10_000)
+            .is_empty());
+        assert_eq!(policy.lag(3000), (2000, 1));
+        // Completed with c1 while the partition moved on to c2: asked again.
+        let done = |_: &str| Some(TaskStatus::Completed);
+        assert_eq!(
+            policy.plan(4000, &contents(&[("a", "c2")]), done, 10_000),
+            vec!["a"]
+        );
+        policy.requested("a", "c2", "tx2", 4000);
+        assert_eq!(
+            policy.plan(5000, &contents(&[("a", "c2")]), done, 10_000),
+            Vec::<String>::new()
+        );
+        assert_eq!(policy.lag(5000), (0, 0));
+    }
+
+    #[test]
+    fn a_failed_or_forgotten_task_is_asked_again_and_unchanged_content_is_in_the_lake() {
+        let mut policy = TablePolicy::default();
+        let c = contents(&[("a", "c1"), ("b", "c9")]);
+        assert_eq!(policy.plan(0, &c, |_| None, 10_000), vec!["a", "b"]);
+        policy.requested("a", "c1", "tx1", 0);
+        policy.in_lake("b", "c9");
+        let failed = |_: &str| Some(TaskStatus::Failed);
+        assert_eq!(policy.plan(1000, &c, failed, 10_000), vec!["a"]);
+        policy.requested("a", "c1", "tx2", 1000);
+        assert!(policy.plan(5000, &c, |_| None, 10_000).is_empty());
+        assert_eq!(policy.plan(11_001, &c, |_| None, 10_000), vec!["a"]);
+        assert_eq!(policy.lag(11_001), (11_001, 1));
+        // A partition gone (dropped, or empty) is forgotten.
+        assert!(policy
+            .plan(12_000, &BTreeMap::new(), |_| None, 10_000)
+            .is_empty());
+        assert_eq!(policy.lag(12_000), (0, 0));
+    }
+}
