@@ -35,7 +35,7 @@ pub struct ExportRequest {
 }
 
 /// A task created, or (with `unchanged`) the commit that already holds
-/// exactly the parts asked for.
+/// exactly the parts asked for, or (unless forced) exactly their rows.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Created {
     pub transaction_id: String,
@@ -404,9 +404,16 @@ impl Requester<'_> {
         };
         let mut current = read_current().await?;
         // The same content committed again would be committed once: what
-        // the reader sees is already this.
+        // the reader sees is already this. Unless forced (which writes the
+        // parts as the replicas hold them now, merged), so are the same rows
+        // in other parts: a partition's rows at any position are a prefix,
+        // by LSN, of one sequence of records, so two snapshots of it are one
+        // inside the other, and the current commit, whose every block the
+        // snapshot covers (the same table's records), holds exactly the
+        // snapshot's rows when it holds as many.
         if let Some(c) = &current {
-            if c.content_id == content_id {
+            let same_rows = !req.force && c.rows == rows && lacks(c, snapshot).is_none();
+            if c.content_id == content_id || same_rows {
                 tracing::info!(task = %key, commit = %c.key, "export unchanged: the current commit holds these parts");
                 return Ok(Created {
                     transaction_id: c.transaction_id.clone(),

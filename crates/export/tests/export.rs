@@ -1207,6 +1207,14 @@ async fn an_iceberg_export_is_read_once_before_and_after_a_re_export_over_merged
         }
         let (merged, rows_after) = active_rows(&*a.replica.lock().await, "a");
         assert_eq!(rows_after, rows_a);
+        // Not forced, as an export policy asks (replacing the finished
+        // task): the merged parts hold the rows the table holds already, so
+        // nothing is written.
+        let mut unforced = iceberg("a", false);
+        unforced.replace_finished = true;
+        let same = w.export(&a, &unforced).await.expect("unforced");
+        assert!(same.unchanged.is_some(), "{same:?}");
+        assert_eq!(table.current().await.expect("read").expect("a table").0, 2);
         let created = w.export(&a, &iceberg("a", true)).await.expect("forced");
         assert!(created.unchanged.is_none(), "{created:?}");
         let done = wait_terminal(&mut a.view, &created.transaction_id).await;
