@@ -249,8 +249,9 @@ impl PolicyRunner {
         loop {
             let round = self.round(&mut policies, &mut rng, &status).await;
             tokio::select! {
-                _ = tokio::time::sleep(round) => {}
+                biased;
                 _ = stop.changed() => {}
+                _ = tokio::time::sleep(round) => {}
             }
             if *stop.borrow() {
                 break;
