@@ -154,3 +154,59 @@ async fn a_pending_export_holds_its_table_and_finished_ones_go_with_it() {
     assert!(catalog.get("t").await.expect("get").is_none());
     assert!(s.exists(task).await.expect("exists").is_none());
 }
+
+/// Only `[export]` changes after creation: two catalogs (two nodes) setting
+/// it at once each apply on top of the other's (a compare-and-swap), the
+/// rest of the definition never moves, and creating the table again with
+/// the old `[export]` is a conflict that names the way to change it.
+#[tokio::test]
+async fn only_the_export_section_changes_and_racing_changes_both_apply() {
+    use ferry_table::def::ExportDefaults;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, catalog) = catalog(dir.path()).await;
+    let sessions = Arc::new(EmbeddedSessions {
+        store: store.clone(),
+        timeout: Duration::from_secs(10),
+        metrics: Default::default(),
+    });
+    let other = Catalog::open(sessions).await.expect("second catalog");
+    let (t, _) = catalog.create(&def(2)).await.expect("create");
+    let policy = |to: &str| {
+        ExportDefaults::from_json(format!(r#"{{"to": "{to}", "freshness": "5s"}}"#).as_bytes())
+            .expect("valid")
+    };
+    let (a, b) = tokio::join!(
+        catalog.set_export("t", Some(policy("file:///lake/a"))),
+        other.set_export("t", Some(policy("file:///lake/b"))),
+    );
+    let (a, b) = (a.expect("a"), b.expect("b"));
+    let now = catalog.get("t").await.expect("get").expect("table");
+    // Whichever applied last is what the catalog holds; both applied.
+    assert!(now == a || now == b, "{now:?}");
+    assert_eq!(now.id, t.id);
+    assert_eq!(
+        TableDef {
+            export: None,
+            ..now.def.clone()
+        },
+        t.def,
+        "nothing but [export] moved"
+    );
+    match catalog.create(&def(2)).await {
+        Err(e @ CatalogError::Conflict { .. }) => {
+            assert!(e.to_string().contains("PATCH"), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+    // Removed again; the same definition is then a no-op create.
+    assert_eq!(catalog.set_export("t", None).await.expect("off").def, t.def);
+    assert!(!catalog.create(&def(2)).await.expect("same").1);
+    assert!(matches!(
+        catalog.set_export("nope", None).await,
+        Err(CatalogError::NoSuchTable(_))
+    ));
+    assert!(matches!(
+        catalog.set_export("../x", None).await,
+        Err(CatalogError::InvalidName(_))
+    ));
+}
