@@ -839,7 +839,7 @@ fn a_table_with_an_export_policy_exports_itself_and_readers_read_each_row_once()
         std::thread::sleep(Duration::from_millis(100));
     };
     if let Some(got) = ferry_testkit::services::iceberg_row_counts(&metadata, "p", None) {
-        let expected = serde_json::json!({"a": 80, "b": 40});
+        let expected = serde_json::json!({"a": 90, "b": 30});
         assert_eq!(got["pyiceberg"], expected, "{got}");
         assert_eq!(got["duckdb"], expected, "{got}");
     }

@@ -86,6 +86,7 @@ fn start_replica(addrs: &[String], zk: &str, shard: u32, dir: &std::path::Path) 
         ])
         .arg("--data-dir")
         .arg(dir)
+        .envs(s3_env())
         // The tests' lakes are beside the replicas' data dirs.
         .arg("--export-roots")
         .arg(
@@ -575,6 +576,166 @@ fn an_export_survives_kill_9_of_a_replica_in_the_middle() {
     );
     let (ok, out) = ferry_cli(&urls[0], &["verify", &lake_url, "--deep"]);
     assert!(ok, "{out}");
+    stop_replicas(&mut replicas);
+    interrupt(&cluster.writer);
+    assert!(wait_exit(&mut cluster.writer).0);
+    stop_all(&mut cluster.safekeepers);
+}
+
+/// The environment that points a process at the test S3 server (empty
+/// without one).
+fn s3_env() -> Vec<(&'static str, String)> {
+    match std::env::var(ferry_testkit::services::S3_ENDPOINT) {
+        Ok(endpoint) => vec![
+            ("AWS_ENDPOINT", endpoint),
+            ("AWS_ACCESS_KEY_ID", "test".into()),
+            ("AWS_SECRET_ACCESS_KEY", "test".into()),
+            ("AWS_REGION", "us-east-1".into()),
+            ("AWS_ALLOW_HTTP", "true".into()),
+        ],
+        Err(_) => Vec::new(),
+    }
+}
+
+/// Rows in the lake at `lake_url` as `ferry lake files --json` counts them
+/// (0 while nothing is committed or the lake cannot be read).
+fn lake_rows(lake_url: &str) -> u64 {
+    let out = Command::new(FERRY)
+        .args(["lake", "files", lake_url, "--json"])
+        .envs(s3_env())
+        .output()
+        .expect("ferry lake files");
+    serde_json::from_slice::<serde_json::Value>(&out.stdout)
+        .ok()
+        .and_then(|v| {
+            v["partitions"]
+                .as_array()
+                .map(|ps| ps.iter().map(|p| p["rows"].as_u64().unwrap_or(0)).sum())
+        })
+        .unwrap_or(0)
+}
+
+/// A table that exports itself, on two replica processes (one per shard)
+/// over ZooKeeper, to a lake on the test S3 server (a local folder without
+/// one): exactly one node runs the policy; rows of both shards reach the
+/// lake with nobody asking; after kill -9 of that node and inserts while
+/// it is down, the policy goes on (on the other node, or on the same one
+/// restarted, once the dead session's lock is gone) and the lake ends with
+/// every row once, `ferry verify` clean.
+#[test]
+fn a_table_exports_itself_across_replica_processes_and_a_kill_9_of_the_policy_node() {
+    let Some(zk) = zk_address() else { return };
+    let mut cluster = start_cluster(&zk, "export-policy-test", "wal");
+    let lake_url = match std::env::var(ferry_testkit::services::S3_ENDPOINT) {
+        Ok(endpoint) => {
+            let bucket = ferry_testkit::services::unique_name("policy")
+                .to_lowercase()
+                .replace('_', "-");
+            let bucket: String = bucket.chars().take(60).collect();
+            cluster
+                .rt
+                .block_on(ferry_testkit::services::create_bucket(&endpoint, &bucket));
+            format!("s3://{bucket}/t")
+        }
+        Err(_) => format!("file://{}", cluster.dir.path().join("lake/t").display()),
+    };
+    let c = node_client(&cluster.url);
+    let toml = format!(
+        "{}\n[export]\nto = {lake_url:?}\nfreshness = \"1s\"\n",
+        table_toml()
+    );
+    cluster.rt.block_on(async {
+        c.create_table_toml(&toml).await.expect("create table");
+        insert_until_elected(&c, 0).await
+    });
+    let mut replicas = Vec::new();
+    let mut urls = Vec::new();
+    for shard in 0..2 {
+        let (child, rurl) = cluster.replica(shard);
+        replicas.push(child);
+        urls.push(rurl);
+    }
+    let mut rows = 2u64;
+    let insert = |batch: i64| {
+        let body: String = (0..10)
+            .map(|i| {
+                let day = if i % 2 == 0 {
+                    "2024-05-01"
+                } else {
+                    "2024-05-02"
+                };
+                format!("{{\"id\":{},\"day\":\"{day}\"}}\n", 1000 + batch * 10 + i)
+            })
+            .collect();
+        cluster
+            .rt
+            .block_on(c.insert_body(
+                "t",
+                Format::Ndjson,
+                Bytes::from(body),
+                Some(&format!("policy-{batch}")),
+            ))
+            .expect("insert");
+    };
+    let wait_rows = |rows: u64, urls: &[String]| {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let got = lake_rows(&lake_url);
+            assert!(got <= rows, "{got} rows in the lake, {rows} inserted");
+            if got == rows {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the lake holds {got} of {rows} rows; {:?}",
+                urls.iter()
+                    .map(|u| {
+                        cluster
+                            .rt
+                            .block_on(node_client(u).get_json("/status"))
+                            .map(|s| s["export_policies"].clone())
+                            .unwrap_or_default()
+                    })
+                    .collect::<Vec<_>>()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    for batch in 0..6 {
+        insert(batch);
+        rows += 10;
+    }
+    wait_rows(rows, &urls);
+    let running: Vec<usize> = (0..2)
+        .filter(|&i| {
+            let status = cluster
+                .rt
+                .block_on(node_client(&urls[i]).get_json("/status"))
+                .expect("status");
+            status["export_policies"]["t"]["running_here"] == true
+        })
+        .collect();
+    assert_eq!(running.len(), 1, "one node runs the policy: {running:?}");
+    let victim = running[0];
+
+    // kill -9 of the node running the policy, inserts while it is down,
+    // and the node back on its data dir (its shard's parts are only there).
+    replicas[victim].kill().expect("SIGKILL");
+    let _ = replicas[victim].wait();
+    for batch in 6..10 {
+        insert(batch);
+        rows += 10;
+    }
+    let (child, rurl) = cluster.replica(victim as u32);
+    replicas[victim] = child;
+    urls[victim] = rurl;
+    wait_rows(rows, &urls);
+    let verified = Command::new(FERRY)
+        .args(["verify", &lake_url])
+        .envs(s3_env())
+        .output()
+        .expect("ferry verify");
+    assert!(verified.status.success(), "{}", succeeded(&verified));
     stop_replicas(&mut replicas);
     interrupt(&cluster.writer);
     assert!(wait_exit(&mut cluster.writer).0);
