@@ -140,6 +140,10 @@ pub struct CurrentCommit {
     pub rows: u64,
     /// The paths of its data files (keys, or an Iceberg table's URLs).
     pub files: Vec<String>,
+    /// Its data files as a commit of it would list them again (keys
+    /// relative to the destination; an Iceberg file's manifest statistics,
+    /// its shard unknown).
+    pub data_files: Vec<DataFile>,
 }
 
 /// The partition's current export in `location`, a destination of
@@ -159,6 +163,7 @@ pub async fn current_commit(
                 let c = p.current;
                 CurrentCommit {
                     files: c.file.files.iter().map(|f| f.path.clone()).collect(),
+                    data_files: c.file.files.clone(),
                     key: c.key,
                     transaction_id: c.file.transaction_id,
                     content_id: c.file.content_id,
@@ -185,9 +190,22 @@ pub async fn current_commit(
                 .map_err(|e| e.to_string())?
                 .into_iter()
                 .filter(|f| f.partition == value)
-                .map(|f| f.path)
+                .collect::<Vec<_>>();
+            let data_files = files
+                .iter()
+                .map(|f| DataFile {
+                    path: table.key_of(&f.path).to_string(),
+                    rows: u64::try_from(f.record_count).unwrap_or(0),
+                    bytes: u64::try_from(f.file_size_in_bytes).unwrap_or(0),
+                    checksum: checksum_of(&f.path).unwrap_or(0),
+                    shard: None,
+                    crc32c: None,
+                    iceberg: Some(f.stats()),
+                })
                 .collect();
+            let files = files.into_iter().map(|f| f.path).collect();
             Ok(Some(CurrentCommit {
+                data_files,
                 key: ferry_iceberg::commit::metadata_key(version),
                 transaction_id: export.transaction_id,
                 content_id: export.content_id,
@@ -201,6 +219,13 @@ pub async fn current_commit(
 }
 
 /// The part a data file holds, from its name `<part>_<checksum>.parquet`.
+/// The rows checksum in a data file's name (`<part>_<checksum:08x>.parquet`).
+pub fn checksum_of(path: &str) -> Option<u32> {
+    let file = path.rsplit('/').next()?.strip_suffix(".parquet")?;
+    let (_, checksum) = file.rsplit_once('_')?;
+    u32::from_str_radix(checksum, 16).ok()
+}
+
 pub fn part_of(path: &str) -> Option<PartName> {
     let file = path.rsplit('/').next()?.strip_suffix(".parquet")?;
     let (part, _) = file.rsplit_once('_')?;

@@ -17,6 +17,7 @@
 //! a whole part in memory.
 
 pub mod dest;
+pub mod increment;
 pub mod lake;
 pub mod local;
 pub mod model;

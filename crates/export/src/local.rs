@@ -199,11 +199,18 @@ impl ReplicaSet {
         }
         let mut parts = Vec::new();
         for r in &replicas {
-            parts.extend(r.lock().await.parts(req.table.id).into_iter().filter(|p| {
-                req.partition_id
-                    .as_deref()
-                    .is_none_or(|id| p.name.partition_id == id)
-            }));
+            let r = r.lock().await;
+            let shard = (r.shard() != ALL_SHARDS).then(|| r.shard());
+            parts.extend(
+                r.parts(req.table.id)
+                    .into_iter()
+                    .filter(|p| {
+                        req.partition_id
+                            .as_deref()
+                            .is_none_or(|id| p.name.partition_id == id)
+                    })
+                    .map(|p| PartMeta { shard, ..p }),
+            );
         }
         parts.sort_by(|a, b| a.name.cmp(&b.name));
         parts.dedup_by(|a, b| a.name == b.name);

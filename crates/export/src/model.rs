@@ -316,6 +316,10 @@ pub struct SnapshotPart {
     pub name: String,
     pub rows: u64,
     pub checksum: u32,
+    /// The shard of the replica that listed it (`None`: a replica of every
+    /// shard): which block ranges it nests with ([`crate::increment`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard: Option<u32>,
 }
 
 /// metadata.json: immutable once the task exists.
@@ -357,6 +361,11 @@ pub struct Metadata {
     /// before it was recorded).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub definition: Option<ferry_table::TableDef>,
+    /// Of `parts_count`, the current commit's files this export carries
+    /// into its commit (an increment, [`crate::increment`]): processed at
+    /// creation, never exported again.
+    #[serde(default)]
+    pub carried: u64,
 }
 
 pub const METADATA_FORMAT: u32 = 1;
@@ -643,6 +652,7 @@ mod tests {
                 name: format!("2024_{i}_{i}_0"),
                 rows: 1,
                 checksum: i,
+                shard: Some(i % 4),
             })
             .collect();
         let chunks = chunk_parts(&parts);

@@ -190,6 +190,7 @@ pub fn partition_contents(
                 name: p.name.to_string(),
                 rows: p.rows,
                 checksum: p.checksum,
+                shard: p.shard,
             });
     }
     by_partition

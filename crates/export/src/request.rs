@@ -48,6 +48,14 @@ pub struct Created {
     /// would change nothing a reader sees.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unchanged: Option<String>,
+    /// Of `parts_count`, files of the current commit the task carries (an
+    /// increment: only the rest are written).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub carried: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -366,6 +374,7 @@ impl Requester<'_> {
                 name: p.name.to_string(),
                 rows: p.rows,
                 checksum: p.checksum,
+                shard: p.shard,
             })
             .collect();
         // An existing task for the key.
@@ -422,6 +431,7 @@ impl Requester<'_> {
                     rows,
                     snapshot_lsn: c.snapshot_lsn,
                     unchanged: Some(c.key.clone()),
+                    carried: 0,
                 });
             }
         }
@@ -466,7 +476,43 @@ impl Requester<'_> {
             None => 1,
         };
 
-        let chunks = chunk_parts(&parts);
+        // Unforced, an export writes only what the current commit lacks and
+        // carries the rest of its files (forced, it writes every part as the
+        // replicas hold it now).
+        let increment = match (&current, req.force) {
+            (Some(c), false) => crate::increment::plan(&c.data_files, &parts),
+            _ => None,
+        };
+        let (to_export, carried) = match increment {
+            Some(i) => (i.new_parts, i.carried),
+            None => (parts.clone(), Vec::new()),
+        };
+        if to_export.is_empty() {
+            if let Some(c) = &current {
+                tracing::info!(task = %key, commit = %c.key, "export unchanged: the current commit holds every row");
+                return Ok(Created {
+                    transaction_id: c.transaction_id.clone(),
+                    key,
+                    parts_count: parts.len() as u64,
+                    rows,
+                    snapshot_lsn: c.snapshot_lsn,
+                    unchanged: Some(c.key.clone()),
+                    carried: 0,
+                });
+            }
+        }
+        let mut listed = to_export.clone();
+        listed.extend(carried.iter().map(|f| {
+            SnapshotPart {
+                name: lake::part_of(&f.path)
+                    .map(|n| n.to_string())
+                    .unwrap_or_default(),
+                rows: f.rows,
+                checksum: f.checksum,
+                shard: f.shard,
+            }
+        }));
+        let chunks = chunk_parts(&listed);
         let partition_dir = partition_dir(table, &req.partition_id);
         let metadata = Metadata {
             format: METADATA_FORMAT,
@@ -479,7 +525,7 @@ impl Requester<'_> {
             source_replica: self.replica_name.to_string(),
             create_time: self.now_unix_millis / 1000,
             snapshot_lsn: self.commit_lsn.0,
-            parts_count: parts.len() as u64,
+            parts_count: listed.len() as u64,
             rows,
             parts_chunks: chunks.len() as u32,
             settings,
@@ -487,9 +533,10 @@ impl Requester<'_> {
             sequence,
             content_id,
             definition: Some(table.def.clone()),
+            carried: carried.len() as u64,
         };
         ferry_coord::create_all(self.session.as_ref(), &exports_path(&req.table)).await?;
-        match create(self.session, &key, &metadata, &parts, chunks).await {
+        match create(self.session, &key, &metadata, &to_export, &carried, chunks).await {
             Ok(()) => {}
             Err(e) => {
                 return Err(match e {
@@ -504,14 +551,15 @@ impl Requester<'_> {
                 });
             }
         }
-        tracing::info!(task = %key, %transaction_id, parts = parts.len(), rows, "export created");
+        tracing::info!(task = %key, %transaction_id, parts = to_export.len(), carried = carried.len(), rows, "export created");
         Ok(Created {
             transaction_id: transaction_id.to_string(),
             key,
-            parts_count: parts.len() as u64,
+            parts_count: listed.len() as u64,
             rows,
             snapshot_lsn: self.commit_lsn.0,
             unchanged: None,
+            carried: carried.len() as u64,
         })
     }
 }
@@ -559,6 +607,7 @@ async fn create(
     key: &TaskKey,
     metadata: &Metadata,
     parts: &[SnapshotPart],
+    carried: &[crate::model::DataFile],
     chunks: Vec<Vec<u8>>,
 ) -> Result<(), CoordError> {
     let base = key.path();
@@ -596,6 +645,22 @@ async fn create(
             persistent,
         )
     }));
+    // Carried files are processed from the start: the commit lists them
+    // as the current commit did.
+    for file in carried {
+        let name = lake::part_of(&file.path)
+            .map(|n| n.to_string())
+            .unwrap_or_default();
+        let entry = crate::model::Processed {
+            file: file.clone(),
+            finished_by: format!("carried by {}", metadata.transaction_id),
+        };
+        body.push(Op::create(
+            p(&format!("processed/{name}")),
+            serde_json::to_vec(&entry).expect("a processed entry serialises"),
+            persistent,
+        ));
+    }
     let status = Op::create(p("status"), TaskStatus::Pending.as_str(), persistent);
     let limit = ferry_coord::path::MAX_REQUEST_BYTES;
     let prefix = session.path_prefix_bytes();

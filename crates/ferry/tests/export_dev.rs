@@ -766,6 +766,24 @@ fn a_table_with_an_export_policy_exports_itself_and_readers_read_each_row_once()
         status["replicas"][0]["merges_done"].as_u64() > Some(0),
         "no merge: {status}"
     );
+    // Increments: a later commit of `a` lists files an earlier one wrote
+    // (carried, not written again), and no data file was written twice.
+    let mut commits = commit_files(&lake, "commit_a_");
+    commits.sort_by_key(|c| c["sequence"].as_u64());
+    let paths = |c: &serde_json::Value| -> BTreeSet<String> {
+        c["files"]
+            .as_array()
+            .expect("files")
+            .iter()
+            .map(|f| f["path"].as_str().expect("path").to_string())
+            .collect()
+    };
+    assert!(
+        commits
+            .windows(2)
+            .any(|w| !paths(&w[0]).is_disjoint(&paths(&w[1]))),
+        "no commit carried a file: {commits:?}"
+    );
     ferry_ok(&["verify", &lake_url, "--deep"], &url);
 
     let metrics = http_get(&format!("{url}/metrics"));

@@ -459,8 +459,14 @@ impl IcebergTable {
         .unwrap_or(i64::MAX);
         let parent = meta.current_snapshot().cloned();
         let bound = partition.to_bytes();
+        // Files of the commit the partition holds already (an increment
+        // carries them): they stay, as existing entries with their first
+        // snapshot and sequence numbers, instead of leaving and coming back.
+        let listed: std::collections::BTreeSet<String> =
+            commit.files.iter().map(|f| self.url_of(&f.path)).collect();
         let mut kept = Vec::new();
         let mut removed: Vec<ManifestEntry> = Vec::new();
+        let mut existing: Vec<ManifestEntry> = Vec::new();
         if let Some(parent) = &parent {
             let parent_manifests = match previous_manifests {
                 Some(known) => known,
@@ -476,6 +482,18 @@ impl IcebergTable {
                         continue;
                     }
                     let data_sequence = e.sequence_number.unwrap_or(m.sequence_number);
+                    if listed.contains(&e.file.path) {
+                        existing.push(ManifestEntry {
+                            status: EntryStatus::Existing,
+                            snapshot_id: e.snapshot_id.or(Some(m.added_snapshot_id)),
+                            sequence_number: Some(data_sequence),
+                            file_sequence_number: Some(
+                                e.file_sequence_number.unwrap_or(data_sequence),
+                            ),
+                            file: e.file,
+                        });
+                        continue;
+                    }
                     removed.push(ManifestEntry {
                         status: EntryStatus::Deleted,
                         snapshot_id: Some(snapshot_id),
@@ -486,9 +504,12 @@ impl IcebergTable {
                 }
             }
         }
+        let stay: std::collections::BTreeSet<&str> =
+            existing.iter().map(|e| e.file.path.as_str()).collect();
         let added: Vec<ManifestEntry> = commit
             .files
             .iter()
+            .filter(|f| !stay.contains(self.url_of(&f.path).as_str()))
             .map(|f| ManifestEntry {
                 status: EntryStatus::Added,
                 snapshot_id: Some(snapshot_id),
@@ -507,7 +528,12 @@ impl IcebergTable {
             partition_name: partition_field_name(def),
             partition_type: partition_avro_type(def)?,
         };
-        let entries: Vec<ManifestEntry> = added.iter().chain(removed.iter()).cloned().collect();
+        let entries: Vec<ManifestEntry> = added
+            .iter()
+            .chain(existing.iter())
+            .chain(removed.iter())
+            .cloned()
+            .collect();
         let manifest = write_manifest(&header, &entries, marker(snapshot_id, 0))?;
         let manifest_key = format!(
             "{METADATA_DIR}/{}-{}-m0.avro",
@@ -527,16 +553,17 @@ impl IcebergTable {
             sequence_number: sequence,
             min_sequence_number: removed
                 .iter()
+                .chain(existing.iter())
                 .filter_map(|e| e.sequence_number)
                 .chain(std::iter::once(sequence))
                 .min()
                 .unwrap_or(sequence),
             added_snapshot_id: snapshot_id,
             added_files_count: count(&added),
-            existing_files_count: 0,
+            existing_files_count: count(&existing),
             deleted_files_count: count(&removed),
             added_rows_count: rows(&added),
-            existing_rows_count: 0,
+            existing_rows_count: rows(&existing),
             deleted_rows_count: rows(&removed),
             partition_bound: bound,
         });

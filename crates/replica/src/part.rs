@@ -89,6 +89,12 @@ pub struct PartMeta {
     pub checksum: u32,
     /// Size of the Parquet file.
     pub bytes: u64,
+    /// The shard whose rows it holds, set where a snapshot lists the part
+    /// (`None`: a replica of every shard, whose parts mix them). Block
+    /// ranges of one shard's parts nest or are disjoint; those of two
+    /// shards may interleave.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard: Option<u32>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -247,6 +253,7 @@ impl PartEncoder {
                 max_lsn: lsns.1,
                 checksum,
                 bytes,
+                shard: None,
             },
             footer,
         ))
@@ -334,6 +341,7 @@ pub fn meta_from_footer(
         max_lsn: Lsn(get("ferry.max_lsn")?),
         checksum: u32::try_from(get("ferry.checksum")?).map_err(|e| invalid(e.to_string()))?,
         bytes,
+        shard: None,
     })
 }
 

@@ -156,7 +156,9 @@ impl Sim {
             partition_id: partition.clone(),
             destination: destination.clone(),
             force,
-            replace_finished: false,
+            // Unforced requests replace a finished task, as an export
+            // policy's do: an increment over the partition's current commit.
+            replace_finished: !force,
             settings: ExportSettings {
                 format: Some(self.format_of(destination_index)),
                 retry_initial_backoff_ms: 100,
@@ -174,8 +176,8 @@ impl Sim {
                 c.parts_count
             )),
             Ok(c) => self.log(format!(
-                "export {tx} of {partition} to {destination} from n{i}: {} parts, {} rows",
-                c.parts_count, c.rows
+                "export {tx} of {partition} to {destination} from n{i}: {} parts ({} carried), {} rows",
+                c.parts_count, c.carried, c.rows
             )),
             Err(e) => {
                 if let Some(a) = self.asked.get_mut(&tx) {
