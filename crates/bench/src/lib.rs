@@ -10,12 +10,14 @@ extern crate ferry_host;
 mod coord;
 mod export;
 mod ingest;
+mod lake;
 mod scale;
 mod wal;
 
 pub use coord::CoordBenchArgs;
 pub use export::ExportBenchArgs;
 pub use ingest::IngestBenchArgs;
+pub use lake::LakeBenchArgs;
 pub use scale::ScaleBenchArgs;
 pub use wal::WalBenchArgs;
 
@@ -41,6 +43,10 @@ pub enum BenchCommand {
     /// largest node, round trips per part, the status listing's cost, the
     /// wall time.
     ExportScale(ScaleBenchArgs),
+    /// A table that exports itself (`ferry dev` as a child process): insert
+    /// throughput with the export policy off and on, and acknowledged ->
+    /// readable in the lake (p50, p99, max) next to the freshness target.
+    Lake(LakeBenchArgs),
 }
 
 /// Runs one benchmark to its end.
@@ -51,5 +57,6 @@ pub async fn run(which: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Ingest(args) => ingest::ingest(args).await,
         BenchCommand::Export(args) => export::export(args).await,
         BenchCommand::ExportScale(args) => scale::export_scale(args).await,
+        BenchCommand::Lake(args) => lake::lake(args).await,
     }
 }

@@ -371,3 +371,45 @@ fn config_check_errors_are_readable() {
         "{stderr}"
     );
 }
+
+/// `ferry bench lake` at a tiny size: `ferry dev` started and stopped by
+/// the benchmark, both throughput runs and the latency stream printed, and
+/// every acknowledged batch readable in the lake by the end.
+#[test]
+fn lake_benchmark_prints_figures() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = Command::new(FERRY)
+        .args([
+            "bench",
+            "lake",
+            "--seconds",
+            "2",
+            "--freshness-secs",
+            "1",
+            "--throughput-seconds",
+            "1",
+            "--rate",
+            "1000",
+            "--rows-per-request",
+            "500",
+            "--dir",
+        ])
+        .arg(dir.path())
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run bench");
+    let stdout = succeeded(&out);
+    for needle in [
+        "policy off",
+        "rows/s, on",
+        "acknowledged -> readable in the lake",
+        "p99",
+        "files in the partition's current commit",
+    ] {
+        assert!(stdout.contains(needle), "no {needle:?} in:\n{stdout}");
+    }
+    assert!(
+        !stdout.contains("not readable within the drain"),
+        "{stdout}"
+    );
+}

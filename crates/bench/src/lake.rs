@@ -1,0 +1,276 @@
+//! `ferry bench lake`: a table that exports itself, end to end through a
+//! `ferry dev` process: insert throughput with the export policy off and on
+//! (the same work, the policy's the only difference), then a steady insert
+//! stream and how long each acknowledged batch takes to be readable in the
+//! lake (in the partition's current commit), next to the freshness target.
+
+use std::io::BufRead as _;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use bytes::Bytes;
+use ferry_client::Client;
+use ferry_table::Format;
+
+#[derive(Debug, clap::Args)]
+pub struct LakeBenchArgs {
+    /// Directory for `ferry dev`'s data dir. Default: a temporary directory
+    /// inside the working folder.
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Seconds of the steady insert stream whose lake latency is measured.
+    #[arg(long, default_value_t = 60)]
+    seconds: u64,
+    /// The tables' freshness target, in seconds.
+    #[arg(long, default_value_t = 10)]
+    freshness_secs: u64,
+    /// Rows per second of the steady stream.
+    #[arg(long, default_value_t = 20_000)]
+    rate: u64,
+    /// Seconds of each flat-out insert run (policy off, then on).
+    #[arg(long, default_value_t = 20)]
+    throughput_seconds: u64,
+    /// Rows per insert request of the flat-out runs.
+    #[arg(long, default_value_t = 5_000)]
+    rows_per_request: u64,
+    /// Insert requests in flight in the flat-out runs.
+    #[arg(long, default_value_t = 4)]
+    in_flight: usize,
+}
+
+/// Tables `name`: `id` Int64 sharded 2 ways, partitioned by `p` (Utf8).
+fn table_toml(name: &str, export: Option<(&str, u64)>) -> String {
+    let mut t = format!(
+        "name = \"{name}\"\npartition_by = {{ column = \"p\", transform = \"identity\" }}\n\
+         shard_by = {{ column = \"id\", shards = 2 }}\n\
+         [[columns]]\nname = \"id\"\ntype = \"Int64\"\n\
+         [[columns]]\nname = \"p\"\ntype = \"Utf8\"\n\
+         [[columns]]\nname = \"note\"\ntype = \"Utf8\"\n"
+    );
+    if let Some((to, freshness)) = export {
+        t += &format!("\n[export]\nto = \"{to}\"\nfreshness = \"{freshness}s\"\n");
+    }
+    t
+}
+
+/// NDJSON rows `first..first + n` of partition `p`.
+fn rows(first: u64, n: u64, partition: &str) -> Bytes {
+    let mut out = String::with_capacity(n as usize * 64);
+    for id in first..first + n {
+        out += &format!(
+            "{{\"id\":{id},\"p\":\"{partition}\",\"note\":\"row {id} of the lake benchmark\"}}\n"
+        );
+    }
+    Bytes::from(out)
+}
+
+/// `ferry dev` as a child process, stopped (SIGINT, then SIGKILL) on drop.
+struct Dev {
+    child: Child,
+    url: String,
+}
+
+impl Dev {
+    fn start(data: &std::path::Path) -> anyhow::Result<Dev> {
+        let exe = std::env::current_exe().context("the ferry binary")?;
+        let log = std::fs::File::create(data.with_extension("log"))?;
+        let mut child = Command::new(exe)
+            .args(["dev", "--http", "127.0.0.1:0", "--data-dir"])
+            .arg(data)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .context("starting ferry dev")?;
+        let stdout = child.stdout.take().context("ferry dev's stdout")?;
+        let mut lines = std::io::BufReader::new(stdout).lines();
+        let url = loop {
+            match lines.next() {
+                Some(Ok(line)) if line.contains("ferry dev ready") => {
+                    let status = line.rsplit("status on ").next().unwrap_or_default().trim();
+                    break status.trim_end_matches("/status").to_string();
+                }
+                Some(Ok(_)) => {}
+                _ => {
+                    let _ = child.kill();
+                    bail!(
+                        "ferry dev exited before it was ready (log: {}.log)",
+                        data.display()
+                    )
+                }
+            }
+        };
+        // The rest of its output is not read: drain it so it never blocks.
+        std::thread::spawn(move || for _ in lines {});
+        Ok(Dev { child, url })
+    }
+}
+
+impl Drop for Dev {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-INT", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Rows per second acknowledged by `in_flight` concurrent inserters into
+/// `table` for `seconds`, over `partitions` partitions.
+async fn flat_out(c: &Client, table: &str, args: &LakeBenchArgs) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    let until = started + Duration::from_secs(args.throughput_seconds);
+    let next = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..args.in_flight.max(1) {
+        let (c, next, table) = (c.clone(), Arc::clone(&next), table.to_string());
+        let n = args.rows_per_request.max(1);
+        tasks.push(tokio::spawn(async move {
+            let mut done = 0u64;
+            while Instant::now() < until {
+                let first = next.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+                let partition = format!("p{}", (first / n) % 4);
+                c.insert_body(&table, Format::Ndjson, rows(first, n, &partition), None)
+                    .await?;
+                done += n;
+            }
+            anyhow::Ok(done)
+        }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t.await??;
+    }
+    Ok(total as f64 / started.elapsed().as_secs_f64())
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+pub async fn lake(args: LakeBenchArgs) -> anyhow::Result<()> {
+    let dir = crate::wal::scratch_dir(args.dir.as_deref(), "ferry-bench-lake-")?;
+    let data = dir.path().join("dev");
+    let dev = Dev::start(&data)?;
+    let c = Client::new(&dev.url, None, Duration::from_secs(120))?;
+    let lake_url = |t: &str| format!("file://{}", data.join("lake").join(t).display());
+    let freshness = args.freshness_secs.max(1);
+    say!(
+        "bench lake: ferry dev at {}; freshness target {freshness}s",
+        dev.url
+    );
+
+    // Throughput: the same inserts, without and with a policy exporting
+    // the table as they come.
+    c.create_table_toml(&table_toml("off", None)).await?;
+    c.create_table_toml(&table_toml("on", Some((&lake_url("on"), freshness))))
+        .await?;
+    let off = flat_out(&c, "off", &args).await?;
+    let on = flat_out(&c, "on", &args).await?;
+    say!(
+        "inserts, {} s flat out, {} in flight x {} rows: policy off {off:.0} rows/s, on {on:.0} rows/s: {:.0}% (goal >= 90%)",
+        args.throughput_seconds,
+        args.in_flight,
+        args.rows_per_request,
+        100.0 * on / off.max(1.0)
+    );
+
+    // Latency: a steady stream into one partition; the lake holds a prefix
+    // (by LSN) of its rows, so the current commit's row count tells which
+    // acknowledged batches are readable.
+    c.create_table_toml(&table_toml("lat", Some((&lake_url("lat"), freshness))))
+        .await?;
+    let location = ferry_storage::open(&lake_url("lat"), &ferry_storage::S3Settings::default())?;
+    let per_tick = (args.rate / 10).max(1);
+    let mut acked: Vec<(u64, Instant)> = Vec::new();
+    let started = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let mut inserted = 0u64;
+    let mut visible: Vec<Option<Instant>> = Vec::new();
+    let mut lake_rows = 0u64;
+    let mut polled = Instant::now();
+    while started.elapsed() < Duration::from_secs(args.seconds) {
+        tick.tick().await;
+        c.insert_body("lat", Format::Ndjson, rows(inserted, per_tick, "a"), None)
+            .await?;
+        inserted += per_tick;
+        acked.push((inserted, Instant::now()));
+        visible.push(None);
+        if polled.elapsed() >= Duration::from_millis(100) {
+            lake_rows = current_rows(&location).await?;
+            polled = Instant::now();
+            mark(&acked, &mut visible, lake_rows);
+        }
+    }
+    let drain = Instant::now() + Duration::from_secs(4 * freshness + 30);
+    while lake_rows < inserted && Instant::now() < drain {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        lake_rows = current_rows(&location).await?;
+        mark(&acked, &mut visible, lake_rows);
+    }
+    let mut latencies: Vec<f64> = acked
+        .iter()
+        .zip(&visible)
+        .filter_map(|((_, at), seen)| seen.map(|s| s.duration_since(*at).as_secs_f64()))
+        .collect();
+    latencies.sort_by(f64::total_cmp);
+    let missing = acked.len() - latencies.len();
+    let (p50, p99, max) = (
+        percentile(&latencies, 0.5),
+        percentile(&latencies, 0.99),
+        latencies.last().copied().unwrap_or(0.0),
+    );
+    say!(
+        "acknowledged -> readable in the lake, {} batches at {} rows/s for {} s: p50 {p50:.2} s, p99 {p99:.2} s, max {max:.2} s; p99 is {:.2}x the {freshness}s target (goal <= 2x){}",
+        acked.len(),
+        args.rate,
+        args.seconds,
+        p99 / freshness as f64,
+        if missing > 0 {
+            format!("; {missing} batches not readable within the drain")
+        } else {
+            String::new()
+        }
+    );
+    let view = ferry_export::lake::read(&location, Some("a")).await?;
+    let files = view
+        .partitions
+        .first()
+        .map_or(0, |p| p.current.file.files.len());
+    say!(
+        "files in the partition's current commit: {files} (lake compaction is not implemented: a forced export writes the partition as the replicas merged it)"
+    );
+    drop(dev);
+    Ok(())
+}
+
+/// Rows of partition `a` in the lake's current commit.
+async fn current_rows(location: &ferry_storage::Location) -> anyhow::Result<u64> {
+    let view = ferry_export::lake::read(location, Some("a")).await?;
+    Ok(view.partitions.first().map_or(0, |p| p.current.file.rows))
+}
+
+/// Marks the batches whose rows the lake holds now.
+fn mark(acked: &[(u64, Instant)], visible: &mut [Option<Instant>], lake_rows: u64) {
+    let now = Instant::now();
+    for ((upto, _), seen) in acked.iter().zip(visible.iter_mut()) {
+        if seen.is_none() && *upto <= lake_rows {
+            *seen = Some(now);
+        }
+    }
+}
