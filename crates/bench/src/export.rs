@@ -335,6 +335,7 @@ pub async fn export(args: ExportBenchArgs) -> anyhow::Result<()> {
                     destination: url.clone(),
                     force: true,
                     replace_finished: false,
+                    by_policy: false,
                     settings: ExportSettings {
                         parallelism: args.parallelism,
                         format: Some(format),

@@ -261,6 +261,7 @@ pub async fn export_scale(args: ScaleBenchArgs) -> anyhow::Result<()> {
         destination: url.clone(),
         force: false,
         replace_finished: false,
+        by_policy: false,
         settings: ExportSettings {
             parallelism: args.parallelism,
             task_timeout_seconds: 24 * 3600,

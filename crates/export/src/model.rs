@@ -366,6 +366,9 @@ pub struct Metadata {
     /// creation, never exported again.
     #[serde(default)]
     pub carried: u64,
+    /// Asked by the table's export policy, not by a request.
+    #[serde(default)]
+    pub by_policy: bool,
 }
 
 pub const METADATA_FORMAT: u32 = 1;

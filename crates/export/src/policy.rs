@@ -406,6 +406,7 @@ impl PolicyRunner {
                 destination: policy.to.clone(),
                 force: false,
                 replace_finished: true,
+                by_policy: true,
                 settings: Default::default(),
             };
             match requester.export(&request).await {

@@ -30,6 +30,9 @@ pub struct ExportRequest {
     /// it must not kill a manual export in flight).
     #[serde(default)]
     pub replace_finished: bool,
+    /// Asked by the table's export policy (shown in the status listing).
+    #[serde(default)]
+    pub by_policy: bool,
     #[serde(default)]
     pub settings: ExportSettings,
 }
@@ -177,6 +180,7 @@ pub async fn request_table<'a>(
             destination: req.destination.clone(),
             force: req.force,
             replace_finished: false,
+            by_policy: false,
             settings: req.settings.clone(),
         };
         match requester(random()).export(&one).await {
@@ -534,6 +538,7 @@ impl Requester<'_> {
             content_id,
             definition: Some(table.def.clone()),
             carried: carried.len() as u64,
+            by_policy: req.by_policy,
         };
         ferry_coord::create_all(self.session.as_ref(), &exports_path(&req.table)).await?;
         match create(self.session, &key, &metadata, &to_export, &carried, chunks).await {

@@ -535,6 +535,7 @@ fn request(url: &str, partition: &str) -> ExportRequest {
         destination: url.into(),
         force: false,
         replace_finished: false,
+        by_policy: false,
         settings: ExportSettings {
             retry_initial_backoff_ms: 50,
             retry_max_backoff_ms: 200,

@@ -255,6 +255,17 @@ pub fn table_of(tasks: &[TaskView]) -> String {
             t.transaction_id,
             t.destination
         );
+        if t.by_policy || t.carried > 0 {
+            out += &format!(
+                "    {}{} files carried from the partition's previous commit\n",
+                if t.by_policy {
+                    "asked by the table's export policy; "
+                } else {
+                    ""
+                },
+                t.carried
+            );
+        }
         if let Some(e) = &t.last_exception {
             out += &format!(
                 "    last exception on {} (part {}): {}\n",

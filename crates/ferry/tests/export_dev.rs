@@ -801,6 +801,11 @@ fn a_table_with_an_export_policy_exports_itself_and_readers_read_each_row_once()
     assert_eq!(policy["running_here"], true, "{status}");
     assert_eq!(policy["to"], lake_url.as_str(), "{status}");
 
+    let listing = ferry_ok(&["exports"], &url);
+    assert!(
+        listing.contains("asked by the table's export policy"),
+        "{listing}"
+    );
     // A manual export of a partition the policy keeps current: unchanged
     // with --force, nothing written twice.
     let manual = ferry_ok(

@@ -18,6 +18,12 @@ pub struct TaskView {
     pub transaction_id: String,
     pub create_time: u64,
     pub source_replica: String,
+    /// Asked by the table's export policy.
+    #[serde(default)]
+    pub by_policy: bool,
+    /// Files of the partition's previous commit the task carries.
+    #[serde(default)]
+    pub carried: u64,
     /// The first parts of the snapshot (at most [`VIEW_PARTS`]).
     pub parts: Vec<String>,
     pub parts_count: u64,
@@ -99,6 +105,8 @@ impl Run<'_> {
                     transaction_id: t.metadata.transaction_id.clone(),
                     create_time: t.metadata.create_time,
                     source_replica: t.metadata.source_replica.clone(),
+                    by_policy: t.metadata.by_policy,
+                    carried: t.metadata.carried,
                     parts: t.snapshot_names.iter().take(VIEW_PARTS).cloned().collect(),
                     parts_count: t.metadata.parts_count,
                     parts_to_do: if t.status == TaskStatus::Completed {

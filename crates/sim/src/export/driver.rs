@@ -159,6 +159,7 @@ impl Sim {
             // Unforced requests replace a finished task, as an export
             // policy's do: an increment over the partition's current commit.
             replace_finished: !force,
+            by_policy: false,
             settings: ExportSettings {
                 format: Some(self.format_of(destination_index)),
                 retry_initial_backoff_ms: 100,
