@@ -138,6 +138,16 @@ impl TablePolicy {
         out
     }
 
+    /// Whether an export this policy asked for has ended (a round would
+    /// ask for the partition's next increment).
+    pub fn asked_ended(&self, status_of: impl Fn(&str) -> Option<TaskStatus>) -> bool {
+        self.partitions.values().any(|st| {
+            st.requested.as_ref().is_some_and(|a| {
+                status_of(&a.transaction_id).is_some_and(|s| s != TaskStatus::Pending)
+            })
+        })
+    }
+
     /// A task was created for `content_id`.
     pub fn requested(
         &mut self,
@@ -247,12 +257,37 @@ impl PolicyRunner {
     pub async fn run(self, status: watch::Sender<PolicyStatus>, mut stop: watch::Receiver<bool>) {
         let mut rng = rand::rngs::SmallRng::seed_from_u64(self.seed);
         let mut policies: BTreeMap<String, TablePolicy> = BTreeMap::new();
+        let mut view = self.view.clone();
         loop {
+            let started = tokio::time::Instant::now();
             let round = self.round(&mut policies, &mut rng, &status).await;
-            tokio::select! {
-                biased;
-                _ = stop.changed() => {}
-                _ = tokio::time::sleep(round) => {}
+            let next = started + round;
+            // The next round comes at its time, or sooner (but not before
+            // MIN_ROUND) once an export this node asked for ended: the
+            // partition's next increment then waits for no timer.
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = stop.changed() => break,
+                    _ = tokio::time::sleep_until(next) => break,
+                    changed = view.changed() => {
+                        if changed.is_err() {
+                            tokio::time::sleep_until(next).await;
+                            break;
+                        }
+                        let ended = {
+                            let v = view.borrow_and_update();
+                            let status_of = |tx: &str| {
+                                v.tasks.iter().find(|t| t.transaction_id == tx).map(|t| t.status)
+                            };
+                            policies.values().any(|p| p.asked_ended(status_of))
+                        };
+                        if ended {
+                            tokio::time::sleep_until(next.min(started + MIN_ROUND)).await;
+                            break;
+                        }
+                    }
+                }
             }
             if *stop.borrow() {
                 break;
@@ -541,11 +576,17 @@ mod tests {
             vec!["a"]
         );
         policy.requested("a", "c2", "tx2", 4000);
+        assert!(
+            policy.asked_ended(done),
+            "tx2 seen COMPLETED: a round is due"
+        );
+        assert!(!policy.asked_ended(pending));
         assert_eq!(
             policy.plan(5000, &contents(&[("a", "c2")]), done, 10_000),
             Vec::<String>::new()
         );
         assert_eq!(policy.lag(5000), (0, 0));
+        assert!(!policy.asked_ended(done), "nothing asked any more");
     }
 
     #[test]
