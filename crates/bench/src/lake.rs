@@ -166,7 +166,8 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 pub async fn lake(args: LakeBenchArgs) -> anyhow::Result<()> {
     let dir = crate::wal::scratch_dir(args.dir.as_deref(), "ferry-bench-lake-")?;
-    let data = dir.path().join("dev");
+    // Absolute: the lake's file:// URLs are made from it.
+    let data = std::path::absolute(dir.path())?.join("dev");
     let dev = Dev::start(&data)?;
     let c = Client::new(&dev.url, None, Duration::from_secs(120))?;
     let lake_url = |t: &str| format!("file://{}", data.join("lake").join(t).display());

@@ -69,6 +69,8 @@ struct PartitionState {
     /// When this node first saw the partition's content differ from the
     /// lake's (unix ms); `None` while they agree.
     behind_since_ms: Option<u64>,
+    /// When this node last asked for an export of it (unix ms).
+    last_asked_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -100,13 +102,17 @@ impl TablePolicy {
     /// content (`contents`: partition → content id, partitions with rows
     /// only) and the status of a task by transaction id (`None`: not
     /// known here). `forget_after_ms`: how long a requested task may stay
-    /// unknown before it is asked again.
+    /// unknown before it is asked again; `spacing_ms`: the least time
+    /// between two requests of a partition (each export is a commit: a
+    /// commit file or a snapshot, so a partition is committed at most once
+    /// per spacing, however fast exports finish).
     pub fn plan(
         &mut self,
         now_ms: u64,
         contents: &BTreeMap<String, String>,
         status_of: impl Fn(&str) -> Option<TaskStatus>,
         forget_after_ms: u64,
+        spacing_ms: u64,
     ) -> Vec<String> {
         self.partitions.retain(|p, _| contents.contains_key(p));
         let mut out = Vec::new();
@@ -115,7 +121,10 @@ impl TablePolicy {
             if let Some(asked) = &st.requested {
                 match status_of(&asked.transaction_id) {
                     Some(TaskStatus::Completed) => {
+                        // Everything acknowledged before the request is in
+                        // the lake now: what is not came after it.
                         st.in_lake = Some(asked.content_id.clone());
+                        st.behind_since_ms = Some(asked.at_ms);
                         st.requested = None;
                     }
                     Some(TaskStatus::Failed | TaskStatus::Killed) => st.requested = None,
@@ -131,7 +140,10 @@ impl TablePolicy {
                 continue;
             }
             st.behind_since_ms.get_or_insert(now_ms);
-            if st.requested.is_none() {
+            let spaced = st
+                .last_asked_ms
+                .is_none_or(|t| now_ms.saturating_sub(t) >= spacing_ms);
+            if st.requested.is_none() && spaced {
                 out.push(partition.clone());
             }
         }
@@ -162,6 +174,7 @@ impl TablePolicy {
             transaction_id: transaction_id.to_string(),
             at_ms: now_ms,
         });
+        st.last_asked_ms = Some(now_ms);
     }
 
     /// The destination's current commit holds `content_id` already.
@@ -421,7 +434,10 @@ impl PolicyRunner {
         };
         let now_ms = self.clock.unix_micros() / 1000;
         let forget_after_ms = (policy.freshness_seconds * 1000).max(10_000);
-        let wanted = state.plan(now_ms, &contents, status_of, forget_after_ms);
+        // A quarter of the target between two commits of a partition: its
+        // rows wait at most a round and an export, well within the target.
+        let spacing_ms = (policy.freshness_seconds * 1000 / 4).max(MIN_ROUND.as_millis() as u64);
+        let wanted = state.plan(now_ms, &contents, status_of, forget_after_ms, spacing_ms);
         let mut errors = Vec::new();
         for partition in wanted.into_iter().take(MAX_REQUESTS_PER_ROUND) {
             let requester = Requester {
@@ -556,23 +572,23 @@ mod tests {
         let mut policy = TablePolicy::default();
         let none = |_: &str| None;
         assert_eq!(
-            policy.plan(1000, &contents(&[("a", "c1")]), none, 10_000),
+            policy.plan(1000, &contents(&[("a", "c1")]), none, 10_000, 0),
             vec!["a"]
         );
         policy.requested("a", "c1", "tx1", 1000);
         // Pending (or not seen yet): not asked again.
         let pending = |_: &str| Some(TaskStatus::Pending);
         assert!(policy
-            .plan(2000, &contents(&[("a", "c1")]), pending, 10_000)
+            .plan(2000, &contents(&[("a", "c1")]), pending, 10_000, 0)
             .is_empty());
         assert!(policy
-            .plan(2500, &contents(&[("a", "c2")]), none, 10_000)
+            .plan(2500, &contents(&[("a", "c2")]), none, 10_000, 0)
             .is_empty());
         assert_eq!(policy.lag(3000), (2000, 1));
         // Completed with c1 while the partition moved on to c2: asked again.
         let done = |_: &str| Some(TaskStatus::Completed);
         assert_eq!(
-            policy.plan(4000, &contents(&[("a", "c2")]), done, 10_000),
+            policy.plan(4000, &contents(&[("a", "c2")]), done, 10_000, 0),
             vec!["a"]
         );
         policy.requested("a", "c2", "tx2", 4000);
@@ -582,7 +598,7 @@ mod tests {
         );
         assert!(!policy.asked_ended(pending));
         assert_eq!(
-            policy.plan(5000, &contents(&[("a", "c2")]), done, 10_000),
+            policy.plan(5000, &contents(&[("a", "c2")]), done, 10_000, 0),
             Vec::<String>::new()
         );
         assert_eq!(policy.lag(5000), (0, 0));
@@ -590,21 +606,44 @@ mod tests {
     }
 
     #[test]
+    fn a_partition_is_asked_at_most_once_per_spacing() {
+        let mut policy = TablePolicy::default();
+        let done = |_: &str| Some(TaskStatus::Completed);
+        assert_eq!(
+            policy.plan(0, &contents(&[("a", "c1")]), done, 10_000, 2500),
+            vec!["a"]
+        );
+        policy.requested("a", "c1", "tx1", 0);
+        // Its export ended at once and the partition changed again: not
+        // before the spacing passed, and counted behind meanwhile.
+        assert!(policy
+            .plan(1000, &contents(&[("a", "c2")]), done, 10_000, 2500)
+            .is_empty());
+        // Behind since the request whose export landed: the rows the lake
+        // lacks came after it.
+        assert_eq!(policy.lag(2000), (2000, 1));
+        assert_eq!(
+            policy.plan(2500, &contents(&[("a", "c2")]), done, 10_000, 2500),
+            vec!["a"]
+        );
+    }
+
+    #[test]
     fn a_failed_or_forgotten_task_is_asked_again_and_unchanged_content_is_in_the_lake() {
         let mut policy = TablePolicy::default();
         let c = contents(&[("a", "c1"), ("b", "c9")]);
-        assert_eq!(policy.plan(0, &c, |_| None, 10_000), vec!["a", "b"]);
+        assert_eq!(policy.plan(0, &c, |_| None, 10_000, 0), vec!["a", "b"]);
         policy.requested("a", "c1", "tx1", 0);
         policy.in_lake("b", "c9");
         let failed = |_: &str| Some(TaskStatus::Failed);
-        assert_eq!(policy.plan(1000, &c, failed, 10_000), vec!["a"]);
+        assert_eq!(policy.plan(1000, &c, failed, 10_000, 0), vec!["a"]);
         policy.requested("a", "c1", "tx2", 1000);
-        assert!(policy.plan(5000, &c, |_| None, 10_000).is_empty());
-        assert_eq!(policy.plan(11_001, &c, |_| None, 10_000), vec!["a"]);
+        assert!(policy.plan(5000, &c, |_| None, 10_000, 0).is_empty());
+        assert_eq!(policy.plan(11_001, &c, |_| None, 10_000, 0), vec!["a"]);
         assert_eq!(policy.lag(11_001), (11_001, 1));
         // A partition gone (dropped, or empty) is forgotten.
         assert!(policy
-            .plan(12_000, &BTreeMap::new(), |_| None, 10_000)
+            .plan(12_000, &BTreeMap::new(), |_| None, 10_000, 0)
             .is_empty());
         assert_eq!(policy.lag(12_000), (0, 0));
     }
