@@ -98,7 +98,12 @@ pub async fn read(location: &Location, partition: Option<&str>) -> Result<LakeVi
                 continue;
             }
         }
-        let body = location.get(&key).await?;
+        let body = match location.get(&key).await {
+            Ok(body) => body,
+            // Expired since the listing (upkeep): a superseded commit.
+            Err(StorageError::NotFound { .. }) => continue,
+            Err(e) => return Err(e),
+        };
         match serde_json::from_slice::<CommitFile>(&body) {
             Ok(file) => {
                 if partition.is_some_and(|p| p != file.partition_id) {

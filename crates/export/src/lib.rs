@@ -25,6 +25,7 @@ pub mod peers;
 pub mod policy;
 pub mod request;
 pub mod task;
+pub mod upkeep;
 pub mod verify;
 pub mod worker;
 

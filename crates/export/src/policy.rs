@@ -54,6 +54,11 @@ pub const MAX_APPLY_WAIT: Duration = Duration::from_secs(30);
 /// Partitions one round requests per table: a bound on a round's work
 /// (the rest wait for the next round).
 pub const MAX_REQUESTS_PER_ROUND: usize = 64;
+/// A policy expires its Parquet destination's commit files superseded more
+/// than this long ago (readers that picked one just before finish first)...
+pub const SUPERSEDED_COMMIT_GRACE: Duration = Duration::from_secs(600);
+/// ...at most this often per table.
+pub const UPKEEP_INTERVAL: Duration = Duration::from_secs(60);
 
 /// Where a node learns the commit position now.
 pub type CommitPosition =
@@ -86,6 +91,8 @@ pub struct TablePolicy {
     /// The destination (URL and format) what follows is about.
     destination: String,
     partitions: BTreeMap<String, PartitionState>,
+    /// When this node last expired the destination's superseded commits.
+    last_upkeep_ms: u64,
 }
 
 impl TablePolicy {
@@ -439,6 +446,42 @@ impl PolicyRunner {
         let spacing_ms = (policy.freshness_seconds * 1000 / 4).max(MIN_ROUND.as_millis() as u64);
         let wanted = state.plan(now_ms, &contents, status_of, forget_after_ms, spacing_ms);
         let mut errors = Vec::new();
+        // Each increment adds a commit file or a snapshot: those superseded
+        // long enough ago expire.
+        if now_ms.saturating_sub(state.last_upkeep_ms) >= UPKEEP_INTERVAL.as_millis() as u64 {
+            state.last_upkeep_ms = now_ms;
+            let cut_ms = now_ms.saturating_sub(SUPERSEDED_COMMIT_GRACE.as_millis() as u64);
+            let format = table
+                .def
+                .export
+                .as_ref()
+                .map(|e| e.format)
+                .unwrap_or_default();
+            match self.destinations.open(&policy.to) {
+                Ok(location) => {
+                    let expired = match format {
+                        LakeFormat::Parquet => {
+                            crate::upkeep::expire_commits(&location, cut_ms / 1000)
+                                .await
+                                .map(|_| ())
+                                .map_err(|e| e.to_string())
+                        }
+                        LakeFormat::Iceberg => ferry_iceberg::IcebergTable::new(location)
+                            .expire_snapshots(
+                                i64::try_from(cut_ms).unwrap_or(i64::MAX),
+                                i64::try_from(now_ms).unwrap_or(i64::MAX),
+                            )
+                            .await
+                            .map(|_| ())
+                            .map_err(|e| e.to_string()),
+                    };
+                    if let Err(e) = expired {
+                        errors.push(format!("expiring superseded commits: {e}"));
+                    }
+                }
+                Err(e) => errors.push(format!("opening {}: {e}", policy.to)),
+            }
+        }
         for partition in wanted.into_iter().take(MAX_REQUESTS_PER_ROUND) {
             let requester = Requester {
                 session,

@@ -429,19 +429,22 @@ pub enum LakeCommand {
     /// Expires the snapshots of an Iceberg table taken more than
     /// `--older-than` ago (never the current one), in a new metadata
     /// version; each partition's commit identity is kept, so a retried
-    /// export still finds its commit. Files only expired snapshots held
-    /// become orphans (`ferry verify` names them); nothing is deleted.
+    /// export still finds its commit. Of a Parquet destination, deletes the
+    /// commit files superseded more than `--older-than` ago (never a
+    /// partition's current one). Files only they held become orphans
+    /// (`ferry verify` names them); no data file is deleted.
     ExpireSnapshots(ExpireArgs),
-    /// Deletes the data files of an Iceberg table that no snapshot it keeps
-    /// holds and that were last modified more than `--older-than` ago
-    /// (choose it longer than the longest export: an export's files are
-    /// orphans until its commit lands).
+    /// Deletes the data files (of an Iceberg table or a Parquet destination)
+    /// that nothing kept lists and that were last modified more than
+    /// `--older-than` ago (choose it longer than the longest export: an
+    /// export's files are orphans until its commit lands).
     RemoveOrphans(ExpireArgs),
 }
 
 #[derive(Debug, clap::Args)]
 pub struct ExpireArgs {
-    /// The Iceberg table: file:///dir or s3://bucket/prefix.
+    /// The destination (an Iceberg table or a Parquet destination):
+    /// file:///dir or s3://bucket/prefix.
     pub url: String,
     /// Age past which a snapshot expires, e.g. 7d or 12h.
     #[arg(long, value_parser = humantime::parse_duration)]
@@ -544,17 +547,22 @@ fn cut_off(older_than: std::time::Duration) -> (i64, i64) {
 }
 
 async fn remove_orphans(args: ExpireArgs) -> anyhow::Result<()> {
-    let table = ferry_iceberg::IcebergTable::new(open_to_read(&args.url)?);
-    anyhow::ensure!(
-        table.current().await?.is_some(),
-        "{}: no Iceberg table (no metadata/vN.metadata.json)",
-        args.url
-    );
+    let location = open_to_read(&args.url)?;
+    let table = ferry_iceberg::IcebergTable::new(location.clone());
     let (_, cut) = cut_off(args.older_than);
-    let out = table
-        .remove_orphans(cut)
-        .await
-        .with_context(|| format!("removing orphans of {}", args.url))?;
+    let (removed, recent) = if table.current().await?.is_some() {
+        let out = table
+            .remove_orphans(cut)
+            .await
+            .with_context(|| format!("removing orphans of {}", args.url))?;
+        (out.removed, out.recent)
+    } else {
+        let out = ferry_export::upkeep::remove_orphans(&location, cut)
+            .await
+            .with_context(|| format!("removing orphans of {}", args.url))?;
+        (out.removed, out.recent)
+    };
+    let out = Orphans { removed, recent };
     for key in &out.removed {
         println!("removed {key}");
     }
@@ -567,10 +575,33 @@ async fn remove_orphans(args: ExpireArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What `ferry lake remove-orphans` removed, of either format.
+struct Orphans {
+    removed: Vec<String>,
+    recent: usize,
+}
+
 async fn expire_snapshots(args: ExpireArgs) -> anyhow::Result<()> {
     let location = open_to_read(&args.url)?;
-    let table = ferry_iceberg::IcebergTable::new(location);
+    let table = ferry_iceberg::IcebergTable::new(location.clone());
     let (now_ms, cut) = cut_off(args.older_than);
+    if table.current().await?.is_none() {
+        // A Parquet destination: its superseded commit files.
+        let cut_seconds = u64::try_from(cut / 1000).unwrap_or(0);
+        let out = ferry_export::upkeep::expire_commits(&location, cut_seconds)
+            .await
+            .with_context(|| format!("expiring superseded commits of {}", args.url))?;
+        for key in &out.removed {
+            println!("removed {key}");
+        }
+        println!(
+            "{}: {} superseded commit files expired, {} superseded later kept",
+            args.url,
+            out.removed.len(),
+            out.kept
+        );
+        return Ok(());
+    }
     match table
         .expire_snapshots(cut, now_ms)
         .await

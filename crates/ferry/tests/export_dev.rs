@@ -815,6 +815,33 @@ fn a_table_with_an_export_policy_exports_itself_and_readers_read_each_row_once()
     assert!(manual.contains("unchanged"), "{manual}");
     assert_eq!(lake_ids(&lake_url, &url), expected);
 
+    // Upkeep: superseded commits expire (never a current one), the files
+    // only they listed become orphans and go; readers read the same rows.
+    let before = commit_files(&lake, "commit_").len();
+    let expired = ferry_ok(
+        &["lake", "expire-snapshots", &lake_url, "--older-than", "0s"],
+        &url,
+    );
+    assert!(
+        expired.contains("superseded commit files expired"),
+        "{expired}"
+    );
+    assert_eq!(
+        commit_files(&lake, "commit_").len(),
+        2,
+        "one per partition: {expired}"
+    );
+    assert!(before > 2, "{before} commit files before");
+    assert_eq!(lake_ids(&lake_url, &url), expected);
+    let removed = ferry_ok(
+        &["lake", "remove-orphans", &lake_url, "--older-than", "0s"],
+        &url,
+    );
+    assert!(removed.contains("orphan data files removed"), "{removed}");
+    assert_eq!(lake_ids(&lake_url, &url), expected);
+    let verified = ferry_ok(&["verify", &lake_url, "--deep"], &url);
+    assert!(!verified.contains("orphan"), "{verified}");
+
     // The same table switched to an Iceberg destination.
     let ice = dev.data.join("lake/ice");
     let ice_url = format!("file://{}", ice.display());
