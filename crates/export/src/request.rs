@@ -428,15 +428,7 @@ impl Requester<'_> {
             let same_rows = !req.force && c.rows == rows && lacks(c, snapshot).is_none();
             if c.content_id == content_id || same_rows {
                 tracing::info!(task = %key, commit = %c.key, "export unchanged: the current commit holds these parts");
-                return Ok(Created {
-                    transaction_id: c.transaction_id.clone(),
-                    key,
-                    parts_count: parts.len() as u64,
-                    rows,
-                    snapshot_lsn: c.snapshot_lsn,
-                    unchanged: Some(c.key.clone()),
-                    carried: 0,
-                });
+                return Ok(unchanged(c, key, parts.len(), rows));
             }
         }
 
@@ -494,15 +486,7 @@ impl Requester<'_> {
         if to_export.is_empty() {
             if let Some(c) = &current {
                 tracing::info!(task = %key, commit = %c.key, "export unchanged: the current commit holds every row");
-                return Ok(Created {
-                    transaction_id: c.transaction_id.clone(),
-                    key,
-                    parts_count: parts.len() as u64,
-                    rows,
-                    snapshot_lsn: c.snapshot_lsn,
-                    unchanged: Some(c.key.clone()),
-                    carried: 0,
-                });
+                return Ok(unchanged(c, key, parts.len(), rows));
             }
         }
         let mut listed = to_export.clone();
@@ -566,6 +550,19 @@ impl Requester<'_> {
             unchanged: None,
             carried: carried.len() as u64,
         })
+    }
+}
+
+/// The answer to a request the current commit `c` holds already: no task.
+fn unchanged(c: &lake::CurrentCommit, key: TaskKey, parts: usize, rows: u64) -> Created {
+    Created {
+        transaction_id: c.transaction_id.clone(),
+        key,
+        parts_count: parts as u64,
+        rows,
+        snapshot_lsn: c.snapshot_lsn,
+        unchanged: Some(c.key.clone()),
+        carried: 0,
     }
 }
 

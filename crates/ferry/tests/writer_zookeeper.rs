@@ -182,6 +182,12 @@ impl ZkCluster {
         let dir = self.dir.path().join(format!("replica{shard}"));
         start_replica(&self.addrs, &self.connect, shard, &dir)
     }
+
+    /// Starts the replicas of shards `0..shards`: the processes and their
+    /// HTTP base URLs.
+    fn replicas(&self, shards: u32) -> (Vec<Proc>, Vec<String>) {
+        (0..shards).map(|shard| self.replica(shard)).unzip()
+    }
 }
 
 /// A session of the ZooKeeper at `connect` (a chroot included).
@@ -451,13 +457,7 @@ fn an_export_survives_kill_9_of_a_replica_in_the_middle() {
             .expect("create table");
         insert_until_elected(&c, 0).await
     });
-    let mut replicas = Vec::new();
-    let mut urls = Vec::new();
-    for shard in 0..2 {
-        let (child, rurl) = cluster.replica(shard);
-        replicas.push(child);
-        urls.push(rurl);
-    }
+    let (mut replicas, mut urls) = cluster.replicas(2);
     let lake = cluster.dir.path().join("lake");
     let lake_url = format!("file://{}", lake.display());
 
@@ -648,13 +648,7 @@ fn a_table_exports_itself_across_replica_processes_and_a_kill_9_of_the_policy_no
         c.create_table_toml(&toml).await.expect("create table");
         insert_until_elected(&c, 0).await
     });
-    let mut replicas = Vec::new();
-    let mut urls = Vec::new();
-    for shard in 0..2 {
-        let (child, rurl) = cluster.replica(shard);
-        replicas.push(child);
-        urls.push(rurl);
-    }
+    let (mut replicas, mut urls) = cluster.replicas(2);
     let mut rows = 2u64;
     let insert = |batch: i64| {
         let body: String = (0..10)
