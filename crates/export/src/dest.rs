@@ -544,6 +544,24 @@ impl Destination {
             files,
             timestamp_ms: i64::try_from(now_ms).unwrap_or(i64::MAX),
         };
+        // Iceberg keeps no shard per data file: the commit's files with
+        // their shards go beside its metadata, for the next increment to
+        // tell which block ranges nest (the same bytes on every retry).
+        let shards = crate::lake::IcebergShards {
+            transaction_id: commit.transaction_id.clone(),
+            files: commit
+                .files
+                .iter()
+                .map(|f| (f.path.clone(), f.shard))
+                .collect(),
+        };
+        self.location
+            .put(
+                &crate::lake::iceberg_shards_key(&commit.transaction_id),
+                bytes::Bytes::from(serde_json::to_vec(&shards).expect("shards serialise")),
+            )
+            .await
+            .map_err(|e| PartFailure::Retryable(e.to_string()))?;
         let table = ferry_iceberg::IcebergTable::new(self.location.clone());
         let outcome = match &self.commits {
             Some(queue) => queue.commit(&table, &target.def, iceberg).await,

@@ -196,6 +196,19 @@ pub async fn current_commit(
                 .into_iter()
                 .filter(|f| f.partition == value)
                 .collect::<Vec<_>>();
+            // The shards the export recorded beside the metadata (absent for
+            // tables written before they were: unknown, so a sharded
+            // snapshot gets a whole export).
+            let shards: BTreeMap<String, Option<u32>> = match location
+                .get(&iceberg_shards_key(&export.transaction_id))
+                .await
+            {
+                Ok(body) => serde_json::from_slice::<IcebergShards>(&body)
+                    .map(|s| s.files.into_iter().collect())
+                    .unwrap_or_default(),
+                Err(StorageError::NotFound { .. }) => BTreeMap::new(),
+                Err(e) => return Err(e.to_string()),
+            };
             let data_files = files
                 .iter()
                 .map(|f| DataFile {
@@ -203,7 +216,7 @@ pub async fn current_commit(
                     rows: u64::try_from(f.record_count).unwrap_or(0),
                     bytes: u64::try_from(f.file_size_in_bytes).unwrap_or(0),
                     checksum: checksum_of(&f.path).unwrap_or(0),
-                    shard: None,
+                    shard: shards.get(table.key_of(&f.path)).copied().flatten(),
                     crc32c: None,
                     iceberg: Some(f.stats()),
                 })
@@ -224,6 +237,19 @@ pub async fn current_commit(
 }
 
 /// The part a data file holds, from its name `<part>_<checksum>.parquet`.
+/// An Iceberg export's data files with the shard of the replica that wrote
+/// each, which Iceberg manifests do not record: `metadata/ferry-shards-<transaction>.json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct IcebergShards {
+    pub transaction_id: String,
+    /// Data file keys (relative to the table) and their shards.
+    pub files: Vec<(String, Option<u32>)>,
+}
+
+pub fn iceberg_shards_key(transaction_id: &str) -> String {
+    format!("metadata/ferry-shards-{transaction_id}.json")
+}
+
 /// The rows checksum in a data file's name (`<part>_<checksum:08x>.parquet`).
 pub fn checksum_of(path: &str) -> Option<u32> {
     let file = path.rsplit('/').next()?.strip_suffix(".parquet")?;

@@ -605,11 +605,13 @@ fn lake_rows(lake_url: &str) -> u64 {
         .envs(s3_env())
         .output()
         .expect("ferry lake files");
+    // A Parquet destination lists partitions, an Iceberg table files.
     serde_json::from_slice::<serde_json::Value>(&out.stdout)
         .ok()
         .and_then(|v| {
             v["partitions"]
                 .as_array()
+                .or(v["files"].as_array())
                 .map(|ps| ps.iter().map(|p| p["rows"].as_u64().unwrap_or(0)).sum())
         })
         .unwrap_or(0)
@@ -618,14 +620,25 @@ fn lake_rows(lake_url: &str) -> u64 {
 /// A table that exports itself, on two replica processes (one per shard)
 /// over ZooKeeper, to a lake on the test S3 server (a local folder without
 /// one): exactly one node runs the policy; rows of both shards reach the
-/// lake with nobody asking; after kill -9 of that node and inserts while
-/// it is down, the policy goes on (on the other node, or on the same one
-/// restarted, once the dead session's lock is gone) and the lake ends with
-/// every row once, `ferry verify` clean.
+/// lake with nobody asking, in increments that carry files; after kill -9
+/// of that node and inserts while it is down, the policy goes on (on the
+/// other node, or on the same one restarted, once the dead session's lock
+/// is gone) and the lake ends with every row once, `ferry verify` clean.
 #[test]
 fn a_table_exports_itself_across_replica_processes_and_a_kill_9_of_the_policy_node() {
+    table_exports_itself_across_processes("parquet");
+}
+
+/// The same into an Iceberg table: its increments carry files too (the
+/// shards Iceberg does not record are kept beside its metadata).
+#[test]
+fn an_iceberg_table_exports_itself_in_increments_across_replica_processes() {
+    table_exports_itself_across_processes("iceberg");
+}
+
+fn table_exports_itself_across_processes(format: &str) {
     let Some(zk) = zk_address() else { return };
-    let mut cluster = start_cluster(&zk, "export-policy-test", "wal");
+    let mut cluster = start_cluster(&zk, &format!("export-policy-{format}"), "wal");
     let lake_url = match std::env::var(ferry_testkit::services::S3_ENDPOINT) {
         Ok(endpoint) => {
             let bucket = ferry_testkit::services::unique_name("policy")
@@ -641,7 +654,7 @@ fn a_table_exports_itself_across_replica_processes_and_a_kill_9_of_the_policy_no
     };
     let c = node_client(&cluster.url);
     let toml = format!(
-        "{}\n[export]\nto = {lake_url:?}\nfreshness = \"1s\"\n",
+        "{}\n[export]\nto = {lake_url:?}\nformat = {format:?}\nfreshness = \"1s\"\n",
         table_toml()
     );
     cluster.rt.block_on(async {
@@ -695,11 +708,16 @@ fn a_table_exports_itself_across_replica_processes_and_a_kill_9_of_the_policy_no
             std::thread::sleep(Duration::from_millis(200));
         }
     };
-    for batch in 0..6 {
-        insert(batch);
-        rows += 10;
+    // Two waves, each waited for in the lake: the second wave's exports
+    // are increments over the first's commits (six level-0 parts per shard
+    // and partition: no merge yet).
+    for wave in [0..3, 3..6] {
+        for batch in wave {
+            insert(batch);
+            rows += 10;
+        }
+        wait_rows(rows, &urls);
     }
-    wait_rows(rows, &urls);
     let running: Vec<usize> = (0..2)
         .filter(|&i| {
             let status = cluster
@@ -710,6 +728,18 @@ fn a_table_exports_itself_across_replica_processes_and_a_kill_9_of_the_policy_no
         })
         .collect();
     assert_eq!(running.len(), 1, "one node runs the policy: {running:?}");
+    // Increments: some export carried files of the partition's previous
+    // commit instead of writing them again.
+    let carried: u64 = cluster
+        .rt
+        .block_on(node_client(&urls[0]).get_json("/exports"))
+        .expect("exports")["tasks"]
+        .as_array()
+        .expect("tasks")
+        .iter()
+        .map(|t| t["carried"].as_u64().unwrap_or(0))
+        .sum();
+    assert!(carried > 0, "no export carried a file");
     let victim = running[0];
 
     // kill -9 of the node running the policy, inserts while it is down,
