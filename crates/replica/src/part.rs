@@ -560,6 +560,43 @@ pub fn read_rows(name: &PartName, file: Bytes) -> Result<Vec<RecordBatch>, PartE
         .map_err(|e| invalid(e.to_string()))
 }
 
+/// Reads a whole part file and checks it is the part `expected` describes:
+/// its footer the same metadata, and its rows (decoded on `cpu`) the rows
+/// that footer's checksum and count describe. A copy of a part checked this
+/// way is the part, whatever carried its bytes.
+pub async fn check_file(
+    disk: &dyn ferry_env::Disk,
+    path: &str,
+    expected: &PartMeta,
+    cpu: ferry_env::Cpu,
+) -> Result<(), PartError> {
+    let mut reader = PartReader::open(disk, path, &expected.name).await?;
+    let mut footer = reader.meta().clone();
+    footer.shard = expected.shard;
+    if &footer != expected {
+        return Err(reader.invalid(format!(
+            "its footer describes {footer:?}, expected {expected:?}"
+        )));
+    }
+    let mut check = PartCheck::new(&reader)?;
+    while let Some(group) = reader.next_row_group().await? {
+        let name = expected.name.clone();
+        check = cpu
+            .run(move || {
+                for batch in group {
+                    let batch = batch.map_err(|e| PartError::Invalid {
+                        name: name.to_string(),
+                        detail: e.to_string(),
+                    })?;
+                    check.push(&name, &batch)?;
+                }
+                Ok::<_, PartError>(check)
+            })
+            .await?;
+    }
+    check.finish(expected)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,78 +6,17 @@
 
 use std::sync::Arc;
 
-use arrow::array::{Int64Array, RecordBatch, StringArray};
+use arrow::array::{Int64Array, RecordBatch};
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
-use ferry_env::{Cpu, Disk, RealDisk};
-use ferry_replica::{Replica, ReplicaError, Tables};
-use ferry_table::Table;
+use ferry_env::{Disk, RealDisk};
+use ferry_replica::ReplicaError;
 use ferry_testkit::disk::{DiskHook, DiskOp, HookedDisk};
-use ferry_testkit::table::{id_p_table, FixedTables};
 use ferry_wal::record::Record;
 use ferry_wal::Lsn;
 
-fn table() -> Table {
-    id_p_table(1, "t", 2, &[])
-}
-
-fn tables() -> Arc<dyn Tables> {
-    Arc::new(FixedTables::new([table()]).with_dropped(2))
-}
-
-/// Rows `ids` with partitions from `parts` (cycled).
-fn rows(ids: std::ops::Range<i64>, parts: &[&str]) -> Bytes {
-    let n = ids.clone().count();
-    let batch = RecordBatch::try_new(
-        table().def.arrow_schema(),
-        vec![
-            Arc::new(Int64Array::from_iter_values(ids)),
-            Arc::new(StringArray::from_iter_values(
-                (0..n).map(|i| parts[i % parts.len()]),
-            )),
-        ],
-    )
-    .expect("batch");
-    ferry_table::rows::to_ipc(&batch).expect("ipc")
-}
-
-/// WAL: records appended with block number = start LSN.
-#[derive(Default)]
-struct Wal {
-    bytes: BytesMut,
-}
-
-impl Wal {
-    fn insert(&mut self, table_id: u64, shard: u32, key: &str, arrow_ipc: Bytes) -> Lsn {
-        let at = self.bytes.len() as u64;
-        Record::Insert {
-            table_id,
-            shard,
-            block_number: at,
-            idempotency_key: Bytes::from(key.as_bytes().to_vec()),
-            arrow_ipc,
-        }
-        .encode(&mut self.bytes);
-        Lsn(at)
-    }
-
-    fn end(&self) -> Lsn {
-        Lsn(self.bytes.len() as u64)
-    }
-}
-
-async fn open(disk: &Arc<dyn Disk>, dir: &str, shard: u32) -> Replica {
-    Replica::open(Arc::clone(disk), dir, shard, 0, Cpu::Inline, tables())
-        .await
-        .expect("open replica")
-}
-
-fn names(r: &Replica) -> Vec<(String, u64, u32)> {
-    r.parts(1)
-        .into_iter()
-        .map(|p| (p.name.to_string(), p.rows, p.checksum))
-        .collect()
-}
+mod common;
+use common::{merge_all, names, open, rows, table, Wal};
 
 #[tokio::test]
 async fn records_become_parts_identical_on_two_replicas_and_survive_restarts() {
@@ -233,17 +172,6 @@ async fn hostile_wal_stops_the_replica_without_writing_a_part() {
     // WAL that does not continue the stream.
     let mut r = open(&disk, "e", 0).await;
     assert!(r.receive(Lsn(10), &bytes).await.is_err());
-}
-
-/// Runs every decided merge of `r` to the end, as the merge task does.
-async fn merge_all(r: &mut Replica) -> Vec<(u64, ferry_replica::PartName)> {
-    let mut replaced = Vec::new();
-    while let Some(job) = r.next_merge() {
-        let merge = job.merge.clone();
-        let meta = job.run().await.expect("merge");
-        replaced.extend(r.finish_merge(&merge, meta).await.expect("finish"));
-    }
-    replaced
 }
 
 #[tokio::test]

@@ -43,10 +43,14 @@
 //! to persist, the merge policy) are in `decide`, apart from any I/O;
 //! applying received WAL and persisting it is in `apply`, recording merges
 //! and the merge task in `merges`, export pins and the parts
-//! merges replaced in `pins`, and the state file in `state`.
+//! merges replaced in `pins`, the state file in `state`, and building a
+//! replica from a peer's copy in `holds` (the donor) and `bootstrap` (the
+//! new replica).
 
 mod apply;
+pub mod bootstrap;
 mod decide;
+mod holds;
 mod merges;
 mod pins;
 mod state;
@@ -65,6 +69,7 @@ use crate::part::{self, PartMeta, PartName};
 use crate::view::{ReadView, ReplicaReader};
 
 pub use decide::{DEDUP_WINDOW, PERSIST_EVERY_BYTES};
+pub use holds::{HoldError, BOOTSTRAP_HOLD_IDLE, MAX_BOOTSTRAP_HOLDS};
 pub use merges::{run_merges, Merge, MergeJob, MAX_MERGE_LEVEL, MERGE_FANIN};
 
 use apply::UnsyncedPart;
@@ -164,6 +169,9 @@ pub struct Replica {
     /// pinned again by then: an export this replica learns of after a
     /// restart may still need them.
     unpinned: Vec<(u64, PartName)>,
+    /// Copies of this replica in flight to new replicas, by hold id (see
+    /// `holds`): their parts stay on disk like pinned ones.
+    holds: BTreeMap<String, holds::Hold>,
     table_cache: BTreeMap<u64, TableRef>,
     /// Parts of applied records written under their temporary names and not
     /// yet synced: made durable, renamed and listed by the next
@@ -297,6 +305,7 @@ impl Replica {
             parts,
             kept,
             unpinned,
+            holds: BTreeMap::new(),
             table_cache: BTreeMap::new(),
             unsynced: Vec::new(),
             unpersisted_bytes: 0,

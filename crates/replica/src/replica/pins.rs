@@ -31,6 +31,12 @@ impl Replica {
             return Ok(());
         }
         self.persist().await?;
+        self.free_unpinned();
+        Ok(())
+    }
+
+    /// Hands kept parts no pin or hold names any more to the merge task.
+    pub(super) fn free_unpinned(&mut self) {
         let freed: Vec<(u64, PartName)> = self
             .kept
             .iter()
@@ -42,7 +48,6 @@ impl Replica {
             // Wakes the merge task.
             self.status.send_modify(|_| {});
         }
-        Ok(())
     }
 
     /// Transaction ids of the exports holding pins.
@@ -50,12 +55,14 @@ impl Replica {
         self.state.pins.keys().cloned().collect()
     }
 
+    /// Whether an export's pin or a copy's hold keeps the part.
     fn is_pinned(&self, table_id: u64, name: &PartName) -> bool {
         self.state
             .pins
             .values()
             .flatten()
             .any(|(t, n)| *t == table_id && n == name)
+            || self.is_held(table_id, name)
     }
 
     /// A part to export: active, or replaced and kept by a pin. Its path

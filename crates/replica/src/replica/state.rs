@@ -71,3 +71,26 @@ impl State {
         Ok(state)
     }
 }
+
+impl State {
+    /// The state of a replica built from a peer's copy: the donor's position,
+    /// window and decided merges, under this replica's own number, with no
+    /// pins (the donor's exports pinned the donor's files).
+    pub(super) fn copied(
+        shard: u32,
+        replica: u32,
+        disk_consistent_lsn: Lsn,
+        window: VecDeque<(u64, u32, String, Lsn)>,
+        merges: Vec<Merge>,
+    ) -> State {
+        State {
+            format: STATE_FORMAT,
+            shard,
+            replica,
+            disk_consistent_lsn,
+            window,
+            merges,
+            pins: BTreeMap::new(),
+        }
+    }
+}
