@@ -214,6 +214,21 @@ impl Peers {
         Ok(out)
     }
 
+    /// The live replicas of `shard` other than this node, the furthest
+    /// ahead first: donors for a replica built from a peer.
+    pub async fn replicas_of(&self, shard: u32) -> Result<Vec<(String, Registration)>, String> {
+        let mut replicas = self.registered(REPLICAS, &format!("s{shard}r")).await?;
+        replicas.sort_by_key(|(_, r)| {
+            std::cmp::Reverse(
+                r.disk_consistent_lsn
+                    .as_deref()
+                    .and_then(|l| l.parse::<Lsn>().ok())
+                    .unwrap_or_default(),
+            )
+        });
+        Ok(replicas)
+    }
+
     /// The commit position now: the highest a live writer reports. Every
     /// insert acknowledged before this call is below it (a writer
     /// acknowledges an insert only once its commit_lsn passed it).

@@ -574,6 +574,15 @@ pub struct ReplicaArgs {
     /// Env: FERRY_EXPORT_ROOTS.
     #[arg(long, value_delimiter = ',', env = "FERRY_EXPORT_ROOTS")]
     export_roots: Vec<PathBuf>,
+    /// A replica without a state file (new, or its data dir lost) is first
+    /// built from a copy of a peer replica of its shard: `auto` (the live
+    /// replica of the shard furthest ahead, as registered in ZooKeeper; none
+    /// registered: it starts empty and streams the WAL from the start) or the
+    /// peer's HTTP `host:port`. It then streams WAL from the copy's position,
+    /// so it needs no WAL the safekeepers removed. Ignored for a replica with
+    /// a state file.
+    #[arg(long, value_name = "auto|HOST:PORT")]
+    bootstrap_from: Option<String>,
 }
 
 pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
@@ -614,6 +623,33 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
             ferry_host::paths::export_roots(&args.export_roots, &data_dir)?,
         ));
     let exporter_name = dir.clone();
+    let registered_as = ferry_export::peers::replica_node(args.shard, args.replica);
+    let peers = Arc::new(ferry_export::peers::Peers::new(
+        catalog.renewing_session(),
+        registered_as.clone(),
+        Arc::new(ferry_node::http::HttpPeers::new(
+            Arc::new(TcpNetwork),
+            args.api_token.clone(),
+        )),
+    ));
+    if let Some(from) = &args.bootstrap_from {
+        let built = tokio::select! {
+            _ = shutdown.recv() => return Ok(()),
+            built = copy_from_peer(&args, from, &disk, &dir, &peers) => built?,
+        };
+        if let Some(b) = built {
+            say!(
+                "replica {} of shard {} built from {} at {}: {} parts, {} copied ({} bytes)",
+                args.replica,
+                args.shard,
+                b.donor,
+                b.disk_consistent_lsn,
+                b.parts,
+                b.copied,
+                b.bytes_copied
+            );
+        }
+    }
     let mut node = ferry_node::ReplicaNode::start(
         ferry_node::ReplicaNodeConfig {
             dir: dir.clone(),
@@ -647,15 +683,6 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
     });
     // Exports: this replica's exporter, and requests that snapshot the
     // other shards through their replicas (crate::peers).
-    let registered_as = ferry_export::peers::replica_node(args.shard, args.replica);
-    let peers = Arc::new(ferry_export::peers::Peers::new(
-        catalog.renewing_session(),
-        registered_as.clone(),
-        Arc::new(ferry_node::http::HttpPeers::new(
-            Arc::new(TcpNetwork),
-            args.api_token.clone(),
-        )),
-    ));
     let local_parts = Arc::clone(&node.parts);
     let request_parts: Arc<dyn ferry_export::LocalParts> = Arc::new(
         ferry_export::ReplicaSet::new(vec![Arc::clone(&shared)])
@@ -713,8 +740,14 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
         ));
         Box::pin(async move { out })
     });
+    let donor = Arc::new(ferry_replica::replica::bootstrap::LocalDonor {
+        replica: Arc::clone(&shared),
+        clock: Arc::new(ferry_env::SystemClock),
+        name: registered_as.clone(),
+    });
     let router = ferry_host::reads::router(reads)
         .merge(crate::exports::router(export_api))
+        .merge(ferry_node::bootstrap::router(donor))
         .merge(ferry_host::http::node_routes(status, Arc::new(metrics)));
     let http = ferry_host::http::serve(http_listener, router, token)?;
     let registered_http = http.addr.clone();
@@ -750,4 +783,78 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
         status_rx.borrow().disk_consistent_lsn
     );
     Ok(())
+}
+
+/// How many times a copy from a peer is tried before the replica gives up.
+const COPY_ATTEMPTS: u32 = 5;
+/// The pause between two tries.
+const COPY_RETRY: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Builds the replica from a peer's copy when it has no state file (see
+/// `--bootstrap-from`); `None` when it needs none or no peer is registered.
+async fn copy_from_peer(
+    args: &ReplicaArgs,
+    from: &str,
+    disk: &Arc<dyn ferry_env::Disk>,
+    dir: &str,
+    peers: &ferry_export::peers::Peers,
+) -> anyhow::Result<Option<ferry_replica::replica::bootstrap::Bootstrapped>> {
+    use ferry_replica::replica::bootstrap;
+    if !bootstrap::needs_copy(disk.as_ref(), dir).await? {
+        return Ok(None);
+    }
+    let http = ferry_node::http::HttpPeers::new(Arc::new(TcpNetwork), args.api_token.clone());
+    let mut last_error = String::new();
+    for attempt in 1..=COPY_ATTEMPTS {
+        let donors: Vec<String> = if from == "auto" {
+            let found = peers.replicas_of(args.shard).await.map_err(|e| {
+                anyhow::anyhow!("looking for a peer replica of shard {}: {e}", args.shard)
+            })?;
+            if found.is_empty() {
+                say!(
+                    "no other replica of shard {} is registered: replica {} starts empty and streams the WAL from its start",
+                    args.shard,
+                    args.replica
+                );
+                return Ok(None);
+            }
+            found.into_iter().map(|(_, r)| r.http).collect()
+        } else {
+            vec![from.to_string()]
+        };
+        for addr in donors {
+            let source = ferry_node::bootstrap::HttpDonor {
+                peers: http.clone(),
+                addr: addr.clone(),
+            };
+            say!(
+                "replica {} of shard {} has no state: copying replica {addr} (attempt {attempt} of {COPY_ATTEMPTS})",
+                args.replica,
+                args.shard
+            );
+            match bootstrap::copy_from_peer(
+                disk,
+                dir,
+                args.shard,
+                args.replica,
+                ferry_env::Cpu::BlockingPool,
+                &source,
+            )
+            .await
+            {
+                Ok(built) => return Ok(Some(built)),
+                Err(bootstrap::BootstrapError::Replica(e)) => {
+                    return Err(anyhow::Error::new(e).context("writing the copy"))
+                }
+                Err(e) => {
+                    tracing::warn!(donor = %addr, error = %e, "copying a peer replica failed");
+                    last_error = e.to_string();
+                }
+            }
+        }
+        tokio::time::sleep(COPY_RETRY).await;
+    }
+    anyhow::bail!(
+        "could not build the replica from a peer after {COPY_ATTEMPTS} attempts: {last_error}"
+    )
 }

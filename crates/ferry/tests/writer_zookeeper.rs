@@ -30,8 +30,10 @@ fn table_toml() -> String {
 /// Spawns `cmd` (its stderr set by the caller) and returns it with its HTTP
 /// base URL, read from the "status on http://.../status" of its first line.
 fn spawn_node(mut cmd: Command) -> (Proc, String) {
-    let (mut child, first) = spawn_until(&mut cmd, |_| true);
-    let line = first.unwrap_or_default().concat();
+    let (mut child, lines) = spawn_until(&mut cmd, |l| l.contains("status on "));
+    let line = lines
+        .map(|l| l.last().cloned().unwrap_or_default())
+        .unwrap_or_else(|l| l.concat());
     let url = line
         .split("status on ")
         .nth(1)
@@ -73,9 +75,25 @@ fn start_writer_or_exit(addrs: &[String], zk: &str) -> (Proc, ()) {
 
 /// Starts `ferry replica` of `shard`; returns it and its HTTP base URL.
 fn start_replica(addrs: &[String], zk: &str, shard: u32, dir: &std::path::Path) -> (Proc, String) {
+    spawn_node(replica_command(addrs, zk, shard, 0, dir))
+}
+
+/// `ferry replica` of `shard`, replica `replica`, on data dir `dir`.
+fn replica_command(
+    addrs: &[String],
+    zk: &str,
+    shard: u32,
+    replica: u32,
+    dir: &std::path::Path,
+) -> Command {
     let mut cmd = Command::new(FERRY);
     cmd.args(["replica", "--cluster-id", CLUSTER])
-        .args(["--shard", &shard.to_string(), "--replica", "0"])
+        .args([
+            "--shard",
+            &shard.to_string(),
+            "--replica",
+            &replica.to_string(),
+        ])
         .args([
             "--safekeepers",
             &addrs.join(","),
@@ -95,7 +113,7 @@ fn start_replica(addrs: &[String], zk: &str, shard: u32, dir: &std::path::Path) 
                 .join("lake"),
         )
         .stderr(Stdio::null());
-    spawn_node(cmd)
+    cmd
 }
 
 /// Runs `ferry replica` of `shard` (replica 0) in cluster `cluster_id` on
@@ -160,10 +178,30 @@ struct ZkCluster {
 /// A [`ZkCluster`] on ZooKeeper `zk`, its chroot named after `name`, its
 /// safekeepers under `wal_dir` of the test's folder.
 fn start_cluster(zk: &str, name: &str, wal_dir: &str) -> ZkCluster {
+    start_cluster_with(zk, name, wal_dir, &[])
+}
+
+/// The same, its safekeepers started with `extra` flags.
+fn start_cluster_with(zk: &str, name: &str, wal_dir: &str, extra: &[&str]) -> ZkCluster {
     let rt = runtime();
     let connect = rt.block_on(ferry_testkit::services::zookeeper_chroot(zk, name));
     let dir = tempfile::tempdir().expect("tempdir");
-    let (safekeepers, addrs) = start_three_safekeepers(&dir.path().join(wal_dir), CLUSTER, SEG);
+    let mut flags = vec!["--create"];
+    flags.extend_from_slice(extra);
+    let (safekeepers, addrs): (Vec<Proc>, Vec<String>) = (0..3)
+        .map(|id| {
+            let (child, addr, _) = start_safekeeper_watching(
+                id,
+                &dir.path().join(wal_dir).join(format!("sk{id}")),
+                "127.0.0.1:0",
+                &flags,
+                CLUSTER,
+                SEG,
+                |_| {},
+            );
+            (child, addr)
+        })
+        .unzip();
     let (writer, url) = start_writer(&addrs, &connect, CLUSTER);
     ZkCluster {
         rt,
@@ -763,5 +801,177 @@ fn table_exports_itself_across_processes(format: &str) {
     stop_replicas(&mut replicas);
     interrupt(&cluster.writer);
     assert!(wait_exit(&mut cluster.writer).0);
+    stop_all(&mut cluster.safekeepers);
+}
+
+/// A replica added after the safekeepers removed the WAL it would need
+/// cannot be built from the WAL (it stops, naming the LSN); with
+/// `--bootstrap-from auto` it copies the live replica of its shard at one
+/// position, streams the WAL from there, and holds exactly its shard's rows,
+/// the same parts as its donor, also after more inserts. `ferry replica`
+/// with a state file ignores the flag.
+#[test]
+fn a_replica_added_after_wal_removal_is_built_from_a_peer() {
+    let Some(zk) = zk_address() else { return };
+    let mut cluster = start_cluster_with(
+        &zk,
+        "replica-copy",
+        "wal",
+        &["--wal-removal-interval", "200ms"],
+    );
+    let c = node_client(&cluster.url);
+    cluster.rt.block_on(async {
+        c.create_table_toml(&table_toml())
+            .await
+            .expect("create table");
+        insert_until_elected(&c, 0).await
+    });
+    let (mut replicas, urls) = cluster.replicas(2);
+    // About 3 segments of WAL in inserts of 20,000 rows, both shards.
+    let mut inserted = 2u64;
+    let mut last_commit = String::new();
+    let insert = |batch: i64, rows: i64| -> String {
+        let body: String = (0..rows)
+            .map(|i| {
+                format!(
+                    "{{\"id\":{},\"day\":\"2024-05-0{}\"}}\n",
+                    1_000_000 * (batch + 1) + i,
+                    1 + i % 3
+                )
+            })
+            .collect();
+        let done = cluster
+            .rt
+            .block_on(c.insert_body(
+                "t",
+                Format::Ndjson,
+                Bytes::from(body),
+                Some(&format!("copy-{batch}")),
+            ))
+            .expect("insert");
+        done.commit_lsn
+    };
+    for batch in 0..12 {
+        last_commit = insert(batch, 20_000);
+        inserted += 20_000;
+    }
+    // Both replicas applied it all and the safekeepers removed the segments
+    // below: a new replica of shard 0 cannot stream from the start.
+    let count = |url: &str, min_lsn: &str| {
+        cluster
+            .rt
+            .block_on(node_client(url).count("t", None, 0, Some(min_lsn)))
+            .expect("count")
+    };
+    let shard_rows: Vec<u64> = urls.iter().map(|u| count(u, &last_commit)).collect();
+    assert_eq!(shard_rows.iter().sum::<u64>(), inserted);
+    let first_segment = ferry_wal::segment::SegmentSize::new(SEG)
+        .expect("segment size")
+        .file_name(0);
+    // Each safekeeper's segments, wherever under its data dir they are.
+    fn holds_file(dir: &std::path::Path, name: &str) -> bool {
+        std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|e| e.file_name() == name || (e.path().is_dir() && holds_file(&e.path(), name)))
+    }
+    let removed_everywhere = || {
+        (0..3).all(|id| {
+            let sk = cluster.dir.path().join(format!("wal/sk{id}"));
+            holds_file(&sk, "safekeeper.control") && !holds_file(&sk, &first_segment)
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !removed_everywhere() {
+        assert!(
+            Instant::now() < deadline,
+            "the first segment was never removed"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let new_dir = cluster.dir.path().join("replica0-copy");
+    let mut fresh = Proc::spawn(
+        replica_command(&cluster.addrs, &cluster.connect, 0, 1, &new_dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped()),
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while fresh.try_wait().expect("poll").is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = fresh.kill();
+    let (ok, err) = wait_exit(&mut fresh);
+    assert!(
+        !ok && err.contains("was removed on every safekeeper"),
+        "a new replica cannot stream WAL that is gone: {err}"
+    );
+
+    // Built from a peer instead.
+    let mut cmd = replica_command(&cluster.addrs, &cluster.connect, 0, 1, &new_dir);
+    cmd.args(["--bootstrap-from", "auto"]);
+    let (mut copy, lines) = spawn_until(&mut cmd, |l| l.contains("status on "));
+    let lines = lines.expect("the copy starts");
+    let built = lines
+        .iter()
+        .find(|l| l.contains("built from"))
+        .unwrap_or_else(|| panic!("no copy reported: {lines:?}"));
+    assert!(built.contains("replica 1 of shard 0 built from"), "{built}");
+    let copy_url = lines
+        .last()
+        .and_then(|l| l.split("status on ").nth(1))
+        .and_then(|r| r.split("/status").next())
+        .map(str::to_string)
+        .expect("copy url");
+    assert_eq!(
+        count(&copy_url, &last_commit),
+        shard_rows[0],
+        "exactly shard 0's rows"
+    );
+    // More inserts: the copy streams them from its position like its donor.
+    for batch in 12..14 {
+        last_commit = insert(batch, 1_000);
+        inserted += 1_000;
+    }
+    let parts = |url: &str| -> Vec<String> {
+        let mut names: Vec<String> = cluster
+            .rt
+            .block_on(
+                node_client(url).get_json(&format!("/tables/t/partitions?min_lsn={last_commit}")),
+            )
+            .expect("partitions")
+            .as_array()
+            .expect("partitions")
+            .iter()
+            .flat_map(|p| p["parts"].as_array().cloned().unwrap_or_default())
+            .map(|p| format!("{}:{}", p["name"], p["checksum"]))
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(
+        count(&copy_url, &last_commit),
+        count(&urls[0], &last_commit)
+    );
+    assert_eq!(
+        count(&copy_url, &last_commit) + count(&urls[1], &last_commit),
+        inserted
+    );
+    let donor_parts = parts(&urls[0]);
+    assert!(!donor_parts.is_empty());
+    assert_eq!(parts(&copy_url), donor_parts, "the same parts as its donor");
+
+    // A replica with a state file ignores the flag: restarted, it goes on
+    // from its own position (nothing copied).
+    stop_replicas(std::slice::from_mut(&mut copy));
+    let mut cmd = replica_command(&cluster.addrs, &cluster.connect, 0, 1, &new_dir);
+    cmd.args(["--bootstrap-from", "auto"]);
+    let (mut again, lines) = spawn_until(&mut cmd, |l| l.contains("status on "));
+    let lines = lines.expect("restarts");
+    assert!(!lines.iter().any(|l| l.contains("built from")), "{lines:?}");
+    stop_replicas(std::slice::from_mut(&mut again));
+    stop_replicas(&mut replicas);
+    interrupt(&cluster.writer);
+    let _ = wait_exit(&mut cluster.writer);
     stop_all(&mut cluster.safekeepers);
 }

@@ -216,6 +216,50 @@ impl HttpPeers {
         path: &str,
         body: Option<Vec<u8>>,
     ) -> Result<T, CallError> {
+        let (response, driver) = self.send(addr, method, path, body).await?;
+        let answer = async {
+            let status = response.status();
+            let bytes = Limited::new(response.into_body(), MAX_PEER_ANSWER_BYTES)
+                .collect()
+                .await
+                .map_err(|e| CallError::Http {
+                    addr: addr.to_string(),
+                    detail: format!("reading the answer: {e}"),
+                })?
+                .to_bytes();
+            if !status.is_success() {
+                return Err(CallError::Status {
+                    addr: addr.to_string(),
+                    status,
+                    body: String::from_utf8_lossy(&bytes).into_owned(),
+                });
+            }
+            serde_json::from_slice(&bytes).map_err(|e| CallError::Decode {
+                addr: addr.to_string(),
+                detail: e.to_string(),
+            })
+        }
+        .await;
+        driver.abort();
+        answer
+    }
+
+    /// Sends a request on a connection of its own; returns the answer's head
+    /// (its body still to read) and the task driving the connection, which
+    /// the caller aborts once it read what it wanted.
+    async fn send(
+        &self,
+        addr: &str,
+        method: Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<
+        (
+            hyper::Response<hyper::body::Incoming>,
+            tokio::task::JoinHandle<()>,
+        ),
+        CallError,
+    > {
         let http = |detail: String| CallError::Http {
             addr: addr.to_string(),
             detail,
@@ -231,8 +275,8 @@ impl HttpPeers {
         let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(conn))
             .await
             .map_err(|e| http(e.to_string()))?;
-        // Drives the connection; it ends when the exchange below is done
-        // (or dropped, with the call's timeout).
+        // Drives the connection; it ends when the exchange is done (or
+        // dropped, with the call's timeout).
         let driver = tokio::spawn(async move {
             if let Err(e) = connection.await {
                 tracing::debug!(error = %e, "a connection to a peer ended");
@@ -252,32 +296,99 @@ impl HttpPeers {
             None => request.body(Full::new(Bytes::new())),
         }
         .map_err(|e| http(e.to_string()))?;
-        let answer = async {
-            let response = sender
-                .send_request(request)
-                .await
-                .map_err(|e| http(e.to_string()))?;
-            let status = response.status();
-            let bytes = Limited::new(response.into_body(), MAX_PEER_ANSWER_BYTES)
-                .collect()
-                .await
-                .map_err(|e| http(format!("reading the answer: {e}")))?
-                .to_bytes();
-            if !status.is_success() {
-                return Err(CallError::Status {
-                    addr: addr.to_string(),
-                    status,
-                    body: String::from_utf8_lossy(&bytes).into_owned(),
-                });
+        match sender.send_request(request).await {
+            Ok(response) => Ok((response, driver)),
+            Err(e) => {
+                driver.abort();
+                Err(http(e.to_string()))
             }
-            serde_json::from_slice(&bytes).map_err(|e| CallError::Decode {
-                addr: addr.to_string(),
-                detail: e.to_string(),
-            })
         }
-        .await;
-        driver.abort();
-        answer
+    }
+
+    /// `GET path` on `addr`, its answer's body read as it comes: the head
+    /// within `timeout`, then each chunk within `idle` of the one before (a
+    /// large body takes as long as it takes, a stalled one fails).
+    pub async fn get_stream(
+        &self,
+        addr: &str,
+        path: &str,
+        timeout: Duration,
+        idle: Duration,
+    ) -> Result<HttpBody, CallError> {
+        let sent = tokio::time::timeout(timeout, self.send(addr, Method::GET, path, None)).await;
+        let (response, driver) = match sent {
+            Ok(sent) => sent?,
+            Err(_) => {
+                return Err(CallError::Timeout {
+                    addr: addr.to_string(),
+                    timeout,
+                })
+            }
+        };
+        let status = response.status();
+        let mut body = HttpBody {
+            addr: addr.to_string(),
+            body: response.into_body(),
+            idle,
+            driver,
+        };
+        if !status.is_success() {
+            let mut text = Vec::new();
+            while let Ok(Some(chunk)) = body.next_chunk().await {
+                text.extend_from_slice(&chunk);
+                if text.len() > 64 << 10 {
+                    break;
+                }
+            }
+            return Err(CallError::Status {
+                addr: addr.to_string(),
+                status,
+                body: String::from_utf8_lossy(&text).into_owned(),
+            });
+        }
+        Ok(body)
+    }
+}
+
+/// An answer's body being read (see [`HttpPeers::get_stream`]); dropping it
+/// closes the connection.
+pub struct HttpBody {
+    addr: String,
+    body: hyper::body::Incoming,
+    idle: Duration,
+    driver: tokio::task::JoinHandle<()>,
+}
+
+impl HttpBody {
+    /// The next chunk of the body; `None` at its end.
+    pub async fn next_chunk(&mut self) -> Result<Option<Bytes>, CallError> {
+        loop {
+            let frame = match tokio::time::timeout(self.idle, self.body.frame()).await {
+                Err(_) => {
+                    return Err(CallError::Timeout {
+                        addr: self.addr.clone(),
+                        timeout: self.idle,
+                    })
+                }
+                Ok(None) => return Ok(None),
+                Ok(Some(Err(e))) => {
+                    return Err(CallError::Http {
+                        addr: self.addr.clone(),
+                        detail: format!("reading the answer: {e}"),
+                    })
+                }
+                Ok(Some(Ok(frame))) => frame,
+            };
+            if let Ok(data) = frame.into_data() {
+                return Ok(Some(data));
+            }
+        }
+    }
+}
+
+impl Drop for HttpBody {
+    fn drop(&mut self) {
+        self.driver.abort();
     }
 }
 

@@ -14,6 +14,7 @@
 //! `clippy.toml` rule holds here): what opens real files, sockets and clocks
 //! is the caller's.
 
+pub mod bootstrap;
 pub mod commit_record;
 pub mod http;
 pub mod replica;

@@ -21,6 +21,10 @@ use tokio::task::JoinHandle;
 /// opens them).
 pub const REPLACED_PART_GRACE: Duration = Duration::from_secs(60);
 
+/// How often copies' holds are checked for idleness
+/// ([`ferry_replica::BOOTSTRAP_HOLD_IDLE`]).
+const HOLD_EXPIRY_CHECK: Duration = Duration::from_secs(30);
+
 /// The seams every replica node reaches the world through.
 #[derive(Clone)]
 pub struct ReplicaSeams {
@@ -92,6 +96,7 @@ pub struct ReplicaNode {
     /// The walreceiver, whose end (a hostile WAL, a disk error) ends the node.
     stream: Option<JoinHandle<ReplicaError>>,
     merges: Option<JoinHandle<()>>,
+    holds: Option<JoinHandle<()>>,
     exporter: Option<JoinHandle<()>>,
 }
 
@@ -133,6 +138,21 @@ impl ReplicaNode {
                 tracing::warn!(replica = %dir, error = %e, "the replica's merges stopped");
             })
         });
+        // Copies of this replica to new replicas whose copier went away
+        // stop keeping replaced parts after their idle time.
+        let holds = {
+            let replica = Arc::clone(&replica);
+            let clock = Arc::clone(&seams.clock);
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(HOLD_EXPIRY_CHECK).await;
+                    replica
+                        .lock()
+                        .await
+                        .expire_bootstrap_holds(clock.unix_micros());
+                }
+            })
+        };
         let mut exporter_task = None;
         let exports = config.export.map(|export| {
             let exporter = Exporter::new(
@@ -154,6 +174,7 @@ impl ReplicaNode {
             exports,
             stream,
             merges,
+            holds: Some(holds),
             exporter: exporter_task,
         })
     }
@@ -191,7 +212,10 @@ impl ReplicaNode {
             stream.abort();
             let _ = stream.await;
         }
-        if let Some(task) = self.merges.take() {
+        for task in [self.merges.take(), self.holds.take()]
+            .into_iter()
+            .flatten()
+        {
             task.abort();
             let _ = task.await;
         }

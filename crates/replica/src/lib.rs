@@ -15,8 +15,8 @@ pub mod view;
 
 pub use part::{PartMeta, PartName};
 pub use replica::{
-    run_merges, Merge, MergeJob, Replica, ReplicaError, ReplicaStatus, SharedReplica, TableRef,
-    Tables, ALL_SHARDS, MERGE_FANIN,
+    run_merges, HoldError, Merge, MergeJob, Replica, ReplicaError, ReplicaStatus, SharedReplica,
+    TableRef, Tables, ALL_SHARDS, MERGE_FANIN,
 };
 pub use stream::StreamConfig;
 pub use view::{ReadView, ReplicaReader};
