@@ -347,9 +347,51 @@ async fn start_replicas(
     let tables: Arc<dyn ferry_replica::Tables> =
         Arc::new(ferry_host::reads::CatalogTables(catalog.clone()));
     let safekeeper_addrs: Vec<String> = quorum.servers().map(|s| s.addr().to_string()).collect();
-    let mut nodes = Vec::new();
+    // A replica without a state file beside one with (its folder lost) is
+    // built from a copy of the other: replicas with state start first.
+    let mut lost = Vec::new();
     for r in 0..DEV_REPLICAS {
+        lost.push(
+            ferry_replica::replica::bootstrap::needs_copy(disk.as_ref(), &format!("replicas/r{r}"))
+                .await?,
+        );
+    }
+    let donor = (0..DEV_REPLICAS).find(|r| !lost[*r as usize]);
+    let order: Vec<u32> = (0..DEV_REPLICAS)
+        .filter(|r| Some(*r) == donor)
+        .chain((0..DEV_REPLICAS).filter(|r| Some(*r) != donor))
+        .collect();
+    let mut started: Vec<Option<ferry_node::ReplicaNode>> =
+        (0..DEV_REPLICAS).map(|_| None).collect();
+    for r in order {
         let dir = format!("replicas/r{r}");
+        let donor_node = donor
+            .filter(|d| *d != r && lost[r as usize])
+            .and_then(|d| started[d as usize].as_ref().map(|n| (d, n)));
+        if let Some((d, donor_node)) = donor_node {
+            let source = ferry_replica::replica::bootstrap::LocalDonor {
+                replica: Arc::clone(&donor_node.replica),
+                clock: Arc::new(ferry_env::SystemClock),
+                name: format!("replica {d}"),
+            };
+            let built = ferry_replica::replica::bootstrap::copy_from_peer(
+                &disk,
+                &dir,
+                ferry_replica::ALL_SHARDS,
+                r,
+                ferry_env::Cpu::BlockingPool,
+                &source,
+            )
+            .await
+            .with_context(|| format!("building replica {r} from replica {d}"))?;
+            say!(
+                "replica {r} had no state (its folder {} was lost): built from replica {d} at {}, {} parts ({} bytes copied)",
+                data_dir.join(&dir).display(),
+                built.disk_consistent_lsn,
+                built.parts,
+                built.bytes_copied
+            );
+        }
         let node = ferry_node::ReplicaNode::start(
             ferry_node::ReplicaNodeConfig {
                 dir: dir.clone(),
@@ -375,9 +417,9 @@ async fn start_replicas(
         )
         .await
         .with_context(|| format!("opening replica {}", data_dir.join(&dir).display()))?;
-        nodes.push(node);
+        started[r as usize] = Some(node);
     }
-    Ok(nodes)
+    Ok(started.into_iter().flatten().collect())
 }
 
 /// The exporter name of dev replica `r`.

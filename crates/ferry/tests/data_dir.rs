@@ -381,3 +381,83 @@ fn the_distributed_safekeeper_is_created_only_explicitly() {
         "{stderr}"
     );
 }
+
+/// A replica folder lost while `ferry dev` was stopped is built again from
+/// the other replica's copy at start (not from the WAL), and then holds
+/// every row and part the other holds, also of inserts after.
+#[test]
+fn a_lost_replica_folder_is_built_from_the_other_replica() {
+    let (_root, data, mut child, lines) = start_fresh_dev();
+    let url = common::base_url(&lines);
+    let rt = common::runtime();
+    let c = common::node_client(&url);
+    let toml = ferry_testkit::table::TableToml::new("t", ("day", "identity"), ("id", 2))
+        .column("id", "Int64")
+        .column("day", "Date")
+        .toml();
+    let insert = |batch: i64| {
+        let body: String = (0..50)
+            .map(|i| {
+                format!(
+                    "{{\"id\":{},\"day\":\"2024-05-0{}\"}}\n",
+                    batch * 100 + i,
+                    1 + i % 2
+                )
+            })
+            .collect();
+        rt.block_on(c.insert_body(
+            "t",
+            ferry_table::Format::Ndjson,
+            bytes::Bytes::from(body),
+            Some(&format!("b{batch}")),
+        ))
+        .expect("insert")
+        .commit_lsn
+    };
+    rt.block_on(c.create_table_toml(&toml))
+        .expect("create table");
+    for batch in 0..10 {
+        insert(batch);
+    }
+    stop_dev(&mut child, &data);
+    std::fs::remove_dir_all(data.join("replicas/r1")).expect("lose replica 1");
+
+    let (mut child, lines) = start_dev(&data);
+    let built = lines
+        .iter()
+        .find(|l| l.contains("replica 1 had no state"))
+        .unwrap_or_else(|| panic!("replica 1 not built from a copy: {lines:?}"));
+    assert!(built.contains("built from replica 0"), "{built}");
+    let url = common::base_url(&lines);
+    let c = common::node_client(&url);
+    let last = {
+        let body = bytes::Bytes::from_static(b"{\"id\":99999,\"day\":\"2024-05-03\"}\n");
+        rt.block_on(c.insert_body("t", ferry_table::Format::Ndjson, body, Some("after")))
+            .expect("insert")
+            .commit_lsn
+    };
+    let parts = |replica: usize| {
+        let listed = rt
+            .block_on(c.get_json(&format!(
+                "/tables/t/partitions?replica={replica}&min_lsn={last}"
+            )))
+            .expect("partitions");
+        let mut names: Vec<String> = listed
+            .as_array()
+            .expect("partitions")
+            .iter()
+            .flat_map(|p| p["parts"].as_array().cloned().unwrap_or_default())
+            .map(|p| format!("{}:{}", p["name"], p["checksum"]))
+            .collect();
+        names.sort();
+        names
+    };
+    for replica in 0..2 {
+        let rows = rt
+            .block_on(c.count("t", None, replica, Some(&last)))
+            .expect("count");
+        assert_eq!(rows, 501, "replica {replica}");
+    }
+    assert_eq!(parts(1), parts(0), "the same parts on both");
+    stop_dev(&mut child, &data);
+}
