@@ -479,15 +479,30 @@ impl LocalDonor {
         }))
     }
 
+    /// The donor's manifest for replica `replica` of `shard`. Taken on a
+    /// task of its own: it persists the donor, which must not stop half-way
+    /// when the copier goes away (a dropped HTTP request, a cut copy).
     pub async fn take_manifest(
         &self,
         shard: u32,
         replica: u32,
     ) -> Result<BootstrapManifest, ReplicaError> {
-        let mut r = self.replica.lock().await;
-        let now = self.clock.unix_micros();
-        r.bootstrap_manifest(&Replica::bootstrap_hold_id(shard, replica), now)
-            .await
+        let replica_lock = Arc::clone(&self.replica);
+        let clock = Arc::clone(&self.clock);
+        let task = tokio::spawn(async move {
+            let mut r = replica_lock.lock().await;
+            let now = clock.unix_micros();
+            r.bootstrap_manifest(&Replica::bootstrap_hold_id(shard, replica), now)
+                .await
+        });
+        match task.await {
+            Ok(manifest) => manifest,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(e) => Err(ReplicaError::Damaged {
+                path: String::new(),
+                detail: format!("the manifest task ended: {e}"),
+            }),
+        }
     }
 }
 

@@ -94,13 +94,17 @@ impl Replica {
                 self.release_bootstrap(&oldest);
             }
         }
-        self.holds.insert(
+        let replaced = self.holds.insert(
             id.to_string(),
             Hold {
                 parts: parts.iter().map(|p| (p.table_id, p.name.clone())).collect(),
                 touched_micros: now_micros,
             },
         );
+        if replaced.is_some() {
+            // A copy started again: what only its earlier manifest held goes.
+            self.free_unpinned();
+        }
         Ok(BootstrapManifest {
             hold: id.to_string(),
             shard: self.state.shard,

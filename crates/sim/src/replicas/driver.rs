@@ -61,6 +61,10 @@ impl Sim {
                     }
                 }
             }
+            // A quarter of the replica crashes lose the data dir too.
+            Event::CrashReplica(i) if self.rebuild_rng.random_bool(0.25) => {
+                self.rebuild_replica(*i).await?
+            }
             Event::CrashReplica(i) => self.crash_replica(*i).await?,
             Event::CrashSafekeeper(i) => {
                 // At most one safekeeper down at a time: a quorum stays.
@@ -319,6 +323,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         acknowledged: sim.acked.len(),
         rows,
         replica_crashes: sim.replica_crashes,
+        rebuilds: sim.rebuilds,
         merges,
     })
 }

@@ -80,6 +80,8 @@ pub struct Outcome {
     pub acknowledged: usize,
     pub rows: usize,
     pub replica_crashes: usize,
+    /// Replicas built from a peer's copy after losing their data dir.
+    pub rebuilds: usize,
     pub merges: u64,
 }
 
@@ -107,6 +109,7 @@ impl crate::seeds::Workload for Replicas {
             format!("{} acknowledged inserts", o.acknowledged),
             format!("{} rows per shard copy", o.rows),
             format!("{} replica crashes", o.replica_crashes),
+            format!("{} rebuilt from a peer", o.rebuilds),
             format!("{} merges", o.merges),
         ]
     }
@@ -114,8 +117,10 @@ impl crate::seeds::Workload for Replicas {
     fn totals(outcomes: &[Outcome], _wall_secs: f64) -> Vec<String> {
         let crashes: usize = outcomes.iter().map(|o| o.replica_crashes).sum();
         let merges: u64 = outcomes.iter().map(|o| o.merges).sum();
+        let rebuilds: usize = outcomes.iter().map(|o| o.rebuilds).sum();
         vec![
             format!("{crashes} replica crashes"),
+            format!("{rebuilds} rebuilt from a peer"),
             format!("{merges} merges"),
         ]
     }
@@ -134,6 +139,8 @@ struct Sim {
     /// Writer's and safekeepers' replica expiry in this run.
     replica_expiry: Duration,
     expiry_rng: SmallRng,
+    rebuild_rng: SmallRng,
+    rebuilds: usize,
     /// What the writer showed of back-pressure at the last step (see
     /// `check_steps`).
     back_pressure_seen: Option<BackPressureSample>,

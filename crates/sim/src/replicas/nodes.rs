@@ -3,7 +3,8 @@
 //! from a generator of their own), one writer, and 2 shards x 2 replicas as
 //! the product assembles them (`ferry_node::ReplicaNode`), each watched so
 //! that its reported position never goes back; crashes of replicas, some
-//! kept down past the replica expiry.
+//! kept down past the replica expiry, and some losing their data dir and
+//! built again from the other replica of their shard.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -175,6 +176,78 @@ impl Sim {
         Ok(())
     }
 
+    /// Replica `i` crashes, loses its data dir, and is built from a copy of
+    /// the other replica of its shard, running meanwhile (applying WAL and
+    /// merging): through the product's copy, the donor's hold and the new
+    /// replica's checks. Half of the copies are cut by a power cut first and
+    /// done again over what the cut left. Without a running peer (or while
+    /// `i` is kept down) it is an ordinary crash.
+    pub(super) async fn rebuild_replica(&mut self, i: usize) -> Result<(), Failure> {
+        use ferry_replica::replica::bootstrap::{copy_from_peer, LocalDonor};
+        let peer = if i % 2 == 0 { i + 1 } else { i - 1 };
+        let donor = self.replicas[peer].as_ref().map(|n| Arc::clone(n.shared()));
+        let Some(donor) = donor.filter(|_| self.replicas[i].is_some()) else {
+            return self.crash_replica(i).await;
+        };
+        let Some(node) = self.replicas[i].take() else {
+            return Ok(());
+        };
+        let name = replica_name(i);
+        self.world.crash(&name, node, Some(CRASH)).await;
+        self.replica_crashes += 1;
+        let disk = self.world.disk(&name);
+        disk.lose("replica");
+        let dir_disk: Arc<dyn Disk> = Arc::new(disk);
+        let source = LocalDonor {
+            replica: donor,
+            clock: Arc::new(self.world.clock.clone()),
+            name: replica_name(peer),
+        };
+        let (shard, number) = (i as u32 / REPLICAS_PER_SHARD, i as u32 % REPLICAS_PER_SHARD);
+        let copy = || copy_from_peer(&dir_disk, "replica", shard, number, Cpu::Inline, &source);
+        let mut built = None;
+        if self.rebuild_rng.random_bool(0.5) {
+            let cut = Duration::from_millis(self.rebuild_rng.random_range(0..300));
+            match tokio::time::timeout(cut, copy()).await {
+                Ok(done) => built = Some(done),
+                Err(_) => {
+                    self.world.crash_disk(&name);
+                    self.log(format!(
+                        "{name}: copy from {} cut after {cut:?}",
+                        replica_name(peer)
+                    ));
+                }
+            }
+        }
+        // A cut that came after the state file was written left a built
+        // replica: it starts as it is.
+        let needs = ferry_replica::replica::bootstrap::needs_copy(dir_disk.as_ref(), "replica")
+            .await
+            .map_err(|e| self.fail(format!("{name}: {e}")))?;
+        let built = match built {
+            Some(done) => Some(done),
+            None if needs => Some(copy().await),
+            None => None,
+        }
+        .transpose()
+        .map_err(|e| self.fail(format!("{name}: copying {}: {e}", replica_name(peer))))?;
+        self.rebuilds += 1;
+        let position = built
+            .as_ref()
+            .map(|b| b.disk_consistent_lsn)
+            .unwrap_or_default();
+        self.log(format!(
+            "{name} lost its data dir, built from {} at {position}: {:?}",
+            replica_name(peer),
+            built
+        ));
+        // A new replica under the old name: its position starts at the copy's.
+        if let Ok(mut r) = self.reported.lock() {
+            r[i] = position;
+        }
+        self.start_replica(i).await
+    }
+
     pub(super) async fn crash_replica(&mut self, i: usize) -> Result<(), Failure> {
         let name = replica_name(i);
         if let Some(node) = self.replicas[i].take() {
@@ -290,6 +363,10 @@ impl Sim {
             flush_lag,
             replica_expiry,
             expiry_rng,
+            // Which replica crashes lose their data dir (a generator of its
+            // own: the schedule's draws stay as they were).
+            rebuild_rng: SmallRng::seed_from_u64(seed ^ 0xB007_5724_0000_0002),
+            rebuilds: 0,
             back_pressure_seen: None,
             replicas: (0..replicas()).map(|_| None).collect(),
             down_until: vec![None; replicas()],
