@@ -184,7 +184,7 @@ impl Sim {
     /// `i` is kept down) it is an ordinary crash.
     pub(super) async fn rebuild_replica(&mut self, i: usize) -> Result<(), Failure> {
         use ferry_replica::replica::bootstrap::{copy_from_peer, LocalDonor};
-        let peer = if i % 2 == 0 { i + 1 } else { i - 1 };
+        let peer = i ^ 1; // the other replica of the shard (2 per shard)
         let donor = self.replicas[peer].as_ref().map(|n| Arc::clone(n.shared()));
         let Some(donor) = donor.filter(|_| self.replicas[i].is_some()) else {
             return self.crash_replica(i).await;
