@@ -52,7 +52,7 @@ pub struct ExportBenchArgs {
     commit_partitions: Vec<usize>,
 }
 
-fn table() -> Table {
+pub(crate) fn table() -> Table {
     Table {
         id: 1,
         def: TableDef::from_toml(
@@ -74,7 +74,7 @@ type = "Utf8"
     }
 }
 
-struct OneTable;
+pub(crate) struct OneTable;
 
 #[async_trait]
 impl Tables for OneTable {
@@ -89,7 +89,7 @@ impl Tables for OneTable {
 
 /// Rows that compress about as well as real data: 48 hex characters from a
 /// xorshift per row.
-fn batch(first: i64, rows: usize, state: &mut u64) -> anyhow::Result<RecordBatch> {
+pub(crate) fn batch(first: i64, rows: usize, state: &mut u64) -> anyhow::Result<RecordBatch> {
     let mut payload = Vec::with_capacity(rows);
     for _ in 0..rows {
         let mut s = String::with_capacity(48);

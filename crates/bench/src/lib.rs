@@ -8,6 +8,7 @@
 extern crate ferry_host;
 
 mod coord;
+mod copy;
 mod export;
 mod ingest;
 mod lake;
@@ -15,6 +16,7 @@ mod scale;
 mod wal;
 
 pub use coord::CoordBenchArgs;
+pub use copy::CopyBenchArgs;
 pub use export::ExportBenchArgs;
 pub use ingest::IngestBenchArgs;
 pub use lake::LakeBenchArgs;
@@ -47,6 +49,9 @@ pub enum BenchCommand {
     /// throughput with the export policy off and on, and acknowledged ->
     /// readable in the lake (p50, p99, max) next to the freshness target.
     Lake(LakeBenchArgs),
+    /// A replica built from a peer's copy over HTTP (1 GiB of parts by
+    /// default), next to a raw copy of the same files on the same disk.
+    Copy(CopyBenchArgs),
 }
 
 /// Runs one benchmark to its end.
@@ -58,5 +63,6 @@ pub async fn run(which: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Export(args) => export::export(args).await,
         BenchCommand::ExportScale(args) => scale::export_scale(args).await,
         BenchCommand::Lake(args) => lake::lake(args).await,
+        BenchCommand::Copy(args) => copy::copy(args).await,
     }
 }

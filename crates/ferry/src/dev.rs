@@ -380,6 +380,7 @@ async fn start_replicas(
                 ferry_replica::ALL_SHARDS,
                 r,
                 ferry_env::Cpu::BlockingPool,
+                ferry_replica::replica::bootstrap::CopyCheck::Rows,
                 &source,
             )
             .await

@@ -413,3 +413,25 @@ fn lake_benchmark_prints_figures() {
         "{stdout}"
     );
 }
+
+/// `ferry bench copy` at a tiny size: it runs to its end and prints its
+/// figures (a hang or a failed copy fails the test).
+#[test]
+fn copy_benchmark_prints_figures() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = Command::new(FERRY)
+        .args(["bench", "copy", "--mib", "4", "--parts", "4", "--dir"])
+        .arg(dir.path())
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run bench");
+    let stdout = succeeded(&out);
+    for needle in [
+        "raw copy of the files",
+        "rows of every part checked",
+        "footers checked",
+        "of the raw copy's rate",
+    ] {
+        assert!(stdout.contains(needle), "no {needle:?} in:\n{stdout}");
+    }
+}

@@ -560,6 +560,32 @@ pub fn read_rows(name: &PartName, file: Bytes) -> Result<Vec<RecordBatch>, PartE
         .map_err(|e| invalid(e.to_string()))
 }
 
+/// Checks a part file's footer describes the part `expected` describes
+/// (its rows are not read).
+pub async fn check_footer(
+    disk: &dyn ferry_env::Disk,
+    path: &str,
+    expected: &PartMeta,
+) -> Result<(), PartError> {
+    footer_is(disk, path, expected).await.map(drop)
+}
+
+async fn footer_is(
+    disk: &dyn ferry_env::Disk,
+    path: &str,
+    expected: &PartMeta,
+) -> Result<PartReader, PartError> {
+    let reader = PartReader::open(disk, path, &expected.name).await?;
+    let mut footer = reader.meta().clone();
+    footer.shard = expected.shard;
+    if &footer != expected {
+        return Err(reader.invalid(format!(
+            "its footer describes {footer:?}, expected {expected:?}"
+        )));
+    }
+    Ok(reader)
+}
+
 /// Reads a whole part file and checks it is the part `expected` describes:
 /// its footer the same metadata, and its rows (decoded on `cpu`) the rows
 /// that footer's checksum and count describe. A copy of a part checked this
@@ -570,14 +596,7 @@ pub async fn check_file(
     expected: &PartMeta,
     cpu: ferry_env::Cpu,
 ) -> Result<(), PartError> {
-    let mut reader = PartReader::open(disk, path, &expected.name).await?;
-    let mut footer = reader.meta().clone();
-    footer.shard = expected.shard;
-    if &footer != expected {
-        return Err(reader.invalid(format!(
-            "its footer describes {footer:?}, expected {expected:?}"
-        )));
-    }
+    let mut reader = footer_is(disk, path, expected).await?;
     let mut check = PartCheck::new(&reader)?;
     while let Some(group) = reader.next_row_group().await? {
         let name = expected.name.clone();

@@ -15,7 +15,7 @@ use bytes::Bytes;
 use ferry_env::{Cpu, Disk, SystemClock};
 use ferry_replica::replica::bootstrap::{
     check_manifest, copy_from_peer, needs_copy, BootstrapError, BootstrapManifest, BootstrapSource,
-    LocalDonor, PartBytes,
+    CopyCheck, LocalDonor, PartBytes,
 };
 use ferry_replica::{PartName, Replica, SharedReplica};
 use ferry_wal::Lsn;
@@ -145,7 +145,7 @@ async fn a_copied_replica_goes_on_from_the_donors_position_like_the_donor() {
     let d: SharedReplica = Arc::new(tokio::sync::Mutex::new(d));
 
     assert!(needs_copy(disk.as_ref(), "n").await.expect("look"));
-    let done = copy_from_peer(&disk, "n", 0, 1, Cpu::Inline, &donor(&d))
+    let done = copy_from_peer(&disk, "n", 0, 1, Cpu::Inline, CopyCheck::Rows, &donor(&d))
         .await
         .expect("copy");
     assert_eq!(done.disk_consistent_lsn, position);
@@ -186,6 +186,7 @@ async fn a_copied_replica_goes_on_from_the_donors_position_like_the_donor() {
         0,
         1,
         Cpu::Inline,
+        CopyCheck::Rows,
         &donor(&Arc::new(tokio::sync::Mutex::new(
             open_as(&disk, "d2", 0).await,
         ))),
@@ -218,7 +219,7 @@ async fn a_merge_during_the_copy_keeps_the_listed_parts_until_the_hold_ends() {
             );
         })
     }));
-    copy_from_peer(&disk, "n", 0, 1, Cpu::Inline, &source)
+    copy_from_peer(&disk, "n", 0, 1, Cpu::Inline, CopyCheck::Rows, &source)
         .await
         .expect("copy");
     let mut n = open_as(&disk, "n", 1).await;
@@ -243,12 +244,18 @@ async fn a_damaged_byte_is_refused_and_an_interrupted_copy_resumes() {
     d.receive(Lsn(0), &all).await.expect("apply");
     let d: SharedReplica = Arc::new(tokio::sync::Mutex::new(d));
 
-    let mut damaged = Faulty::new(donor(&d));
-    damaged.flip_byte_of_part = Some(2);
-    let e = copy_from_peer(&disk, "n", 0, 1, Cpu::Inline, &damaged)
-        .await
-        .expect_err("damaged");
-    assert!(matches!(e, BootstrapError::Damaged { .. }), "{e}");
+    // A byte changed on the way fails the crc32c, whatever else is checked.
+    for check in [CopyCheck::Rows, CopyCheck::Footers] {
+        let mut damaged = Faulty::new(donor(&d));
+        damaged.flip_byte_of_part = Some(2);
+        let e = copy_from_peer(&disk, "n", 0, 1, Cpu::Inline, check, &damaged)
+            .await
+            .expect_err("damaged");
+        assert!(
+            matches!(&e, BootstrapError::Damaged { detail, .. } if detail.contains("crc32c")),
+            "{check:?}: {e}"
+        );
+    }
     assert!(
         !dir.path().join("n/state").exists(),
         "no state: not a replica"
@@ -257,7 +264,7 @@ async fn a_damaged_byte_is_refused_and_an_interrupted_copy_resumes() {
 
     let mut cut = Faulty::new(donor(&d));
     cut.fail_after_parts = Some(4);
-    let e = copy_from_peer(&disk, "n", 0, 1, Cpu::Inline, &cut)
+    let e = copy_from_peer(&disk, "n", 0, 1, Cpu::Inline, CopyCheck::Rows, &cut)
         .await
         .expect_err("cut");
     assert!(matches!(e, BootstrapError::Source { .. }), "{e}");
@@ -265,7 +272,7 @@ async fn a_damaged_byte_is_refused_and_an_interrupted_copy_resumes() {
     // A file no manifest lists is removed by the next copy.
     std::fs::write(dir.path().join("n/parts/1/stray.parquet.tmp"), b"torn").expect("tmp");
 
-    let done = copy_from_peer(&disk, "n", 0, 1, Cpu::Inline, &donor(&d))
+    let done = copy_from_peer(&disk, "n", 0, 1, Cpu::Inline, CopyCheck::Rows, &donor(&d))
         .await
         .expect("copy");
     assert!(

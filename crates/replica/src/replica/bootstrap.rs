@@ -29,6 +29,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use ferry_env::{Cpu, Disk, SharedClock};
 use ferry_wal::Lsn;
+use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 
 use super::merges::Merge;
@@ -99,6 +100,21 @@ pub enum BootstrapError {
     },
     #[error(transparent)]
     Replica(#[from] ReplicaError),
+}
+
+/// How much of a copied part is checked beyond the crc32c of its bytes
+/// (which every copy checks: nothing changed on the way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CopyCheck {
+    /// Every row decoded and checked against the footer's checksum: a part
+    /// the donor's disk damaged is refused too. CPU-bound (a Parquet
+    /// decode of every part).
+    #[default]
+    Rows,
+    /// The footer only (it must describe the manifest's part): the copy is
+    /// the donor's bytes, whose rows are checked whenever they are read,
+    /// merged or exported, on the donor and on the copy alike.
+    Footers,
 }
 
 /// What a copy did.
@@ -193,6 +209,7 @@ pub async fn copy_from_peer(
     shard: u32,
     replica: u32,
     cpu: Cpu,
+    check: CopyCheck,
     source: &dyn BootstrapSource,
 ) -> Result<Bootstrapped, BootstrapError> {
     let state_path = format!("{dir}/state");
@@ -209,7 +226,7 @@ pub async fn copy_from_peer(
         donor: donor.clone(),
         detail,
     })?;
-    let outcome = copy_parts(disk, dir, cpu, source, &manifest).await;
+    let outcome = copy_parts(disk, dir, cpu, check, source, &manifest).await;
     if outcome.is_err() {
         // The hold expires anyway; releasing it now frees the donor sooner.
         let _ = source.release(&manifest.hold).await;
@@ -246,6 +263,7 @@ async fn copy_parts(
     disk: &Arc<dyn Disk>,
     dir: &str,
     cpu: Cpu,
+    check: CopyCheck,
     source: &dyn BootstrapSource,
     manifest: &BootstrapManifest,
 ) -> Result<(usize, u64), BootstrapError> {
@@ -281,30 +299,29 @@ async fn copy_parts(
             }
         }
     }
-    let mut dirs: BTreeSet<String> = BTreeSet::new();
     let missing: Vec<&PartMeta> = manifest
         .parts
         .iter()
         .filter(|p| !present.contains(&(p.table_id, format!("{}.parquet", p.name))))
         .collect();
-    let mut bytes = 0u64;
-    // Each part is checked while the next one is fetched: the check is CPU,
-    // the fetch network and disk.
-    let mut checking: Option<(&PartMeta, String)> = None;
-    for meta in &missing {
-        let tdir = format!("{parts_dir}/{}", meta.table_id);
-        if dirs.insert(tdir.clone()) {
-            disk.create_dir_all(&tdir).await.map_err(io(&tdir))?;
-        }
-        let tmp = format!("{}.tmp", part_path(dir, meta.table_id, &meta.name));
-        let fetch = fetch_part(disk.as_ref(), source, &manifest.hold, meta, &tmp);
-        let check = finish_part(disk.as_ref(), dir, cpu, source, checking.take());
-        let (fetched, checked) = tokio::join!(fetch, check);
-        checked?;
-        bytes += fetched?;
-        checking = Some((meta, tmp));
+    for t in missing.iter().map(|p| p.table_id).collect::<BTreeSet<_>>() {
+        let tdir = format!("{parts_dir}/{t}");
+        disk.create_dir_all(&tdir).await.map_err(io(&tdir))?;
     }
-    finish_part(disk.as_ref(), dir, cpu, source, checking).await?;
+    // Several parts travel at once, each fetched, synced and checked: the
+    // fetches overlap each other's syncs and the checks' CPU.
+    let mut copies = futures::stream::iter(missing.iter().map(|meta| async move {
+        let tmp = format!("{}.tmp", part_path(dir, meta.table_id, &meta.name));
+        let n = fetch_part(disk.as_ref(), source, &manifest.hold, meta, &tmp).await?;
+        finish_part(disk.as_ref(), dir, cpu, check, source, meta, tmp).await?;
+        Ok::<u64, BootstrapError>(n)
+    }))
+    .buffer_unordered(COPY_PARTS_IN_FLIGHT);
+    let mut bytes = 0u64;
+    while let Some(copied) = copies.next().await {
+        bytes += copied?;
+    }
+    drop(copies);
     for t in manifest
         .parts
         .iter()
@@ -378,18 +395,22 @@ async fn fetch_part(
     Ok(len)
 }
 
-/// Checks a fetched part (footer and rows) and gives it its name.
+/// Checks a fetched part (its footer, and its rows with [`CopyCheck::Rows`])
+/// and gives it its name.
 async fn finish_part(
     disk: &dyn Disk,
     dir: &str,
     cpu: Cpu,
+    check: CopyCheck,
     source: &dyn BootstrapSource,
-    fetched: Option<(&PartMeta, String)>,
+    meta: &PartMeta,
+    tmp: String,
 ) -> Result<(), BootstrapError> {
-    let Some((meta, tmp)) = fetched else {
-        return Ok(());
+    let checked = match check {
+        CopyCheck::Rows => part::check_file(disk, &tmp, meta, cpu).await,
+        CopyCheck::Footers => part::check_footer(disk, &tmp, meta).await,
     };
-    if let Err(e) = part::check_file(disk, &tmp, meta, cpu).await {
+    if let Err(e) = checked {
         let _ = disk.remove_file(&tmp).await;
         return Err(BootstrapError::Damaged {
             donor: source.donor(),
@@ -410,6 +431,9 @@ pub struct LocalDonor {
     /// Names the donor.
     pub name: String,
 }
+
+/// Parts copied at once.
+pub const COPY_PARTS_IN_FLIGHT: usize = 4;
 
 /// Bytes of a part file read in chunks of this size.
 pub const COPY_CHUNK_BYTES: usize = 4 << 20;

@@ -183,7 +183,7 @@ impl Sim {
     /// done again over what the cut left. Without a running peer (or while
     /// `i` is kept down) it is an ordinary crash.
     pub(super) async fn rebuild_replica(&mut self, i: usize) -> Result<(), Failure> {
-        use ferry_replica::replica::bootstrap::{copy_from_peer, LocalDonor};
+        use ferry_replica::replica::bootstrap::{copy_from_peer, CopyCheck, LocalDonor};
         let peer = i ^ 1; // the other replica of the shard (2 per shard)
         let donor = self.replicas[peer].as_ref().map(|n| Arc::clone(n.shared()));
         let Some(donor) = donor.filter(|_| self.replicas[i].is_some()) else {
@@ -204,7 +204,17 @@ impl Sim {
             name: replica_name(peer),
         };
         let (shard, number) = (i as u32 / REPLICAS_PER_SHARD, i as u32 % REPLICAS_PER_SHARD);
-        let copy = || copy_from_peer(&dir_disk, "replica", shard, number, Cpu::Inline, &source);
+        let copy = || {
+            copy_from_peer(
+                &dir_disk,
+                "replica",
+                shard,
+                number,
+                Cpu::Inline,
+                CopyCheck::Rows,
+                &source,
+            )
+        };
         let mut built = None;
         if self.rebuild_rng.random_bool(0.5) {
             let cut = Duration::from_millis(self.rebuild_rng.random_range(0..300));
