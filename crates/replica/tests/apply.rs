@@ -560,3 +560,88 @@ async fn reads_see_the_last_durable_view_while_the_applier_holds_the_replica_in_
         "the view is what the replica holds"
     );
 }
+
+/// Stalls the `nth` sync (counting from 1) until the test lets it go, and
+/// says when it is stalled.
+struct NthSyncGate {
+    syncs: std::sync::atomic::AtomicUsize,
+    nth: usize,
+    stalled: tokio::sync::Notify,
+    release: tokio::sync::Notify,
+}
+
+#[async_trait]
+impl DiskHook for NthSyncGate {
+    async fn before(&self, op: DiskOp<'_>) -> std::io::Result<()> {
+        if op.is_sync() {
+            let n = self.syncs.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            if n == self.nth {
+                self.stalled.notify_one();
+                self.release.notified().await;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A persist whose caller goes away half-way (an HTTP request pinning parts
+/// whose client disconnected, an exporter stopped while the replica runs
+/// on) leaves the parts it had not made durable for the next persist: none
+/// is lost, and no state is written over a part that is not durable.
+#[tokio::test]
+async fn a_persist_cut_short_by_its_caller_loses_no_part() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut wal = Wal::default();
+    for i in 0..3i64 {
+        wal.insert(
+            1,
+            0,
+            &format!("k{i}"),
+            rows(i * 10..i * 10 + 10, &["x", "y"]),
+        );
+    }
+    let all = wal.bytes.clone().freeze();
+    let (_ref_dir, ref_disk) = ferry_testkit::disk::temp_disk();
+    let mut reference = open(&ref_disk, "ref", 0).await;
+    reference.receive(Lsn(0), &all).await.expect("apply");
+    for cut_at_sync in 1..=4 {
+        let gate = Arc::new(NthSyncGate {
+            syncs: Default::default(),
+            nth: cut_at_sync,
+            stalled: Default::default(),
+            release: Default::default(),
+        });
+        let disk: Arc<dyn Disk> = Arc::new(HookedDisk::new(
+            Arc::new(RealDisk::open_root(dir.path()).expect("disk")),
+            Arc::clone(&gate) as Arc<dyn DiskHook>,
+        ));
+        let name = format!("cut{cut_at_sync}");
+        let mut r = open(&disk, &name, 0).await;
+        // Applied, six parts waiting for their sync.
+        r.receive_until(Lsn(0), &all, Lsn(1 << 40))
+            .await
+            .expect("apply");
+        gate.syncs.store(0, std::sync::atomic::Ordering::SeqCst);
+        {
+            let pin = r.pin("an-export", 1, &[]);
+            tokio::pin!(pin);
+            tokio::select! {
+                biased;
+                _ = gate.stalled.notified() => {}
+                done = &mut pin => panic!("the persist ended before sync {cut_at_sync}: {done:?}"),
+            }
+            // The caller goes away in the middle of the persist.
+        }
+        gate.release.notify_one();
+        assert_eq!(r.flush().await.expect("flush"), wal.end());
+        assert_eq!(names(&r), names(&reference), "cut at sync {cut_at_sync}");
+        drop(r);
+        let r = open(&disk, &name, 0).await;
+        assert_eq!(r.disk_consistent_lsn(), wal.end());
+        assert_eq!(
+            names(&r),
+            names(&reference),
+            "cut at sync {cut_at_sync}, reopened"
+        );
+    }
+}

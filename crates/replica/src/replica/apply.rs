@@ -173,18 +173,27 @@ impl Replica {
 
     /// Syncs and renames every unsynced part, then syncs their directories
     /// once each; the parts become active.
+    ///
+    /// Cancel-safe: callers reach it through `persist` from tasks that may be
+    /// dropped half-way (an HTTP request pinning parts whose client went
+    /// away, an exporter stopped while the replica runs on). A part leaves
+    /// `unsynced` only once synced and renamed, and a renamed part's
+    /// directory stays in `unsynced_dirs` until synced, so a call cut short
+    /// leaves the rest to the next one and the state is never written over a
+    /// part that is not durable.
     async fn sync_parts(&mut self) -> Result<(), ReplicaError> {
-        let mut dirs = std::collections::BTreeSet::new();
-        for part in std::mem::take(&mut self.unsynced) {
-            dirs.insert(part.file.dir.clone());
-            part.file.sync_and_rename(self.disk.as_ref()).await?;
+        while let Some(part) = self.unsynced.first() {
+            self.unsynced_dirs.insert(part.file.dir.clone());
+            part.file.sync_and_rename_again(self.disk.as_ref()).await?;
+            let part = self.unsynced.remove(0);
             self.parts
                 .entry(part.table_id)
                 .or_default()
                 .insert(part.meta.name.clone(), part.meta);
         }
-        for dir in dirs {
+        while let Some(dir) = self.unsynced_dirs.first().cloned() {
             self.disk.sync_dir(&dir).await.map_err(io(&dir))?;
+            self.unsynced_dirs.remove(&dir);
         }
         Ok(())
     }
@@ -385,6 +394,22 @@ impl DurableFile {
             .await
             .map_err(io(&self.path))?;
         Ok(())
+    }
+
+    /// fsync, rename to the part's name, keeping the file: may be called
+    /// again after a call cut short (a part already renamed is done).
+    pub(super) async fn sync_and_rename_again(&self, disk: &dyn Disk) -> Result<(), ReplicaError> {
+        self.file.sync_data().await.map_err(io(&self.tmp))?;
+        match disk.rename(&self.tmp, &self.path).await {
+            Ok(()) => Ok(()),
+            Err(e)
+                if e.kind() == std::io::ErrorKind::NotFound
+                    && disk.metadata(&self.path).await.is_ok() =>
+            {
+                Ok(())
+            }
+            Err(e) => Err(io(&self.path)(e)),
+        }
     }
 
     /// fsync, rename to the part's name, fsync the directory.

@@ -177,6 +177,8 @@ pub struct Replica {
     /// yet synced: made durable, renamed and listed by the next
     /// [`persist`](Self::persist), which must precede any state written.
     unsynced: Vec<UnsyncedPart>,
+    /// Directories of parts renamed and not yet synced (see `sync_parts`).
+    unsynced_dirs: std::collections::BTreeSet<String>,
     /// WAL bytes applied since the state was last written.
     unpersisted_bytes: u64,
     /// `disk_consistent_lsn` as the state file holds it; the state in memory
@@ -308,6 +310,7 @@ impl Replica {
             holds: BTreeMap::new(),
             table_cache: BTreeMap::new(),
             unsynced: Vec::new(),
+            unsynced_dirs: Default::default(),
             unpersisted_bytes: 0,
             persisted_lsn: pending_start,
             status,
