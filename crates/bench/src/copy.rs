@@ -7,13 +7,12 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use ferry_env::{Cpu, Disk, RealDisk};
 use ferry_replica::replica::bootstrap::{copy_from_peer, CopyCheck, LocalDonor};
 use ferry_replica::{Replica, SharedReplica};
-use ferry_wal::record::Record;
 
-use crate::export::{batch, OneTable};
+use crate::export::{apply_insert, batch, OneTable};
 
 #[derive(Debug, clap::Args)]
 pub struct CopyBenchArgs {
@@ -53,18 +52,7 @@ pub async fn copy(args: CopyBenchArgs) -> anyhow::Result<()> {
     for i in 0..args.parts {
         let b = batch((i * rows_per_part) as i64, rows_per_part, &mut state)?;
         let ipc = ferry_table::rows::to_ipc(&b)?;
-        let mut r = donor.lock().await;
-        let at = r.receive_from();
-        wal.clear();
-        Record::Insert {
-            table_id: 1,
-            shard: 0,
-            block_number: at.0,
-            idempotency_key: Bytes::new(),
-            arrow_ipc: ipc,
-        }
-        .encode(&mut wal);
-        r.receive(at, &wal).await?;
+        apply_insert(&mut *donor.lock().await, &mut wal, ipc).await?;
     }
     let files: Vec<(std::path::PathBuf, u64)> = {
         let r = donor.lock().await;

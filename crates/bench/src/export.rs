@@ -111,6 +111,27 @@ pub(crate) fn batch(first: i64, rows: usize, state: &mut u64) -> anyhow::Result<
     )?)
 }
 
+/// Applies one insert record of the bench table's rows `ipc` (shard 0,
+/// unkeyed) at the replica's position; `wal` is scratch space.
+pub(crate) async fn apply_insert(
+    r: &mut Replica,
+    wal: &mut BytesMut,
+    ipc: Bytes,
+) -> anyhow::Result<()> {
+    let at = r.receive_from();
+    wal.clear();
+    Record::Insert {
+        table_id: 1,
+        shard: 0,
+        block_number: at.0,
+        idempotency_key: Bytes::new(),
+        arrow_ipc: ipc,
+    }
+    .encode(wal);
+    r.receive(at, wal).await?;
+    Ok(())
+}
+
 /// Creates a bucket with a plain unsigned request (moto accepts it).
 async fn create_bucket(endpoint: &str, bucket: &str) -> anyhow::Result<()> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -161,18 +182,7 @@ pub async fn export(args: ExportBenchArgs) -> anyhow::Result<()> {
         let b = batch((i * rows_per_part) as i64, rows_per_part, &mut state)?;
         let ipc = ferry_table::rows::to_ipc(&b)?;
         for r in &replicas {
-            let mut r = r.lock().await;
-            let at = r.receive_from();
-            wal.clear();
-            Record::Insert {
-                table_id: 1,
-                shard: 0,
-                block_number: at.0,
-                idempotency_key: Bytes::new(),
-                arrow_ipc: ipc.clone(),
-            }
-            .encode(&mut wal);
-            r.receive(at, &wal).await?;
+            apply_insert(&mut *r.lock().await, &mut wal, ipc.clone()).await?;
         }
     }
     let end = replicas[0].lock().await.disk_consistent_lsn();

@@ -215,7 +215,7 @@ impl Peers {
     }
 
     /// The live replicas of `shard` other than this node, the furthest
-    /// ahead first: donors for a replica built from a peer.
+    /// ahead first (snapshot sources, donors of a copy).
     pub async fn replicas_of(&self, shard: u32) -> Result<Vec<(String, Registration)>, String> {
         let mut replicas = self.registered(REPLICAS, &format!("s{shard}r")).await?;
         replicas.sort_by_key(|(_, r)| {
@@ -264,19 +264,11 @@ impl RemoteShards for Peers {
         shard: u32,
         req: &SnapshotRequest,
     ) -> Result<Vec<PartMeta>, SnapshotError> {
-        let mut replicas = self
-            .registered(REPLICAS, &format!("s{shard}r"))
+        // The one furthest ahead first: it is the likeliest not to wait.
+        let replicas = self
+            .replicas_of(shard)
             .await
             .map_err(SnapshotError::NotHeld)?;
-        // The one furthest ahead first: it is the likeliest not to wait.
-        replicas.sort_by_key(|(_, r)| {
-            std::cmp::Reverse(
-                r.disk_consistent_lsn
-                    .as_deref()
-                    .and_then(|l| l.parse::<Lsn>().ok())
-                    .unwrap_or_default(),
-            )
-        });
         let mut last = SnapshotError::NotHeld(format!(
             "no replica of shard {shard} is registered in {REPLICAS}"
         ));

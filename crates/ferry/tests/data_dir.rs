@@ -436,28 +436,16 @@ fn a_lost_replica_folder_is_built_from_the_other_replica() {
             .expect("insert")
             .commit_lsn
     };
-    let parts = |replica: usize| {
-        let listed = rt
-            .block_on(c.get_json(&format!(
-                "/tables/t/partitions?replica={replica}&min_lsn={last}"
-            )))
-            .expect("partitions");
-        let mut names: Vec<String> = listed
-            .as_array()
-            .expect("partitions")
-            .iter()
-            .flat_map(|p| p["parts"].as_array().cloned().unwrap_or_default())
-            .map(|p| format!("{}:{}", p["name"], p["checksum"]))
-            .collect();
-        names.sort();
-        names
-    };
     for replica in 0..2 {
         let rows = rt
             .block_on(c.count("t", None, replica, Some(&last)))
             .expect("count");
         assert_eq!(rows, 501, "replica {replica}");
     }
-    assert_eq!(parts(1), parts(0), "the same parts on both");
+    assert_eq!(
+        common::part_names(&rt, &url, 1, &last),
+        common::part_names(&rt, &url, 0, &last),
+        "the same parts on both"
+    );
     stop_dev(&mut child, &data);
 }

@@ -933,22 +933,7 @@ fn a_replica_added_after_wal_removal_is_built_from_a_peer() {
         last_commit = insert(batch, 1_000);
         inserted += 1_000;
     }
-    let parts = |url: &str| -> Vec<String> {
-        let mut names: Vec<String> = cluster
-            .rt
-            .block_on(
-                node_client(url).get_json(&format!("/tables/t/partitions?min_lsn={last_commit}")),
-            )
-            .expect("partitions")
-            .as_array()
-            .expect("partitions")
-            .iter()
-            .flat_map(|p| p["parts"].as_array().cloned().unwrap_or_default())
-            .map(|p| format!("{}:{}", p["name"], p["checksum"]))
-            .collect();
-        names.sort();
-        names
-    };
+    let parts = |url: &str| part_names(&cluster.rt, url, 0, &last_commit);
     assert_eq!(
         count(&copy_url, &last_commit),
         count(&urls[0], &last_commit)

@@ -471,19 +471,32 @@ async fn a_replica_behind_syncs_in_batches_and_a_crash_in_between_loses_nothing(
     );
 }
 
-/// Stalls the first sync after it is armed until released, and says when
-/// it is stalled.
+/// Stalls a sync until released, and says when it is stalled: armed with
+/// `arm(n)`, the `n`-th sync from then on (1: the next one).
 #[derive(Default)]
 struct SyncGate {
-    armed: std::sync::atomic::AtomicBool,
+    countdown: std::sync::atomic::AtomicUsize,
     stalled: tokio::sync::Notify,
     release: tokio::sync::Notify,
+}
+
+impl SyncGate {
+    fn arm(&self, nth: usize) {
+        self.countdown
+            .store(nth, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 #[async_trait]
 impl DiskHook for SyncGate {
     async fn before(&self, op: DiskOp<'_>) -> std::io::Result<()> {
-        if op.is_sync() && self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+        use std::sync::atomic::Ordering::SeqCst;
+        let due = op.is_sync()
+            && self
+                .countdown
+                .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+                == Ok(1);
+        if due {
             self.stalled.notify_one();
             self.release.notified().await;
         }
@@ -518,7 +531,7 @@ async fn reads_see_the_last_durable_view_while_the_applier_holds_the_replica_in_
 
     // The applier takes the replica and stalls in the fsync of its next part.
     let shared = Arc::new(tokio::sync::Mutex::new(replica));
-    gate.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    gate.arm(1);
     let applier = tokio::spawn({
         let shared = Arc::clone(&shared);
         let rest = all.slice(first.0 as usize..);
@@ -561,29 +574,6 @@ async fn reads_see_the_last_durable_view_while_the_applier_holds_the_replica_in_
     );
 }
 
-/// Stalls the `nth` sync (counting from 1) until the test lets it go, and
-/// says when it is stalled.
-struct NthSyncGate {
-    syncs: std::sync::atomic::AtomicUsize,
-    nth: usize,
-    stalled: tokio::sync::Notify,
-    release: tokio::sync::Notify,
-}
-
-#[async_trait]
-impl DiskHook for NthSyncGate {
-    async fn before(&self, op: DiskOp<'_>) -> std::io::Result<()> {
-        if op.is_sync() {
-            let n = self.syncs.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
-            if n == self.nth {
-                self.stalled.notify_one();
-                self.release.notified().await;
-            }
-        }
-        Ok(())
-    }
-}
-
 /// A persist whose caller goes away half-way (an HTTP request pinning parts
 /// whose client disconnected, an exporter stopped while the replica runs
 /// on) leaves the parts it had not made durable for the next persist: none
@@ -605,12 +595,7 @@ async fn a_persist_cut_short_by_its_caller_loses_no_part() {
     let mut reference = open(&ref_disk, "ref", 0).await;
     reference.receive(Lsn(0), &all).await.expect("apply");
     for cut_at_sync in 1..=4 {
-        let gate = Arc::new(NthSyncGate {
-            syncs: Default::default(),
-            nth: cut_at_sync,
-            stalled: Default::default(),
-            release: Default::default(),
-        });
+        let gate = Arc::new(SyncGate::default());
         let disk: Arc<dyn Disk> = Arc::new(HookedDisk::new(
             Arc::new(RealDisk::open_root(dir.path()).expect("disk")),
             Arc::clone(&gate) as Arc<dyn DiskHook>,
@@ -621,7 +606,7 @@ async fn a_persist_cut_short_by_its_caller_loses_no_part() {
         r.receive_until(Lsn(0), &all, Lsn(1 << 40))
             .await
             .expect("apply");
-        gate.syncs.store(0, std::sync::atomic::Ordering::SeqCst);
+        gate.arm(cut_at_sync);
         {
             let pin = r.pin("an-export", 1, &[]);
             tokio::pin!(pin);

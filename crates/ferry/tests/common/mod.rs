@@ -585,3 +585,28 @@ pub fn listed_and_on_disk(
         .collect();
     (listed, on_disk)
 }
+
+/// The active parts of table `t` on replica `replica` of the node at `url`
+/// once it applied `min_lsn`, as `name:checksum`, sorted: what two replicas
+/// of a shard must agree on.
+pub fn part_names(
+    rt: &tokio::runtime::Runtime,
+    url: &str,
+    replica: usize,
+    min_lsn: &str,
+) -> Vec<String> {
+    let listed = rt
+        .block_on(node_client(url).get_json(&format!(
+            "/tables/t/partitions?replica={replica}&min_lsn={min_lsn}"
+        )))
+        .expect("partitions");
+    let mut names: Vec<String> = listed
+        .as_array()
+        .expect("partitions")
+        .iter()
+        .flat_map(|p| p["parts"].as_array().cloned().unwrap_or_default())
+        .map(|p| format!("{}:{}", p["name"], p["checksum"]))
+        .collect();
+    names.sort();
+    names
+}
