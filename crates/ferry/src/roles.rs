@@ -783,7 +783,23 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
     );
     let outcome = tokio::select! {
         _ = shutdown.recv() => Ok(()),
-        e = node.stopped() => Err(anyhow::Error::new(e)),
+        e = node.stopped() => {
+            let hint = matches!(
+                &e,
+                ferry_node::ReplicaNodeStopped::Replica(ferry_replica::ReplicaError::WalRemoved { .. })
+            );
+            let e = anyhow::Error::new(e);
+            Err(if hint {
+                e.context(format!(
+                    "replica {} of shard {} cannot be built from the WAL: start it with --bootstrap-from auto to copy a peer replica (a replica with a state file is never overwritten: move its folder {} aside first)",
+                    args.replica,
+                    args.shard,
+                    data_dir.join(&dir).display()
+                ))
+            } else {
+                e
+            })
+        }
     };
     policies.stop().await;
     node.stop().await;
