@@ -78,6 +78,13 @@ pub struct HttpServer {
 }
 
 impl HttpServer {
+    /// Ends the endpoint at once, as a crash would: no request in progress
+    /// is answered (the simulator's crashes).
+    pub async fn abort(self) {
+        self.task.abort();
+        let _ = self.task.await;
+    }
+
     /// Stops taking requests, lets those in progress finish (at most
     /// [`DRAIN_TIMEOUT`]), and returns once every route (and what it holds) is
     /// dropped.

@@ -44,6 +44,13 @@ const CRASH: AfterAWrite = AfterAWrite {
 pub(super) struct ReplicaNode {
     node: ferry_node::ReplicaNode,
     monitor: tokio::task::JoinHandle<()>,
+    /// Its endpoint serving copies of it (`ferry_node::bootstrap::router`).
+    http: ferry_node::http::HttpServer,
+}
+
+/// Where replica `i` serves copies of itself on the simulated network.
+fn http_addr(i: usize) -> String {
+    format!("{}-http", replica_name(i))
 }
 
 impl ReplicaNode {
@@ -55,6 +62,7 @@ impl ReplicaNode {
 impl Stop for ReplicaNode {
     /// A crash: every task ends at once.
     async fn stop(self) {
+        self.http.abort().await;
         self.node.stop().await;
         self.monitor.abort();
         let _ = self.monitor.await;
@@ -171,7 +179,27 @@ impl Sim {
                 }
             }
         });
-        self.replicas[i] = Some(ReplicaNode { node, monitor });
+        let name = replica_name(i);
+        let donor = ferry_replica::replica::bootstrap::LocalDonor {
+            replica: Arc::clone(&node.replica),
+            clock: Arc::new(self.world.clock.clone()),
+            name: name.clone(),
+        };
+        let listener = self
+            .world
+            .net
+            .node(&name)
+            .bind(&http_addr(i))
+            .await
+            .map_err(|e| self.fail(format!("{name}: binding its endpoint: {e}")))?;
+        let http =
+            ferry_node::http::serve(listener, ferry_node::bootstrap::router(Arc::new(donor)))
+                .map_err(|e| self.fail(format!("{name}: serving its endpoint: {e}")))?;
+        self.replicas[i] = Some(ReplicaNode {
+            node,
+            monitor,
+            http,
+        });
         self.log(format!("{} started at {opened}", replica_name(i)));
         Ok(())
     }
@@ -183,12 +211,11 @@ impl Sim {
     /// done again over what the cut left. Without a running peer (or while
     /// `i` is kept down) it is an ordinary crash.
     pub(super) async fn rebuild_replica(&mut self, i: usize) -> Result<(), Failure> {
-        use ferry_replica::replica::bootstrap::{copy_from_peer, CopyCheck, LocalDonor};
+        use ferry_replica::replica::bootstrap::{copy_from_peer, CopyCheck};
         let peer = i ^ 1; // the other replica of the shard (2 per shard)
-        let donor = self.replicas[peer].as_ref().map(|n| Arc::clone(n.shared()));
-        let Some(donor) = donor.filter(|_| self.replicas[i].is_some()) else {
+        if self.replicas[peer].is_none() || self.replicas[i].is_none() {
             return self.crash_replica(i).await;
-        };
+        }
         let Some(node) = self.replicas[i].take() else {
             return Ok(());
         };
@@ -198,10 +225,11 @@ impl Sim {
         let disk = self.world.disk(&name);
         disk.lose("replica");
         let dir_disk: Arc<dyn Disk> = Arc::new(disk);
-        let source = LocalDonor {
-            replica: donor,
-            clock: Arc::new(self.world.clock.clone()),
-            name: replica_name(peer),
+        // Over HTTP on the simulated network, as `ferry replica
+        // --bootstrap-from` copies.
+        let source = ferry_node::bootstrap::HttpDonor {
+            peers: ferry_node::http::HttpPeers::new(self.world.net.node(&name), None),
+            addr: http_addr(peer),
         };
         let (shard, number) = (i as u32 / REPLICAS_PER_SHARD, i as u32 % REPLICAS_PER_SHARD);
         let copy = || {
@@ -215,10 +243,41 @@ impl Sim {
                 &source,
             )
         };
+        // A quarter of the copies meet a cut between the copier and its
+        // donor for a while: the copy stalls past its idle timeout, fails,
+        // and is tried again (as `ferry replica` does).
+        if self.rebuild_rng.random_bool(0.25) {
+            let after = Duration::from_millis(self.rebuild_rng.random_range(0..300));
+            let lasts = Duration::from_millis(self.rebuild_rng.random_range(100..5_000));
+            let (net, a, b) = (self.world.net.clone(), name.clone(), replica_name(peer));
+            self.log(format!(
+                "{a} | {b} cut for {lasts:?}, {after:?} into the copy"
+            ));
+            tokio::spawn(async move {
+                tokio::time::sleep(after).await;
+                net.partition(&a, &b);
+                tokio::time::sleep(lasts).await;
+                net.heal(&a, &b);
+            });
+        }
+        let failed_attempts = std::cell::Cell::new(0u32);
+        let copy_until_done = || async {
+            loop {
+                match copy().await {
+                    Err(ferry_replica::replica::bootstrap::BootstrapError::Source { .. })
+                        if failed_attempts.get() < 10 =>
+                    {
+                        failed_attempts.set(failed_attempts.get() + 1);
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                    done => return done,
+                }
+            }
+        };
         let mut built = None;
         if self.rebuild_rng.random_bool(0.5) {
             let cut = Duration::from_millis(self.rebuild_rng.random_range(0..300));
-            match tokio::time::timeout(cut, copy()).await {
+            match tokio::time::timeout(cut, copy_until_done()).await {
                 Ok(done) => built = Some(done),
                 Err(_) => {
                     self.world.crash_disk(&name);
@@ -236,11 +295,18 @@ impl Sim {
             .map_err(|e| self.fail(format!("{name}: {e}")))?;
         let built = match built {
             Some(done) => Some(done),
-            None if needs => Some(copy().await),
+            None if needs => Some(copy_until_done().await),
             None => None,
         }
         .transpose()
         .map_err(|e| self.fail(format!("{name}: copying {}: {e}", replica_name(peer))))?;
+        if failed_attempts.get() > 0 {
+            self.log(format!(
+                "{name}: {} copies from {} failed and were tried again",
+                failed_attempts.get(),
+                replica_name(peer)
+            ));
+        }
         self.rebuilds += 1;
         let position = built
             .as_ref()
