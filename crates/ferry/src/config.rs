@@ -39,6 +39,8 @@ pub struct ReplicaSection {
     pub http: Option<String>,
     pub api_token: Option<String>,
     pub export_roots: Option<Vec<String>>,
+    pub bootstrap_from: Option<String>,
+    pub bootstrap_check: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize, Serialize)]
@@ -239,6 +241,14 @@ http = "127.0.0.1:7678"
 # Folders a file:// export destination must lie in (default: <data_dir>/lake).
 # Env: FERRY_EXPORT_ROOTS.
 # export_roots = ["/srv/lake"]
+# A replica without a state file (new, or its data dir lost) is first built
+# from a copy of a live peer replica of its shard: "auto" (the one furthest
+# ahead in ZooKeeper; none: it starts empty) or its "host:port". Ignored by a
+# replica with a state file.
+# bootstrap_from = "auto"
+# What a copy checks beyond the crc32c of every part's bytes: "rows" (every
+# row against its part's footer) or "footers".
+bootstrap_check = "rows"
 
 [api]
 # Bearer token every HTTP request must carry; at least 16 characters. Unset:
