@@ -466,14 +466,20 @@ impl PolicyRunner {
                                 .map(|_| ())
                                 .map_err(|e| e.to_string())
                         }
-                        LakeFormat::Iceberg => ferry_iceberg::IcebergTable::new(location)
-                            .expire_snapshots(
-                                i64::try_from(cut_ms).unwrap_or(i64::MAX),
-                                i64::try_from(now_ms).unwrap_or(i64::MAX),
-                            )
-                            .await
-                            .map(|_| ())
-                            .map_err(|e| e.to_string()),
+                        LakeFormat::Iceberg => {
+                            let cut = i64::try_from(cut_ms).unwrap_or(i64::MAX);
+                            let expired = ferry_iceberg::IcebergTable::new(location.clone())
+                                .expire_snapshots(cut, i64::try_from(now_ms).unwrap_or(i64::MAX))
+                                .await
+                                .map(|_| ())
+                                .map_err(|e| e.to_string());
+                            match expired {
+                                Ok(()) => crate::upkeep::remove_superseded_shards(&location, cut)
+                                    .await
+                                    .map(|_| ()),
+                                Err(e) => Err(e),
+                            }
+                        }
                     };
                     if let Err(e) = expired {
                         errors.push(format!("expiring superseded commits: {e}"));

@@ -9,6 +9,11 @@
 //! Neither step ever touches what a reader is told to read: the current
 //! commit is never expired, and a file any commit lists (read again after
 //! the listing, so a commit landing meanwhile counts) is never removed.
+//!
+//! An Iceberg destination keeps, beside its metadata, the shards of each
+//! export's files (`metadata/ferry-shards-<transaction>.json`, read by the
+//! next increment); [`remove_superseded_shards`] deletes those of exports no
+//! partition holds any more.
 
 use std::collections::BTreeSet;
 
@@ -104,4 +109,41 @@ async fn referenced(location: &Location) -> Result<BTreeSet<String>, StorageErro
         .flat_map(|p| std::iter::once(&p.current).chain(&p.superseded))
         .flat_map(|c| c.file.files.iter().map(|f| f.path.clone()))
         .collect())
+}
+
+/// Deletes the shards files (`metadata/ferry-shards-<transaction>.json`) of
+/// an Iceberg destination whose export is no partition's current one and
+/// which were last modified before `cut_ms` (Unix milliseconds): an export
+/// writes its file before its commit lands, and the cut-off leaves those in
+/// flight alone. Returns how many went. A file removed too eagerly costs
+/// only efficiency: the next export of its partition is a whole one.
+pub async fn remove_superseded_shards(location: &Location, cut_ms: i64) -> Result<usize, String> {
+    let table = ferry_iceberg::IcebergTable::new(location.clone());
+    let Some((_, meta)) = table.current().await.map_err(|e| e.to_string())? else {
+        return Ok(0);
+    };
+    let current: BTreeSet<String> = meta
+        .properties
+        .iter()
+        .filter(|(k, _)| k.starts_with("ferry.partition.") && k.ends_with(".transaction-id"))
+        .filter_map(|(_, v)| serde_json::from_str::<ferry_iceberg::CurrentExport>(v).ok())
+        .map(|e| lake::iceberg_shards_key(&e.transaction_id))
+        .collect();
+    let mut removed = 0;
+    for (key, _, modified) in location
+        .list_modified("metadata")
+        .await
+        .map_err(|e| e.to_string())?
+    {
+        let is_shards = key.starts_with("metadata/ferry-shards-") && key.ends_with(".json");
+        if !is_shards || current.contains(&key) || modified >= cut_ms {
+            continue;
+        }
+        match location.delete(&key).await {
+            Ok(()) => removed += 1,
+            Err(StorageError::NotFound { .. }) => {}
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    Ok(removed)
 }

@@ -1,7 +1,8 @@
 //! Upkeep of a Parquet destination on a local folder: superseded commits
 //! expire by when they were superseded, never a current one; orphans go
 //! once old, never a file some commit lists (an increment's carried file
-//! included).
+//! included). Of an Iceberg destination: the shards files of exports no
+//! partition holds any more go once old, never a current export's.
 
 #![allow(clippy::disallowed_methods, clippy::disallowed_types)] // a real temp dir
 
@@ -189,4 +190,70 @@ async fn superseded_commits_expire_by_their_successor_and_orphans_only_when_old(
         .await
         .expect("read");
     assert_eq!(view.partitions[0].current.file.sequence, 4);
+}
+
+#[tokio::test]
+async fn an_iceberg_destination_keeps_the_shards_of_current_exports_only() {
+    use ferry_export::lake::iceberg_shards_key;
+    use ferry_export::upkeep::remove_superseded_shards;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let loc = ferry_storage::open(
+        &format!("file://{}/t", dir.path().display()),
+        &Default::default(),
+    )
+    .expect("location");
+    let def = ferry_testkit::table::TableToml::new("t", ("p", "identity"), ("id", 1))
+        .column("id", "Int64")
+        .column("p", "Utf8")
+        .def();
+    let table = ferry_iceberg::IcebergTable::new(loc.clone());
+    // Partition a: export 1 then 2 (1 superseded); partition b: export 3.
+    for (tx, sequence, partition) in [
+        ("1000-one", 1, "a"),
+        ("1001-two", 2, "a"),
+        ("1002-three", 1, "b"),
+    ] {
+        let commit = ferry_iceberg::Commit {
+            transaction_id: tx.into(),
+            sequence,
+            create_time: 1000,
+            content_id: format!("content-{tx}"),
+            snapshot_lsn: 0,
+            partition_id: partition.into(),
+            files: Vec::new(),
+            timestamp_ms: 1_700_000_000_000,
+        };
+        table.commit(&def, &commit).await.expect("commit");
+        loc.put(&iceberg_shards_key(tx), Bytes::from_static(b"{}"))
+            .await
+            .expect("shards");
+    }
+    // An export in flight: its shards are written before its commit.
+    loc.put(&iceberg_shards_key("1003-four"), Bytes::from_static(b"{}"))
+        .await
+        .expect("shards");
+    let shards = |keys: Vec<String>| -> Vec<String> {
+        keys.into_iter()
+            .filter(|k| k.contains("ferry-shards-"))
+            .collect()
+    };
+    let all = shards(keys(&loc).await);
+    assert_eq!(all.len(), 4);
+    // Nothing is old enough yet.
+    assert_eq!(remove_superseded_shards(&loc, 0).await.expect("upkeep"), 0);
+    assert_eq!(shards(keys(&loc).await), all);
+    // Once old: the superseded export's and the one that never landed go.
+    assert_eq!(
+        remove_superseded_shards(&loc, i64::MAX)
+            .await
+            .expect("upkeep"),
+        2
+    );
+    assert_eq!(
+        shards(keys(&loc).await),
+        vec![
+            iceberg_shards_key("1001-two"),
+            iceberg_shards_key("1002-three")
+        ]
+    );
 }
