@@ -310,6 +310,12 @@ async fn a_manifest_that_is_not_one_position_is_refused() {
     let mut late = m.clone();
     late.window.push((1, 0, "k".into(), m.disk_consistent_lsn));
     assert!(check_manifest(&late, 0).is_err());
+    // A name that is no part's (names become paths).
+    let mut hostile = m.clone();
+    hostile.parts[0].name.partition_id = "x/../../state".into();
+    assert!(check_manifest(&hostile, 0)
+        .expect_err("name")
+        .contains("not a part name"));
     // A part and the part that replaced it.
     let mut both = m.clone();
     let mut merged = both.parts[0].clone();

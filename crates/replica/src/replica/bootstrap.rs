@@ -148,6 +148,18 @@ pub fn check_manifest(m: &BootstrapManifest, shard: u32) -> Result<(), String> {
             m.shard
         ));
     }
+    // Names become paths: each must be one a part can have (a donor's
+    // manifest is input from the network).
+    let names_ok = m.parts.iter().map(|p| &p.name).chain(
+        m.merges
+            .iter()
+            .flat_map(|x| std::iter::once(&x.result).chain(&x.sources)),
+    );
+    for n in names_ok {
+        if PartName::parse(&n.to_string()).as_ref() != Some(n) {
+            return Err(format!("{n:?} is not a part name"));
+        }
+    }
     let mut names: BTreeMap<u64, BTreeSet<&PartName>> = BTreeMap::new();
     for p in &m.parts {
         if p.max_lsn >= m.disk_consistent_lsn || p.min_lsn > p.max_lsn {
