@@ -143,6 +143,8 @@ pub struct CurrentCommit {
     pub sequence: u64,
     pub snapshot_lsn: u64,
     pub rows: u64,
+    /// When the export that made it was created (unix seconds).
+    pub create_time: u64,
     /// The paths of its data files (keys, or an Iceberg table's URLs).
     pub files: Vec<String>,
     /// Its data files as a commit of it would list them again (keys
@@ -175,6 +177,7 @@ pub async fn current_commit(
                     sequence: c.file.sequence,
                     snapshot_lsn: c.file.snapshot_lsn,
                     rows: c.file.rows,
+                    create_time: c.file.create_time,
                 }
             }))
         }
@@ -230,6 +233,7 @@ pub async fn current_commit(
                 sequence: export.sequence,
                 snapshot_lsn: export.snapshot_lsn,
                 rows: export.rows,
+                create_time: export.create_time,
                 files,
             }))
         }

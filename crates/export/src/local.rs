@@ -198,24 +198,32 @@ impl ReplicaSet {
             }
         }
         let mut parts = Vec::new();
+        let wanted = |partition: &str| req.partition_id.as_deref().is_none_or(|id| partition == id);
         for r in &replicas {
             let r = r.lock().await;
             let shard = (r.shard() != ALL_SHARDS).then(|| r.shard());
             parts.extend(
                 r.parts(req.table.id)
                     .into_iter()
-                    .filter(|p| {
-                        req.partition_id
-                            .as_deref()
-                            .is_none_or(|id| p.name.partition_id == id)
-                    })
+                    .filter(|p| wanted(&p.name.partition_id))
                     .map(|p| PartMeta { shard, ..p }),
             );
+            // Rows retention dropped: listed as the lake files holding
+            // them, which an export carries (see ferry_replica's `retire`).
+            for retired in r.retired(req.table.id) {
+                if wanted(&retired.partition_id) {
+                    parts.extend(retired.as_parts(shard));
+                }
+            }
         }
         parts.sort_by(|a, b| a.name.cmp(&b.name));
         parts.dedup_by(|a, b| a.name == b.name);
         if let Some(tx) = &req.pin {
-            let names: Vec<PartName> = parts.iter().map(|p| p.name.clone()).collect();
+            let names: Vec<PartName> = parts
+                .iter()
+                .filter(|p| !p.retired)
+                .map(|p| p.name.clone())
+                .collect();
             self.pin(tx, req.table.id, &names).await.map_err(|e| {
                 SnapshotError::NotHeld(format!("pinning the snapshot's parts: {e}"))
             })?;

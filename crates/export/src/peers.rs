@@ -130,6 +130,15 @@ pub trait PeerCalls: Send + Sync {
     async fn unpin(&self, addr: &str, body: &UnpinBody, timeout: Duration) -> Result<(), String>;
     /// A writer's `commit_lsn` now (from its `GET /status`).
     async fn writer_commit_lsn(&self, addr: &str, timeout: Duration) -> Result<Lsn, String>;
+    /// Has a writer append a retirement of `table` (`POST /tables/<t>/retire`);
+    /// its end once committed.
+    async fn writer_retire(
+        &self,
+        addr: &str,
+        table: &str,
+        retirement: &ferry_wal::record::Retirement,
+        timeout: Duration,
+    ) -> Result<Lsn, String>;
 }
 
 /// The other nodes, as registered.
@@ -144,6 +153,8 @@ pub struct Peers {
 const PEER_MARGIN: Duration = Duration::from_secs(10);
 /// How long a writer may take to tell its commit position.
 const WRITER_STATUS_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a writer may take to commit a retirement.
+const RETIRE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a replica may take to release an export's pins.
 const UNPIN_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -253,6 +264,34 @@ impl Peers {
             } else {
                 format!("no writer answered ({})", errors.join("; "))
             }
+        })
+    }
+}
+
+impl Peers {
+    /// Has the live writer append a retirement (the writers registered are
+    /// asked in turn: during a takeover the superseded one refuses).
+    pub async fn retire(
+        &self,
+        table: &str,
+        retirement: &ferry_wal::record::Retirement,
+    ) -> Result<Lsn, String> {
+        let writers = self.registered(WRITERS, "").await?;
+        let mut errors = Vec::new();
+        for (node, w) in writers {
+            match self
+                .calls
+                .writer_retire(&w.http, table, retirement, RETIRE_TIMEOUT)
+                .await
+            {
+                Ok(lsn) => return Ok(lsn),
+                Err(e) => errors.push(format!("{node}: {e}")),
+            }
+        }
+        Err(if errors.is_empty() {
+            "no writer is registered; retention waits for one".to_string()
+        } else {
+            format!("no writer committed it ({})", errors.join("; "))
         })
     }
 }

@@ -29,6 +29,7 @@ use ferry_coord::{CoordError, CreateMode, RenewingSession, Session, SessionFacto
 use ferry_env::Clock;
 use ferry_table::def::{ExportPolicy, LakeFormat};
 use ferry_table::Table;
+use ferry_wal::record::{RetiredFile, Retirement, MAX_RETIRED_FILES};
 use ferry_wal::Lsn;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
@@ -64,6 +65,20 @@ pub const UPKEEP_INTERVAL: Duration = Duration::from_secs(60);
 pub type CommitPosition =
     Arc<dyn Fn() -> futures::future::BoxFuture<'static, Result<Lsn, String>> + Send + Sync>;
 
+/// How a policy has a retirement written to the WAL (by a writer, for
+/// table `name`); resolves with the record's end once it is committed.
+pub type RetireSink = Arc<
+    dyn Fn(String, Retirement) -> futures::future::BoxFuture<'static, Result<Lsn, String>>
+        + Send
+        + Sync,
+>;
+
+/// Retirements one round asks for per table at most.
+pub const MAX_RETIREMENTS_PER_ROUND: usize = 8;
+/// A partition is checked for retention at most this often (the check
+/// reads the lake).
+pub const MAX_RETIRE_CHECK_INTERVAL: Duration = Duration::from_secs(60);
+
 /// What a policy knows of one partition.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct PartitionState {
@@ -76,6 +91,8 @@ struct PartitionState {
     behind_since_ms: Option<u64>,
     /// When this node last asked for an export of it (unix ms).
     last_asked_ms: Option<u64>,
+    /// When this node last checked it for retention (unix ms).
+    retire_checked_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -192,6 +209,38 @@ impl TablePolicy {
         st.behind_since_ms = None;
     }
 
+    /// Partitions to check for retention now: the lake holds their content
+    /// as far as this node saw, the replicas still hold some of their rows
+    /// (`held`), and they were not checked within `every_ms`. The check
+    /// itself reads the destination's current commit (see
+    /// `PolicyRunner::retire_round`).
+    pub fn retirement_candidates(
+        &mut self,
+        now_ms: u64,
+        contents: &BTreeMap<String, String>,
+        held: &BTreeSet<String>,
+        every_ms: u64,
+    ) -> Vec<String> {
+        let mut out = Vec::new();
+        for (partition, content) in contents {
+            let Some(st) = self.partitions.get_mut(partition) else {
+                continue;
+            };
+            let due = st
+                .retire_checked_ms
+                .is_none_or(|t| now_ms.saturating_sub(t) >= every_ms);
+            if st.in_lake.as_ref() == Some(content)
+                && st.requested.is_none()
+                && held.contains(partition)
+                && due
+            {
+                st.retire_checked_ms = Some(now_ms);
+                out.push(partition.clone());
+            }
+        }
+        out
+    }
+
     /// Age of the oldest change not yet in the lake (0 when none), and how
     /// many partitions are behind.
     pub fn lag(&self, now_ms: u64) -> (u64, usize) {
@@ -246,6 +295,12 @@ pub struct TablePolicyStatus {
     pub partitions: u64,
     /// Tasks this node's rounds created (since it started).
     pub exports_requested: u64,
+    /// The retention, if the policy has one, and the retirements this
+    /// node's rounds had written (since it started).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retention_seconds: Option<u64>,
+    #[serde(default)]
+    pub retirements: u64,
     pub last_round_unix_ms: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
@@ -266,6 +321,8 @@ pub struct PolicyRunner {
     pub replica_name: String,
     pub clock: Arc<dyn Clock>,
     pub commit_lsn: CommitPosition,
+    /// Where retirements go (retention).
+    pub retire: RetireSink,
     pub view: watch::Receiver<ExportsView>,
     /// Seeds the transaction ids' random part.
     pub seed: u64,
@@ -369,6 +426,8 @@ impl PolicyRunner {
                 format: format.to_string(),
                 freshness_seconds: policy.freshness_seconds,
                 exports_requested: previous.exports_requested,
+                retention_seconds: policy.retention_seconds,
+                retirements: previous.retirements,
                 ..TablePolicyStatus::default()
             };
             match take_lock(&session, name, &self.replica_name).await {
@@ -529,6 +588,118 @@ impl PolicyRunner {
                 Err(e) => errors.push(format!("partition {partition}: {e}")),
             }
         }
+        if let Some(retention) = policy.retention_seconds {
+            if let Err(e) = self
+                .retire_round(table, policy, retention, state, &parts, &contents, st)
+                .await
+            {
+                errors.push(e);
+            }
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors.join("; "))
+        }
+    }
+
+    /// Retention: a partition leaves the replicas when the destination's
+    /// current commit holds every row the replicas list for it (`parts`,
+    /// a snapshot at the commit position) and was made over `retention`
+    /// seconds ago (no rows came since: they would have made a newer
+    /// commit). The retirement names that commit's files; each replica
+    /// drops only parts one of them holds whole, so a row the lake lacks
+    /// stays whatever happens between this check and the record.
+    #[allow(clippy::too_many_arguments)]
+    async fn retire_round(
+        &self,
+        table: &Table,
+        policy: &ExportPolicy,
+        retention: u64,
+        state: &mut TablePolicy,
+        parts: &[ferry_replica::PartMeta],
+        contents: &BTreeMap<String, String>,
+        st: &mut TablePolicyStatus,
+    ) -> Result<(), String> {
+        let name = &table.def.name;
+        let now_ms = self.clock.unix_micros() / 1000;
+        let held: BTreeSet<String> = parts
+            .iter()
+            .filter(|p| !p.retired && p.rows > 0)
+            .map(|p| p.name.partition_id.clone())
+            .collect();
+        let every = Duration::from_secs(retention / 10)
+            .clamp(Duration::from_secs(1), MAX_RETIRE_CHECK_INTERVAL);
+        let candidates =
+            state.retirement_candidates(now_ms, contents, &held, every.as_millis() as u64);
+        if candidates.is_empty() {
+            return Ok(());
+        }
+        let format = table
+            .def
+            .export
+            .as_ref()
+            .map(|e| e.format)
+            .unwrap_or_default();
+        let location = self
+            .destinations
+            .open(&policy.to)
+            .map_err(|e| format!("opening {}: {e}", policy.to))?;
+        let mut errors = Vec::new();
+        for partition in candidates.into_iter().take(MAX_RETIREMENTS_PER_ROUND) {
+            let current =
+                match crate::lake::current_commit(&location, format, &table.def, &partition).await
+                {
+                    Ok(Some(c)) => c,
+                    Ok(None) => continue,
+                    Err(e) => {
+                        errors.push(format!("partition {partition}: reading the lake: {e}"));
+                        continue;
+                    }
+                };
+            if current.create_time.saturating_add(retention) > now_ms / 1000 {
+                continue;
+            }
+            let snapshot: Vec<ferry_replica::PartMeta> = parts
+                .iter()
+                .filter(|p| p.name.partition_id == partition)
+                .cloned()
+                .collect();
+            let rows: u64 = snapshot.iter().map(|p| p.rows).sum();
+            if rows != current.rows || crate::request::lacks(&current, &snapshot).is_some() {
+                continue;
+            }
+            let files: Vec<RetiredFile> = current
+                .data_files
+                .iter()
+                .filter_map(|f| {
+                    Some(RetiredFile {
+                        part: crate::lake::part_of(&f.path)?.to_string(),
+                        path: f.path.clone(),
+                        shard: f.shard,
+                        rows: f.rows,
+                        bytes: f.bytes,
+                        checksum: f.checksum,
+                    })
+                })
+                .take(MAX_RETIRED_FILES)
+                .collect();
+            let retirement = Retirement {
+                table_id: table.id,
+                partition_id: partition.clone(),
+                destination: policy.to.clone(),
+                format: format.to_string(),
+                commit: current.key.clone(),
+                files,
+            };
+            match (self.retire)(name.clone(), retirement).await {
+                Ok(lsn) => {
+                    st.retirements += 1;
+                    tracing::info!(table = %name, partition = %partition, commit = %current.key, %lsn, "retention: partition retired from the replicas");
+                }
+                Err(e) => errors.push(format!("partition {partition}: retiring: {e}")),
+            }
+        }
         if errors.is_empty() {
             Ok(())
         } else {
@@ -652,6 +823,37 @@ mod tests {
         );
         assert_eq!(policy.lag(5000), (0, 0));
         assert!(!policy.asked_ended(done), "nothing asked any more");
+    }
+
+    #[test]
+    fn only_partitions_the_lake_holds_and_replicas_still_hold_are_checked_for_retention() {
+        let mut policy = TablePolicy::default();
+        let c = contents(&[("a", "c1"), ("b", "c2"), ("c", "c3")]);
+        policy.plan(0, &c, |_| None, 10_000, 0);
+        policy.in_lake("a", "c1");
+        policy.in_lake("b", "c-older");
+        policy.in_lake("c", "c3");
+        let held: BTreeSet<String> = ["a", "b"].iter().map(|s| s.to_string()).collect();
+        // b's rows are not all in the lake; c holds nothing locally any more.
+        assert_eq!(
+            policy.retirement_candidates(1000, &c, &held, 5000),
+            vec!["a"]
+        );
+        assert!(
+            policy
+                .retirement_candidates(3000, &c, &held, 5000)
+                .is_empty(),
+            "checked within the interval"
+        );
+        assert_eq!(
+            policy.retirement_candidates(6000, &c, &held, 5000),
+            vec!["a"]
+        );
+        // An export in flight: not now.
+        policy.requested("a", "c1", "tx", 7000);
+        assert!(policy
+            .retirement_candidates(20_000, &c, &held, 5000)
+            .is_empty());
     }
 
     #[test]

@@ -109,6 +109,18 @@ pub enum RequestError {
         commit: String,
         detail: String,
     },
+    /// Retention dropped some of the partition's rows from the replicas:
+    /// only the lake holds them, so an export that would not carry them
+    /// from the destination's current commit is refused.
+    #[error(
+        "partition {partition:?} of {table:?} has rows that retention dropped from the replicas \
+         (they live only in the lake): {detail}"
+    )]
+    Retired {
+        table: String,
+        partition: String,
+        detail: String,
+    },
     #[error("{0}")]
     NotHeld(String),
     #[error("table {0} has no active partitions")]
@@ -381,6 +393,23 @@ impl Requester<'_> {
                 shard: p.shard,
             })
             .collect();
+        let retired: std::collections::BTreeSet<(Option<u32>, String)> = snapshot
+            .iter()
+            .filter(|p| p.retired)
+            .map(|p| (p.shard, p.name.to_string()))
+            .collect();
+        let retired_error = |detail: String| RequestError::Retired {
+            table: req.table.clone(),
+            partition: req.partition_id.clone(),
+            detail,
+        };
+        if req.force && !retired.is_empty() {
+            return Err(retired_error(
+                "a forced export writes every row from the replicas; export it without force \
+                 (an export carries the lake files holding the retired rows)"
+                    .into(),
+            ));
+        }
         // An existing task for the key.
         let existing = task::read_head(self.session, &key).await?;
         if let Some(existing) = &existing {
@@ -483,6 +512,19 @@ impl Requester<'_> {
             Some(i) => (i.new_parts, i.carried),
             None => (parts.clone(), Vec::new()),
         };
+        // A retired file is never exported from a replica (none holds it):
+        // the current commit must hold it, to be carried.
+        if let Some(p) = to_export
+            .iter()
+            .find(|p| retired.contains(&(p.shard, p.name.clone())))
+        {
+            return Err(retired_error(format!(
+                "{} holds no file with the rows of {} (the export would take them out of the \
+                 lake); export to the destination the partition was retired from",
+                destination.url(),
+                p.name
+            )));
+        }
         if to_export.is_empty() {
             if let Some(c) = &current {
                 tracing::info!(task = %key, commit = %c.key, "export unchanged: the current commit holds every row");
@@ -568,7 +610,7 @@ fn unchanged(c: &lake::CurrentCommit, key: TaskKey, parts: usize, rows: u64) -> 
 
 /// What of `commit` the snapshot does not hold, if anything: fewer rows, or
 /// a block (a part's first or last) that no snapshot part covers.
-fn lacks(commit: &lake::CurrentCommit, snapshot: &[ferry_replica::PartMeta]) -> Option<String> {
+pub(crate) fn lacks(commit: &lake::CurrentCommit, snapshot: &[ferry_replica::PartMeta]) -> Option<String> {
     let rows: u64 = snapshot.iter().map(|p| p.rows).sum();
     if rows < commit.rows {
         return Some(format!("{} rows, the snapshot {rows}", commit.rows));

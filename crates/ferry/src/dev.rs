@@ -459,6 +459,18 @@ fn export_api(
                 .map_err(|e| format!("the writer's commit_lsn: {e}"));
             Box::pin(async move { lsn })
         }),
+        retire: {
+            let writer = Arc::clone(&quorum.writer);
+            Arc::new(move |_table, retirement| {
+                let writer = Arc::clone(&writer);
+                Box::pin(async move {
+                    writer
+                        .append(ferry_wal::record::Record::Retire(retirement).to_bytes())
+                        .await
+                        .map_err(|e| e.to_string())
+                })
+            })
+        },
         view,
     }))
 }

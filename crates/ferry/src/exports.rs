@@ -48,6 +48,8 @@ pub struct ExportApi {
     pub clock: Arc<dyn Clock>,
     /// The commit position now (everything acknowledged is below it).
     pub commit_lsn: CommitPosition,
+    /// Where the policies' retirements go (retention).
+    pub retire: ferry_export::policy::RetireSink,
     pub view: watch::Receiver<ExportsView>,
 }
 
@@ -132,6 +134,7 @@ impl Policies {
             replica_name: api.replica_name.clone(),
             clock: Arc::clone(&api.clock),
             commit_lsn: Arc::clone(&api.commit_lsn),
+            retire: Arc::clone(&api.retire),
             view: api.view.clone(),
             // The edge's randomness: transaction ids only need to differ.
             seed: rand::random(),
@@ -215,6 +218,7 @@ fn request_error(e: RequestError) -> ApiError {
         RequestError::SchemaMismatch { .. } => (StatusCode::CONFLICT, "schema_mismatch"),
         RequestError::Behind { .. } => (StatusCode::SERVICE_UNAVAILABLE, "replica_behind"),
         RequestError::StaleSnapshot { .. } => (StatusCode::SERVICE_UNAVAILABLE, "replica_behind"),
+        RequestError::Retired { .. } => (StatusCode::CONFLICT, "partition_retired"),
         RequestError::NotHeld(_) => (StatusCode::NOT_IMPLEMENTED, "shards_not_held"),
         RequestError::NoPartitions(_) => (StatusCode::BAD_REQUEST, "empty_partition"),
         RequestError::Coordination(_) => (StatusCode::SERVICE_UNAVAILABLE, "coordination"),

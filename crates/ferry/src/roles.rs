@@ -719,6 +719,13 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
             let peers = Arc::clone(&commit_peers);
             Box::pin(async move { peers.commit_lsn().await })
         }),
+        retire: {
+            let peers = Arc::clone(&peers);
+            Arc::new(move |table, retirement| {
+                let peers = Arc::clone(&peers);
+                Box::pin(async move { peers.retire(&table, &retirement).await })
+            })
+        },
         view: export_view.clone(),
     });
     // Tables that export themselves: one replica node runs each table's rounds.

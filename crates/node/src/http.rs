@@ -419,6 +419,24 @@ impl PeerCalls for HttpPeers {
             .map_err(|e| e.to_string())
     }
 
+    async fn writer_retire(
+        &self,
+        addr: &str,
+        table: &str,
+        retirement: &ferry_wal::record::Retirement,
+        timeout: Duration,
+    ) -> Result<Lsn, String> {
+        let answer: serde_json::Value = self
+            .post(addr, &format!("/tables/{table}/retire"), retirement, timeout)
+            .await
+            .map_err(|e| e.to_string())?;
+        answer
+            .get("commit_lsn")
+            .and_then(|v| v.as_str())
+            .and_then(|s| s.parse::<Lsn>().ok())
+            .ok_or_else(|| "no commit_lsn in its answer".to_string())
+    }
+
     async fn writer_commit_lsn(&self, addr: &str, timeout: Duration) -> Result<Lsn, String> {
         let status: serde_json::Value = self
             .get(addr, "/status", timeout)

@@ -95,6 +95,11 @@ pub struct PartMeta {
     /// shards may interleave.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shard: Option<u32>,
+    /// Set where a snapshot lists a lake file holding rows retention
+    /// dropped from the replicas: no replica holds it; an export carries it
+    /// from the lake's current commit.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub retired: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -254,6 +259,7 @@ impl PartEncoder {
                 checksum,
                 bytes,
                 shard: None,
+                retired: false,
             },
             footer,
         ))
@@ -342,6 +348,7 @@ pub fn meta_from_footer(
         checksum: u32::try_from(get("ferry.checksum")?).map_err(|e| invalid(e.to_string()))?,
         bytes,
         shard: None,
+        retired: false,
     })
 }
 

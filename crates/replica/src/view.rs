@@ -21,13 +21,14 @@ use ferry_wal::Lsn;
 use tokio::sync::watch;
 
 use crate::part::{PartMeta, PartName};
-use crate::replica::ReplicaStatus;
+use crate::replica::{ReplicaStatus, RetiredPartition};
 
 /// The active parts of a replica as of `disk_consistent_lsn`.
 #[derive(Clone)]
 pub struct ReadView {
     pub disk_consistent_lsn: Lsn,
     parts: Arc<BTreeMap<u64, BTreeMap<PartName, PartMeta>>>,
+    retired: Arc<Vec<RetiredPartition>>,
     dir: Arc<str>,
     disk: Arc<dyn Disk>,
 }
@@ -36,12 +37,14 @@ impl ReadView {
     pub(crate) fn new(
         disk_consistent_lsn: Lsn,
         parts: BTreeMap<u64, BTreeMap<PartName, PartMeta>>,
+        retired: Vec<RetiredPartition>,
         dir: Arc<str>,
         disk: Arc<dyn Disk>,
     ) -> ReadView {
         ReadView {
             disk_consistent_lsn,
             parts: Arc::new(parts),
+            retired: Arc::new(retired),
             dir,
             disk,
         }
@@ -55,6 +58,16 @@ impl ReadView {
     /// Path of a part's file under the disk root.
     pub fn part_path(&self, table_id: u64, name: &PartName) -> String {
         part_path(&self.dir, table_id, name)
+    }
+
+    /// A table's partitions with rows retired (retention): their rows are
+    /// read from the lake, never from here.
+    pub fn retired(&self, table_id: u64) -> Vec<RetiredPartition> {
+        self.retired
+            .iter()
+            .filter(|r| r.table_id == table_id)
+            .cloned()
+            .collect()
     }
 
     pub(crate) fn dir_shared(&self) -> Arc<str> {

@@ -207,7 +207,18 @@ pub struct ExportPolicy {
     pub to: String,
     /// Every acknowledged row is in the lake within this many seconds.
     pub freshness_seconds: u64,
+    /// Retention: a partition whose every row the lake holds, and whose
+    /// last export is older than this, leaves the replicas (its reads go to
+    /// the lake). `None`: replicas keep every partition.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retention_seconds: Option<u64>,
 }
+
+/// The shortest retention: a second (what leaves the replicas is in the
+/// lake whatever the setting; a short one suits tests and lake-first tables).
+pub const MIN_RETENTION_SECONDS: u64 = 1;
+/// The longest: ten years.
+pub const MAX_RETENTION_SECONDS: u64 = 10 * 366 * 86_400;
 
 /// The freshness target when `[export] to` names none: a minute, as the
 /// streaming lakes peers default to.
@@ -249,6 +260,36 @@ impl ExportDefaults {
                     .map_err(|reason| DefError::new("export.freshness", reason))?,
             ),
         };
+        let retention = match raw.retention {
+            None => None,
+            Some(RawDuration::Seconds(s)) if s >= 0 => Some(s as u64),
+            Some(RawDuration::Seconds(s)) => {
+                return Err(DefError::new(
+                    "export.retention",
+                    format!("{s} is negative"),
+                ))
+            }
+            Some(RawDuration::Text(t)) => Some(
+                parse_duration_seconds(&t)
+                    .map_err(|reason| DefError::new("export.retention", reason))?,
+            ),
+        };
+        if let Some(r) = retention {
+            if !(MIN_RETENTION_SECONDS..=MAX_RETENTION_SECONDS).contains(&r) {
+                return Err(DefError::new(
+                    "export.retention",
+                    format!(
+                        "{r}s is out of range {MIN_RETENTION_SECONDS}s..={MAX_RETENTION_SECONDS}s"
+                    ),
+                ));
+            }
+            if raw.to.is_none() {
+                return Err(DefError::new(
+                    "export.retention",
+                    "retention needs a destination (to): only rows in the lake leave the replicas",
+                ));
+            }
+        }
         let policy = match (raw.to, freshness) {
             (None, None) => None,
             (None, Some(_)) => {
@@ -272,6 +313,7 @@ impl ExportDefaults {
                 Some(ExportPolicy {
                     to,
                     freshness_seconds,
+                    retention_seconds: retention,
                 })
             }
         };
@@ -293,6 +335,9 @@ impl ExportDefaults {
                 "to = {:?}\nfreshness = \"{}s\"\n",
                 p.to, p.freshness_seconds
             );
+            if let Some(r) = p.retention_seconds {
+                out += &format!("retention = \"{r}s\"\n");
+            }
         }
         out
     }
@@ -382,6 +427,8 @@ pub struct RawExport {
     to: Option<String>,
     #[serde(alias = "freshness_seconds")]
     freshness: Option<RawDuration>,
+    #[serde(alias = "retention_seconds")]
+    retention: Option<RawDuration>,
 }
 
 /// A duration as written: `"10s"` or a number of seconds.
@@ -757,7 +804,8 @@ nullable = true
             export.policy,
             Some(ExportPolicy {
                 to: "s3://lake/events".into(),
-                freshness_seconds: 10
+                freshness_seconds: 10,
+                retention_seconds: None,
             })
         );
         assert_eq!(TableDef::from_toml(&def.to_toml()).expect("again"), def);
@@ -777,6 +825,17 @@ nullable = true
         let e = ExportDefaults::from_json(br#"{"to": "file:///lake", "freshness": "1h 30m"}"#)
             .expect("valid");
         assert_eq!(e.policy.map(|p| p.freshness_seconds), Some(5400));
+        let e = ExportDefaults::from_json(br#"{"to": "file:///lake", "retention": "7d"}"#)
+            .expect("valid");
+        assert_eq!(
+            e.policy.and_then(|p| p.retention_seconds),
+            Some(7 * 86_400)
+        );
+        let def = TableDef::from_toml(&format!(
+            "{GOOD}\n[export]\nto = \"s3://lake/events\"\nretention = \"2h\"\n"
+        ))
+        .expect("valid");
+        assert_eq!(TableDef::from_toml(&def.to_toml()).expect("again"), def);
         // Definitions of the earlier form still read.
         let e = ExportDefaults::from_json(br#"{"format": "parquet"}"#).expect("valid");
         assert_eq!(e.policy, None);
@@ -792,6 +851,13 @@ nullable = true
                 "export.freshness",
             ),
             (r#"{"to": "http://x/y"}"#, "export.to"),
+            (
+                r#"{"format": "parquet", "retention": "7d"}"#,
+                "export.retention",
+            ),
+            (r#"{"to": "file:///lake", "retention": "0s"}"#, "export.retention"),
+            (r#"{"to": "file:///lake", "retention": -1}"#, "export.retention"),
+            (r#"{"to": "file:///lake", "retention": "soon"}"#, "export.retention"),
             (r#"{"to": "/tmp/lake"}"#, "export.to"),
             (r#"{"to": "s3://"}"#, "export.to"),
             (r#"{"to": "file:///a\u0007b"}"#, "export.to"),
@@ -815,7 +881,7 @@ nullable = true
                 r#"{"to": "file:///lake", "freshness": "soon"}"#,
                 "export.freshness",
             ),
-            (r#"{"to": "file:///lake", "retention": "7d"}"#, "export"),
+            (r#"{"to": "file:///lake", "retain": "7d"}"#, "export"),
         ];
         for (json, field) in cases {
             let e = ExportDefaults::from_json(json.as_bytes()).expect_err(json);

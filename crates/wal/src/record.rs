@@ -30,6 +30,7 @@ const KIND_INSERT: u8 = 1;
 /// table_id, block_number, shard, key length, reserved.
 const INSERT_FIXED_BYTES: usize = 8 + 8 + 4 + 2 + 2;
 const KIND_SHUTDOWN_CHECKPOINT: u8 = 2;
+const KIND_RETIRE: u8 = 3;
 
 /// A decoded record.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,7 +53,47 @@ pub enum Record {
     /// Written by a writer that shuts down cleanly; it exits once this record is
     /// committed, so every replica eventually sees where the writer stopped.
     ShutdownCheckpoint { term: u64 },
+    /// Rows of one partition that are in the lake, retired from every
+    /// replica (a table's retention). Replicas apply it at its position, like
+    /// a merge decision, so every replica of a shard drops the same parts.
+    Retire(Retirement),
 }
+
+/// What a retirement names: the lake files of a partition's current commit,
+/// as the export policy read them just before it asked for the record.
+/// A replica drops only parts whose blocks lie inside one of these files
+/// (same shard, same partition), so a row no file holds is never dropped,
+/// whatever else happened in between (the retention gate, enforced where the
+/// rows are dropped).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Retirement {
+    pub table_id: u64,
+    pub partition_id: String,
+    /// Where the rows are: the destination's URL and format
+    /// (`parquet` | `iceberg`), and the commit (its key) listing the files.
+    pub destination: String,
+    pub format: String,
+    pub commit: String,
+    pub files: Vec<RetiredFile>,
+}
+
+/// One lake data file of a retirement.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RetiredFile {
+    /// Its key relative to the destination.
+    pub path: String,
+    /// The part it holds (a part name: partition, blocks, level).
+    pub part: String,
+    /// The shard of the replica that wrote it (`None`: a replica of every shard).
+    pub shard: Option<u32>,
+    pub rows: u64,
+    pub bytes: u64,
+    /// Checksum of its rows, as in the part's footer.
+    pub checksum: u32,
+}
+
+/// Files a retirement names at most (a partition's files in one commit).
+pub const MAX_RETIRED_FILES: usize = 100_000;
 
 /// Why bytes are not a valid record.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -101,6 +142,16 @@ impl Record {
                 out.put_u8(KIND_SHUTDOWN_CHECKPOINT);
                 out.put_bytes(0, 7);
                 out.put_u64_le(*term);
+            }
+            Record::Retire(r) => {
+                assert!(
+                    r.files.len() <= MAX_RETIRED_FILES,
+                    "retirements are bounded before they reach a record"
+                );
+                out.put_u8(KIND_RETIRE);
+                out.put_bytes(0, 7);
+                let body = postcard::to_allocvec(r).expect("a retirement serialises");
+                out.put_slice(&body);
             }
         }
         let len = out.len() - start;
@@ -193,6 +244,14 @@ pub fn decode(buf: &Bytes) -> Result<(Record, usize), RecordError> {
                 term: body.get_u64_le(),
             }
         }
+        KIND_RETIRE => {
+            let r: Retirement =
+                postcard::from_bytes(&body).map_err(|_| RecordError::Malformed("retire"))?;
+            if r.files.len() > MAX_RETIRED_FILES {
+                return Err(RecordError::Malformed("retire"));
+            }
+            Record::Retire(r)
+        }
         other => return Err(RecordError::UnknownKind(other)),
     };
     Ok((record, len))
@@ -227,6 +286,24 @@ mod tests {
         let b = Record::ShutdownCheckpoint { term: 3 };
         let la = a.encode(&mut buf);
         let lb = b.encode(&mut buf);
+        let c = Record::Retire(Retirement {
+            table_id: 7,
+            partition_id: "202406".into(),
+            destination: "s3://lake/t".into(),
+            format: "iceberg".into(),
+            commit: "metadata/v3.metadata.json".into(),
+            files: vec![RetiredFile {
+                path: "data/x.parquet".into(),
+                part: "202406_1_8_1".into(),
+                shard: Some(1),
+                rows: 10,
+                bytes: 900,
+                checksum: 77,
+            }],
+        });
+        let mut one = BytesMut::new();
+        let lc = c.encode(&mut one);
+        assert_eq!(decode(&one.freeze()).expect("c"), (c, lc));
         assert_eq!(la, Record::insert_len(5, 11));
         let all = buf.freeze();
         assert_eq!(decode(&all).expect("a"), (a, la));

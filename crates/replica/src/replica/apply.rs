@@ -151,6 +151,7 @@ impl Replica {
         let lsn = self.state.disk_consistent_lsn;
         self.persisted_lsn = lsn;
         self.unpersisted_bytes = 0;
+        self.release_retiring();
         let n = self.parts.values().map(BTreeMap::len).sum();
         let pending = self.state.merges.len();
         // The view first: a reader that saw the status reach `lsn` finds a
@@ -159,6 +160,7 @@ impl Replica {
         self.view.send_replace(ReadView::new(
             lsn,
             self.parts.clone(),
+            self.state.retired.clone(),
             dir,
             Arc::clone(&self.disk),
         ));
@@ -181,7 +183,7 @@ impl Replica {
     /// directory stays in `unsynced_dirs` until synced, so a call cut short
     /// leaves the rest to the next one and the state is never written over a
     /// part that is not durable.
-    async fn sync_parts(&mut self) -> Result<(), ReplicaError> {
+    pub(super) async fn sync_parts(&mut self) -> Result<(), ReplicaError> {
         while let Some(part) = self.unsynced.first() {
             self.unsynced_dirs.insert(part.file.dir.clone());
             part.file.sync_and_rename_again(self.disk.as_ref()).await?;
@@ -198,7 +200,7 @@ impl Replica {
         Ok(())
     }
 
-    async fn table(&mut self, table_id: u64, lsn: Lsn) -> Result<TableRef, ReplicaError> {
+    pub(super) async fn table(&mut self, table_id: u64, lsn: Lsn) -> Result<TableRef, ReplicaError> {
         if let Some(t) = self.table_cache.get(&table_id) {
             return Ok(t.clone());
         }
@@ -218,15 +220,16 @@ impl Replica {
     }
 
     async fn apply(&mut self, lsn: Lsn, rec: Record) -> Result<(), ReplicaError> {
-        let Record::Insert {
-            table_id,
-            shard,
-            block_number,
-            idempotency_key,
-            arrow_ipc,
-        } = rec
-        else {
-            return Ok(());
+        let (table_id, shard, block_number, idempotency_key, arrow_ipc) = match rec {
+            Record::Insert {
+                table_id,
+                shard,
+                block_number,
+                idempotency_key,
+                arrow_ipc,
+            } => (table_id, shard, block_number, idempotency_key, arrow_ipc),
+            Record::Retire(r) => return self.apply_retirement(lsn, r).await,
+            Record::ShutdownCheckpoint { .. } => return Ok(()),
         };
         if !decide::is_ours(self.state.shard, ALL_SHARDS, shard) {
             return Ok(());

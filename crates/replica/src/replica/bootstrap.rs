@@ -33,6 +33,7 @@ use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 
 use super::merges::Merge;
+use super::retire::RetiredPartition;
 use super::state::State;
 use super::{io, HoldError, Replica, ReplicaError, SharedReplica};
 use crate::part::{self, PartMeta, PartName};
@@ -51,6 +52,9 @@ pub struct BootstrapManifest {
     pub window: Vec<(u64, u32, String, Lsn)>,
     /// Merges decided and not yet done, in the order decided.
     pub merges: Vec<Merge>,
+    /// Partitions with rows retired (retention), at the position.
+    #[serde(default)]
+    pub retired: Vec<RetiredPartition>,
     /// The active parts.
     pub parts: Vec<PartMeta>,
 }
@@ -250,6 +254,7 @@ pub async fn copy_from_peer(
         manifest.disk_consistent_lsn,
         manifest.window.iter().cloned().collect::<VecDeque<_>>(),
         manifest.merges.clone(),
+        manifest.retired.clone(),
     );
     let data = serde_json::to_vec(&state).expect("state serialises");
     disk.write_atomic(&state_path, data)

@@ -139,6 +139,56 @@ pub(super) fn merges(table_id: u64, partition: &str, logical: BTreeSet<PartName>
     }
 }
 
+/// What a retirement does to a partition, a function of the applied WAL
+/// alone (see `retire`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub(super) struct Retire {
+    /// Logical parts whose blocks lie inside a retired file: they leave.
+    pub(super) dropped: Vec<PartName>,
+    /// Indices of the record's files the partition's retired files become:
+    /// each holds a dropped part or an earlier retired file.
+    pub(super) adopted: Vec<usize>,
+    /// Earlier retired files inside an adopted one (named again, or held
+    /// by a later commit in a bigger file): replaced by it.
+    pub(super) absorbed: Vec<PartName>,
+}
+
+/// The retirement of `files` (this shard's files of the record, as part
+/// names) from a partition whose logical parts are `logical` and whose
+/// earlier retired files are `prior`. A part leaves only if one file holds
+/// all its blocks; a part holding more (a merge of exported and unexported
+/// blocks) stays whole until a later commit holds it.
+pub(super) fn retire(
+    logical: &BTreeSet<PartName>,
+    prior: &[PartName],
+    files: &[PartName],
+) -> Retire {
+    let inside = super::retire::inside;
+    let dropped: Vec<PartName> = logical
+        .iter()
+        .filter(|p| files.iter().any(|f| inside(p, f)))
+        .cloned()
+        .collect();
+    let adopted: Vec<usize> = files
+        .iter()
+        .enumerate()
+        .filter(|(_, f)| {
+            dropped.iter().any(|d| inside(d, f)) || prior.iter().any(|p| inside(p, f))
+        })
+        .map(|(i, _)| i)
+        .collect();
+    let absorbed = prior
+        .iter()
+        .filter(|p| adopted.iter().any(|i| inside(p, &files[*i])))
+        .cloned()
+        .collect();
+    Retire {
+        dropped,
+        adopted,
+        absorbed,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -199,6 +249,32 @@ mod tests {
         assert!(is_ours(3, u32::MAX, 3));
         assert!(!is_ours(3, u32::MAX, 2));
         assert!(is_ours(u32::MAX, u32::MAX, 2));
+    }
+
+    #[test]
+    fn a_retirement_drops_only_parts_one_file_holds_whole() {
+        let logical: BTreeSet<PartName> =
+            [part(1, 8, 1), part(9, 9, 0), part(10, 17, 1), part(18, 18, 0)]
+                .into_iter()
+                .collect();
+        // The lake holds 1..=8 and 9 as one file, 10..=12 (a file older than
+        // the merge 10..=17, which mixes exported and unexported blocks).
+        let files = [part(1, 9, 2), part(10, 12, 1)];
+        let r = retire(&logical, &[], &files);
+        assert_eq!(r.dropped, vec![part(1, 8, 1), part(9, 9, 0)]);
+        assert_eq!(r.adopted, vec![0], "a file no dropped part lies in is not retired");
+        assert!(r.absorbed.is_empty());
+        // Nothing of ours in the lake: nothing leaves.
+        assert_eq!(retire(&logical, &[], &[part(30, 40, 1)]), Retire::default());
+        // A later commit holding an earlier retired file in a bigger one.
+        let later: BTreeSet<PartName> = [part(18, 18, 0)].into_iter().collect();
+        let r = retire(&later, &[part(1, 9, 2)], &[part(1, 18, 3)]);
+        assert_eq!(r.dropped, vec![part(18, 18, 0)]);
+        assert_eq!(r.adopted, vec![0]);
+        assert_eq!(r.absorbed, vec![part(1, 9, 2)]);
+        // The same file named again replaces itself.
+        let r = retire(&BTreeSet::new(), &[part(1, 9, 2)], &[part(1, 9, 2)]);
+        assert_eq!((r.adopted, r.absorbed), (vec![0], vec![part(1, 9, 2)]));
     }
 
     #[test]

@@ -112,6 +112,7 @@ impl Replica {
             disk_consistent_lsn: position,
             window: self.state.window.iter().cloned().collect(),
             merges: self.state.merges.clone(),
+            retired: self.state.retired.clone(),
             parts,
         })
     }

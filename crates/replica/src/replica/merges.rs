@@ -31,7 +31,7 @@ pub struct Merge {
 impl Replica {
     /// The parts of a partition as the WAL applied so far defines them: the
     /// active parts with every decided merge counted as done.
-    fn logical_parts(
+    pub(super) fn logical_parts(
         &self,
         table_id: u64,
         partition: &str,

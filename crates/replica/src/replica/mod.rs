@@ -53,6 +53,7 @@ mod decide;
 mod holds;
 mod merges;
 mod pins;
+mod retire;
 mod state;
 
 use std::collections::BTreeMap;
@@ -71,6 +72,7 @@ use crate::view::{ReadView, ReplicaReader};
 pub use decide::{DEDUP_WINDOW, PERSIST_EVERY_BYTES};
 pub use holds::{HoldError, BOOTSTRAP_HOLD_IDLE, MAX_BOOTSTRAP_HOLDS};
 pub use merges::{run_merges, Merge, MergeJob, MAX_MERGE_LEVEL, MERGE_FANIN};
+pub use retire::RetiredPartition;
 
 use apply::UnsyncedPart;
 use merges::replaces;
@@ -148,6 +150,11 @@ pub struct ReplicaStatus {
     /// Rows and bytes of the parts merges wrote.
     pub merged_rows: u64,
     pub merged_bytes: u64,
+    /// Retirements (retention) applied since the replica opened, and the
+    /// parts and rows they dropped.
+    pub retirements_applied: u64,
+    pub parts_retired: u64,
+    pub rows_retired: u64,
     /// Why the replica stopped, if it did.
     pub error: Option<String>,
 }
@@ -169,6 +176,9 @@ pub struct Replica {
     /// pinned again by then: an export this replica learns of after a
     /// restart may still need them.
     unpinned: Vec<(u64, PartName)>,
+    /// Parts a retirement dropped, handed to the merge task for removal
+    /// once a state recording the retirement is written.
+    retiring: Vec<(u64, PartName)>,
     /// Copies of this replica in flight to new replicas, by hold id (see
     /// `holds`): their parts stay on disk like pinned ones.
     holds: BTreeMap<String, holds::Hold>,
@@ -266,6 +276,28 @@ impl Replica {
                     kept.entry(table_id).or_default().insert(name, meta);
                 }
             }
+            // Parts a recorded retirement dropped whose files were not yet
+            // removed.
+            let retired: Vec<PartName> = parts
+                .get(&table_id)
+                .map(|p| {
+                    p.keys()
+                        .filter(|n| {
+                            state
+                                .retired
+                                .iter()
+                                .any(|r| r.table_id == table_id && r.holds(n))
+                        })
+                        .cloned()
+                        .collect()
+                })
+                .unwrap_or_default();
+            for name in retired {
+                if let Some(meta) = parts.get_mut(&table_id).and_then(|p| p.remove(&name)) {
+                    unpinned.push((table_id, name.clone()));
+                    kept.entry(table_id).or_default().insert(name, meta);
+                }
+            }
             disk.sync_dir(&tdir).await.map_err(io(&tdir))?;
         }
         let mut state = state;
@@ -287,6 +319,9 @@ impl Replica {
             merges_done: 0,
             merged_rows: 0,
             merged_bytes: 0,
+            retirements_applied: 0,
+            parts_retired: 0,
+            rows_retired: 0,
             error: None,
         };
         let (status, _) = watch::channel(status);
@@ -294,6 +329,7 @@ impl Replica {
         let view = watch::Sender::new(ReadView::new(
             pending_start,
             parts.clone(),
+            state.retired.clone(),
             Arc::from(dir),
             Arc::clone(&disk),
         ));
@@ -307,6 +343,7 @@ impl Replica {
             parts,
             kept,
             unpinned,
+            retiring: Vec::new(),
             holds: BTreeMap::new(),
             table_cache: BTreeMap::new(),
             unsynced: Vec::new(),

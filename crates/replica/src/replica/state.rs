@@ -10,6 +10,7 @@ use ferry_wal::Lsn;
 use serde::{Deserialize, Serialize};
 
 use super::merges::Merge;
+use super::retire::RetiredPartition;
 use super::{io, ReplicaError};
 use crate::part::PartName;
 
@@ -28,6 +29,10 @@ pub(super) struct State {
     /// id: a merge that replaces one keeps its file (see [`Replica::pin`](super::Replica::pin)).
     #[serde(default)]
     pub(super) pins: BTreeMap<String, Vec<(u64, PartName)>>,
+    /// Partitions with rows retired from this replica (retention): where
+    /// those rows are in the lake.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(super) retired: Vec<RetiredPartition>,
 }
 
 const STATE_FORMAT: u32 = 1;
@@ -82,6 +87,7 @@ impl State {
         disk_consistent_lsn: Lsn,
         window: VecDeque<(u64, u32, String, Lsn)>,
         merges: Vec<Merge>,
+        retired: Vec<RetiredPartition>,
     ) -> State {
         State {
             format: STATE_FORMAT,
@@ -91,6 +97,7 @@ impl State {
             window,
             merges,
             pins: BTreeMap::new(),
+            retired,
         }
     }
 }
