@@ -9,6 +9,12 @@
 //! GET /tables/{name}/rows?partition=P[&format=ndjson|arrow][&replica=R][&min_lsn=L]
 //! ```
 //!
+//! A partition retention retired (its rows are in the lake and no longer on
+//! the replicas, in whole or in part) answers `count` and `rows` with 410
+//! `partition_retired`, naming the destination and the files that hold its
+//! rows: never a silently short result. `partitions` lists it with
+//! `retired`, and a table's `count` tells the rows only the lake holds.
+//!
 //! `min_lsn` makes a read wait (at most `wait_ms`, default 10 s; 504 past it)
 //! until the replica applied everything up to that LSN, e.g. an insert's
 //! `commit_lsn`: the read then sees that insert.
@@ -25,7 +31,7 @@ use axum::routing::get;
 use axum::{Json, Router};
 use ferry_ingest::api::ApiError;
 use ferry_ingest::{Catalog, TableById};
-use ferry_replica::{PartMeta, ReadView, ReplicaReader, TableRef, Tables};
+use ferry_replica::{PartMeta, ReadView, ReplicaReader, RetiredPartition, TableRef, Tables};
 use ferry_wal::Lsn;
 use serde::{Deserialize, Serialize};
 
@@ -73,6 +79,63 @@ struct Partition {
     rows: u64,
     bytes: u64,
     parts: Vec<PartMeta>,
+    /// Rows of the partition retention dropped: where the lake holds them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    retired: Option<InLake>,
+}
+
+/// Where a retired partition's rows are.
+#[derive(Debug, Serialize)]
+struct InLake {
+    destination: String,
+    format: String,
+    /// The commit the retirement checked (a commit file's key, or an
+    /// Iceberg metadata version's).
+    commit: String,
+    rows: u64,
+    /// The data files holding the retired rows, as URLs.
+    files: Vec<String>,
+}
+
+impl InLake {
+    fn of(r: &RetiredPartition) -> InLake {
+        let base = r.destination.trim_end_matches('/');
+        InLake {
+            destination: r.destination.clone(),
+            format: r.format.clone(),
+            commit: r.commit.clone(),
+            rows: r.rows(),
+            files: r
+                .files
+                .iter()
+                .map(|f| format!("{base}/{}", f.path))
+                .collect(),
+        }
+    }
+}
+
+/// 410: the partition's rows (some or all) are in the lake only.
+fn retired_answer(table: &str, r: &RetiredPartition) -> Response {
+    let lake = InLake::of(r);
+    let body = serde_json::json!({
+        "kind": "partition_retired",
+        "error": format!(
+            "partition {:?} of table {table:?} was retired by the table's retention: {} of its rows \
+             are in the lake only ({} at {}); read them there (ferry lake files, or an Iceberg \
+             reader), rows inserted since are exported within the freshness target",
+            r.partition_id, lake.rows, lake.format, lake.destination
+        ),
+        "partition_id": r.partition_id,
+        "lake": lake,
+    });
+    (StatusCode::GONE, Json(body)).into_response()
+}
+
+fn retired_of<'a>(
+    retired: &'a [RetiredPartition],
+    partition: &str,
+) -> Option<&'a RetiredPartition> {
+    retired.iter().find(|r| r.partition_id == partition)
 }
 
 pub fn router(reads: Arc<Reads>) -> Router {
@@ -152,7 +215,7 @@ async fn table(reads: &Reads, name: &str) -> Result<ferry_table::Table, ApiError
     }
 }
 
-fn by_partition(parts: Vec<PartMeta>) -> Vec<Partition> {
+fn by_partition(parts: Vec<PartMeta>, retired: &[RetiredPartition]) -> Vec<Partition> {
     let mut map: BTreeMap<String, Partition> = BTreeMap::new();
     for p in parts {
         let e = map
@@ -162,10 +225,22 @@ fn by_partition(parts: Vec<PartMeta>) -> Vec<Partition> {
                 rows: 0,
                 bytes: 0,
                 parts: Vec::new(),
+                retired: None,
             });
         e.rows += p.rows;
         e.bytes += p.bytes;
         e.parts.push(p);
+    }
+    for r in retired {
+        map.entry(r.partition_id.clone())
+            .or_insert_with(|| Partition {
+                partition_id: r.partition_id.clone(),
+                rows: 0,
+                bytes: 0,
+                parts: Vec::new(),
+                retired: None,
+            })
+            .retired = Some(InLake::of(r));
     }
     map.into_values().collect()
 }
@@ -178,16 +253,20 @@ async fn partitions(
     let id = table(&reads, &name).await?.id;
     let view = replica_at(&reads, &q).await?;
     let parts = view.parts(id);
-    Ok(Json(by_partition(parts)))
+    Ok(Json(by_partition(parts, &view.retired(id))))
 }
 
 async fn count(
     State(reads): State<Arc<Reads>>,
     Path(name): Path<String>,
     Query(q): Query<ReadQuery>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Response, ApiError> {
     let id = table(&reads, &name).await?.id;
     let view = replica_at(&reads, &q).await?;
+    let retired = view.retired(id);
+    if let Some(r) = q.partition.as_ref().and_then(|p| retired_of(&retired, p)) {
+        return Ok(retired_answer(&name, r));
+    }
     let rows: u64 = view
         .parts(id)
         .iter()
@@ -203,7 +282,11 @@ async fn count(
         "partition": q.partition,
         "rows": rows,
         "disk_consistent_lsn": view.disk_consistent_lsn.to_string(),
-    })))
+        // Rows retention left in the lake only (not in `rows`).
+        "rows_retired": retired.iter().map(RetiredPartition::rows).sum::<u64>(),
+        "partitions_retired": retired.len(),
+    }))
+    .into_response())
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -234,6 +317,9 @@ async fn rows(
     };
     let table = table(&reads, &name).await?;
     let view = replica_at(&reads, &q).await?;
+    if let Some(r) = retired_of(&view.retired(table.id), &partition) {
+        return Ok(retired_answer(&name, r));
+    }
     let listed: Vec<(ferry_replica::PartName, String)> = view
         .parts(table.id)
         .into_iter()
