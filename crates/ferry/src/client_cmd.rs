@@ -88,8 +88,12 @@ pub enum TableCommand {
         /// How stale the lake may be (`10s`, `5m`; default 60s).
         #[arg(long)]
         freshness: Option<String>,
+        /// Drops a partition from the replicas once the lake holds every
+        /// row of it and its last export is this old (`7d`; default: never).
+        #[arg(long)]
+        retention: Option<String>,
         /// Removes the table's `[export]` section: no policy, no default format.
-        #[arg(long, conflicts_with_all = ["to", "format", "freshness"])]
+        #[arg(long, conflicts_with_all = ["to", "format", "freshness", "retention"])]
         off: bool,
         #[command(flatten)]
         client: ClientArgs,
@@ -145,6 +149,7 @@ pub async fn table(cmd: TableCommand) -> anyhow::Result<()> {
             to,
             format,
             freshness,
+            retention,
             off,
             client,
         } => {
@@ -152,7 +157,12 @@ pub async fn table(cmd: TableCommand) -> anyhow::Result<()> {
                 serde_json::Value::Null
             } else {
                 let mut e = serde_json::Map::new();
-                for (k, v) in [("to", to), ("format", format), ("freshness", freshness)] {
+                for (k, v) in [
+                    ("to", to),
+                    ("format", format),
+                    ("freshness", freshness),
+                    ("retention", retention),
+                ] {
                     if let Some(v) = v {
                         e.insert(k.into(), v.into());
                     }
@@ -170,11 +180,17 @@ pub async fn table(cmd: TableCommand) -> anyhow::Result<()> {
                 .and_then(|e| e.policy.as_ref().map(|p| (e, p)))
             {
                 Some((e, p)) => say!(
-                    "table {} exports itself to {} as {} within {}s",
+                    "table {} exports itself to {} as {} within {}s{}",
                     t.def.name,
                     p.to,
                     e.format,
-                    p.freshness_seconds
+                    p.freshness_seconds,
+                    match p.retention_seconds {
+                        Some(r) => format!(
+                            "; partitions leave the replicas {r}s after their last export"
+                        ),
+                        None => String::new(),
+                    }
                 ),
                 None => say!("table {} has no export policy", t.def.name),
             }

@@ -898,3 +898,162 @@ fn a_table_with_an_export_policy_exports_itself_and_readers_read_each_row_once()
     assert!(off.contains("no export policy"), "{off}");
     dev.stop();
 }
+
+/// `GET path` on the node: (status code, body).
+fn get_status(url: &str, path: &str) -> (u16, String) {
+    let host = url.strip_prefix("http://").expect("http URL");
+    let response = http_request(
+        url,
+        &format!("GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n"),
+    );
+    let text = String::from_utf8_lossy(&response).to_string();
+    let code = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .expect("a status line");
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (code, body)
+}
+
+/// Retention: a partition whose rows the lake holds and which saw no rows
+/// for the retention leaves the replicas; one receiving rows all along
+/// stays. Reads of the retired partition answer 410 naming the lake files,
+/// which hold its rows once; rows inserted into it later reach the lake
+/// beside them (each row once), and it is retired again; a forced export of
+/// it is refused.
+#[test]
+fn retention_drops_only_partitions_the_lake_holds_and_sends_their_reads_to_the_lake() {
+    let dev = Dev::start(&table_toml("t", 1));
+    let (rt, c, url) = (&dev.rt, &dev.client, dev.url.clone());
+    let lake = dev.data.join("lake/kept");
+    let lake_url = format!("file://{}", lake.display());
+    let set = ferry_ok(
+        &[
+            "table",
+            "set-export",
+            "t",
+            "--to",
+            &lake_url,
+            "--freshness",
+            "1s",
+            "--retention",
+            "3s",
+        ],
+        &url,
+    );
+    assert!(set.contains("leave the replicas 3s after"), "{set}");
+    for batch in 0..5i64 {
+        insert_ids(rt, c, batch * 10..batch * 10 + 10, "old", &format!("o{batch}"));
+    }
+    // `hot` gets rows every 300 ms: always newer than its last export.
+    let mut hot = 0i64;
+    let mut insert_hot = |n: &mut i64| {
+        insert_ids(rt, c, 10_000 + *n * 5..10_000 + *n * 5 + 5, "hot", &format!("h{n}"));
+        *n += 1;
+    };
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let mut most = 0;
+    let gone = loop {
+        insert_hot(&mut hot);
+        let (code, body) = get_status(&url, "/tables/t/count?partition=old");
+        if code == 410 {
+            break body;
+        }
+        assert_eq!(code, 200, "{body}");
+        // Until it leaves, every row applied stays readable on the
+        // replicas (never a partly dropped partition read as whole).
+        let count: serde_json::Value = serde_json::from_str(&body).expect("count");
+        let rows = count["rows"].as_u64().expect("rows");
+        assert!(rows >= most && rows <= 50, "{body} after {most} rows");
+        most = rows;
+        assert!(Instant::now() < deadline, "never retired: {}", http_get(&format!("{url}/status")));
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    let gone: serde_json::Value = serde_json::from_str(&gone).expect("410 body");
+    assert_eq!(gone["kind"], "partition_retired", "{gone}");
+    assert_eq!(gone["lake"]["rows"], 50, "{gone}");
+    assert_eq!(gone["lake"]["destination"], lake_url.as_str(), "{gone}");
+    let files: Vec<String> = gone["lake"]["files"]
+        .as_array()
+        .expect("files")
+        .iter()
+        .map(|f| {
+            f.as_str()
+                .and_then(|f| f.strip_prefix("file://"))
+                .expect("a file URL")
+                .to_string()
+        })
+        .collect();
+    let mut old: Vec<i64> = ids_in(&files);
+    old.sort_unstable();
+    assert_eq!(old, (0..50).collect::<Vec<_>>(), "the named files hold its rows once");
+    let (code, body) = get_status(&url, "/tables/t/rows?partition=old");
+    assert_eq!(code, 410, "{body}");
+    // The partition receiving rows all along is still on the replicas.
+    let (code, body) = get_status(&url, "/tables/t/count?partition=hot");
+    assert_eq!(code, 200, "{body}");
+    let table: serde_json::Value =
+        serde_json::from_str(&get_status(&url, "/tables/t/count").1).expect("count");
+    assert_eq!(table["rows_retired"], 50, "{table}");
+    assert_eq!(table["partitions_retired"], 1, "{table}");
+    let status: serde_json::Value =
+        serde_json::from_str(&http_get(&format!("{url}/status"))).expect("status");
+    for r in status["replicas"].as_array().expect("replicas") {
+        assert!(r["rows_retired"].as_u64() >= Some(50), "{status}");
+    }
+    assert!(
+        status["export_policies"]["t"]["retirements"].as_u64() >= Some(1),
+        "{status}"
+    );
+
+    // A forced export would rewrite the partition from replicas that no
+    // longer hold its rows: refused.
+    let (ok, _, err) = ferry(
+        &["export", "t", "old", "--to", &lake_url, "--force", "--wait"],
+        &url,
+    );
+    assert!(!ok && err.contains("retention"), "{err}");
+
+    // Late rows into the retired partition reach the lake beside the
+    // retired files (each row once), and it is retired again.
+    insert_ids(rt, c, 50..60, "old", "o-late");
+    let mut expected: Vec<i64> = (0..60).collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (code, body) = get_status(&url, "/tables/t/count?partition=old");
+        assert_eq!(code, 410, "a partition with retired rows never reads as whole: {body}");
+        let gone: serde_json::Value = serde_json::from_str(&body).expect("410 body");
+        let mut ids: Vec<i64> = lake_ids(&lake_url, &url)
+            .into_iter()
+            .filter(|id| *id < 10_000)
+            .collect();
+        ids.sort_unstable();
+        assert!(
+            ids.windows(2).all(|w| w[0] != w[1]),
+            "a row twice in the lake: {ids:?}"
+        );
+        if ids == expected && gone["lake"]["rows"] == 60 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the lake holds {ids:?}, {gone}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // Every hot row is in the lake or on the replicas, none lost.
+    let hot_total = hot;
+    expected.extend((0..hot_total * 5).map(|i| 10_000 + i));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let ids = lake_ids(&lake_url, &url);
+        if ids == expected {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the lake holds {ids:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    ferry_ok(&["verify", &lake_url, "--deep"], &url);
+    dev.stop();
+}
