@@ -792,6 +792,55 @@ fn table_exports_itself_across_processes(format: &str) {
     replicas[victim] = child;
     urls[victim] = rurl;
     wait_rows(rows, &urls);
+
+    // Retention: with every row in the lake and no rows since, both
+    // partitions leave both replicas (the policy node has the writer
+    // append the retirement over HTTP); each node's count names the rows
+    // only the lake holds now.
+    let (ok, out) = ferry_cli(
+        &cluster.url,
+        &[
+            "table",
+            "set-export",
+            "t",
+            "--to",
+            &lake_url,
+            "--format",
+            format,
+            "--freshness",
+            "1s",
+            "--retention",
+            "2s",
+        ],
+    );
+    assert!(ok, "{out}");
+    let retired = |urls: &[String]| -> (u64, u64) {
+        urls.iter()
+            .map(|u| {
+                let count = cluster
+                    .rt
+                    .block_on(node_client(u).get_json("/tables/t/count"))
+                    .unwrap_or_default();
+                (
+                    count["rows_retired"].as_u64().unwrap_or(0),
+                    count["rows"].as_u64().unwrap_or(u64::MAX),
+                )
+            })
+            .fold((0, 0), |(a, b), (r, l)| (a + r, b.saturating_add(l)))
+    };
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while retired(&urls) != (rows, 0) {
+        assert!(
+            Instant::now() < deadline,
+            "retired and local rows {:?} of {rows}",
+            retired(&urls)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // Rows after the retirement reach the lake beside the retired files.
+    insert(10);
+    rows += 10;
+    wait_rows(rows, &urls);
     let verified = Command::new(FERRY)
         .args(["verify", &lake_url])
         .envs(s3_env())
