@@ -647,16 +647,18 @@ impl PolicyRunner {
             .map_err(|e| format!("opening {}: {e}", policy.to))?;
         let mut errors = Vec::new();
         for partition in candidates.into_iter().take(MAX_RETIREMENTS_PER_ROUND) {
-            let current =
-                match crate::lake::current_commit(&location, format, &table.def, &partition).await
-                {
-                    Ok(Some(c)) => c,
-                    Ok(None) => continue,
-                    Err(e) => {
-                        errors.push(format!("partition {partition}: reading the lake: {e}"));
-                        continue;
-                    }
-                };
+            let current = match crate::lake::current_commit(
+                &location, format, &table.def, &partition,
+            )
+            .await
+            {
+                Ok(Some(c)) => c,
+                Ok(None) => continue,
+                Err(e) => {
+                    errors.push(format!("partition {partition}: reading the lake: {e}"));
+                    continue;
+                }
+            };
             if current.create_time.saturating_add(retention) > now_ms / 1000 {
                 continue;
             }

@@ -610,7 +610,10 @@ fn unchanged(c: &lake::CurrentCommit, key: TaskKey, parts: usize, rows: u64) -> 
 
 /// What of `commit` the snapshot does not hold, if anything: fewer rows, or
 /// a block (a part's first or last) that no snapshot part covers.
-pub(crate) fn lacks(commit: &lake::CurrentCommit, snapshot: &[ferry_replica::PartMeta]) -> Option<String> {
+pub(crate) fn lacks(
+    commit: &lake::CurrentCommit,
+    snapshot: &[ferry_replica::PartMeta],
+) -> Option<String> {
     let rows: u64 = snapshot.iter().map(|p| p.rows).sum();
     if rows < commit.rows {
         return Some(format!("{} rows, the snapshot {rows}", commit.rows));

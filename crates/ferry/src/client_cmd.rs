@@ -186,9 +186,8 @@ pub async fn table(cmd: TableCommand) -> anyhow::Result<()> {
                     e.format,
                     p.freshness_seconds,
                     match p.retention_seconds {
-                        Some(r) => format!(
-                            "; partitions leave the replicas {r}s after their last export"
-                        ),
+                        Some(r) =>
+                            format!("; partitions leave the replicas {r}s after their last export"),
                         None => String::new(),
                     }
                 ),

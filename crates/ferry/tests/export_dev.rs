@@ -902,10 +902,7 @@ fn a_table_with_an_export_policy_exports_itself_and_readers_read_each_row_once()
 /// `GET path` on the node: (status code, body).
 fn get_status(url: &str, path: &str) -> (u16, String) {
     let host = url.strip_prefix("http://").expect("http URL");
-    let response = http_request(
-        url,
-        &format!("GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n"),
-    );
+    let response = http_request(url, &format!("GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n"));
     let text = String::from_utf8_lossy(&response).to_string();
     let code = text
         .split_whitespace()
@@ -947,12 +944,24 @@ fn retention_drops_only_partitions_the_lake_holds_and_sends_their_reads_to_the_l
     );
     assert!(set.contains("leave the replicas 3s after"), "{set}");
     for batch in 0..5i64 {
-        insert_ids(rt, c, batch * 10..batch * 10 + 10, "old", &format!("o{batch}"));
+        insert_ids(
+            rt,
+            c,
+            batch * 10..batch * 10 + 10,
+            "old",
+            &format!("o{batch}"),
+        );
     }
     // `hot` gets rows every 300 ms: always newer than its last export.
     let mut hot = 0i64;
-    let mut insert_hot = |n: &mut i64| {
-        insert_ids(rt, c, 10_000 + *n * 5..10_000 + *n * 5 + 5, "hot", &format!("h{n}"));
+    let insert_hot = |n: &mut i64| {
+        insert_ids(
+            rt,
+            c,
+            10_000 + *n * 5..10_000 + *n * 5 + 5,
+            "hot",
+            &format!("h{n}"),
+        );
         *n += 1;
     };
     let deadline = Instant::now() + Duration::from_secs(90);
@@ -970,7 +979,11 @@ fn retention_drops_only_partitions_the_lake_holds_and_sends_their_reads_to_the_l
         let rows = count["rows"].as_u64().expect("rows");
         assert!(rows >= most && rows <= 50, "{body} after {most} rows");
         most = rows;
-        assert!(Instant::now() < deadline, "never retired: {}", http_get(&format!("{url}/status")));
+        assert!(
+            Instant::now() < deadline,
+            "never retired: {}",
+            http_get(&format!("{url}/status"))
+        );
         std::thread::sleep(Duration::from_millis(300));
     };
     let gone: serde_json::Value = serde_json::from_str(&gone).expect("410 body");
@@ -990,7 +1003,11 @@ fn retention_drops_only_partitions_the_lake_holds_and_sends_their_reads_to_the_l
         .collect();
     let mut old: Vec<i64> = ids_in(&files);
     old.sort_unstable();
-    assert_eq!(old, (0..50).collect::<Vec<_>>(), "the named files hold its rows once");
+    assert_eq!(
+        old,
+        (0..50).collect::<Vec<_>>(),
+        "the named files hold its rows once"
+    );
     let (code, body) = get_status(&url, "/tables/t/rows?partition=old");
     assert_eq!(code, 410, "{body}");
     // The partition receiving rows all along is still on the replicas.
@@ -1025,7 +1042,10 @@ fn retention_drops_only_partitions_the_lake_holds_and_sends_their_reads_to_the_l
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let (code, body) = get_status(&url, "/tables/t/count?partition=old");
-        assert_eq!(code, 410, "a partition with retired rows never reads as whole: {body}");
+        assert_eq!(
+            code, 410,
+            "a partition with retired rows never reads as whole: {body}"
+        );
         let gone: serde_json::Value = serde_json::from_str(&body).expect("410 body");
         let mut ids: Vec<i64> = lake_ids(&lake_url, &url)
             .into_iter()

@@ -82,10 +82,7 @@ impl InsertSink for MemWal {
             commit_lsn: Lsn(wal.len() as u64),
         })
     }
-    async fn retire(
-        &self,
-        retirement: ferry_wal::record::Retirement,
-    ) -> Result<Lsn, WriterError> {
+    async fn retire(&self, retirement: ferry_wal::record::Retirement) -> Result<Lsn, WriterError> {
         let mut wal = self.0.lock().expect("wal");
         Record::Retire(retirement).encode(&mut wal);
         Ok(Lsn(wal.len() as u64))

@@ -427,7 +427,12 @@ impl PeerCalls for HttpPeers {
         timeout: Duration,
     ) -> Result<Lsn, String> {
         let answer: serde_json::Value = self
-            .post(addr, &format!("/tables/{table}/retire"), retirement, timeout)
+            .post(
+                addr,
+                &format!("/tables/{table}/retire"),
+                retirement,
+                timeout,
+            )
             .await
             .map_err(|e| e.to_string())?;
         answer

@@ -2,7 +2,7 @@
 //! lake file of the replica's shard holds whole, on every replica alike
 //! whichever merges each already ran; parts holding rows no file holds stay;
 //! the retirement survives a restart and travels with a copy; applying it
-//! again changes nothing.
+//! again changes nothing; one from another destination drops nothing.
 
 #![allow(clippy::disallowed_methods, clippy::disallowed_types)] // a real temp dir
 
@@ -24,7 +24,10 @@ async fn open_as(disk: &Arc<dyn Disk>, dir: &str, replica: u32) -> Replica {
 
 fn file(p: &PartMeta, shard: Option<u32>) -> RetiredFile {
     RetiredFile {
-        path: format!("p={}/{}_{:08x}.parquet", p.name.partition_id, p.name, p.checksum),
+        path: format!(
+            "p={}/{}_{:08x}.parquet",
+            p.name.partition_id, p.name, p.checksum
+        ),
         part: p.name.to_string(),
         shard,
         rows: p.rows,
@@ -66,7 +69,12 @@ async fn a_retirement_drops_only_what_a_lake_file_holds_alike_on_every_replica()
     // 20 inserts of 10 rows over partitions x and y: x gets 20 level-0
     // parts, the first 16 merged into two level-1 parts.
     for i in 0..20i64 {
-        wal.insert(1, 0, &format!("k{i}"), rows(i * 10..i * 10 + 10, &["x", "y"]));
+        wal.insert(
+            1,
+            0,
+            &format!("k{i}"),
+            rows(i * 10..i * 10 + 10, &["x", "y"]),
+        );
     }
     let mut a = open_as(&disk, "a", 0).await;
     let mut b = open_as(&disk, "b", 1).await;
@@ -121,7 +129,12 @@ async fn a_retirement_drops_only_what_a_lake_file_holds_alike_on_every_replica()
 
     // Late rows into the retired partition, and the same retirement again.
     for i in 20..28i64 {
-        wal.insert(1, 0, &format!("k{i}"), rows(i * 10..i * 10 + 10, &["x", "y"]));
+        wal.insert(
+            1,
+            0,
+            &format!("k{i}"),
+            rows(i * 10..i * 10 + 10, &["x", "y"]),
+        );
     }
     retire(&mut wal, files[..2].to_vec());
     for r in [&mut a, &mut b] {
@@ -130,7 +143,35 @@ async fn a_retirement_drops_only_what_a_lake_file_holds_alike_on_every_replica()
     }
     assert_eq!(names(&a), names(&b));
     assert_eq!(rows_of(&a, "x"), unexported + 40);
-    assert_eq!(a.retired(1)[0].files, files[..2].to_vec(), "named again, kept once");
+    assert_eq!(
+        a.retired(1)[0].files,
+        files[..2].to_vec(),
+        "named again, kept once"
+    );
+
+    // A retirement from another destination drops nothing: the rows
+    // retired so far are in the first one only.
+    let late: Vec<RetiredFile> = a
+        .parts(1)
+        .iter()
+        .filter(|p| p.name.partition_id == "x")
+        .map(|p| file(p, Some(0)))
+        .collect();
+    Record::Retire(Retirement {
+        table_id: 1,
+        partition_id: "x".into(),
+        destination: "s3://other/t".into(),
+        format: "parquet".into(),
+        commit: "p=x/commit-000001.json".into(),
+        files: late,
+    })
+    .encode(&mut wal.bytes);
+    let kept = names(&a);
+    for r in [&mut a, &mut b] {
+        apply_rest(r, &wal).await;
+    }
+    assert_eq!(names(&a), kept);
+    assert_eq!(a.retired(1)[0].destination, "s3://lake/t");
 
     // A restart (the dropped files never removed) keeps them out.
     let before = names(&a);
@@ -138,7 +179,11 @@ async fn a_retirement_drops_only_what_a_lake_file_holds_alike_on_every_replica()
     drop(a);
     let a = open_as(&disk, "a", 0).await;
     assert_eq!(a.disk_consistent_lsn(), at);
-    assert_eq!(names(&a), before, "dropped parts found at open stay dropped");
+    assert_eq!(
+        names(&a),
+        before,
+        "dropped parts found at open stay dropped"
+    );
     assert_eq!(a.retired(1), b.retired(1));
 
     // A copy carries the retirement, not the dropped parts.

@@ -827,10 +827,7 @@ nullable = true
         assert_eq!(e.policy.map(|p| p.freshness_seconds), Some(5400));
         let e = ExportDefaults::from_json(br#"{"to": "file:///lake", "retention": "7d"}"#)
             .expect("valid");
-        assert_eq!(
-            e.policy.and_then(|p| p.retention_seconds),
-            Some(7 * 86_400)
-        );
+        assert_eq!(e.policy.and_then(|p| p.retention_seconds), Some(7 * 86_400));
         let def = TableDef::from_toml(&format!(
             "{GOOD}\n[export]\nto = \"s3://lake/events\"\nretention = \"2h\"\n"
         ))
@@ -855,9 +852,18 @@ nullable = true
                 r#"{"format": "parquet", "retention": "7d"}"#,
                 "export.retention",
             ),
-            (r#"{"to": "file:///lake", "retention": "0s"}"#, "export.retention"),
-            (r#"{"to": "file:///lake", "retention": -1}"#, "export.retention"),
-            (r#"{"to": "file:///lake", "retention": "soon"}"#, "export.retention"),
+            (
+                r#"{"to": "file:///lake", "retention": "0s"}"#,
+                "export.retention",
+            ),
+            (
+                r#"{"to": "file:///lake", "retention": -1}"#,
+                "export.retention",
+            ),
+            (
+                r#"{"to": "file:///lake", "retention": "soon"}"#,
+                "export.retention",
+            ),
             (r#"{"to": "/tmp/lake"}"#, "export.to"),
             (r#"{"to": "s3://"}"#, "export.to"),
             (r#"{"to": "file:///a\u0007b"}"#, "export.to"),

@@ -200,7 +200,11 @@ impl Replica {
         Ok(())
     }
 
-    pub(super) async fn table(&mut self, table_id: u64, lsn: Lsn) -> Result<TableRef, ReplicaError> {
+    pub(super) async fn table(
+        &mut self,
+        table_id: u64,
+        lsn: Lsn,
+    ) -> Result<TableRef, ReplicaError> {
         if let Some(t) = self.table_cache.get(&table_id) {
             return Ok(t.clone());
         }

@@ -172,9 +172,7 @@ pub(super) fn retire(
     let adopted: Vec<usize> = files
         .iter()
         .enumerate()
-        .filter(|(_, f)| {
-            dropped.iter().any(|d| inside(d, f)) || prior.iter().any(|p| inside(p, f))
-        })
+        .filter(|(_, f)| dropped.iter().any(|d| inside(d, f)) || prior.iter().any(|p| inside(p, f)))
         .map(|(i, _)| i)
         .collect();
     let absorbed = prior
@@ -253,16 +251,24 @@ mod tests {
 
     #[test]
     fn a_retirement_drops_only_parts_one_file_holds_whole() {
-        let logical: BTreeSet<PartName> =
-            [part(1, 8, 1), part(9, 9, 0), part(10, 17, 1), part(18, 18, 0)]
-                .into_iter()
-                .collect();
+        let logical: BTreeSet<PartName> = [
+            part(1, 8, 1),
+            part(9, 9, 0),
+            part(10, 17, 1),
+            part(18, 18, 0),
+        ]
+        .into_iter()
+        .collect();
         // The lake holds 1..=8 and 9 as one file, 10..=12 (a file older than
         // the merge 10..=17, which mixes exported and unexported blocks).
         let files = [part(1, 9, 2), part(10, 12, 1)];
         let r = retire(&logical, &[], &files);
         assert_eq!(r.dropped, vec![part(1, 8, 1), part(9, 9, 0)]);
-        assert_eq!(r.adopted, vec![0], "a file no dropped part lies in is not retired");
+        assert_eq!(
+            r.adopted,
+            vec![0],
+            "a file no dropped part lies in is not retired"
+        );
         assert!(r.absorbed.is_empty());
         // Nothing of ours in the lake: nothing leaves.
         assert_eq!(retire(&logical, &[], &[part(30, 40, 1)]), Retire::default());

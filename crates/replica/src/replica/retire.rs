@@ -8,7 +8,9 @@
 //! drops the same parts, whichever merges each already ran. A part is
 //! dropped only when its blocks lie inside one file of its shard: a row
 //! that no lake file holds is never dropped (the retention gate, enforced
-//! where the rows leave). What was dropped stays in the state as the
+//! where the rows leave). A partition's retired rows live in one
+//! destination: a retirement naming another drops nothing. What was
+//! dropped stays in the state as the
 //! partition's retired files: snapshots list them (so an export carries
 //! them and never takes them out of the lake), reads of the partition are
 //! sent to the lake, and a copy of the replica carries them.
@@ -136,6 +138,15 @@ impl Replica {
             .retired
             .iter()
             .position(|p| p.table_id == r.table_id && p.partition_id == r.partition_id);
+        // A partition's retired rows live in one destination: the files of
+        // another do not hold them (an export there cannot carry them), so
+        // a retirement from another destination drops nothing.
+        if let Some(i) = at {
+            if self.state.retired[i].destination != r.destination {
+                tracing::warn!(%lsn, partition = %r.partition_id, retired_to = %self.state.retired[i].destination, destination = %r.destination, "a retirement from another destination than the partition's is ignored");
+                return Ok(());
+            }
+        }
         let prior: Vec<RetiredFile> = at
             .map(|i| self.state.retired[i].files.clone())
             .unwrap_or_default();

@@ -375,6 +375,8 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         crashes: 0,
         iceberg,
         upkeep_rng,
+        retire_rng: SmallRng::seed_from_u64(seed ^ 0x7265_7469_7265_2121),
+        retirements: 0,
     };
     sim.log(format!("seed {seed}: {} events", events.len()));
     if iceberg {
@@ -425,11 +427,13 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
             sim.maybe_expire_snapshots().await;
         }
         tokio::time::sleep_until(due).await;
+        sim.maybe_retire().await;
         sim.log(format!("{event:?}"));
         sim.apply(event).await?;
     }
     let checker = sim.settle().await?;
     let (completed, killed, snapshots) = sim.check(&checker).await?;
+    let retired_rows = sim.check_retention().await?;
     sim.log(format!(
         "settled: {} exports asked, {completed} commit files checked, {snapshots} Iceberg snapshots checked, {killed} killed",
         sim.asked.len()
@@ -444,5 +448,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         killed,
         crashes: sim.crashes,
         injected_object_faults,
+        retirements: sim.retirements,
+        retired_rows,
     })
 }

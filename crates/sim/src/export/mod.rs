@@ -31,7 +31,12 @@
 //!   contiguous (none overwritten); a COMPLETED export was committed, or
 //!   its content or a later export of the partition already was;
 //! * no lock of the export protocol (cleanup, commit and part locks, worker
-//!   registrations) outlives its owner's session.
+//!   registrations) outlives its owner's session;
+//! * retention (`retention`): before some events the schedule retires a
+//!   partition from the replicas by the files of a destination's current
+//!   commit; every node then holds each partition's rows exactly once
+//!   between its parts and its retired files, and every retired file is in
+//!   the current commit of its destination.
 //!
 //! * `schedule`: the events and how a seed draws them;
 //! * `nodes`: starting and crashing the nodes (replica node, exporter and
@@ -44,6 +49,7 @@ mod checks;
 mod driver;
 mod iceberg;
 mod nodes;
+mod retention;
 mod schedule;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -131,6 +137,10 @@ pub struct Outcome {
     pub killed: usize,
     pub crashes: usize,
     pub injected_object_faults: u64,
+    /// Retire records appended, and rows the first node holds as retired
+    /// files at the end.
+    pub retirements: usize,
+    pub retired_rows: u64,
 }
 
 /// The export workload, as the seed harness runs it.
@@ -156,6 +166,10 @@ impl crate::seeds::Workload for Export {
             format!("{} killed", o.killed),
             format!("{} crashes", o.crashes),
             format!("{} object faults", o.injected_object_faults),
+            format!(
+                "{} retirements ({} rows retired)",
+                o.retirements, o.retired_rows
+            ),
         ]
     }
 
@@ -167,6 +181,11 @@ impl crate::seeds::Workload for Export {
             format!("{} Iceberg snapshots checked", sum(|o| o.snapshots)),
             format!("{} killed", sum(|o| o.killed)),
             format!("{} crashes", sum(|o| o.crashes)),
+            format!("{} retirements", sum(|o| o.retirements)),
+            format!(
+                "{} rows retired",
+                outcomes.iter().map(|o| o.retired_rows).sum::<u64>()
+            ),
         ]
     }
 }
@@ -192,6 +211,9 @@ struct Sim {
     /// the world's generator so that Parquet runs draw what they drew
     /// before Iceberg existed.
     upkeep_rng: SmallRng,
+    /// Draws the retirements (retention), apart from the others likewise.
+    retire_rng: SmallRng,
+    retirements: usize,
 }
 
 impl Sim {
