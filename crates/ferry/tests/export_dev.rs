@@ -1026,6 +1026,11 @@ fn retention_drops_only_partitions_the_lake_holds_and_sends_their_reads_to_the_l
         status["export_policies"]["t"]["retirements"].as_u64() >= Some(1),
         "{status}"
     );
+    let metrics = http_get(&format!("{url}/metrics"));
+    assert!(
+        metrics.contains("ferry_export_policy_retirements_total{table=\"t\"}"),
+        "{metrics}"
+    );
 
     // A forced export would rewrite the partition from replicas that no
     // longer hold its rows: refused.

@@ -352,6 +352,12 @@ pub fn replica(status: &ferry_replica::ReplicaStatus) -> Vec<Sample> {
             &labels,
             status.parts as f64,
         ),
+        counter(
+            "ferry_replica_rows_retired",
+            "Rows retention dropped from a replica (they are in the lake) since it started",
+            &labels,
+            status.rows_retired as f64,
+        ),
     ]
 }
 
@@ -443,6 +449,12 @@ pub fn export_policies(status: &ferry_export::policy::PolicyStatus) -> Vec<Sampl
             "Export tasks a table's export policy created on this node",
             &labels,
             t.exports_requested as f64,
+        ));
+        out.push(counter(
+            "ferry_export_policy_retirements",
+            "Retirements (retention) a table's export policy had written on this node",
+            &labels,
+            t.retirements as f64,
         ));
     }
     out
