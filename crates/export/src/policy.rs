@@ -301,6 +301,9 @@ pub struct TablePolicyStatus {
     pub retention_seconds: Option<u64>,
     #[serde(default)]
     pub retirements: u64,
+    /// Orphan data files this node's upkeep removed (since it started).
+    #[serde(default)]
+    pub orphans_removed: u64,
     pub last_round_unix_ms: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
@@ -428,6 +431,7 @@ impl PolicyRunner {
                 exports_requested: previous.exports_requested,
                 retention_seconds: policy.retention_seconds,
                 retirements: previous.retirements,
+                orphans_removed: previous.orphans_removed,
                 ..TablePolicyStatus::default()
             };
             match take_lock(&session, name, &self.replica_name).await {
@@ -543,6 +547,13 @@ impl PolicyRunner {
                     if let Err(e) = expired {
                         errors.push(format!("expiring superseded commits: {e}"));
                     }
+                    match self
+                        .remove_orphans(session, name, policy, format, &location, cut_ms)
+                        .await
+                    {
+                        Ok(n) => st.orphans_removed += n,
+                        Err(e) => errors.push(format!("removing orphan data files: {e}")),
+                    }
                 }
                 Err(e) => errors.push(format!("opening {}: {e}", policy.to)),
             }
@@ -601,6 +612,66 @@ impl PolicyRunner {
         } else {
             Err(errors.join("; "))
         }
+    }
+
+    /// Removes the destination's data files no commit (or snapshot) lists
+    /// that were last modified before `cut_ms` (those only expired commits
+    /// listed, uploads of exports killed or failed), but only in a round
+    /// when no export of the table to it is in flight: an export's uploads
+    /// are orphans until its commit lands, and one in flight may have
+    /// uploaded before the cut. An export created after the check uploads
+    /// after it, past the cut. Answers how many went.
+    async fn remove_orphans(
+        &self,
+        session: &Session,
+        table: &str,
+        policy: &ExportPolicy,
+        format: LakeFormat,
+        location: &ferry_storage::Location,
+        cut_ms: u64,
+    ) -> Result<u64, String> {
+        let keys = match session.children(&crate::model::exports_path(table)).await {
+            Ok((keys, _)) => keys,
+            Err(CoordError::NoNode { .. }) => Vec::new(),
+            Err(e) => return Err(e.to_string()),
+        };
+        for key in keys {
+            let key = crate::model::TaskKey {
+                table: table.to_string(),
+                key,
+            };
+            let head = crate::task::read_head(session, &key)
+                .await
+                .map_err(|e| e.to_string())?;
+            let Some(head) = head else { continue };
+            // A task being created (no metadata yet) may be of any
+            // destination: it counts as in flight.
+            let ours = head
+                .metadata
+                .as_ref()
+                .is_none_or(|m| m.destination == policy.to);
+            if ours && !head.status.is_some_and(|s| s.is_terminal()) {
+                return Ok(0);
+            }
+        }
+        let cut = i64::try_from(cut_ms).unwrap_or(i64::MAX);
+        let removed = match format {
+            LakeFormat::Parquet => crate::upkeep::remove_orphans(location, cut)
+                .await
+                .map_err(|e| e.to_string())?
+                .removed
+                .len(),
+            LakeFormat::Iceberg => ferry_iceberg::IcebergTable::new(location.clone())
+                .remove_orphans(cut)
+                .await
+                .map_err(|e| e.to_string())?
+                .removed
+                .len(),
+        };
+        if removed > 0 {
+            tracing::info!(%table, destination = %policy.to, removed, "export policy: orphan data files removed");
+        }
+        Ok(removed as u64)
     }
 
     /// Retention: a partition leaves the replicas when the destination's

@@ -921,13 +921,24 @@ fn get_status(url: &str, path: &str) -> (u16, String) {
 /// stays. Reads of the retired partition answer 410 naming the lake files,
 /// which hold its rows once; rows inserted into it later reach the lake
 /// beside them (each row once), and it is retired again; a forced export of
-/// it is refused.
+/// it is refused. The policy's upkeep removes an old orphan data file.
 #[test]
 fn retention_drops_only_partitions_the_lake_holds_and_sends_their_reads_to_the_lake() {
     let dev = Dev::start(&table_toml("t", 1));
     let (rt, c, url) = (&dev.rt, &dev.client, dev.url.clone());
     let lake = dev.data.join("lake/kept");
     let lake_url = format!("file://{}", lake.display());
+    // A data file no commit lists, last modified an hour ago (an upload of
+    // an export that never committed): the policy's upkeep removes it.
+    let orphan = lake.join("p=old/old_1_1_0_00000000.parquet");
+    std::fs::create_dir_all(orphan.parent().expect("dir")).expect("mkdir");
+    std::fs::write(&orphan, b"PAR1 not a real file").expect("orphan");
+    let touched = Command::new("touch")
+        .args(["-d", "1 hour ago"])
+        .arg(&orphan)
+        .status()
+        .expect("touch");
+    assert!(touched.success());
     let set = ferry_ok(
         &[
             "table",
@@ -1024,6 +1035,11 @@ fn retention_drops_only_partitions_the_lake_holds_and_sends_their_reads_to_the_l
     }
     assert!(
         status["export_policies"]["t"]["retirements"].as_u64() >= Some(1),
+        "{status}"
+    );
+    assert!(!orphan.exists(), "the old orphan is still there");
+    assert!(
+        status["export_policies"]["t"]["orphans_removed"].as_u64() >= Some(1),
         "{status}"
     );
     let metrics = http_get(&format!("{url}/metrics"));
