@@ -514,12 +514,7 @@ impl PolicyRunner {
         if now_ms.saturating_sub(state.last_upkeep_ms) >= UPKEEP_INTERVAL.as_millis() as u64 {
             state.last_upkeep_ms = now_ms;
             let cut_ms = now_ms.saturating_sub(SUPERSEDED_COMMIT_GRACE.as_millis() as u64);
-            let format = table
-                .def
-                .export
-                .as_ref()
-                .map(|e| e.format)
-                .unwrap_or_default();
+            let format = format_of(table);
             match self.destinations.open(&policy.to) {
                 Ok(location) => {
                     let expired = match format {
@@ -706,12 +701,7 @@ impl PolicyRunner {
         if candidates.is_empty() {
             return Ok(());
         }
-        let format = table
-            .def
-            .export
-            .as_ref()
-            .map(|e| e.format)
-            .unwrap_or_default();
+        let format = format_of(table);
         let location = self
             .destinations
             .open(&policy.to)
@@ -742,29 +732,7 @@ impl PolicyRunner {
             if rows != current.rows || crate::request::lacks(&current, &snapshot).is_some() {
                 continue;
             }
-            let files: Vec<RetiredFile> = current
-                .data_files
-                .iter()
-                .filter_map(|f| {
-                    Some(RetiredFile {
-                        part: crate::lake::part_of(&f.path)?.to_string(),
-                        path: f.path.clone(),
-                        shard: f.shard,
-                        rows: f.rows,
-                        bytes: f.bytes,
-                        checksum: f.checksum,
-                    })
-                })
-                .take(MAX_RETIRED_FILES)
-                .collect();
-            let retirement = Retirement {
-                table_id: table.id,
-                partition_id: partition.clone(),
-                destination: policy.to.clone(),
-                format: format.to_string(),
-                commit: current.key.clone(),
-                files,
-            };
+            let retirement = retirement_of(table.id, &partition, &policy.to, format, &current);
             match (self.retire)(name.clone(), retirement).await {
                 Ok(lsn) => {
                     st.retirements += 1;
@@ -778,6 +746,51 @@ impl PolicyRunner {
         } else {
             Err(errors.join("; "))
         }
+    }
+}
+
+/// The format a table's exports take.
+fn format_of(table: &Table) -> LakeFormat {
+    table
+        .def
+        .export
+        .as_ref()
+        .map(|e| e.format)
+        .unwrap_or_default()
+}
+
+/// The retirement of `partition` by the files of `current`, its current
+/// commit in `destination`: what each replica drops only parts of (files
+/// that name no part are left out: they hold no part a replica has).
+pub fn retirement_of(
+    table_id: u64,
+    partition: &str,
+    destination: &str,
+    format: LakeFormat,
+    current: &crate::lake::CurrentCommit,
+) -> Retirement {
+    let files: Vec<RetiredFile> = current
+        .data_files
+        .iter()
+        .filter_map(|f| {
+            Some(RetiredFile {
+                part: crate::lake::part_of(&f.path)?.to_string(),
+                path: f.path.clone(),
+                shard: f.shard,
+                rows: f.rows,
+                bytes: f.bytes,
+                checksum: f.checksum,
+            })
+        })
+        .take(MAX_RETIRED_FILES)
+        .collect();
+    Retirement {
+        table_id,
+        partition_id: partition.to_string(),
+        destination: destination.to_string(),
+        format: format.to_string(),
+        commit: current.key.clone(),
+        files,
     }
 }
 

@@ -435,11 +435,7 @@ impl PeerCalls for HttpPeers {
             )
             .await
             .map_err(|e| e.to_string())?;
-        answer
-            .get("commit_lsn")
-            .and_then(|v| v.as_str())
-            .and_then(|s| s.parse::<Lsn>().ok())
-            .ok_or_else(|| "no commit_lsn in its answer".to_string())
+        commit_lsn_in(&answer).ok_or_else(|| "no commit_lsn in its answer".to_string())
     }
 
     async fn writer_commit_lsn(&self, addr: &str, timeout: Duration) -> Result<Lsn, String> {
@@ -447,10 +443,14 @@ impl PeerCalls for HttpPeers {
             .get(addr, "/status", timeout)
             .await
             .map_err(|e| e.to_string())?;
-        status
-            .get("commit_lsn")
-            .and_then(|v| v.as_str())
-            .and_then(|s| s.parse::<Lsn>().ok())
-            .ok_or_else(|| "no commit_lsn in its status".to_string())
+        commit_lsn_in(&status).ok_or_else(|| "no commit_lsn in its status".to_string())
     }
+}
+
+/// The `commit_lsn` field of a writer's answer.
+fn commit_lsn_in(answer: &serde_json::Value) -> Option<Lsn> {
+    answer
+        .get("commit_lsn")
+        .and_then(|v| v.as_str())
+        .and_then(|s| s.parse::<Lsn>().ok())
 }

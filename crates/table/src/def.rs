@@ -246,34 +246,14 @@ impl ExportDefaults {
             }
             None => LakeFormat::default(),
         };
-        let freshness = match raw.freshness {
-            None => None,
-            Some(RawDuration::Seconds(s)) if s >= 0 => Some(s as u64),
-            Some(RawDuration::Seconds(s)) => {
-                return Err(DefError::new(
-                    "export.freshness",
-                    format!("{s} is negative"),
-                ))
-            }
-            Some(RawDuration::Text(t)) => Some(
-                parse_duration_seconds(&t)
-                    .map_err(|reason| DefError::new("export.freshness", reason))?,
-            ),
-        };
-        let retention = match raw.retention {
-            None => None,
-            Some(RawDuration::Seconds(s)) if s >= 0 => Some(s as u64),
-            Some(RawDuration::Seconds(s)) => {
-                return Err(DefError::new(
-                    "export.retention",
-                    format!("{s} is negative"),
-                ))
-            }
-            Some(RawDuration::Text(t)) => Some(
-                parse_duration_seconds(&t)
-                    .map_err(|reason| DefError::new("export.retention", reason))?,
-            ),
-        };
+        let freshness = raw
+            .freshness
+            .map(|d| d.seconds("export.freshness"))
+            .transpose()?;
+        let retention = raw
+            .retention
+            .map(|d| d.seconds("export.retention"))
+            .transpose()?;
         if let Some(r) = retention {
             if !(MIN_RETENTION_SECONDS..=MAX_RETENTION_SECONDS).contains(&r) {
                 return Err(DefError::new(
@@ -437,6 +417,20 @@ pub struct RawExport {
 enum RawDuration {
     Seconds(i64),
     Text(String),
+}
+
+impl RawDuration {
+    /// Whole seconds, or an error naming `field`.
+    fn seconds(self, field: &str) -> Result<u64, DefError> {
+        match self {
+            RawDuration::Seconds(s) => {
+                u64::try_from(s).map_err(|_| DefError::new(field, format!("{s} is negative")))
+            }
+            RawDuration::Text(t) => {
+                parse_duration_seconds(&t).map_err(|reason| DefError::new(field, reason))
+            }
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]

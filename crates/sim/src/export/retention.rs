@@ -20,7 +20,7 @@ use arrow::datatypes::Int64Type;
 use bytes::Bytes;
 use ferry_export::Destinations;
 use ferry_storage::Location;
-use ferry_wal::record::{Record, RetiredFile, Retirement};
+use ferry_wal::record::Record;
 use ferry_wal::Lsn;
 use rand::Rng;
 use tokio::time::Instant;
@@ -57,36 +57,21 @@ impl Sim {
                 return;
             }
         };
-        let files: Vec<RetiredFile> = current
-            .data_files
-            .iter()
-            .filter_map(|f| {
-                Some(RetiredFile {
-                    part: ferry_export::lake::part_of(&f.path)?.to_string(),
-                    path: f.path.clone(),
-                    shard: f.shard,
-                    rows: f.rows,
-                    bytes: f.bytes,
-                    checksum: f.checksum,
-                })
-            })
-            .collect();
+        let retirement = ferry_export::policy::retirement_of(
+            TABLE_ID,
+            partition,
+            DESTINATIONS[d],
+            self.format_of(d),
+            &current,
+        );
         self.log(format!(
             "retire {partition} from {} at {}: {} files, {} rows",
             DESTINATIONS[d],
             self.wal.len(),
-            files.len(),
+            retirement.files.len(),
             current.rows
         ));
-        Record::Retire(Retirement {
-            table_id: TABLE_ID,
-            partition_id: partition.to_string(),
-            destination: DESTINATIONS[d].to_string(),
-            format: self.format_of(d).to_string(),
-            commit: current.key,
-            files,
-        })
-        .encode(&mut self.wal);
+        Record::Retire(retirement).encode(&mut self.wal);
         self.retirements += 1;
         self.fed.send_replace(Bytes::copy_from_slice(&self.wal));
     }
