@@ -31,6 +31,7 @@ const KIND_INSERT: u8 = 1;
 const INSERT_FIXED_BYTES: usize = 8 + 8 + 4 + 2 + 2;
 const KIND_SHUTDOWN_CHECKPOINT: u8 = 2;
 const KIND_RETIRE: u8 = 3;
+const KIND_COMPACT: u8 = 4;
 
 /// A decoded record.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,6 +58,15 @@ pub enum Record {
     /// replica (a table's retention). Replicas apply it at its position, like
     /// a merge decision, so every replica of a shard drops the same parts.
     Retire(Retirement),
+    /// Compaction of a partition whose rows stopped changing: replicas
+    /// merge runs of its consecutive parts up to `target_rows` rows each,
+    /// decided at this position like any merge, so the lake (which mirrors
+    /// the parts by increments) ends with files near its target size.
+    Compact {
+        table_id: u64,
+        partition_id: String,
+        target_rows: u64,
+    },
 }
 
 /// What a retirement names: the lake files of a partition's current commit,
@@ -91,6 +101,9 @@ pub struct RetiredFile {
     /// Checksum of its rows, as in the part's footer.
     pub checksum: u32,
 }
+
+/// The longest partition id a compaction names.
+pub const MAX_COMPACT_PARTITION_BYTES: usize = 1024;
 
 /// Files a retirement names at most (a partition's files in one commit).
 pub const MAX_RETIRED_FILES: usize = 100_000;
@@ -142,6 +155,21 @@ impl Record {
                 out.put_u8(KIND_SHUTDOWN_CHECKPOINT);
                 out.put_bytes(0, 7);
                 out.put_u64_le(*term);
+            }
+            Record::Compact {
+                table_id,
+                partition_id,
+                target_rows,
+            } => {
+                assert!(
+                    partition_id.len() <= MAX_COMPACT_PARTITION_BYTES,
+                    "partition ids are bounded before they reach a record"
+                );
+                out.put_u8(KIND_COMPACT);
+                out.put_bytes(0, 7);
+                out.put_u64_le(*table_id);
+                out.put_u64_le(*target_rows);
+                out.put_slice(partition_id.as_bytes());
             }
             Record::Retire(r) => {
                 assert!(
@@ -244,6 +272,20 @@ pub fn decode(buf: &Bytes) -> Result<(Record, usize), RecordError> {
                 term: body.get_u64_le(),
             }
         }
+        KIND_COMPACT => {
+            if body.len() < 16 || body.len() > 16 + MAX_COMPACT_PARTITION_BYTES {
+                return Err(RecordError::Malformed("compact"));
+            }
+            let table_id = body.get_u64_le();
+            let target_rows = body.get_u64_le();
+            let partition_id = String::from_utf8(body.to_vec())
+                .map_err(|_| RecordError::Malformed("compact"))?;
+            Record::Compact {
+                table_id,
+                partition_id,
+                target_rows,
+            }
+        }
         KIND_RETIRE => {
             let r: Retirement =
                 postcard::from_bytes(&body).map_err(|_| RecordError::Malformed("retire"))?;
@@ -304,6 +346,13 @@ mod tests {
         let mut one = BytesMut::new();
         let lc = c.encode(&mut one);
         assert_eq!(decode(&one.freeze()).expect("c"), (c, lc));
+        let d = Record::Compact {
+            table_id: 7,
+            partition_id: "2024-06-01".into(),
+            target_rows: 1 << 20,
+        };
+        let bytes = d.to_bytes();
+        assert_eq!(decode(&bytes).expect("d"), (d, bytes.len()));
         assert_eq!(la, Record::insert_len(5, 11));
         let all = buf.freeze();
         assert_eq!(decode(&all).expect("a"), (a, la));

@@ -233,6 +233,15 @@ impl Replica {
                 arrow_ipc,
             } => (table_id, shard, block_number, idempotency_key, arrow_ipc),
             Record::Retire(r) => return self.apply_retirement(lsn, r).await,
+            Record::Compact {
+                table_id,
+                partition_id,
+                target_rows,
+            } => {
+                return self
+                    .apply_compaction(lsn, table_id, &partition_id, target_rows)
+                    .await
+            }
             Record::ShutdownCheckpoint { .. } => return Ok(()),
         };
         if !decide::is_ours(self.state.shard, ALL_SHARDS, shard) {

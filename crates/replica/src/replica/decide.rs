@@ -139,6 +139,48 @@ pub(super) fn merges(table_id: u64, partition: &str, logical: BTreeSet<PartName>
     }
 }
 
+/// A compaction, a function of the applied WAL alone: the partition's
+/// logical parts (`parts`: name and rows, any order) in block order, cut
+/// into runs of consecutive parts of at most `target_rows` rows together;
+/// each run of two or more becomes one part a level above its highest.
+/// Parts already at the target stay alone, so compacting again decides
+/// nothing.
+pub(super) fn compaction(
+    table_id: u64,
+    partition: &str,
+    mut parts: Vec<(PartName, u64)>,
+    target_rows: u64,
+) -> Vec<Merge> {
+    parts.sort_by_key(|(n, _)| n.min_block);
+    let mut decided = Vec::new();
+    let mut run: Vec<(PartName, u64)> = Vec::new();
+    let close = |run: &mut Vec<(PartName, u64)>, decided: &mut Vec<Merge>| {
+        if run.len() >= 2 {
+            let sources: Vec<PartName> = run.iter().map(|(n, _)| n.clone()).collect();
+            decided.push(Merge {
+                table_id,
+                result: PartName {
+                    partition_id: partition.to_string(),
+                    min_block: sources[0].min_block,
+                    max_block: sources[sources.len() - 1].max_block,
+                    level: sources.iter().map(|n| n.level).max().unwrap_or(0) + 1,
+                },
+                sources,
+            });
+        }
+        run.clear();
+    };
+    for (name, rows) in parts {
+        let total: u64 = run.iter().map(|(_, r)| r).sum();
+        if !run.is_empty() && total.saturating_add(rows) > target_rows {
+            close(&mut run, &mut decided);
+        }
+        run.push((name, rows));
+    }
+    close(&mut run, &mut decided);
+    decided
+}
+
 /// What a retirement does to a partition, a function of the applied WAL
 /// alone (see `retire`).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -247,6 +289,27 @@ mod tests {
         assert!(is_ours(3, u32::MAX, 3));
         assert!(!is_ours(3, u32::MAX, 2));
         assert!(is_ours(u32::MAX, u32::MAX, 2));
+    }
+
+    #[test]
+    fn a_compaction_merges_runs_of_consecutive_parts_up_to_the_target() {
+        let parts = vec![
+            (part(1, 8, 1), 80),
+            (part(9, 9, 0), 10),
+            (part(10, 10, 0), 10),
+            (part(11, 18, 1), 200),
+            (part(19, 19, 0), 10),
+            (part(20, 20, 0), 10),
+        ];
+        let m = compaction(7, "202406", parts, 100);
+        assert_eq!(m.len(), 2);
+        assert_eq!(m[0].result, part(1, 10, 2));
+        assert_eq!(m[0].sources.len(), 3);
+        // A part over the target stays alone; the run after it merges.
+        assert_eq!(m[1].result, part(19, 20, 1));
+        // Compacting the result again decides nothing.
+        let again = vec![(part(1, 10, 2), 100), (part(11, 18, 1), 200), (part(19, 20, 1), 20)];
+        assert!(compaction(7, "202406", again, 100).is_empty());
     }
 
     #[test]

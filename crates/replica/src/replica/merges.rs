@@ -61,6 +61,59 @@ impl Replica {
         names
     }
 
+    /// Applies a compaction record at `lsn` ([`decide::compaction`]):
+    /// merges decided like the policy's, in the same order on every
+    /// replica. Unknown or dropped tables change nothing but stop nothing
+    /// either (a compaction is advice, not data).
+    pub(super) async fn apply_compaction(
+        &mut self,
+        lsn: ferry_wal::Lsn,
+        table_id: u64,
+        partition: &str,
+        target_rows: u64,
+    ) -> Result<(), ReplicaError> {
+        if !matches!(
+            self.table(table_id, lsn).await?,
+            super::TableRef::Known(_)
+        ) {
+            return Ok(());
+        }
+        // Parts of records applied before it count like any other.
+        self.sync_parts().await?;
+        let mut rows: std::collections::BTreeMap<PartName, u64> = self
+            .parts
+            .get(&table_id)
+            .into_iter()
+            .flat_map(|p| p.iter())
+            .filter(|(n, _)| n.partition_id == partition)
+            .map(|(n, m)| (n.clone(), m.rows))
+            .collect();
+        for m in self
+            .state
+            .merges
+            .iter()
+            .filter(|m| m.table_id == table_id && m.result.partition_id == partition)
+        {
+            let total = m.sources.iter().map(|s| rows.get(s).copied().unwrap_or(0)).sum();
+            rows.insert(m.result.clone(), total);
+        }
+        let logical: Vec<(PartName, u64)> = self
+            .logical_parts(table_id, partition)
+            .into_iter()
+            .map(|n| {
+                let r = rows.get(&n).copied().unwrap_or(0);
+                (n, r)
+            })
+            .collect();
+        let decided = decide::compaction(table_id, partition, logical, target_rows.max(1));
+        if !decided.is_empty() {
+            let n = decided.len() as u64;
+            self.state.merges.extend(decided);
+            self.status.send_modify(|s| s.compactions_decided += n);
+        }
+        Ok(())
+    }
+
     /// Decides the merges the part just added to `partition` makes due
     /// ([`decide::merges`], the policy), in the order decided. Called after
     /// every part a record adds, so every replica decides the same merges at

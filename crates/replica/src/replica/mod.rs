@@ -155,6 +155,8 @@ pub struct ReplicaStatus {
     pub retirements_applied: u64,
     pub parts_retired: u64,
     pub rows_retired: u64,
+    /// Merges compaction records decided since the replica opened.
+    pub compactions_decided: u64,
     /// Why the replica stopped, if it did.
     pub error: Option<String>,
 }
@@ -322,6 +324,7 @@ impl Replica {
             retirements_applied: 0,
             parts_retired: 0,
             rows_retired: 0,
+            compactions_decided: 0,
             error: None,
         };
         let (status, _) = watch::channel(status);
