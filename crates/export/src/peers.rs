@@ -130,13 +130,13 @@ pub trait PeerCalls: Send + Sync {
     async fn unpin(&self, addr: &str, body: &UnpinBody, timeout: Duration) -> Result<(), String>;
     /// A writer's `commit_lsn` now (from its `GET /status`).
     async fn writer_commit_lsn(&self, addr: &str, timeout: Duration) -> Result<Lsn, String>;
-    /// Has a writer append a retirement of `table` (`POST /tables/<t>/retire`);
-    /// its end once committed.
-    async fn writer_retire(
+    /// Has a writer append an upkeep record of `table` (`POST
+    /// /tables/<t>/maintenance`); its end once committed.
+    async fn writer_maintain(
         &self,
         addr: &str,
         table: &str,
-        retirement: &ferry_wal::record::Retirement,
+        record: &ferry_wal::record::Maintenance,
         timeout: Duration,
     ) -> Result<Lsn, String>;
 }
@@ -153,8 +153,8 @@ pub struct Peers {
 const PEER_MARGIN: Duration = Duration::from_secs(10);
 /// How long a writer may take to tell its commit position.
 const WRITER_STATUS_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long a writer may take to commit a retirement.
-const RETIRE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a writer may take to commit an upkeep record.
+const MAINTAIN_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a replica may take to release an export's pins.
 const UNPIN_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -269,19 +269,19 @@ impl Peers {
 }
 
 impl Peers {
-    /// Has the live writer append a retirement (the writers registered are
-    /// asked in turn: during a takeover the superseded one refuses).
-    pub async fn retire(
+    /// Has the live writer append an upkeep record (the writers registered
+    /// are asked in turn: during a takeover the superseded one refuses).
+    pub async fn maintain(
         &self,
         table: &str,
-        retirement: &ferry_wal::record::Retirement,
+        record: &ferry_wal::record::Maintenance,
     ) -> Result<Lsn, String> {
         let writers = self.registered(WRITERS, "").await?;
         let mut errors = Vec::new();
         for (node, w) in writers {
             match self
                 .calls
-                .writer_retire(&w.http, table, retirement, RETIRE_TIMEOUT)
+                .writer_maintain(&w.http, table, record, MAINTAIN_TIMEOUT)
                 .await
             {
                 Ok(lsn) => return Ok(lsn),
@@ -289,7 +289,7 @@ impl Peers {
             }
         }
         Err(if errors.is_empty() {
-            "no writer is registered; retention waits for one".to_string()
+            "no writer is registered; table upkeep waits for one".to_string()
         } else {
             format!("no writer committed it ({})", errors.join("; "))
         })

@@ -29,7 +29,7 @@ use ferry_coord::{CoordError, CreateMode, RenewingSession, Session, SessionFacto
 use ferry_env::Clock;
 use ferry_table::def::{ExportPolicy, LakeFormat};
 use ferry_table::Table;
-use ferry_wal::record::{RetiredFile, Retirement, MAX_RETIRED_FILES};
+use ferry_wal::record::{Compaction, Maintenance, RetiredFile, Retirement, MAX_RETIRED_FILES};
 use ferry_wal::Lsn;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
@@ -65,10 +65,11 @@ pub const UPKEEP_INTERVAL: Duration = Duration::from_secs(60);
 pub type CommitPosition =
     Arc<dyn Fn() -> futures::future::BoxFuture<'static, Result<Lsn, String>> + Send + Sync>;
 
-/// How a policy has a retirement written to the WAL (by a writer, for
-/// table `name`); resolves with the record's end once it is committed.
-pub type RetireSink = Arc<
-    dyn Fn(String, Retirement) -> futures::future::BoxFuture<'static, Result<Lsn, String>>
+/// How a policy has an upkeep record (a retirement, a compaction) written
+/// to the WAL (by a writer, for table `name`); resolves with the record's
+/// end once it is committed.
+pub type MaintenanceSink = Arc<
+    dyn Fn(String, Maintenance) -> futures::future::BoxFuture<'static, Result<Lsn, String>>
         + Send
         + Sync,
 >;
@@ -93,6 +94,10 @@ struct PartitionState {
     last_asked_ms: Option<u64>,
     /// When this node last checked it for retention (unix ms).
     retire_checked_ms: Option<u64>,
+    /// The content this node saw last, and since when (unix ms).
+    seen: Option<(String, u64)>,
+    /// The content a compaction was considered for.
+    compaction_considered: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -142,6 +147,9 @@ impl TablePolicy {
         let mut out = Vec::new();
         for (partition, content) in contents {
             let st = self.partitions.entry(partition.clone()).or_default();
+            if st.seen.as_ref().is_none_or(|(c, _)| c != content) {
+                st.seen = Some((content.clone(), now_ms));
+            }
             if let Some(asked) = &st.requested {
                 match status_of(&asked.transaction_id) {
                     Some(TaskStatus::Completed) => {
@@ -241,6 +249,37 @@ impl TablePolicy {
         out
     }
 
+    /// Partitions to consider for compaction now: the lake holds their
+    /// content, which has not changed for `idle_ms` (the partition stopped
+    /// receiving rows, and its parts their merges), and which was not
+    /// considered before.
+    pub fn compaction_candidates(
+        &mut self,
+        now_ms: u64,
+        contents: &BTreeMap<String, String>,
+        idle_ms: u64,
+    ) -> Vec<String> {
+        let mut out = Vec::new();
+        for (partition, content) in contents {
+            let Some(st) = self.partitions.get_mut(partition) else {
+                continue;
+            };
+            let idle = st
+                .seen
+                .as_ref()
+                .is_some_and(|(c, t)| c == content && now_ms.saturating_sub(*t) >= idle_ms);
+            if idle
+                && st.in_lake.as_ref() == Some(content)
+                && st.requested.is_none()
+                && st.compaction_considered.as_ref() != Some(content)
+            {
+                st.compaction_considered = Some(content.clone());
+                out.push(partition.clone());
+            }
+        }
+        out
+    }
+
     /// Age of the oldest change not yet in the lake (0 when none), and how
     /// many partitions are behind.
     pub fn lag(&self, now_ms: u64) -> (u64, usize) {
@@ -304,6 +343,9 @@ pub struct TablePolicyStatus {
     /// Orphan data files this node's upkeep removed (since it started).
     #[serde(default)]
     pub orphans_removed: u64,
+    /// Compactions this node's rounds had written (since it started).
+    #[serde(default)]
+    pub compactions: u64,
     pub last_round_unix_ms: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
@@ -324,8 +366,10 @@ pub struct PolicyRunner {
     pub replica_name: String,
     pub clock: Arc<dyn Clock>,
     pub commit_lsn: CommitPosition,
-    /// Where retirements go (retention).
-    pub retire: RetireSink,
+    /// Where upkeep records go (retention, compaction).
+    pub maintain: MaintenanceSink,
+    /// The size compaction makes a partition's files near to.
+    pub target_file_bytes: u64,
     pub view: watch::Receiver<ExportsView>,
     /// Seeds the transaction ids' random part.
     pub seed: u64,
@@ -432,6 +476,7 @@ impl PolicyRunner {
                 retention_seconds: policy.retention_seconds,
                 retirements: previous.retirements,
                 orphans_removed: previous.orphans_removed,
+                compactions: previous.compactions,
                 ..TablePolicyStatus::default()
             };
             match take_lock(&session, name, &self.replica_name).await {
@@ -594,6 +639,12 @@ impl PolicyRunner {
                 Err(e) => errors.push(format!("partition {partition}: {e}")),
             }
         }
+        if let Err(e) = self
+            .compact_round(table, policy, state, &parts, &contents, st)
+            .await
+        {
+            errors.push(e);
+        }
         if let Some(retention) = policy.retention_seconds {
             if let Err(e) = self
                 .retire_round(table, policy, retention, state, &parts, &contents, st)
@@ -669,6 +720,64 @@ impl PolicyRunner {
         Ok(removed as u64)
     }
 
+    /// Compaction: a partition whose rows the lake holds and which stopped
+    /// changing (no rows, no merges for [`compaction_idle`]) is compacted
+    /// when its parts would merge into fewer near the target size: a
+    /// `Compact` record has every replica merge runs of its consecutive
+    /// parts up to the target (in rows, from the partition's bytes per
+    /// row), and the next increment replaces the lake's small files by the
+    /// merged ones (a merged part holds the files it meets: they leave the
+    /// commit, as in any increment).
+    async fn compact_round(
+        &self,
+        table: &Table,
+        policy: &ExportPolicy,
+        state: &mut TablePolicy,
+        parts: &[ferry_replica::PartMeta],
+        contents: &BTreeMap<String, String>,
+        st: &mut TablePolicyStatus,
+    ) -> Result<(), String> {
+        let now_ms = self.clock.unix_micros() / 1000;
+        let idle = compaction_idle(policy.freshness_seconds);
+        let candidates = state.compaction_candidates(now_ms, contents, idle.as_millis() as u64);
+        let mut errors = Vec::new();
+        for partition in candidates.into_iter().take(MAX_REQUESTS_PER_ROUND) {
+            let local: Vec<&ferry_replica::PartMeta> = parts
+                .iter()
+                .filter(|p| p.name.partition_id == partition && !p.retired)
+                .collect();
+            let (rows, bytes) = local
+                .iter()
+                .fold((0u64, 0u64), |(r, b), p| (r + p.rows, b + p.bytes));
+            if rows == 0 || local.len() < 2 {
+                continue;
+            }
+            let target_rows = (self.target_file_bytes as u128 * rows as u128 / bytes.max(1) as u128)
+                .clamp(1, u64::MAX as u128) as u64;
+            let named = local.iter().map(|p| (p.name.clone(), p.rows)).collect();
+            if ferry_replica::plan_compaction(table.id, &partition, named, target_rows).is_empty() {
+                continue;
+            }
+            let record = Maintenance::Compact(Compaction {
+                table_id: table.id,
+                partition_id: partition.clone(),
+                target_rows,
+            });
+            match (self.maintain)(table.def.name.clone(), record).await {
+                Ok(lsn) => {
+                    st.compactions += 1;
+                    tracing::info!(table = %table.def.name, partition = %partition, target_rows, parts = local.len(), %lsn, destination = %policy.to, "export policy: partition compacted");
+                }
+                Err(e) => errors.push(format!("partition {partition}: compacting: {e}")),
+            }
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors.join("; "))
+        }
+    }
+
     /// Retention: a partition leaves the replicas when the destination's
     /// current commit holds every row the replicas list for it (`parts`,
     /// a snapshot at the commit position) and was made over `retention`
@@ -733,7 +842,7 @@ impl PolicyRunner {
                 continue;
             }
             let retirement = retirement_of(table.id, &partition, &policy.to, format, &current);
-            match (self.retire)(name.clone(), retirement).await {
+            match (self.maintain)(name.clone(), Maintenance::Retire(retirement)).await {
                 Ok(lsn) => {
                     st.retirements += 1;
                     tracing::info!(table = %name, partition = %partition, commit = %current.key, %lsn, "retention: partition retired from the replicas");
@@ -748,6 +857,16 @@ impl PolicyRunner {
         }
     }
 }
+
+/// How long a partition's content must stay the same before it is
+/// compacted: four freshness targets, within 5 s and 10 min.
+pub fn compaction_idle(freshness_seconds: u64) -> Duration {
+    Duration::from_secs(freshness_seconds.saturating_mul(4))
+        .clamp(Duration::from_secs(5), Duration::from_secs(600))
+}
+
+/// The size compaction aims partitions' files at by default.
+pub const DEFAULT_TARGET_FILE_BYTES: u64 = 128 << 20;
 
 /// The format a table's exports take.
 fn format_of(table: &Table) -> LakeFormat {

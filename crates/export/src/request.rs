@@ -61,6 +61,11 @@ fn is_zero(n: &u64) -> bool {
     *n == 0
 }
 
+/// What `AlreadyExists` names when the task's node appeared while this
+/// request created it (another request, or this one's own create whose
+/// answer was lost).
+const CREATED_CONCURRENTLY: &str = "(created concurrently)";
+
 #[derive(Debug, thiserror::Error)]
 pub enum RequestError {
     #[error("bad request: {0}")]
@@ -282,9 +287,21 @@ impl Requester<'_> {
                 Ok(created)
             }
             Err(e) => {
-                // Pins of a task that does not exist; a node that misses
-                // this releases them once they are old (worker).
-                if let Err(u) = self.parts.release_snapshot(&transaction_id).await {
+                // A create whose answer was lost may have made the task (or
+                // its first nodes, found again as existing): its parts stay
+                // pinned, or a merge could take them from under it; the
+                // workers' sweep releases pins no PENDING task holds once
+                // they are old. Otherwise no task uses these pins.
+                let maybe_created = match &e {
+                    RequestError::Coordination(c) => c.is_connection_loss(),
+                    RequestError::AlreadyExists { transaction_id, .. } => {
+                        transaction_id == CREATED_CONCURRENTLY
+                    }
+                    _ => false,
+                };
+                if maybe_created {
+                    tracing::warn!(%transaction_id, error = %e, "the task may exist: its pins stay");
+                } else if let Err(u) = self.parts.release_snapshot(&transaction_id).await {
                     tracing::warn!(%transaction_id, error = %u, "could not release the snapshot's pins");
                 }
                 Err(e)
@@ -452,9 +469,14 @@ impl Requester<'_> {
         // by LSN, of one sequence of records, so two snapshots of it are one
         // inside the other, and the current commit, whose every block the
         // snapshot covers (the same table's records), holds exactly the
-        // snapshot's rows when it holds as many.
+        // snapshot's rows when it holds as many. A policy's export follows
+        // the replicas' merges, though: the same rows in fewer parts are
+        // written as those parts (an increment replacing the files they
+        // hold), so that the lake is compacted as the replicas are.
         if let Some(c) = &current {
-            let same_rows = !req.force && c.rows == rows && lacks(c, snapshot).is_none();
+            let follows_merges = req.by_policy && snapshot.len() < c.data_files.len();
+            let same_rows =
+                !req.force && !follows_merges && c.rows == rows && lacks(c, snapshot).is_none();
             if c.content_id == content_id || same_rows {
                 tracing::info!(task = %key, commit = %c.key, "export unchanged: the current commit holds these parts");
                 return Ok(unchanged(c, key, parts.len(), rows));
@@ -575,7 +597,7 @@ impl Requester<'_> {
                         table: req.table.clone(),
                         partition: req.partition_id.clone(),
                         destination: destination.url().to_string(),
-                        transaction_id: "(created concurrently)".into(),
+                        transaction_id: CREATED_CONCURRENTLY.into(),
                         status: "PENDING".into(),
                     },
                     other => other.into(),

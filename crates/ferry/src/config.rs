@@ -39,6 +39,7 @@ pub struct ReplicaSection {
     pub http: Option<String>,
     pub api_token: Option<String>,
     pub export_roots: Option<Vec<String>>,
+    pub lake_target_file_mib: Option<u64>,
     pub bootstrap_from: Option<String>,
     pub bootstrap_check: Option<String>,
 }
@@ -52,6 +53,7 @@ pub struct DevSection {
     pub segment_bytes: Option<u64>,
     pub wal_preallocation: Option<String>,
     pub export_roots: Option<Vec<String>>,
+    pub lake_target_file_mib: Option<u64>,
     pub wal_backup: Option<String>,
     pub wal_backup_parallel_jobs: Option<u64>,
     pub walsenders_keep_horizon: Option<bool>,
@@ -133,6 +135,9 @@ wal_preallocation = "auto"
 # Folders a file:// export destination must lie in (default: <data_dir>/lake).
 # Env: FERRY_EXPORT_ROOTS.
 # export_roots = ["/srv/lake"]
+# The size (MiB) a table that exports itself makes its lake files near to:
+# idle partitions' small parts are merged up to it, and the lake follows.
+lake_target_file_mib = 128
 # Where whole WAL segments are backed up: "file:///dir" or "s3://bucket/prefix"
 # (S3 settings from the AWS_* variables). Env: FERRY_WAL_BACKUP.
 # wal_backup = "s3://backups/ferry"
@@ -241,6 +246,9 @@ http = "127.0.0.1:7678"
 # Folders a file:// export destination must lie in (default: <data_dir>/lake).
 # Env: FERRY_EXPORT_ROOTS.
 # export_roots = ["/srv/lake"]
+# The size (MiB) a table that exports itself makes its lake files near to:
+# idle partitions' small parts are merged up to it, and the lake follows.
+lake_target_file_mib = 128
 # A replica without a state file (new, or its data dir lost) is first built
 # from a copy of a live peer replica of its shard: "auto" (the one furthest
 # ahead in ZooKeeper; none: it starts empty) or its "host:port". Ignored by a

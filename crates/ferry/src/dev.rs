@@ -39,6 +39,12 @@ pub struct DevArgs {
     /// Env: FERRY_EXPORT_ROOTS.
     #[arg(long, value_delimiter = ',', env = "FERRY_EXPORT_ROOTS")]
     export_roots: Vec<PathBuf>,
+    /// The size a table that exports itself makes its lake files near to:
+    /// a partition whose rows stopped changing has its small parts merged
+    /// on the replicas up to it, and the next increment replaces the
+    /// lake's small files by the merged ones. MiB.
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=16384))]
+    lake_target_file_mib: u64,
     #[command(flatten)]
     pub wal: ferry_host::local::WalServiceArgs,
     #[command(flatten)]
@@ -144,7 +150,14 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
             ferry_host::paths::export_roots(&args.export_roots, &data_dir)?,
         ));
     let mut nodes = start_replicas(&data_dir, &coord, &catalog, &quorum, &destinations).await?;
-    let exports = export_api(&nodes, &coord, &session, &quorum, destinations)?;
+    let exports = export_api(
+        &nodes,
+        &coord,
+        &session,
+        &quorum,
+        destinations,
+        args.lake_target_file_mib << 20,
+    )?;
     // Tables that export themselves.
     let policies = crate::exports::Policies::start(&exports);
     let metrics = dev_metrics(
@@ -436,6 +449,7 @@ fn export_api(
     session: &ferry_coord::RenewingSession,
     quorum: &Arc<LocalQuorum>,
     destinations: Arc<dyn ferry_export::Destinations>,
+    target_file_bytes: u64,
 ) -> anyhow::Result<Arc<crate::exports::ExportApi>> {
     let first = nodes.first().context("no replica")?;
     let view = first
@@ -459,13 +473,14 @@ fn export_api(
                 .map_err(|e| format!("the writer's commit_lsn: {e}"));
             Box::pin(async move { lsn })
         }),
-        retire: {
+        target_file_bytes,
+        maintain: {
             let writer = Arc::clone(&quorum.writer);
-            Arc::new(move |_table, retirement| {
+            Arc::new(move |_table, record| {
                 let writer = Arc::clone(&writer);
                 Box::pin(async move {
                     writer
-                        .append(ferry_wal::record::Record::Retire(retirement).to_bytes())
+                        .append(record.into_record().to_bytes())
                         .await
                         .map_err(|e| e.to_string())
                 })

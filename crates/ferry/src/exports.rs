@@ -48,8 +48,10 @@ pub struct ExportApi {
     pub clock: Arc<dyn Clock>,
     /// The commit position now (everything acknowledged is below it).
     pub commit_lsn: CommitPosition,
-    /// Where the policies' retirements go (retention).
-    pub retire: ferry_export::policy::RetireSink,
+    /// Where the policies' upkeep records go (retention, compaction).
+    pub maintain: ferry_export::policy::MaintenanceSink,
+    /// What compaction aims a policy table's lake files at (bytes).
+    pub target_file_bytes: u64,
     pub view: watch::Receiver<ExportsView>,
 }
 
@@ -134,7 +136,8 @@ impl Policies {
             replica_name: api.replica_name.clone(),
             clock: Arc::clone(&api.clock),
             commit_lsn: Arc::clone(&api.commit_lsn),
-            retire: Arc::clone(&api.retire),
+            maintain: Arc::clone(&api.maintain),
+            target_file_bytes: api.target_file_bytes,
             view: api.view.clone(),
             // The edge's randomness: transaction ids only need to differ.
             seed: rand::random(),

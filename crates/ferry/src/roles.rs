@@ -574,6 +574,12 @@ pub struct ReplicaArgs {
     /// Env: FERRY_EXPORT_ROOTS.
     #[arg(long, value_delimiter = ',', env = "FERRY_EXPORT_ROOTS")]
     export_roots: Vec<PathBuf>,
+    /// The size a table that exports itself makes its lake files near to:
+    /// a partition whose rows stopped changing has its small parts merged
+    /// on the replicas up to it, and the next increment replaces the
+    /// lake's small files by the merged ones. MiB.
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=16384))]
+    lake_target_file_mib: u64,
     /// A replica without a state file (new, or its data dir lost) is first
     /// built from a copy of a peer replica of its shard: `auto` (the live
     /// replica of the shard furthest ahead, as registered in ZooKeeper; none
@@ -719,11 +725,12 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
             let peers = Arc::clone(&commit_peers);
             Box::pin(async move { peers.commit_lsn().await })
         }),
-        retire: {
+        target_file_bytes: args.lake_target_file_mib << 20,
+        maintain: {
             let peers = Arc::clone(&peers);
-            Arc::new(move |table, retirement| {
+            Arc::new(move |table, record| {
                 let peers = Arc::clone(&peers);
-                Box::pin(async move { peers.retire(&table, &retirement).await })
+                Box::pin(async move { peers.maintain(&table, &record).await })
             })
         },
         view: export_view.clone(),

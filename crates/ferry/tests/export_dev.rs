@@ -685,7 +685,8 @@ fn lake_ids(lake_url: &str, url: &str) -> Vec<i64> {
 
 /// A table with an export policy exports itself: inserts into two
 /// partitions, with merges in between, reach the lake with nobody asking,
-/// each row once as a reader reads it; `/metrics` and `/status` show the
+/// each row once as a reader reads it; idle partitions are compacted to one
+/// file each; `/metrics` and `/status` show the
 /// policy; a manual export to the same destination composes with it; a
 /// table switched to Iceberg exports itself there and pyiceberg and DuckDB
 /// read each row once.
@@ -760,11 +761,49 @@ fn a_table_with_an_export_policy_exports_itself_and_readers_read_each_row_once()
     }
     expected.sort_unstable();
     wait_for(&expected);
+    // Idle, the partitions are compacted: their parts merge on the replicas
+    // up to the target (128 MiB: all of them) and the next increments
+    // replace the lake's small files, each partition ending as one file,
+    // every row once all along.
+    let files_per_partition = || -> Vec<usize> {
+        let (_, listed, _) = ferry(&["lake", "files", &lake_url, "--json"], &url);
+        serde_json::from_str::<serde_json::Value>(&listed)
+            .ok()
+            .and_then(|v| {
+                v["partitions"].as_array().map(|ps| {
+                    ps.iter()
+                        .map(|p| p["files"].as_array().map_or(0, Vec::len))
+                        .collect()
+                })
+            })
+            .unwrap_or_default()
+    };
+    let before = files_per_partition();
+    assert!(
+        before.iter().any(|n| *n > 1),
+        "{before:?} files per partition"
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while files_per_partition() != [1, 1] {
+        assert_eq!(lake_ids(&lake_url, &url), expected);
+        assert!(
+            Instant::now() < deadline,
+            "files per partition {:?}; status {}",
+            files_per_partition(),
+            http_get(&format!("{url}/status"))
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(lake_ids(&lake_url, &url), expected);
     let status: serde_json::Value =
         serde_json::from_str(&http_get(&format!("{url}/status"))).expect("status");
     assert!(
         status["replicas"][0]["merges_done"].as_u64() > Some(0),
         "no merge: {status}"
+    );
+    assert!(
+        status["export_policies"]["t"]["compactions"].as_u64() >= Some(1),
+        "{status}"
     );
     // Increments: a later commit of `a` lists files an earlier one wrote
     // (carried, not written again), and no data file was written twice.

@@ -35,7 +35,7 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use ferry_env::Cpu;
 use ferry_table::{DecodeError, Format, Table, TableDef};
-use ferry_wal::record::{Record, Retirement, MAX_RETIRED_FILES};
+use ferry_wal::record::{Maintenance, MAX_COMPACT_PARTITION_BYTES, MAX_RETIRED_FILES};
 use ferry_wal::Lsn;
 use ferry_writer::driver::{Insert, Inserted, WriterError};
 use serde::{Deserialize, Serialize};
@@ -50,9 +50,9 @@ use crate::metrics::IngestMetrics;
 pub trait InsertSink: Send + Sync {
     async fn insert(&self, inserts: Vec<Insert>) -> Result<Inserted, WriterError>;
 
-    /// Appends a retirement (retention) record; resolves with its end once
-    /// committed.
-    async fn retire(&self, retirement: Retirement) -> Result<Lsn, WriterError>;
+    /// Appends a table's upkeep record (a retirement, a compaction);
+    /// resolves with its end once committed.
+    async fn maintain(&self, record: Maintenance) -> Result<Lsn, WriterError>;
 }
 
 #[async_trait]
@@ -61,8 +61,8 @@ impl InsertSink for ferry_writer::driver::Writer {
         ferry_writer::driver::Writer::insert(self, inserts).await
     }
 
-    async fn retire(&self, retirement: Retirement) -> Result<Lsn, WriterError> {
-        self.append(Record::Retire(retirement).to_bytes()).await
+    async fn maintain(&self, record: Maintenance) -> Result<Lsn, WriterError> {
+        self.append(record.into_record().to_bytes()).await
     }
 }
 
@@ -255,7 +255,7 @@ pub fn router(api: Arc<Api>) -> Router {
             get(show_table).delete(drop_table).patch(set_export),
         )
         .route("/tables/{name}/insert", post(insert))
-        .route("/tables/{name}/retire", post(retire))
+        .route("/tables/{name}/maintenance", post(maintain))
         .with_state(api)
 }
 
@@ -399,71 +399,76 @@ async fn set_export(
     Ok(Json(api.catalog.set_export(&name, export).await?))
 }
 
-/// What a retirement answers: where its record ends in the WAL.
+/// What an upkeep record answers: where it ends in the WAL.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RetireResponse {
+pub struct MaintenanceResponse {
     pub commit_lsn: String,
 }
 
-/// Writes a retirement (a table's retention, asked for by the node running
-/// its export policy) to the WAL. Checked here so that what reaches the
-/// replicas is well formed: the table exists under that id, and the
-/// partition and files are bounded. Which parts it drops is the replicas'
-/// decision (only parts a named lake file holds whole).
-async fn retire(
+/// Writes a table's upkeep record (a retirement for its retention, a
+/// compaction), asked for by the node running its export policy, to the
+/// WAL. Checked here so that what reaches the replicas is well formed: the
+/// table exists under that id, and the partition and files are bounded.
+/// What it changes is the replicas' decision (a retirement drops only
+/// parts a named lake file holds whole).
+async fn maintain(
     State(api): State<Arc<Api>>,
     Path(name): Path<String>,
     body: Body,
-) -> Result<Json<RetireResponse>, ApiError> {
+) -> Result<Json<MaintenanceResponse>, ApiError> {
     let body = read_body(&api, body).await?;
     let bad = |m: String| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", m);
-    let retirement: Retirement =
-        serde_json::from_slice(&body).map_err(|e| bad(format!("not a retirement: {e}")))?;
+    let record: Maintenance = serde_json::from_slice(&body)
+        .map_err(|e| bad(format!("not a retirement or compaction: {e}")))?;
     let table = api
         .catalog
         .get(&name)
         .await?
         .ok_or_else(|| CatalogError::NoSuchTable(name.clone()))?;
-    if table.id != retirement.table_id {
+    if table.id != record.table_id() {
         return Err(ApiError::new(
             StatusCode::CONFLICT,
             "table_conflict",
             format!(
-                "table {name:?} has id {}, the retirement names {}",
-                table.id, retirement.table_id
+                "table {name:?} has id {}, the record names {}",
+                table.id,
+                record.table_id()
             ),
         ));
     }
-    let text_ok = |t: &str| t.len() <= 1024 && !t.chars().any(char::is_control);
-    if retirement.files.len() > MAX_RETIRED_FILES
-        || !text_ok(&retirement.partition_id)
-        || !text_ok(&retirement.destination)
-        || !text_ok(&retirement.commit)
-        || !text_ok(&retirement.format)
-        || retirement
-            .files
-            .iter()
-            .any(|f| !text_ok(&f.path) || !text_ok(&f.part))
-    {
+    let text_ok =
+        |t: &str| t.len() <= MAX_COMPACT_PARTITION_BYTES && !t.chars().any(char::is_control);
+    let well_formed = text_ok(record.partition_id())
+        && match &record {
+            Maintenance::Retire(r) => {
+                r.files.len() <= MAX_RETIRED_FILES
+                    && text_ok(&r.destination)
+                    && text_ok(&r.commit)
+                    && text_ok(&r.format)
+                    && r.files.iter().all(|f| text_ok(&f.path) && text_ok(&f.part))
+            }
+            Maintenance::Compact(c) => c.target_rows > 0,
+        };
+    if !well_formed {
         return Err(bad(format!(
             "a retirement names at most {MAX_RETIRED_FILES} files, with printable names of at \
-             most 1024 bytes"
+             most {MAX_COMPACT_PARTITION_BYTES} bytes; a compaction a target of at least a row"
         )));
     }
-    match tokio::time::timeout(api.limits.commit_timeout, api.sink.retire(retirement)).await {
-        Ok(Ok(lsn)) => Ok(Json(RetireResponse {
+    match tokio::time::timeout(api.limits.commit_timeout, api.sink.maintain(record)).await {
+        Ok(Ok(lsn)) => Ok(Json(MaintenanceResponse {
             commit_lsn: lsn.to_string(),
         })),
         Ok(Err(e)) => Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "outcome_unknown",
-            format!("the retirement's outcome is unknown (applying it twice is harmless): {e}"),
+            format!("the record's outcome is unknown (applying it twice is harmless): {e}"),
         )),
         Err(_) => Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "outcome_unknown",
             format!(
-                "the retirement was not committed within {:?}",
+                "the record was not committed within {:?}",
                 api.limits.commit_timeout
             ),
         )),

@@ -82,9 +82,9 @@ impl InsertSink for MemWal {
             commit_lsn: Lsn(wal.len() as u64),
         })
     }
-    async fn retire(&self, retirement: ferry_wal::record::Retirement) -> Result<Lsn, WriterError> {
+    async fn maintain(&self, record: ferry_wal::record::Maintenance) -> Result<Lsn, WriterError> {
         let mut wal = self.0.lock().expect("wal");
-        Record::Retire(retirement).encode(&mut wal);
+        record.into_record().encode(&mut wal);
         Ok(Lsn(wal.len() as u64))
     }
 }

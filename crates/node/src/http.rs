@@ -419,18 +419,18 @@ impl PeerCalls for HttpPeers {
             .map_err(|e| e.to_string())
     }
 
-    async fn writer_retire(
+    async fn writer_maintain(
         &self,
         addr: &str,
         table: &str,
-        retirement: &ferry_wal::record::Retirement,
+        record: &ferry_wal::record::Maintenance,
         timeout: Duration,
     ) -> Result<Lsn, String> {
         let answer: serde_json::Value = self
             .post(
                 addr,
-                &format!("/tables/{table}/retire"),
-                retirement,
+                &format!("/tables/{table}/maintenance"),
+                record,
                 timeout,
             )
             .await

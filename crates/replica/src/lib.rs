@@ -15,8 +15,8 @@ pub mod view;
 
 pub use part::{PartMeta, PartName};
 pub use replica::{
-    run_merges, HoldError, Merge, MergeJob, Replica, ReplicaError, ReplicaStatus, RetiredPartition,
-    SharedReplica, TableRef, Tables, ALL_SHARDS, MERGE_FANIN,
+    plan_compaction, run_merges, HoldError, Merge, MergeJob, Replica, ReplicaError, ReplicaStatus,
+    RetiredPartition, SharedReplica, TableRef, Tables, ALL_SHARDS, MERGE_FANIN,
 };
 pub use stream::StreamConfig;
 pub use view::{ReadView, ReplicaReader};

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use ferry_env::{Cpu, Disk};
 use ferry_replica::Replica;
-use ferry_wal::record::Record;
+use ferry_wal::record::{Compaction, Record};
 
 mod common;
 use common::{merge_all, names, rows, tables, Wal};
@@ -22,11 +22,11 @@ async fn open_as(disk: &Arc<dyn Disk>, dir: &str, replica: u32) -> Replica {
 }
 
 fn compact(wal: &mut Wal, partition: &str, target_rows: u64) {
-    Record::Compact {
+    Record::Compact(Compaction {
         table_id: 1,
         partition_id: partition.into(),
         target_rows,
-    }
+    })
     .encode(&mut wal.bytes);
 }
 
@@ -51,7 +51,12 @@ async fn a_compaction_merges_consecutive_parts_up_to_the_target_alike_on_every_r
     // 12 inserts of 10 rows over x and y: x holds one level-1 part (8
     // inserts) and 4 level-0 parts.
     for i in 0..12i64 {
-        wal.insert(1, 0, &format!("k{i}"), rows(i * 10..i * 10 + 10, &["x", "y"]));
+        wal.insert(
+            1,
+            0,
+            &format!("k{i}"),
+            rows(i * 10..i * 10 + 10, &["x", "y"]),
+        );
     }
     let mut a = open_as(&disk, "a", 0).await;
     let mut b = open_as(&disk, "b", 1).await;
@@ -68,7 +73,11 @@ async fn a_compaction_merges_consecutive_parts_up_to_the_target_alike_on_every_r
     }
     assert_eq!(names(&a), names(&b), "both replicas decided the same");
     let x = parts_of(&a, "x");
-    assert_eq!(x.iter().map(|(_, r)| r).collect::<Vec<_>>(), [&45, &15], "{x:?}");
+    assert_eq!(
+        x.iter().map(|(_, r)| r).collect::<Vec<_>>(),
+        [&45, &15],
+        "{x:?}"
+    );
     assert_eq!(parts_of(&a, "y").len(), 5, "another partition is untouched");
     assert_eq!(a.subscribe().borrow().compactions_decided, 2);
     for p in a.parts(1) {
@@ -89,7 +98,12 @@ async fn a_compaction_merges_consecutive_parts_up_to_the_target_alike_on_every_r
     assert_eq!(a.subscribe().borrow().compactions_decided, 3);
     // Inserts after it merge as before, and every row is there once.
     for i in 12..30i64 {
-        wal.insert(1, 0, &format!("k{i}"), rows(i * 10..i * 10 + 10, &["x", "y"]));
+        wal.insert(
+            1,
+            0,
+            &format!("k{i}"),
+            rows(i * 10..i * 10 + 10, &["x", "y"]),
+        );
     }
     for r in [&mut a, &mut b] {
         apply_rest(r, &wal).await;

@@ -47,10 +47,16 @@ use ferry_sim::seeds;
 /// the lake lacks); snapshots that leave the retired files out, so an
 /// export does not carry them (45 of 300, e.g. 3, 7, 18: a commit without
 /// the retired rows).
+/// With compaction records too: the merge policy taking the oldest eight
+/// parts of a level though a compacted part of another level lay between
+/// them, so a merge overlapped it (41: rows twice in a snapshot); a request
+/// whose create answer was lost releasing its snapshot's pins though the
+/// task existed, so merges took its parts from under it (977: the task
+/// never completes).
 /// Seed numbers are those of the schedule when each bug was planted. They
 /// must stay green.
 const REGRESSION_SEEDS: &[u64] = &[
-    0, 1, 2, 3, 4, 7, 9, 14, 18, 26, 36, 53, 59, 142, 157, 1190, 1911,
+    0, 1, 2, 3, 4, 7, 9, 14, 18, 26, 36, 41, 53, 59, 142, 157, 977, 1190, 1911,
 ];
 
 #[test]

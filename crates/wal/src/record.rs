@@ -62,11 +62,47 @@ pub enum Record {
     /// merge runs of its consecutive parts up to `target_rows` rows each,
     /// decided at this position like any merge, so the lake (which mirrors
     /// the parts by increments) ends with files near its target size.
-    Compact {
-        table_id: u64,
-        partition_id: String,
-        target_rows: u64,
-    },
+    Compact(Compaction),
+}
+
+/// A compaction of one partition (see [`Record::Compact`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Compaction {
+    pub table_id: u64,
+    pub partition_id: String,
+    pub target_rows: u64,
+}
+
+/// The records a table's export policy asks a writer to append (table
+/// upkeep, never rows): what travels from the policy's node to the writer.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Maintenance {
+    Retire(Retirement),
+    Compact(Compaction),
+}
+
+impl Maintenance {
+    pub fn table_id(&self) -> u64 {
+        match self {
+            Maintenance::Retire(r) => r.table_id,
+            Maintenance::Compact(c) => c.table_id,
+        }
+    }
+
+    pub fn partition_id(&self) -> &str {
+        match self {
+            Maintenance::Retire(r) => &r.partition_id,
+            Maintenance::Compact(c) => &c.partition_id,
+        }
+    }
+
+    pub fn into_record(self) -> Record {
+        match self {
+            Maintenance::Retire(r) => Record::Retire(r),
+            Maintenance::Compact(c) => Record::Compact(c),
+        }
+    }
 }
 
 /// What a retirement names: the lake files of a partition's current commit,
@@ -156,11 +192,11 @@ impl Record {
                 out.put_bytes(0, 7);
                 out.put_u64_le(*term);
             }
-            Record::Compact {
+            Record::Compact(Compaction {
                 table_id,
                 partition_id,
                 target_rows,
-            } => {
+            }) => {
                 assert!(
                     partition_id.len() <= MAX_COMPACT_PARTITION_BYTES,
                     "partition ids are bounded before they reach a record"
@@ -278,13 +314,13 @@ pub fn decode(buf: &Bytes) -> Result<(Record, usize), RecordError> {
             }
             let table_id = body.get_u64_le();
             let target_rows = body.get_u64_le();
-            let partition_id = String::from_utf8(body.to_vec())
-                .map_err(|_| RecordError::Malformed("compact"))?;
-            Record::Compact {
+            let partition_id =
+                String::from_utf8(body.to_vec()).map_err(|_| RecordError::Malformed("compact"))?;
+            Record::Compact(Compaction {
                 table_id,
                 partition_id,
                 target_rows,
-            }
+            })
         }
         KIND_RETIRE => {
             let r: Retirement =
@@ -346,11 +382,11 @@ mod tests {
         let mut one = BytesMut::new();
         let lc = c.encode(&mut one);
         assert_eq!(decode(&one.freeze()).expect("c"), (c, lc));
-        let d = Record::Compact {
+        let d = Record::Compact(Compaction {
             table_id: 7,
             partition_id: "2024-06-01".into(),
             target_rows: 1 << 20,
-        };
+        });
         let bytes = d.to_bytes();
         assert_eq!(decode(&bytes).expect("d"), (d, bytes.len()));
         assert_eq!(la, Record::insert_len(5, 11));

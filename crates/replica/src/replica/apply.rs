@@ -233,13 +233,9 @@ impl Replica {
                 arrow_ipc,
             } => (table_id, shard, block_number, idempotency_key, arrow_ipc),
             Record::Retire(r) => return self.apply_retirement(lsn, r).await,
-            Record::Compact {
-                table_id,
-                partition_id,
-                target_rows,
-            } => {
+            Record::Compact(c) => {
                 return self
-                    .apply_compaction(lsn, table_id, &partition_id, target_rows)
+                    .apply_compaction(lsn, c.table_id, &c.partition_id, c.target_rows)
                     .await
             }
             Record::ShutdownCheckpoint { .. } => return Ok(()),

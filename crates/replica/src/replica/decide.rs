@@ -111,13 +111,24 @@ pub(super) fn merges(table_id: u64, partition: &str, logical: BTreeSet<PartName>
     let mut names = logical;
     let mut decided = Vec::new();
     'again: loop {
+        // In block order: a merge takes consecutive parts only, so that
+        // parts stay disjoint and nested (laminar) whatever made them. Merges
+        // alone keep the levels falling with the blocks, each level one
+        // run; a compaction may leave a part of one level between parts of
+        // a lower one, which then merge on either side of it.
+        let mut ordered: Vec<&PartName> = names.iter().collect();
+        ordered.sort_by_key(|n| n.min_block);
         for level in 0..MAX_MERGE_LEVEL {
-            let mut same: Vec<&PartName> = names.iter().filter(|n| n.level == level).collect();
-            if same.len() < MERGE_FANIN {
+            let Some(start) = ordered
+                .windows(MERGE_FANIN)
+                .position(|w| w.iter().all(|n| n.level == level))
+            else {
                 continue;
-            }
-            same.sort_by_key(|n| n.min_block);
-            let sources: Vec<PartName> = same[..MERGE_FANIN].iter().map(|n| (*n).clone()).collect();
+            };
+            let sources: Vec<PartName> = ordered[start..start + MERGE_FANIN]
+                .iter()
+                .map(|n| (*n).clone())
+                .collect();
             let result = PartName {
                 partition_id: partition.to_string(),
                 min_block: sources[0].min_block,
@@ -292,6 +303,25 @@ mod tests {
     }
 
     #[test]
+    fn merges_take_consecutive_parts_only_around_a_part_of_another_level() {
+        // A compaction left a level-1 part between level-0 parts.
+        let mut parts: BTreeSet<PartName> = [part(1, 1, 0), part(2, 3, 1)].into_iter().collect();
+        parts.extend((4..11).map(|b| part(b, b, 0)));
+        assert!(
+            merges(7, "202406", parts.clone()).is_empty(),
+            "eight level-0 parts, never eight in a row"
+        );
+        parts.insert(part(11, 11, 0));
+        let m = merges(7, "202406", parts);
+        assert_eq!(m.len(), 1);
+        assert_eq!(
+            m[0].result,
+            part(4, 11, 1),
+            "the run after the level-1 part"
+        );
+    }
+
+    #[test]
     fn a_compaction_merges_runs_of_consecutive_parts_up_to_the_target() {
         let parts = vec![
             (part(1, 8, 1), 80),
@@ -308,7 +338,11 @@ mod tests {
         // A part over the target stays alone; the run after it merges.
         assert_eq!(m[1].result, part(19, 20, 1));
         // Compacting the result again decides nothing.
-        let again = vec![(part(1, 10, 2), 100), (part(11, 18, 1), 200), (part(19, 20, 1), 20)];
+        let again = vec![
+            (part(1, 10, 2), 100),
+            (part(11, 18, 1), 200),
+            (part(19, 20, 1), 20),
+        ];
         assert!(compaction(7, "202406", again, 100).is_empty());
     }
 

@@ -72,10 +72,7 @@ impl Replica {
         partition: &str,
         target_rows: u64,
     ) -> Result<(), ReplicaError> {
-        if !matches!(
-            self.table(table_id, lsn).await?,
-            super::TableRef::Known(_)
-        ) {
+        if !matches!(self.table(table_id, lsn).await?, super::TableRef::Known(_)) {
             return Ok(());
         }
         // Parts of records applied before it count like any other.
@@ -94,7 +91,11 @@ impl Replica {
             .iter()
             .filter(|m| m.table_id == table_id && m.result.partition_id == partition)
         {
-            let total = m.sources.iter().map(|s| rows.get(s).copied().unwrap_or(0)).sum();
+            let total = m
+                .sources
+                .iter()
+                .map(|s| rows.get(s).copied().unwrap_or(0))
+                .sum();
             rows.insert(m.result.clone(), total);
         }
         let logical: Vec<(PartName, u64)> = self
@@ -109,6 +110,7 @@ impl Replica {
         if !decided.is_empty() {
             let n = decided.len() as u64;
             self.state.merges.extend(decided);
+            self.assert_laminar(table_id, partition);
             self.status.send_modify(|s| s.compactions_decided += n);
         }
         Ok(())
@@ -121,7 +123,28 @@ impl Replica {
     pub(super) fn decide_merges(&mut self, table_id: u64, partition: &str) {
         let logical = self.logical_parts(table_id, partition);
         let decided = decide::merges(table_id, partition, logical);
-        self.state.merges.extend(decided);
+        if !decided.is_empty() {
+            self.state.merges.extend(decided);
+            self.assert_laminar(table_id, partition);
+        }
+    }
+
+    /// A partition's logical parts are disjoint (what exported block ranges
+    /// and retention rely on): every merge takes consecutive whole parts.
+    fn assert_laminar(&self, table_id: u64, partition: &str) {
+        let mut names: Vec<PartName> = self
+            .logical_parts(table_id, partition)
+            .into_iter()
+            .collect();
+        names.sort_by_key(|n| n.min_block);
+        for w in names.windows(2) {
+            assert!(
+                w[0].max_block < w[1].min_block,
+                "logical parts {} and {} overlap",
+                w[0],
+                w[1]
+            );
+        }
     }
 
     /// The first decided merge whose sources are all written (merges run in

@@ -74,6 +74,18 @@ pub use holds::{HoldError, BOOTSTRAP_HOLD_IDLE, MAX_BOOTSTRAP_HOLDS};
 pub use merges::{run_merges, Merge, MergeJob, MAX_MERGE_LEVEL, MERGE_FANIN};
 pub use retire::RetiredPartition;
 
+/// The merges a compaction record with `target_rows` would decide for a
+/// partition holding `parts` (name and rows): what a node asking for one
+/// looks at first, so that it asks only when the replicas would merge.
+pub fn plan_compaction(
+    table_id: u64,
+    partition: &str,
+    parts: Vec<(PartName, u64)>,
+    target_rows: u64,
+) -> Vec<Merge> {
+    decide::compaction(table_id, partition, parts, target_rows.max(1))
+}
+
 use apply::UnsyncedPart;
 use merges::replaces;
 use state::State;

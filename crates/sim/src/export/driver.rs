@@ -159,7 +159,8 @@ impl Sim {
             // Unforced requests replace a finished task, as an export
             // policy's do: an increment over the partition's current commit.
             replace_finished: !force,
-            by_policy: false,
+            // And follow the replicas' merges, as a policy's do.
+            by_policy: !force,
             settings: ExportSettings {
                 format: Some(self.format_of(destination_index)),
                 retry_initial_backoff_ms: 100,
@@ -377,6 +378,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         upkeep_rng,
         retire_rng: SmallRng::seed_from_u64(seed ^ 0x7265_7469_7265_2121),
         retirements: 0,
+        compactions: 0,
     };
     sim.log(format!("seed {seed}: {} events", events.len()));
     if iceberg {
@@ -428,6 +430,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         }
         tokio::time::sleep_until(due).await;
         sim.maybe_retire().await;
+        sim.maybe_compact().await;
         sim.log(format!("{event:?}"));
         sim.apply(event).await?;
     }
@@ -450,5 +453,6 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         injected_object_faults,
         retirements: sim.retirements,
         retired_rows,
+        compactions: sim.compactions,
     })
 }

@@ -32,6 +32,9 @@
 //!   its content or a later export of the partition already was;
 //! * no lock of the export protocol (cleanup, commit and part locks, worker
 //!   registrations) outlives its owner's session;
+//! * compaction (`retention`): before some events the schedule appends a
+//!   `Compact` record; the unforced exports act as a policy's (they follow
+//!   the replicas' merges), so the checks above see lake files replaced;
 //! * retention (`retention`): before some events the schedule retires a
 //!   partition from the replicas by the files of a destination's current
 //!   commit; every node then holds each partition's rows exactly once
@@ -141,6 +144,7 @@ pub struct Outcome {
     /// files at the end.
     pub retirements: usize,
     pub retired_rows: u64,
+    pub compactions: usize,
 }
 
 /// The export workload, as the seed harness runs it.
@@ -170,6 +174,7 @@ impl crate::seeds::Workload for Export {
                 "{} retirements ({} rows retired)",
                 o.retirements, o.retired_rows
             ),
+            format!("{} compactions", o.compactions),
         ]
     }
 
@@ -182,6 +187,7 @@ impl crate::seeds::Workload for Export {
             format!("{} killed", sum(|o| o.killed)),
             format!("{} crashes", sum(|o| o.crashes)),
             format!("{} retirements", sum(|o| o.retirements)),
+            format!("{} compactions", sum(|o| o.compactions)),
             format!(
                 "{} rows retired",
                 outcomes.iter().map(|o| o.retired_rows).sum::<u64>()
@@ -214,6 +220,7 @@ struct Sim {
     /// Draws the retirements (retention), apart from the others likewise.
     retire_rng: SmallRng,
     retirements: usize,
+    compactions: usize,
 }
 
 impl Sim {

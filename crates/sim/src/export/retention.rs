@@ -1,4 +1,6 @@
-//! Retention in the export workload: now and then the schedule plays an
+//! Retention and compaction in the export workload (compaction: now and
+//! then a `Compact` record with a random target, merging runs of a
+//! partition's parts on every node). Retention: now and then the schedule plays an
 //! export policy whose retention came due, reads a partition's current
 //! commit in a destination (through the faulty store, as a policy does) and
 //! appends a `Retire` record naming its files to the WAL, whatever the
@@ -29,6 +31,8 @@ use super::{partition_of, table, Failure, Sim, DESTINATIONS, NODES, PARTITIONS, 
 
 /// The chance that a retirement comes before an event.
 pub(super) const RETIRE_PROBABILITY: f64 = 0.15;
+/// The chance that a compaction comes before an event.
+pub(super) const COMPACT_PROBABILITY: f64 = 0.1;
 
 impl Sim {
     /// Before an event, now and then: a retirement of a random partition
@@ -73,6 +77,30 @@ impl Sim {
         ));
         Record::Retire(retirement).encode(&mut self.wal);
         self.retirements += 1;
+        self.fed.send_replace(Bytes::copy_from_slice(&self.wal));
+    }
+
+    /// Before an event, now and then: a compaction of a random partition
+    /// to a random target (in rows), which the replicas decide like any
+    /// merge; the policy-like unforced exports then replace the lake's
+    /// files by the merged parts.
+    pub(super) async fn maybe_compact(&mut self) {
+        if !self.retire_rng.random_bool(COMPACT_PROBABILITY) {
+            return;
+        }
+        let partition = PARTITIONS[self.retire_rng.random_range(0..PARTITIONS.len())];
+        let target_rows = self.retire_rng.random_range(5..300);
+        self.log(format!(
+            "compact {partition} to {target_rows} rows at {}",
+            self.wal.len()
+        ));
+        Record::Compact(ferry_wal::record::Compaction {
+            table_id: TABLE_ID,
+            partition_id: partition.to_string(),
+            target_rows,
+        })
+        .encode(&mut self.wal);
+        self.compactions += 1;
         self.fed.send_replace(Bytes::copy_from_slice(&self.wal));
     }
 
