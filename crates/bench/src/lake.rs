@@ -254,7 +254,7 @@ pub async fn lake(args: LakeBenchArgs) -> anyhow::Result<()> {
         (p.current.file.files.len(), 1 + p.superseded.len())
     });
     say!(
-        "files in the partition's current commit: {files}; commit files of the partition: {commits} (lake compaction and upkeep of superseded commits are not implemented)"
+        "files in the partition's current commit: {files}; commit files of the partition: {commits} (as inserts end: this run does not wait for the partition to go idle and be compacted, nor for superseded commits to expire)"
     );
     drop(dev);
     Ok(())
