@@ -6,20 +6,11 @@
 
 #![allow(clippy::disallowed_methods, clippy::disallowed_types)] // a real temp dir
 
-use std::sync::Arc;
-
-use ferry_env::{Cpu, Disk};
 use ferry_replica::Replica;
 use ferry_wal::record::{Compaction, Record};
 
 mod common;
-use common::{merge_all, names, rows, tables, Wal};
-
-async fn open_as(disk: &Arc<dyn Disk>, dir: &str, replica: u32) -> Replica {
-    Replica::open(Arc::clone(disk), dir, 0, replica, Cpu::Inline, tables())
-        .await
-        .expect("open replica")
-}
+use common::{apply_rest, merge_all, names, open_as, rows, Wal};
 
 fn compact(wal: &mut Wal, partition: &str, target_rows: u64) {
     Record::Compact(Compaction {
@@ -28,12 +19,6 @@ fn compact(wal: &mut Wal, partition: &str, target_rows: u64) {
         target_rows,
     })
     .encode(&mut wal.bytes);
-}
-
-async fn apply_rest(r: &mut Replica, wal: &Wal) {
-    let at = r.receive_from();
-    let all = wal.bytes.clone().freeze();
-    r.receive(at, &all[at.0 as usize..]).await.expect("apply");
 }
 
 fn parts_of(r: &Replica, partition: &str) -> Vec<(String, u64)> {

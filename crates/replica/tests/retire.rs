@@ -8,19 +8,13 @@
 
 use std::sync::Arc;
 
-use ferry_env::{Cpu, Disk, SystemClock};
+use ferry_env::{Cpu, SystemClock};
 use ferry_replica::replica::bootstrap::{copy_from_peer, CopyCheck, LocalDonor};
 use ferry_replica::{PartMeta, Replica, SharedReplica};
 use ferry_wal::record::{Record, RetiredFile, Retirement};
 
 mod common;
-use common::{merge_all, names, rows, tables, Wal};
-
-async fn open_as(disk: &Arc<dyn Disk>, dir: &str, replica: u32) -> Replica {
-    Replica::open(Arc::clone(disk), dir, 0, replica, Cpu::Inline, tables())
-        .await
-        .expect("open replica")
-}
+use common::{apply_rest, merge_all, names, open_as, rows, Wal};
 
 fn file(p: &PartMeta, shard: Option<u32>) -> RetiredFile {
     RetiredFile {
@@ -54,12 +48,6 @@ fn rows_of(r: &Replica, partition: &str) -> u64 {
         .filter(|p| p.name.partition_id == partition)
         .map(|p| p.rows)
         .sum()
-}
-
-async fn apply_rest(r: &mut Replica, wal: &Wal) {
-    let at = r.receive_from();
-    let all = wal.bytes.clone().freeze();
-    r.receive(at, &all[at.0 as usize..]).await.expect("apply");
 }
 
 #[tokio::test]

@@ -86,3 +86,17 @@ pub async fn merge_all(r: &mut Replica) -> Vec<(u64, ferry_replica::PartName)> {
     }
     replaced
 }
+
+/// Replica `replica` of shard 0 under `dir`.
+pub async fn open_as(disk: &Arc<dyn Disk>, dir: &str, replica: u32) -> Replica {
+    Replica::open(Arc::clone(disk), dir, 0, replica, Cpu::Inline, tables())
+        .await
+        .expect("open replica")
+}
+
+/// Applies what `wal` holds past the replica's position.
+pub async fn apply_rest(r: &mut Replica, wal: &Wal) {
+    let at = r.receive_from();
+    let all = wal.bytes.clone().freeze();
+    r.receive(at, &all[at.0 as usize..]).await.expect("apply");
+}
