@@ -315,3 +315,75 @@ async fn idempotency_keys_longer_than_200_bytes_are_refused() {
         assert!(key.len() <= record::MAX_IDEMPOTENCY_KEY_BYTES);
     }
 }
+
+/// The writer's upkeep endpoint (what an export policy asks for): a record
+/// of another table id, a malformed body or a zero target is refused and
+/// writes nothing; a well-formed compaction and retirement are appended.
+#[tokio::test]
+async fn upkeep_records_are_checked_before_they_reach_the_wal() {
+    use ferry_wal::record::{Compaction, Maintenance, Retirement};
+    let (_dir, catalog, wal) = empty_cluster().await;
+    let n = node(&catalog, &wal, ApiLimits::default()).await;
+    let id = catalog.get("t").await.expect("get").expect("table t").id;
+    let status_of = |e: ferry_client::ClientError| match e {
+        ferry_client::ClientError::Api { status, body } => (status, body.kind),
+        other => panic!("{other}"),
+    };
+    let compact = |table_id, target_rows| {
+        Maintenance::Compact(Compaction {
+            table_id,
+            partition_id: "a".into(),
+            target_rows,
+        })
+    };
+    let post = |m: serde_json::Value| {
+        let client = n.client.clone();
+        async move {
+            client
+                .post_json::<_, serde_json::Value>("/tables/t/maintenance", &m)
+                .await
+        }
+    };
+    let refused = [
+        (serde_json::json!({"compact": {"table_id": id}}), 400),
+        (
+            serde_json::to_value(compact(id + 1, 10)).expect("json"),
+            409,
+        ),
+        (serde_json::to_value(compact(id, 0)).expect("json"), 400),
+    ];
+    for (body, want) in refused {
+        let (status, _) = status_of(post(body.clone()).await.expect_err("refused"));
+        assert_eq!(status, want, "{body}");
+    }
+    assert!(wal.bytes().is_empty(), "nothing refused reached the WAL");
+    let gone = n
+        .client
+        .post_json::<_, serde_json::Value>("/tables/nope/maintenance", &compact(id, 10))
+        .await
+        .expect_err("no table");
+    assert_eq!(status_of(gone).0, 404);
+
+    let retire = Maintenance::Retire(Retirement {
+        table_id: id,
+        partition_id: "a".into(),
+        destination: "s3://lake/t".into(),
+        format: "parquet".into(),
+        commit: "p=a/commit_a_x.json".into(),
+        files: Vec::new(),
+    });
+    for m in [compact(id, 10), retire] {
+        let answer = post(serde_json::to_value(&m).expect("json"))
+            .await
+            .expect("appended");
+        assert!(answer["commit_lsn"].is_string(), "{answer}");
+    }
+    let records: Vec<Record> = ferry_testkit::wal::records(&wal.bytes())
+        .into_iter()
+        .map(|(_, r)| r)
+        .collect();
+    assert!(
+        matches!(&records[..], [Record::Compact(c), Record::Retire(r)] if c.target_rows == 10 && r.table_id == id),
+        "{records:?}"
+    );
+}
