@@ -3,7 +3,8 @@
 //! acknowledged batch takes to be readable in the lake (in the partition's
 //! current commit), next to the freshness target; then insert throughput
 //! with the export policy off and on (the same work, the policy's the only
-//! difference).
+//! difference); then the idle partition's compaction (files before and
+//! after) and its retention (how long until it leaves the replicas).
 
 use std::io::BufRead as _;
 use std::path::PathBuf;
@@ -40,6 +41,9 @@ pub struct LakeBenchArgs {
     /// Insert requests in flight in the flat-out runs.
     #[arg(long, default_value_t = 4)]
     in_flight: usize,
+    /// `ferry dev --lake-target-file-mib`: the size compaction aims at.
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=16384))]
+    lake_target_file_mib: u64,
 }
 
 /// Tables `name`: `id` Int64 sharded 2 ways, partitioned by `p` (Utf8).
@@ -75,11 +79,13 @@ struct Dev {
 }
 
 impl Dev {
-    fn start(data: &std::path::Path) -> anyhow::Result<Dev> {
+    fn start(data: &std::path::Path, target_file_mib: u64) -> anyhow::Result<Dev> {
         let exe = std::env::current_exe().context("the ferry binary")?;
         let log = std::fs::File::create(data.with_extension("log"))?;
         let mut child = Command::new(exe)
-            .args(["dev", "--http", "127.0.0.1:0", "--data-dir"])
+            .args(["dev", "--http", "127.0.0.1:0", "--lake-target-file-mib"])
+            .arg(target_file_mib.to_string())
+            .arg("--data-dir")
             .arg(data)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -168,7 +174,7 @@ pub async fn lake(args: LakeBenchArgs) -> anyhow::Result<()> {
     let dir = crate::wal::scratch_dir(args.dir.as_deref(), "ferry-bench-lake-")?;
     // Absolute: the lake's file:// URLs are made from it.
     let data = std::path::absolute(dir.path())?.join("dev");
-    let dev = Dev::start(&data)?;
+    let dev = Dev::start(&data, args.lake_target_file_mib)?;
     let c = Client::new(&dev.url, None, Duration::from_secs(120))?;
     let lake_url = |t: &str| format!("file://{}", data.join("lake").join(t).display());
     let freshness = args.freshness_secs.max(1);
@@ -234,6 +240,9 @@ pub async fn lake(args: LakeBenchArgs) -> anyhow::Result<()> {
             String::new()
         }
     );
+    let last_insert = Instant::now();
+    let before = files_of(&location).await?;
+
     // Throughput: the same inserts, without and with a policy exporting
     // the table as they come.
     c.create_table_toml(&table_toml("off", None)).await?;
@@ -249,14 +258,120 @@ pub async fn lake(args: LakeBenchArgs) -> anyhow::Result<()> {
         100.0 * on / off.max(1.0)
     );
 
-    let view = ferry_export::lake::read(&location, Some("a")).await?;
-    let (files, commits) = view.partitions.first().map_or((0, 0), |p| {
-        (p.current.file.files.len(), 1 + p.superseded.len())
-    });
-    say!(
-        "files in the partition's current commit: {files}; commit files of the partition: {commits} (as inserts end: this run does not wait for the partition to go idle and be compacted, nor for superseded commits to expire)"
-    );
+    compaction(&location, &args, freshness, before, last_insert).await?;
+    retention(&c, &lake_url("lat"), freshness).await?;
     drop(dev);
+    Ok(())
+}
+
+/// Files of partition `a`'s current commit, and what they weigh per shard.
+struct CurrentFiles {
+    files: usize,
+    bytes_per_shard: std::collections::BTreeMap<Option<u32>, u64>,
+}
+
+impl CurrentFiles {
+    /// Files the partition holds once compacted: each shard's bytes in
+    /// files of at most the target (a shard's rows are never merged with
+    /// another's).
+    fn compacted(&self, target_bytes: u64) -> usize {
+        self.bytes_per_shard
+            .values()
+            .map(|b| b.div_ceil(target_bytes.max(1)).max(1) as usize)
+            .sum()
+    }
+}
+
+async fn files_of(location: &ferry_storage::Location) -> anyhow::Result<CurrentFiles> {
+    let view = ferry_export::lake::read(location, Some("a")).await?;
+    let mut bytes_per_shard = std::collections::BTreeMap::new();
+    let mut files = 0;
+    if let Some(p) = view.partitions.first() {
+        files = p.current.file.files.len();
+        for f in &p.current.file.files {
+            *bytes_per_shard.entry(f.shard).or_insert(0) += f.bytes;
+        }
+    }
+    Ok(CurrentFiles {
+        files,
+        bytes_per_shard,
+    })
+}
+
+/// Waits for the latency stream's partition, idle since `last_insert`, to
+/// be compacted in the lake, and prints its files before and after.
+async fn compaction(
+    location: &ferry_storage::Location,
+    args: &LakeBenchArgs,
+    freshness: u64,
+    before: CurrentFiles,
+    last_insert: Instant,
+) -> anyhow::Result<()> {
+    let target = args.lake_target_file_mib << 20;
+    let idle = ferry_export::policy::compaction_idle(freshness);
+    let want = before.compacted(target);
+    let deadline = last_insert + idle + Duration::from_secs(4 * freshness + 60);
+    let mut after = files_of(location).await?;
+    while after.files > want && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        after = files_of(location).await?;
+    }
+    let took = last_insert.elapsed().as_secs_f64();
+    say!(
+        "files in the partition's current commit: {} as inserts end, {} after compaction ({} expected at {} MiB per file; the partition goes idle after {} s){}",
+        before.files,
+        after.files,
+        want,
+        args.lake_target_file_mib,
+        idle.as_secs(),
+        if before.files <= want {
+            "; nothing to compact".to_string()
+        } else if after.files > want {
+            format!("; not compacted {took:.0} s after the last insert")
+        } else {
+            format!("; compacted {took:.1} s after the last insert")
+        }
+    );
+    Ok(())
+}
+
+/// Sets a retention of a second on the latency stream's table, whose rows
+/// the lake holds, and prints how long its partition takes to leave the
+/// replicas and what they held of it.
+async fn retention(c: &Client, lake_url: &str, freshness: u64) -> anyhow::Result<()> {
+    let local = c.partitions("lat", 0).await?;
+    let bytes: u64 = local
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|p| p["partition_id"] == "a")
+        .filter_map(|p| p["bytes"].as_u64())
+        .sum();
+    let set = Instant::now();
+    c.set_export(
+        "lat",
+        &serde_json::json!({"to": lake_url, "freshness": freshness, "retention": 1}),
+    )
+    .await?;
+    let deadline = set + Duration::from_secs(4 * freshness + 60);
+    loop {
+        match c.count("lat", Some("a"), 0, None).await {
+            Err(ferry_client::ClientError::Api { status: 410, .. }) => break,
+            Ok(_) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Ok(rows) => {
+                say!("retention: partition a still holds {rows} rows on replica 0 {} s after a retention of 1 s was set", deadline.duration_since(set).as_secs());
+                return Ok(());
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    say!(
+        "retention: partition a left replica 0 {:.1} s after a retention of 1 s was set (its {:.1} MiB of parts there; reads answer 410 naming the lake's files)",
+        set.elapsed().as_secs_f64(),
+        bytes as f64 / (1 << 20) as f64
+    );
     Ok(())
 }
 

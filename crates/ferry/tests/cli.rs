@@ -373,8 +373,9 @@ fn config_check_errors_are_readable() {
 }
 
 /// `ferry bench lake` at a tiny size: `ferry dev` started and stopped by
-/// the benchmark, both throughput runs and the latency stream printed, and
-/// every acknowledged batch readable in the lake by the end.
+/// the benchmark, both throughput runs and the latency stream printed,
+/// every acknowledged batch readable in the lake by the end, the idle
+/// partition compacted and then retired.
 #[test]
 fn lake_benchmark_prints_figures() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -405,13 +406,18 @@ fn lake_benchmark_prints_figures() {
         "acknowledged -> readable in the lake",
         "p99",
         "files in the partition's current commit",
+        "after compaction",
+        "retention: partition a left replica 0",
     ] {
         assert!(stdout.contains(needle), "no {needle:?} in:\n{stdout}");
     }
-    assert!(
-        !stdout.contains("not readable within the drain"),
-        "{stdout}"
-    );
+    for failure in [
+        "not readable within the drain",
+        "not compacted",
+        "nothing to compact",
+    ] {
+        assert!(!stdout.contains(failure), "{stdout}");
+    }
 }
 
 /// `ferry bench copy` at a tiny size: it runs to its end and prints its

@@ -1,8 +1,9 @@
-//! An export through `ferry dev` (the embedded defaults: coordination store,
-//! local lake, replicas in one process) survives a SIGKILL of the whole
-//! process in the middle: restarted on its data dir, it finishes the same
-//! task, with one commit file listing every part once and nothing else in
-//! the partition's folder (no staging file of a write the kill cut).
+//! Exports through `ferry dev` (the embedded defaults: coordination store,
+//! local lake, replicas in one process): a manual export and a policy's
+//! increment survive a SIGKILL of the whole process in the middle
+//! (restarted on its data dir, it finishes the same task, each row once and
+//! no staging file of a write the kill cut); re-exports, Iceberg readers,
+//! export policies, compaction and retention.
 
 mod common;
 
@@ -122,6 +123,129 @@ fn an_export_survives_kill_9_of_ferry_dev_in_the_middle() {
     assert!(
         landed,
         "the SIGKILL never landed in the middle of an export"
+    );
+    ferry_ok(&["verify", &lake_url, "--deep"], &url);
+    stop_dev(&mut child, &data);
+}
+
+/// The policy's PENDING task of `partition` in the node's status listing.
+fn pending_policy_task(
+    rt: &tokio::runtime::Runtime,
+    c: &Client,
+    partition: &str,
+) -> Option<serde_json::Value> {
+    let view = rt.block_on(c.get_json("/exports")).ok()?;
+    view["tasks"]
+        .as_array()?
+        .iter()
+        .find(|t| {
+            t["partition_id"] == partition && t["by_policy"] == true && t["status"] == "PENDING"
+        })
+        .cloned()
+}
+
+/// A table that exports itself survives kill -9 of `ferry dev` in the
+/// middle of an increment (the policy's task created, its commit not yet
+/// written): restarted on its data dir, the same task ends, the rows
+/// inserted since follow in later increments, and the lake holds every
+/// acknowledged row once as `ferry lake files` lists it all along;
+/// `ferry verify --deep` is clean.
+#[test]
+fn a_policy_increment_survives_kill_9_of_ferry_dev_in_the_middle() {
+    let (_dir, data) = fresh_data_dir();
+    let lake_url = format!("file://{}", data.join("lake/auto").display());
+    let rt = runtime();
+    let (mut child, lines) = start_dev(&data);
+    let mut url = base_url(&lines);
+    rt.block_on(node_client(&url).create_table_toml(&table_toml("t", 2)))
+        .expect("create table");
+    ferry_ok(
+        &[
+            "table",
+            "set-export",
+            "t",
+            "--to",
+            &lake_url,
+            "--freshness",
+            "1s",
+        ],
+        &url,
+    );
+    let wait_for = |expected: &[i64], url: &str| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let ids = lake_ids(&lake_url, url);
+            if ids == expected {
+                return;
+            }
+            assert!(
+                ids.windows(2).all(|w| w[0] != w[1]),
+                "a row twice in the lake: {ids:?}"
+            );
+            assert!(Instant::now() < deadline, "the lake holds {ids:?}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    let mut expected: Vec<i64> = Vec::new();
+    let mut next = 0i64;
+    let mut insert = |c: &Client, expected: &mut Vec<i64>| {
+        insert_ids(&rt, c, next..next + 10, "y", &format!("y{next}"));
+        expected.extend(next..next + 10);
+        next += 10;
+    };
+    let mut landed = None;
+    for attempt in 0..5 {
+        let c = node_client(&url);
+        // Commits to increment over: the next one carries their files.
+        for _ in 0..3 {
+            insert(&c, &mut expected);
+        }
+        wait_for(&expected, &url);
+        // More rows, one batch at a time, until the policy's task for them
+        // is seen in flight: then SIGKILL.
+        let mut seen = None;
+        for _ in 0..30 {
+            insert(&c, &mut expected);
+            let deadline = Instant::now() + Duration::from_millis(1500);
+            while seen.is_none() && Instant::now() < deadline {
+                seen = pending_policy_task(&rt, &c, "y");
+            }
+            if seen.is_some() {
+                break;
+            }
+        }
+        child.kill().expect("SIGKILL");
+        let _ = child.wait();
+        let (restarted, lines) = start_dev(&data);
+        child = restarted;
+        url = base_url(&lines);
+        let c = node_client(&url);
+        // Rows while the interrupted task finishes.
+        insert(&c, &mut expected);
+        wait_for(&expected, &url);
+        let Some(task) = seen else {
+            eprintln!("attempt {attempt}: no policy task seen in flight");
+            continue;
+        };
+        // The interrupted task committed (its listing may be replaced by a
+        // later increment's by now; its commit file stays a while).
+        let committed = commit_files(&data.join("lake/auto"), "commit_y_")
+            .into_iter()
+            .any(|commit| commit["transaction_id"] == task["transaction_id"]);
+        eprintln!(
+            "attempt {attempt}: SIGKILL with policy task {} ({} of {} parts left, {} carried); committed after the restart: {committed}",
+            task["transaction_id"], task["parts_to_do"], task["parts_count"], task["carried"]
+        );
+        assert!(
+            committed,
+            "the interrupted increment {task} never committed"
+        );
+        landed = Some(task);
+        break;
+    }
+    assert!(
+        landed.is_some(),
+        "no SIGKILL landed while an increment was in flight"
     );
     ferry_ok(&["verify", &lake_url, "--deep"], &url);
     stop_dev(&mut child, &data);
