@@ -56,7 +56,7 @@ impl Sim {
         .encode(&mut self.wal);
         let end = Lsn(self.wal.len() as u64);
         self.rows.extend(ids.into_iter().map(|id| (end, id)));
-        self.fed.send_replace(Bytes::copy_from_slice(&self.wal));
+        self.publish_wal();
     }
 
     /// Kills, half of the time, an export whose commit file just appeared
@@ -121,6 +121,7 @@ impl Sim {
             .collect();
         // A forced export replaces (kills) the one it finds.
         if force {
+            self.forced.insert((partition.clone(), destination.clone()));
             for a in self.asked.values_mut() {
                 if a.partition == partition && a.destination == destination {
                     a.maybe_killed = true;
@@ -136,6 +137,7 @@ impl Sim {
                 ids,
                 maybe_killed: false,
                 killed: false,
+                at_least: false,
             },
         );
         let lake = self.lake();
@@ -379,7 +381,13 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         retire_rng: SmallRng::seed_from_u64(seed ^ 0x7265_7469_7265_2121),
         retirements: 0,
         compactions: 0,
+        policy: super::policy::PolicyRun::draw(seed),
+        forced: BTreeSet::new(),
     };
+    if let Some(run) = &sim.policy {
+        let line = run.describe();
+        sim.log(line);
+    }
     sim.log(format!("seed {seed}: {} events", events.len()));
     if iceberg {
         sim.log(format!(
@@ -396,7 +404,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
             match setup
                 .create(
                     "/ferry/tables/t",
-                    &serde_json::to_vec(&table()).expect("json"),
+                    &serde_json::to_vec(&sim.catalog_table()).expect("json"),
                     ferry_coord::CreateMode::Persistent,
                 )
                 .await
@@ -425,16 +433,25 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         let due = sim.world.start + *at;
         while tokio::time::Instant::now() + COMMIT_WATCH_STEP < due {
             tokio::time::sleep(COMMIT_WATCH_STEP).await;
+            sim.write_upkeep();
             sim.kill_on_commit_file().await;
             sim.maybe_expire_snapshots().await;
         }
         tokio::time::sleep_until(due).await;
+        sim.write_upkeep();
         sim.maybe_retire().await;
         sim.maybe_compact().await;
         sim.log(format!("{event:?}"));
         sim.apply(event).await?;
     }
-    let checker = sim.settle().await?;
+    let mut checker = sim.settle().await?;
+    if sim.policy.is_some() {
+        // With nobody asking, the lake catches up; then the runners stop
+        // and their last tasks settle before the checks.
+        sim.policy_caught_up().await?;
+        sim.stop_policies().await?;
+        checker = sim.settle().await?;
+    }
     let (completed, killed, snapshots) = sim.check(&checker).await?;
     let retired_rows = sim.check_retention().await?;
     sim.log(format!(
@@ -454,5 +471,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         retirements: sim.retirements,
         retired_rows,
         compactions: sim.compactions,
+        policy: sim.policy.is_some(),
+        policy_records: sim.policy.as_ref().map_or(0, |p| p.records),
     })
 }

@@ -40,18 +40,30 @@
 //!   commit; every node then holds each partition's rows exactly once
 //!   between its parts and its retired files, and every retired file is in
 //!   the current commit of its destination.
+//! * export policy (`policy`): in half of the runs the table exports itself
+//!   to the first destination: every node runs the product's policy runner
+//!   (one at a time holds the table's policy lock), whose increments,
+//!   compactions and retirements race the schedule's exports, kills and
+//!   retirements; its upkeep records reach the WAL through a simulated
+//!   writer that loses some answers. Its commit files pass the checks above
+//!   (rows as of the snapshot position they name); once faults stop, every
+//!   inserted row reaches the current commit of its partition within a
+//!   bound (the freshness promise after a heal), each once.
 //!
 //! * `schedule`: the events and how a seed draws them;
 //! * `nodes`: starting and crashing the nodes (replica node, exporter and
 //!   the feeder of its WAL);
 //! * `checks`: the final checks of every task, commit file and lock;
 //! * `driver`: the run loop ([`run_seed`]) and the schedule's requests
-//!   (inserts, exports, kills).
+//!   (inserts, exports, kills);
+//! * `policy`: the policy runs (the catalog's policy, the simulated
+//!   writer of upkeep records, the caught-up check).
 
 mod checks;
 mod driver;
 mod iceberg;
 mod nodes;
+mod policy;
 mod retention;
 mod schedule;
 
@@ -127,6 +139,9 @@ struct Asked {
     maybe_killed: bool,
     /// A kill answered KILLED.
     killed: bool,
+    /// `ids` is what the snapshot holds at least, not exactly (a policy's
+    /// snapshot may include rows its replica applied past the position).
+    at_least: bool,
 }
 
 /// What one seed did.
@@ -145,6 +160,10 @@ pub struct Outcome {
     pub retirements: usize,
     pub retired_rows: u64,
     pub compactions: usize,
+    /// Whether the table exported itself, and the upkeep records its policy
+    /// had written.
+    pub policy: bool,
+    pub policy_records: usize,
 }
 
 /// The export workload, as the seed harness runs it.
@@ -175,6 +194,11 @@ impl crate::seeds::Workload for Export {
                 o.retirements, o.retired_rows
             ),
             format!("{} compactions", o.compactions),
+            if o.policy {
+                format!("policy ({} upkeep records)", o.policy_records)
+            } else {
+                "no policy".to_string()
+            },
         ]
     }
 
@@ -188,6 +212,11 @@ impl crate::seeds::Workload for Export {
             format!("{} crashes", sum(|o| o.crashes)),
             format!("{} retirements", sum(|o| o.retirements)),
             format!("{} compactions", sum(|o| o.compactions)),
+            format!(
+                "{} runs with a policy ({} upkeep records)",
+                outcomes.iter().filter(|o| o.policy).count(),
+                sum(|o| o.policy_records)
+            ),
             format!(
                 "{} rows retired",
                 outcomes.iter().map(|o| o.retired_rows).sum::<u64>()
@@ -221,6 +250,11 @@ struct Sim {
     retire_rng: SmallRng,
     retirements: usize,
     compactions: usize,
+    /// The export policy of policy runs.
+    policy: Option<policy::PolicyRun>,
+    /// Partitions of a destination the schedule exported with force (which
+    /// replaces, so may kill, a policy's task).
+    forced: BTreeSet<(String, String)>,
 }
 
 impl Sim {

@@ -13,7 +13,7 @@ use ferry_replica::ALL_SHARDS;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use super::{node_name, table, Failure, Sim, SESSION_TIMEOUT};
+use super::{node_name, Failure, Sim, SESSION_TIMEOUT};
 use crate::world::{AfterAWrite, Stop};
 
 /// Half of the crashes wait for a write, so they land before its fsync.
@@ -30,11 +30,16 @@ pub(super) struct Node {
     pub(super) parts: Arc<ReplicaSet>,
     pub(super) session: Session,
     pub(super) feeder: tokio::task::JoinHandle<()>,
+    /// The export policy's runner, in policy runs.
+    pub(super) policy: Option<super::policy::PolicyTask>,
 }
 
 impl Stop for Node {
     /// A crash: every task ends at once.
     async fn stop(self) {
+        if let Some(policy) = self.policy {
+            policy.abort().await;
+        }
         self.feeder.abort();
         let _ = self.feeder.await;
         self.node.stop().await;
@@ -73,7 +78,9 @@ impl Sim {
                 disk,
                 clock,
                 cpu: Cpu::Inline,
-                tables: Arc::new(ferry_testkit::table::FixedTables::new([table()])),
+                tables: Arc::new(ferry_testkit::table::FixedTables::new([
+                    self.catalog_table()
+                ])),
             },
         )
         .await
@@ -110,11 +117,32 @@ impl Sim {
             .session(&name, SESSION_TIMEOUT)
             .await
             .map_err(|e| self.fail(format!("{name}: no session: {e}")))?;
+        let policy = match (&self.policy, &node.exports) {
+            (Some(run), Some(view)) => {
+                let sessions: Arc<dyn ferry_coord::SessionFactory> =
+                    Arc::new(self.world.coord.factory(&name, SESSION_TIMEOUT));
+                Some(run.start(super::policy::RunnerSeams {
+                    session: ferry_coord::RenewingSession::with(
+                        Arc::clone(&sessions),
+                        session.clone(),
+                    ),
+                    sessions,
+                    parts: Arc::clone(&parts) as Arc<dyn ferry_export::LocalParts>,
+                    destinations: Arc::new(self.lake()),
+                    replica_name: name.clone(),
+                    clock: Arc::new(self.world.clock.clone()),
+                    view: view.clone(),
+                    seed: self.world.rng.random(),
+                }))
+            }
+            _ => None,
+        };
         self.nodes[i] = Some(Node {
             node,
             parts,
             session,
             feeder,
+            policy,
         });
         self.log(format!("{name} started"));
         Ok(())

@@ -43,6 +43,11 @@ impl Sim {
         }
         let partition = PARTITIONS[self.retire_rng.random_range(0..PARTITIONS.len())];
         let d = self.retire_rng.random_range(0..DESTINATIONS.len());
+        if self.policy.is_some() {
+            // With a policy, retirements are its own, behind its gate (as
+            // in the product, where nothing else retires).
+            return;
+        }
         let Ok(location) = self.lake().open(DESTINATIONS[d]) else {
             return;
         };
@@ -77,7 +82,7 @@ impl Sim {
         ));
         Record::Retire(retirement).encode(&mut self.wal);
         self.retirements += 1;
-        self.fed.send_replace(Bytes::copy_from_slice(&self.wal));
+        self.publish_wal();
     }
 
     /// Before an event, now and then: a compaction of a random partition
@@ -101,7 +106,7 @@ impl Sim {
         })
         .encode(&mut self.wal);
         self.compactions += 1;
-        self.fed.send_replace(Bytes::copy_from_slice(&self.wal));
+        self.publish_wal();
     }
 
     /// The checks of the module docs; answers the rows retired on the
