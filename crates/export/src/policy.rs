@@ -61,6 +61,25 @@ pub const SUPERSEDED_COMMIT_GRACE: Duration = Duration::from_secs(600);
 /// ...at most this often per table.
 pub const UPKEEP_INTERVAL: Duration = Duration::from_secs(60);
 
+/// When a policy tends its destination: how often, and how long a
+/// superseded commit (and an unlisted data file) is kept for readers and
+/// uploads in flight. The product runs the defaults; the simulator
+/// shortens both so that its runs reach the upkeep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UpkeepTiming {
+    pub interval: Duration,
+    pub superseded_grace: Duration,
+}
+
+impl Default for UpkeepTiming {
+    fn default() -> Self {
+        UpkeepTiming {
+            interval: UPKEEP_INTERVAL,
+            superseded_grace: SUPERSEDED_COMMIT_GRACE,
+        }
+    }
+}
+
 /// Where a node learns the commit position now.
 pub type CommitPosition =
     Arc<dyn Fn() -> futures::future::BoxFuture<'static, Result<Lsn, String>> + Send + Sync>;
@@ -370,6 +389,7 @@ pub struct PolicyRunner {
     pub maintain: MaintenanceSink,
     /// The size compaction makes a partition's files near to.
     pub target_file_bytes: u64,
+    pub upkeep: UpkeepTiming,
     pub view: watch::Receiver<ExportsView>,
     /// Seeds the transaction ids' random part.
     pub seed: u64,
@@ -556,9 +576,9 @@ impl PolicyRunner {
         let mut errors = Vec::new();
         // Each increment adds a commit file or a snapshot: those superseded
         // long enough ago expire.
-        if now_ms.saturating_sub(state.last_upkeep_ms) >= UPKEEP_INTERVAL.as_millis() as u64 {
+        if now_ms.saturating_sub(state.last_upkeep_ms) >= self.upkeep.interval.as_millis() as u64 {
             state.last_upkeep_ms = now_ms;
-            let cut_ms = now_ms.saturating_sub(SUPERSEDED_COMMIT_GRACE.as_millis() as u64);
+            let cut_ms = now_ms.saturating_sub(self.upkeep.superseded_grace.as_millis() as u64);
             let format = format_of(table);
             match self.destinations.open(&policy.to) {
                 Ok(location) => {

@@ -138,6 +138,7 @@ impl Policies {
             commit_lsn: Arc::clone(&api.commit_lsn),
             maintain: Arc::clone(&api.maintain),
             target_file_bytes: api.target_file_bytes,
+            upkeep: Default::default(),
             view: api.view.clone(),
             // The edge's randomness: transaction ids only need to differ.
             seed: rand::random(),

@@ -65,6 +65,18 @@ pub struct FaultyObjectStore {
     /// Every put or delete as it starts and once it applied, for checkers
     /// that crash a node at a chosen step of an upload protocol.
     events: Arc<tokio::sync::watch::Sender<StoreEvent>>,
+    /// With a clock ([`FaultyObjectStore::stamp_with`]): when each object
+    /// was last written by that clock, which listings report instead of
+    /// the inner store's wall-clock times.
+    stamps: Arc<Mutex<Option<Stamps>>>,
+}
+
+/// A clock for objects' modification times.
+pub type StampClock = Arc<dyn Fn() -> chrono::DateTime<chrono::Utc> + Send + Sync>;
+
+struct Stamps {
+    now: StampClock,
+    modified: std::collections::HashMap<String, chrono::DateTime<chrono::Utc>>,
 }
 
 /// A put or delete seen by the store.
@@ -112,7 +124,37 @@ impl FaultyObjectStore {
                 injected: 0,
             })),
             events: Arc::new(tokio::sync::watch::channel(StoreEvent::default()).0),
+            stamps: Arc::default(),
         }
+    }
+
+    /// Objects written from now on are stamped by `now` (a simulated
+    /// clock), so that what compares their age with that clock (orphan
+    /// removal) sees the times the simulation lived, not the machine's.
+    pub fn stamp_with(&self, now: StampClock) {
+        *self.stamps.lock().unwrap_or_else(|p| p.into_inner()) = Some(Stamps {
+            now,
+            modified: Default::default(),
+        });
+    }
+
+    fn stamp(&self, location: &Path) {
+        if let Some(s) = self
+            .stamps
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_mut()
+        {
+            let at = (s.now)();
+            s.modified.insert(location.to_string(), at);
+        }
+    }
+
+    fn stamping(&self) -> bool {
+        self.stamps
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
     }
 
     /// Follows every put and delete (see [`StoreEvent`]).
@@ -184,6 +226,7 @@ impl ObjectStore for FaultyObjectStore {
         self.announce(location, false, false);
         let fail_after = self.enter("put").await?;
         let result = self.inner.put_opts(location, payload, opts).await?;
+        self.stamp(location);
         self.announce(location, false, true);
         if fail_after {
             return Err(injected("put applied, answer lost"));
@@ -198,12 +241,15 @@ impl ObjectStore for FaultyObjectStore {
     ) -> Result<Box<dyn MultipartUpload>> {
         self.enter("put_multipart").await?;
         let upload = self.inner.put_multipart_opts(location, opts).await?;
-        if !self.lock().faults.multipart {
+        let faults = self.lock().faults.multipart;
+        if !faults && !self.stamping() {
             return Ok(upload);
         }
         Ok(Box::new(FaultyUpload {
             store: self.clone(),
             inner: upload,
+            location: location.clone(),
+            faults,
         }))
     }
 
@@ -243,7 +289,22 @@ impl ObjectStore for FaultyObjectStore {
     }
 
     fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, Result<ObjectMeta>> {
-        self.inner.list(prefix)
+        if !self.stamping() {
+            return self.inner.list(prefix);
+        }
+        let stamps = Arc::clone(&self.stamps);
+        self.inner
+            .list(prefix)
+            .map(move |meta| {
+                let mut meta = meta?;
+                if let Some(s) = stamps.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+                    if let Some(at) = s.modified.get(meta.location.as_ref()) {
+                        meta.last_modified = *at;
+                    }
+                }
+                Ok(meta)
+            })
+            .boxed()
     }
 
     async fn list_with_delimiter(&self, prefix: Option<&Path>) -> Result<ListResult> {
@@ -254,6 +315,7 @@ impl ObjectStore for FaultyObjectStore {
     async fn copy_opts(&self, from: &Path, to: &Path, options: CopyOptions) -> Result<()> {
         let fail_after = self.enter("copy").await?;
         self.inner.copy_opts(from, to, options).await?;
+        self.stamp(to);
         if fail_after {
             return Err(injected("copy applied, answer lost"));
         }
@@ -265,6 +327,9 @@ impl ObjectStore for FaultyObjectStore {
 struct FaultyUpload {
     store: FaultyObjectStore,
     inner: Box<dyn MultipartUpload>,
+    location: Path,
+    /// Whether the upload's requests fail (else it only stamps).
+    faults: bool,
 }
 
 impl fmt::Debug for FaultyUpload {
@@ -276,6 +341,9 @@ impl fmt::Debug for FaultyUpload {
 #[async_trait]
 impl MultipartUpload for FaultyUpload {
     fn put_part(&mut self, data: PutPayload) -> object_store::UploadPart {
+        if !self.faults {
+            return self.inner.put_part(data);
+        }
         let (latency, before, _) = self.store.draw();
         let part = self.inner.put_part(data);
         Box::pin(async move {
@@ -288,8 +356,9 @@ impl MultipartUpload for FaultyUpload {
     }
 
     async fn complete(&mut self) -> Result<PutResult> {
-        let fail_after = self.store.enter("complete multipart").await?;
+        let fail_after = self.faults && self.store.enter("complete multipart").await?;
         let result = self.inner.complete().await?;
+        self.store.stamp(&self.location);
         if fail_after {
             return Err(injected("multipart completed, answer lost"));
         }

@@ -78,22 +78,40 @@ impl Run<'_> {
 
     /// The safety poll's check of every mirrored task: one whose fence is
     /// gone (removed or replaced while a watch event was lost) is forgotten
-    /// and its key read again.
+    /// and its key read again; one mirrored as PENDING whose status moved
+    /// on (its status watch's event lost) is read again, so that nothing
+    /// waiting on this mirror (an export policy's next increment) waits on
+    /// a stale PENDING forever. A read without a watch: the status watch
+    /// is armed again only when the status did change.
     pub(super) async fn verify_mirror(&mut self) -> Result<(), CoordError> {
-        let keys: Vec<(TaskKey, String)> = self
+        let keys: Vec<(TaskKey, String, TaskStatus)> = self
             .tasks
             .iter()
             .map(|(k, t)| {
                 (
                     k.clone(),
                     crate::model::fence_path(&k.path(), &t.metadata.transaction_id),
+                    t.status,
                 )
             })
             .collect();
-        for (key, fence) in keys {
+        for (key, fence, mirrored) in keys {
             if self.session.exists(&fence).await?.is_none() {
                 self.forget(&key).await;
                 self.load_exports(&key.table).await?;
+                continue;
+            }
+            if mirrored.is_terminal() {
+                continue;
+            }
+            let now = match self.session.get(&format!("{}/status", key.path())).await {
+                Ok((data, _)) => TaskStatus::parse(&data),
+                Err(CoordError::NoNode { .. }) => None,
+                Err(e) => return Err(e),
+            };
+            if now != Some(mirrored) {
+                tracing::info!(task = %key, "export task status changed unseen; read again");
+                self.refresh_status(&key).await?;
             }
         }
         Ok(())

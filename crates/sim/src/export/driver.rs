@@ -365,6 +365,14 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         verbose,
     )
     .await?;
+    // The lake's objects age by the simulated clock (orphan removal
+    // compares their age with it).
+    world.lake_store.stamp_with({
+        let clock = world.clock.clone();
+        Arc::new(move || {
+            chrono::DateTime::from_timestamp_micros(clock.unix_micros() as i64).unwrap_or_default()
+        })
+    });
     let (fed, _) = watch::channel(Bytes::new());
     let mut sim = Sim {
         world,
@@ -473,5 +481,6 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         compactions: sim.compactions,
         policy: sim.policy.is_some(),
         policy_records: sim.policy.as_ref().map_or(0, |p| p.records),
+        orphans_removed: sim.policy.as_ref().map_or(0, |p| p.orphans_removed),
     })
 }

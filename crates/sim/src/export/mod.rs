@@ -45,10 +45,14 @@
 //!   (one at a time holds the table's policy lock), whose increments,
 //!   compactions and retirements race the schedule's exports, kills and
 //!   retirements; its upkeep records reach the WAL through a simulated
-//!   writer that loses some answers. Its commit files pass the checks above
-//!   (rows as of the snapshot position they name); once faults stop, every
-//!   inserted row reaches the current commit of its partition within a
-//!   bound (the freshness promise after a heal), each once.
+//!   writer that loses some answers; its upkeep (expiring superseded
+//!   commits, removing orphan data files) runs every half second with half
+//!   a second of grace, on object times of the simulated clock. Its commit
+//!   files pass the checks above (rows as of the snapshot position they
+//!   name, at least); once faults stop, every inserted row reaches the
+//!   current commit of its partition within a bound (the freshness promise
+//!   after a heal), each once, and with retention every partition then
+//!   leaves every replica.
 //!
 //! * `schedule`: the events and how a seed draws them;
 //! * `nodes`: starting and crashing the nodes (replica node, exporter and
@@ -164,6 +168,7 @@ pub struct Outcome {
     /// had written.
     pub policy: bool,
     pub policy_records: usize,
+    pub orphans_removed: u64,
 }
 
 /// The export workload, as the seed harness runs it.
@@ -195,7 +200,10 @@ impl crate::seeds::Workload for Export {
             ),
             format!("{} compactions", o.compactions),
             if o.policy {
-                format!("policy ({} upkeep records)", o.policy_records)
+                format!(
+                    "policy ({} upkeep records, {} orphans removed)",
+                    o.policy_records, o.orphans_removed
+                )
             } else {
                 "no policy".to_string()
             },
@@ -213,9 +221,10 @@ impl crate::seeds::Workload for Export {
             format!("{} retirements", sum(|o| o.retirements)),
             format!("{} compactions", sum(|o| o.compactions)),
             format!(
-                "{} runs with a policy ({} upkeep records)",
+                "{} runs with a policy ({} upkeep records, {} orphans removed)",
                 outcomes.iter().filter(|o| o.policy).count(),
-                sum(|o| o.policy_records)
+                sum(|o| o.policy_records),
+                outcomes.iter().map(|o| o.orphans_removed).sum::<u64>()
             ),
             format!(
                 "{} rows retired",

@@ -33,6 +33,12 @@ const TARGET_FILE_BYTES: u64 = 16 << 10;
 /// refused (not appended).
 const LOST_ANSWER: f64 = 0.1;
 const REFUSED: f64 = 0.05;
+/// The policy's upkeep of its destination (expiring superseded commits,
+/// removing orphan data files), short enough to run many times a run.
+const UPKEEP: ferry_export::policy::UpkeepTiming = ferry_export::policy::UpkeepTiming {
+    interval: Duration::from_millis(500),
+    superseded_grace: Duration::from_millis(500),
+};
 /// Once faults stop, every inserted row is in its partition's current
 /// commit within this.
 const CAUGHT_UP_WITHIN: Duration = Duration::from_secs(120);
@@ -48,6 +54,9 @@ pub(super) struct PolicyRun {
     wal_end: Arc<AtomicU64>,
     rng: SmallRng,
     pub(super) records: usize,
+    /// Orphan data files the runners removed (as their status says when
+    /// they stop; a crashed runner's count is lost).
+    pub(super) orphans_removed: u64,
 }
 
 /// A node's policy runner.
@@ -98,6 +107,7 @@ impl PolicyRun {
             wal_end: Arc::default(),
             rng,
             records: 0,
+            orphans_removed: 0,
         })
     }
 
@@ -135,6 +145,7 @@ impl PolicyRun {
             commit_lsn,
             maintain: Arc::clone(&self.sink),
             target_file_bytes: TARGET_FILE_BYTES,
+            upkeep: UPKEEP,
             view: runner.view,
             seed: runner.seed,
         };
@@ -322,8 +333,24 @@ impl Sim {
                     .filter_map(|n| n.policy.as_ref())
                     .map(|p| format!("{:?}", p.status.borrow().tables))
                     .collect();
+                // What each node's exporter mirrors as still in flight (a
+                // policy waits for the tasks it asked for to end there).
+                let pending: Vec<Vec<String>> = self
+                    .nodes
+                    .iter()
+                    .flatten()
+                    .filter_map(|n| n.node.exports.as_ref())
+                    .map(|v| {
+                        v.borrow()
+                            .tasks
+                            .iter()
+                            .filter(|t| !t.status.is_terminal())
+                            .map(|t| format!("{} {}", t.key, t.transaction_id))
+                            .collect()
+                    })
+                    .collect();
                 return Err(self.fail(format!(
-                    "{} s after faults stopped, the lake of the policy lacks rows: {behind:?}; the runners: {statuses:?}",
+                    "{} s after faults stopped, the policy's lake does not hold each row once: {behind:?}; the runners: {statuses:?}; mirrored in flight: {pending:?}",
                     CAUGHT_UP_WITHIN.as_secs()
                 )));
             }
@@ -338,6 +365,16 @@ impl Sim {
         let mut tasks = Vec::new();
         for i in 0..NODES {
             if let Some(t) = self.nodes[i].as_mut().and_then(|n| n.policy.take()) {
+                let removed: u64 = t
+                    .status
+                    .borrow()
+                    .tables
+                    .values()
+                    .map(|s| s.orphans_removed)
+                    .sum();
+                if let Some(run) = &mut self.policy {
+                    run.orphans_removed += removed;
+                }
                 let _ = t.stop.send(true);
                 tasks.push(t.task);
             }
