@@ -299,6 +299,16 @@ impl TablePolicy {
         out
     }
 
+    /// A compaction of `partition` could not be written (the writer
+    /// refused it, or its answer was lost before it was appended): the
+    /// partition is a candidate again once idle, not forgotten until its
+    /// content changes (which, idle, it may never do).
+    pub fn compaction_failed(&mut self, partition: &str) {
+        if let Some(st) = self.partitions.get_mut(partition) {
+            st.compaction_considered = None;
+        }
+    }
+
     /// Age of the oldest change not yet in the lake (0 when none), and how
     /// many partitions are behind.
     pub fn lag(&self, now_ms: u64) -> (u64, usize) {
@@ -788,7 +798,13 @@ impl PolicyRunner {
                     st.compactions += 1;
                     tracing::info!(table = %table.def.name, partition = %partition, target_rows, parts = local.len(), %lsn, destination = %policy.to, "export policy: partition compacted");
                 }
-                Err(e) => errors.push(format!("partition {partition}: compacting: {e}")),
+                Err(e) => {
+                    // Asked again at a later round (a record appended
+                    // after all is harmless: the merges it decides are
+                    // decided once, a second one finds nothing to merge).
+                    state.compaction_failed(&partition);
+                    errors.push(format!("partition {partition}: compacting: {e}"))
+                }
             }
         }
         if errors.is_empty() {
@@ -1010,6 +1026,21 @@ mod tests {
             .iter()
             .map(|(p, c)| (p.to_string(), c.to_string()))
             .collect()
+    }
+
+    #[test]
+    fn an_idle_partition_is_compacted_once_unless_the_record_failed() {
+        let mut policy = TablePolicy::default();
+        let c = contents(&[("a", "c1")]);
+        assert_eq!(policy.plan(0, &c, |_| None, 10_000, 0), vec!["a"]);
+        policy.in_lake("a", "c1");
+        // Not idle yet, then idle: a candidate once.
+        assert!(policy.compaction_candidates(1_000, &c, 5_000).is_empty());
+        assert_eq!(policy.compaction_candidates(6_000, &c, 5_000), vec!["a"]);
+        assert!(policy.compaction_candidates(7_000, &c, 5_000).is_empty());
+        // Its record not written: a candidate again.
+        policy.compaction_failed("a");
+        assert_eq!(policy.compaction_candidates(8_000, &c, 5_000), vec!["a"]);
     }
 
     #[test]
