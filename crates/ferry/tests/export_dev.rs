@@ -171,21 +171,6 @@ fn a_policy_increment_survives_kill_9_of_ferry_dev_in_the_middle() {
         ],
         &url,
     );
-    let wait_for = |expected: &[i64], url: &str| {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let ids = lake_ids(&lake_url, url);
-            if ids == expected {
-                return;
-            }
-            assert!(
-                ids.windows(2).all(|w| w[0] != w[1]),
-                "a row twice in the lake: {ids:?}"
-            );
-            assert!(Instant::now() < deadline, "the lake holds {ids:?}");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    };
     let mut expected: Vec<i64> = Vec::new();
     let mut next = 0i64;
     let mut insert = |c: &Client, expected: &mut Vec<i64>| {
@@ -200,7 +185,7 @@ fn a_policy_increment_survives_kill_9_of_ferry_dev_in_the_middle() {
         for _ in 0..3 {
             insert(&c, &mut expected);
         }
-        wait_for(&expected, &url);
+        wait_for_lake(&lake_url, &url, &expected);
         // More rows, one batch at a time, until the policy's task for them
         // is seen in flight: then SIGKILL.
         let mut seen = None;
@@ -222,7 +207,7 @@ fn a_policy_increment_survives_kill_9_of_ferry_dev_in_the_middle() {
         let c = node_client(&url);
         // Rows while the interrupted task finishes.
         insert(&c, &mut expected);
-        wait_for(&expected, &url);
+        wait_for_lake(&lake_url, &url, &expected);
         let Some(task) = seen else {
             eprintln!("attempt {attempt}: no policy task seen in flight");
             continue;
@@ -807,6 +792,25 @@ fn lake_ids(lake_url: &str, url: &str) -> Vec<i64> {
     ids
 }
 
+/// Waits (up to a minute) until the lake at `lake_url`, as `ferry lake
+/// files` lists it, holds exactly the ids `expected` (sorted); a row twice
+/// in it at any time fails at once.
+fn wait_for_lake(lake_url: &str, url: &str, expected: &[i64]) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let ids = lake_ids(lake_url, url);
+        if ids == expected {
+            return;
+        }
+        assert!(
+            ids.windows(2).all(|w| w[0] != w[1]),
+            "a row twice in the lake: {ids:?}"
+        );
+        assert!(Instant::now() < deadline, "the lake holds {ids:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// A table with an export policy exports itself: inserts into two
 /// partitions, with merges in between, reach the lake with nobody asking,
 /// each row once as a reader reads it; idle partitions are compacted to one
@@ -850,21 +854,6 @@ fn a_table_with_an_export_policy_exports_itself_and_readers_read_each_row_once()
     );
     assert_eq!(ferry_ok(&["table", "show", "t"], &url), shown);
 
-    let wait_for = |expected: &[i64]| {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let ids = lake_ids(&lake_url, &url);
-            if ids == expected {
-                return;
-            }
-            assert!(
-                ids.windows(2).all(|w| w[0] != w[1]),
-                "a row twice in the lake: {ids:?}"
-            );
-            assert!(Instant::now() < deadline, "the lake holds {ids:?}");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    };
     // Batches into two partitions; eight level-0 parts of `a` merge on the
     // way, combining exported and new rows.
     let mut expected = Vec::new();
@@ -880,11 +869,11 @@ fn a_table_with_an_export_policy_exports_itself_and_readers_read_each_row_once()
         expected.extend(batch * 10..batch * 10 + 10);
         if batch % 3 == 2 {
             expected.sort_unstable();
-            wait_for(&expected);
+            wait_for_lake(&lake_url, &url, &expected);
         }
     }
     expected.sort_unstable();
-    wait_for(&expected);
+    wait_for_lake(&lake_url, &url, &expected);
     // Idle, the partitions are compacted: their parts merge on the replicas
     // up to the target (128 MiB: all of them) and the next increments
     // replace the lake's small files, each partition ending as one file,

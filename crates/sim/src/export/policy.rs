@@ -251,9 +251,9 @@ impl Sim {
         })
     }
 
-    /// Whether the policy may have made the task `key` of `partition` to
-    /// `destination` (a task the schedule never asked for) and the
-    /// schedule's forced export may have replaced it.
+    /// Whether a policy task of `partition` to `destination` (one the
+    /// schedule never asked for) may have been replaced, so KILLED, by a
+    /// forced export of the schedule.
     pub(super) fn policy_task_killable(&self, partition: &str, destination: &str) -> bool {
         self.policy
             .as_ref()
