@@ -47,8 +47,12 @@ pub const POLICY_LOCKS: &str = "/ferry/export_policy";
 /// A round runs every quarter of the freshness target, within these bounds.
 pub const MIN_ROUND: Duration = Duration::from_millis(250);
 pub const MAX_ROUND: Duration = Duration::from_secs(15);
-/// How often a node without any policy looks for new ones.
+/// How often a node reads the catalog for policies that came or went
+/// (and how long a table whose lock another node holds waits to look again).
 pub const IDLE_ROUND: Duration = Duration::from_secs(2);
+/// Tables with a policy one node runs tasks for at most (a bound on its
+/// tasks; the rest wait, with a warning).
+pub const MAX_POLICY_TABLES: usize = 10_000;
 /// A table's replicas must apply the commit position within this long of a
 /// round (at most the freshness target).
 pub const MAX_APPLY_WAIT: Duration = Duration::from_secs(30);
@@ -405,24 +409,127 @@ pub struct PolicyRunner {
     pub seed: u64,
 }
 
+/// A table's policy as the catalog holds it now.
+#[derive(Debug, Clone, PartialEq)]
+struct PolicyTable {
+    table: Table,
+    policy: ExportPolicy,
+    format: LakeFormat,
+}
+
 impl PolicyRunner {
-    /// Runs rounds until `stop` turns true; publishes what it knows in
-    /// `status`.
+    /// Runs every policy table's rounds until `stop` turns true; publishes
+    /// what it knows in `status`.
+    ///
+    /// Each table runs in its own task, on its own timer: a table whose
+    /// round is slow (a backlog to request, replicas slow to apply) never
+    /// delays another table's increments, compactions or retention. This
+    /// loop only reads the catalog, starting a table's task when its policy
+    /// appears and ending it when the policy goes. Dropping the future (a
+    /// crash) drops every table's task with it.
     pub async fn run(self, status: watch::Sender<PolicyStatus>, mut stop: watch::Receiver<bool>) {
-        let mut rng = rand::rngs::SmallRng::seed_from_u64(self.seed);
-        let mut policies: BTreeMap<String, TablePolicy> = BTreeMap::new();
-        let mut view = self.view.clone();
+        let runner = Arc::new(self);
+        let status = Arc::new(status);
+        let mut loops: BTreeMap<String, watch::Sender<PolicyTable>> = BTreeMap::new();
+        let mut tasks = tokio::task::JoinSet::new();
         loop {
+            match runner.policy_tables().await {
+                Ok(tables) => {
+                    let names: BTreeSet<&str> =
+                        tables.iter().map(|t| t.table.def.name.as_str()).collect();
+                    // A table's task ends once its sender is gone.
+                    loops.retain(|name, _| names.contains(name.as_str()));
+                    for table in tables {
+                        let name = table.table.def.name.clone();
+                        if let Some(spec) = loops.get(&name) {
+                            spec.send_if_modified(|held| {
+                                let changed = *held != table;
+                                if changed {
+                                    *held = table;
+                                }
+                                changed
+                            });
+                            continue;
+                        }
+                        if loops.len() >= MAX_POLICY_TABLES {
+                            tracing::warn!(table = %name, "export policies: more than {MAX_POLICY_TABLES} tables with a policy; this one waits");
+                            continue;
+                        }
+                        let (spec, spec_rx) = watch::channel(table);
+                        loops.insert(name.clone(), spec);
+                        let seed = runner.seed ^ table_seed(&name);
+                        tasks.spawn(Arc::clone(&runner).table_loop(
+                            name,
+                            spec_rx,
+                            Arc::clone(&status),
+                            stop.clone(),
+                            seed,
+                        ));
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "export policies: cannot read the catalog"),
+            }
+            // Ended tasks (their table went) are reaped here.
+            while tasks.try_join_next().is_some() {}
+            tokio::select! {
+                biased;
+                _ = stop.changed() => {}
+                _ = tokio::time::sleep(IDLE_ROUND) => {}
+            }
+            if *stop.borrow() {
+                break;
+            }
+        }
+        drop(loops);
+        // Each table's round in flight finishes and its lock is released.
+        while tasks.join_next().await.is_some() {}
+    }
+
+    /// Tables with an export policy, or an error when the catalog cannot be
+    /// read (the running tables' tasks go on meanwhile).
+    async fn policy_tables(&self) -> Result<Vec<PolicyTable>, String> {
+        let session = self.session.session().await.map_err(|e| e.to_string())?;
+        policy_tables(&session).await.map_err(|e| e.to_string())
+    }
+
+    /// One table's rounds, until its policy goes from the catalog (`spec`'s
+    /// sender is dropped) or `stop` turns true.
+    async fn table_loop(
+        self: Arc<Self>,
+        name: String,
+        mut spec: watch::Receiver<PolicyTable>,
+        status: Arc<watch::Sender<PolicyStatus>>,
+        mut stop: watch::Receiver<bool>,
+        seed: u64,
+    ) {
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+        let mut state = TablePolicy::default();
+        let mut counters = TablePolicyStatus::default();
+        let mut view = self.view.clone();
+        let mut gone = false;
+        while !gone && !*stop.borrow() {
             let started = tokio::time::Instant::now();
-            let round = self.round(&mut policies, &mut rng, &status).await;
+            let table = spec.borrow_and_update().clone();
+            let round = self
+                .table_turn(&table, &mut state, &mut rng, &mut counters)
+                .await;
+            status.send_modify(|s| {
+                s.tables.insert(name.clone(), counters.clone());
+            });
             let next = started + round;
             // The next round comes at its time, or sooner (but not before
-            // MIN_ROUND) once an export this node asked for ended: the
-            // partition's next increment then waits for no timer.
+            // MIN_ROUND) once an export this table's policy asked for
+            // ended: the partition's next increment then waits for no timer.
             loop {
                 tokio::select! {
                     biased;
                     _ = stop.changed() => break,
+                    changed = spec.changed() => {
+                        if changed.is_err() {
+                            gone = true;
+                            break;
+                        }
+                    }
                     _ = tokio::time::sleep_until(next) => break,
                     changed = view.changed() => {
                         if changed.is_err() {
@@ -431,10 +538,9 @@ impl PolicyRunner {
                         }
                         let ended = {
                             let v = view.borrow_and_update();
-                            let status_of = |tx: &str| {
+                            state.asked_ended(|tx: &str| {
                                 v.tasks.iter().find(|t| t.transaction_id == tx).map(|t| t.status)
-                            };
-                            policies.values().any(|p| p.asked_ended(status_of))
+                            })
                         };
                         if ended {
                             tokio::time::sleep_until(next.min(started + MIN_ROUND)).await;
@@ -443,104 +549,81 @@ impl PolicyRunner {
                     }
                 }
             }
-            if *stop.borrow() {
-                break;
-            }
         }
         if let Ok(session) = self.session.session().await {
-            for table in policies.keys() {
-                release_lock(&session, table).await;
-            }
+            release_lock(&session, &name).await;
+        }
+        if gone {
+            status.send_modify(|s| {
+                s.tables.remove(&name);
+            });
         }
     }
 
-    /// One round over every policy table; answers how long to wait for the
-    /// next.
-    async fn round(
+    /// One round of a table's policy, under its lock; answers how long to
+    /// wait for the next. `st` carries the table's status from round to
+    /// round.
+    async fn table_turn(
         &self,
-        policies: &mut BTreeMap<String, TablePolicy>,
+        spec: &PolicyTable,
+        state: &mut TablePolicy,
         rng: &mut rand::rngs::SmallRng,
-        status: &watch::Sender<PolicyStatus>,
+        st: &mut TablePolicyStatus,
     ) -> Duration {
+        let PolicyTable {
+            table,
+            policy,
+            format,
+        } = spec;
+        let name = &table.def.name;
+        let freshness = Duration::from_secs(policy.freshness_seconds);
+        let next = (freshness / 4).clamp(MIN_ROUND, MAX_ROUND);
+        *st = TablePolicyStatus {
+            to: policy.to.clone(),
+            format: format.to_string(),
+            freshness_seconds: policy.freshness_seconds,
+            exports_requested: st.exports_requested,
+            retention_seconds: policy.retention_seconds,
+            retirements: st.retirements,
+            orphans_removed: st.orphans_removed,
+            compactions: st.compactions,
+            last_round_unix_ms: st.last_round_unix_ms,
+            ..TablePolicyStatus::default()
+        };
         let session = match self.session.session().await {
             Ok(s) => s,
             Err(e) => {
-                tracing::warn!(error = %e, "export policies: no coordination session");
-                return IDLE_ROUND;
+                st.last_error = Some(format!("no coordination session: {e}"));
+                return next.max(IDLE_ROUND);
             }
         };
-        let tables = match policy_tables(&session).await {
-            Ok(t) => t,
+        match take_lock(&session, name, &self.replica_name).await {
+            Ok(true) => {}
+            Ok(false) => {
+                // Another node runs it: what this node knew goes stale.
+                *state = TablePolicy::default();
+                return next.max(IDLE_ROUND);
+            }
             Err(e) => {
-                tracing::warn!(error = %e, "export policies: cannot read the catalog");
-                return IDLE_ROUND;
+                st.last_error = Some(format!("policy lock: {e}"));
+                return next.max(IDLE_ROUND);
             }
-        };
-        let names: BTreeSet<String> = tables.iter().map(|(t, _, _)| t.def.name.clone()).collect();
-        for gone in policies
-            .keys()
-            .filter(|t| !names.contains(*t))
-            .cloned()
-            .collect::<Vec<_>>()
+        }
+        st.running_here = true;
+        state.destination(&format!("{format} {}", policy.to));
+        if let Err(e) = self
+            .table_round(&session, table, policy, state, rng, st)
+            .await
         {
-            policies.remove(&gone);
-            release_lock(&session, &gone).await;
+            tracing::warn!(table = %name, error = %e, "export policy round");
+            st.last_error = Some(e);
         }
-        let mut next = IDLE_ROUND;
-        let mut published = PolicyStatus::default();
-        for (table, policy, format) in &tables {
-            let name = &table.def.name;
-            let freshness = Duration::from_secs(policy.freshness_seconds);
-            next = next.min((freshness / 4).clamp(MIN_ROUND, MAX_ROUND));
-            let previous = status
-                .borrow()
-                .tables
-                .get(name)
-                .cloned()
-                .unwrap_or_default();
-            let mut st = TablePolicyStatus {
-                to: policy.to.clone(),
-                format: format.to_string(),
-                freshness_seconds: policy.freshness_seconds,
-                exports_requested: previous.exports_requested,
-                retention_seconds: policy.retention_seconds,
-                retirements: previous.retirements,
-                orphans_removed: previous.orphans_removed,
-                compactions: previous.compactions,
-                ..TablePolicyStatus::default()
-            };
-            match take_lock(&session, name, &self.replica_name).await {
-                Ok(true) => {}
-                Ok(false) => {
-                    policies.remove(name);
-                    published.tables.insert(name.clone(), st);
-                    continue;
-                }
-                Err(e) => {
-                    st.last_error = Some(format!("policy lock: {e}"));
-                    published.tables.insert(name.clone(), st);
-                    continue;
-                }
-            }
-            st.running_here = true;
-            let state = policies.entry(name.clone()).or_default();
-            state.destination(&format!("{format} {}", policy.to));
-            if let Err(e) = self
-                .table_round(&session, table, policy, state, rng, &mut st)
-                .await
-            {
-                tracing::warn!(table = %name, error = %e, "export policy round");
-                st.last_error = Some(e);
-            }
-            let now_ms = self.clock.unix_micros() / 1000;
-            let (lag_ms, behind) = state.lag(now_ms);
-            st.lag_seconds = lag_ms as f64 / 1000.0;
-            st.partitions_behind = behind as u64;
-            st.partitions = state.partitions.len() as u64;
-            st.last_round_unix_ms = now_ms;
-            published.tables.insert(name.clone(), st);
-        }
-        status.send_replace(published);
+        let now_ms = self.clock.unix_micros() / 1000;
+        let (lag_ms, behind) = state.lag(now_ms);
+        st.lag_seconds = lag_ms as f64 / 1000.0;
+        st.partitions_behind = behind as u64;
+        st.partitions = state.partitions.len() as u64;
+        st.last_round_unix_ms = now_ms;
         next
     }
 
@@ -950,9 +1033,7 @@ pub fn retirement_of(
 }
 
 /// Tables with an export policy, from the catalog.
-async fn policy_tables(
-    session: &Session,
-) -> Result<Vec<(Table, ExportPolicy, LakeFormat)>, CoordError> {
+async fn policy_tables(session: &Session) -> Result<Vec<PolicyTable>, CoordError> {
     let names = match session.children(TABLES).await {
         Ok((names, _)) => names,
         Err(CoordError::NoNode { .. }) => return Ok(Vec::new()),
@@ -972,11 +1053,23 @@ async fn policy_tables(
         if let Some(export) = &table.def.export {
             if let Some(policy) = &export.policy {
                 let (policy, format) = (policy.clone(), export.format);
-                out.push((table, policy, format));
+                out.push(PolicyTable {
+                    table,
+                    policy,
+                    format,
+                });
             }
         }
     }
     Ok(out)
+}
+
+/// A table's part of its policy task's seed: tables' transaction ids draw
+/// apart, the same way in every run of a seed (FNV-1a).
+fn table_seed(table: &str) -> u64 {
+    table.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 fn lock_path(table: &str) -> String {
