@@ -245,6 +245,42 @@ async fn merges_are_decided_by_the_wal_and_agree_across_replicas_and_crashes() {
 }
 
 #[tokio::test]
+async fn partitions_take_turns_so_a_merge_backlog_holds_back_no_other_partition() {
+    let (_dir, disk) = ferry_testkit::disk::temp_disk();
+    let mut wal = Wal::default();
+    // Partition "x": 32 parts, four merges decided first; then partition
+    // "y": 8 parts, one merge decided after them.
+    for i in 0..32i64 {
+        wal.insert(1, 0, "", rows(i * 10..i * 10 + 10, &["x"]));
+    }
+    for i in 32..40i64 {
+        wal.insert(1, 0, "", rows(i * 10..i * 10 + 10, &["y"]));
+    }
+    let mut r = open(&disk, "r", 0).await;
+    common::apply_rest(&mut r, &wal).await;
+    assert_eq!(r.subscribe().borrow().pending_merges, 5);
+    let mut order = Vec::new();
+    while let Some(job) = r.next_merge() {
+        let merge = job.merge.clone();
+        order.push(merge.result.to_string());
+        let meta = job.run().await.expect("merge");
+        r.finish_merge(&merge, meta).await.expect("finish");
+    }
+    let partitions: Vec<&str> = order.iter().map(|n| &n[..1]).collect();
+    assert_eq!(
+        partitions,
+        ["x", "y", "x", "x", "x"],
+        "y's merge waits for one of x's, not all four: {order:?}"
+    );
+    // x's own merges ran in the order decided (block order).
+    let x: Vec<&String> = order.iter().filter(|n| n.starts_with('x')).collect();
+    let mut sorted = x.clone();
+    sorted.sort_by_key(|n| n.split('_').nth(1).and_then(|b| b.parse::<u64>().ok()));
+    assert_eq!(x, sorted);
+    assert_eq!(r.parts(1).iter().map(|p| p.rows).sum::<u64>(), 400);
+}
+
+#[tokio::test]
 async fn a_pinned_part_outlives_its_merge_and_a_restart_until_unpinned() {
     let (dir, disk) = ferry_testkit::disk::temp_disk();
     let mut wal = Wal::default();

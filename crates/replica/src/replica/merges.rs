@@ -147,11 +147,42 @@ impl Replica {
         }
     }
 
-    /// The first decided merge whose sources are all written (merges run in
-    /// the order decided), with what a merger needs to do it without holding
-    /// the replica.
+    /// The next merge to run, with what a merger needs to do it without
+    /// holding the replica.
+    ///
+    /// A partition's merges run in the order decided (a later one may take
+    /// an earlier one's result); partitions take turns, in key order after
+    /// the one served last, so a table with a long backlog of merges never
+    /// holds back another's (a compaction the export policy asked for waits
+    /// for at most one merge of each other partition). Each partition's
+    /// first decided merge runs once its sources are all written. Which
+    /// replica runs which merge when differs; what each merge makes does
+    /// not (decided by the WAL).
     pub fn next_merge(&self) -> Option<MergeJob> {
-        let m = self.state.merges.first()?;
+        let mut heads: Vec<(&(u64, String), &Merge)> = Vec::new();
+        let mut seen = std::collections::BTreeSet::new();
+        let keys: Vec<(u64, String)> = self
+            .state
+            .merges
+            .iter()
+            .map(|m| (m.table_id, m.result.partition_id.clone()))
+            .collect();
+        for (key, m) in keys.iter().zip(&self.state.merges) {
+            if seen.insert(key) {
+                heads.push((key, m));
+            }
+        }
+        heads.sort_by(|a, b| a.0.cmp(b.0));
+        let start = match &self.merge_turn {
+            Some(last) => heads.iter().position(|(k, _)| *k > last).unwrap_or(0),
+            None => 0,
+        };
+        heads.rotate_left(start);
+        heads.into_iter().find_map(|(_, m)| self.merge_job(m))
+    }
+
+    /// The job of merge `m` if its sources are all written.
+    fn merge_job(&self, m: &Merge) -> Option<MergeJob> {
         let have = self.parts.get(&m.table_id)?;
         let mut sources = Vec::with_capacity(m.sources.len());
         for s in &m.sources {
@@ -178,10 +209,13 @@ impl Replica {
         merge: &Merge,
         meta: PartMeta,
     ) -> Result<Vec<(u64, PartName)>, ReplicaError> {
-        if self.state.merges.first() != Some(merge) {
+        // A merge voided meanwhile (a retirement dropped its sources, a
+        // copy replaced the state) changes nothing.
+        let Some(at) = self.state.merges.iter().position(|m| m == merge) else {
             return Ok(Vec::new());
-        }
-        self.state.merges.remove(0);
+        };
+        self.state.merges.remove(at);
+        self.merge_turn = Some((merge.table_id, merge.result.partition_id.clone()));
         let parts = self.parts.entry(merge.table_id).or_default();
         let kept = self.kept.entry(merge.table_id).or_default();
         let mut replaced = Vec::new();

@@ -214,6 +214,9 @@ pub struct Replica {
     /// Received WAL not yet applied (an incomplete record at its end).
     pending: Vec<u8>,
     pending_start: Lsn,
+    /// The partition whose merge ran last (`merges::next_merge` serves the
+    /// partitions in turn).
+    merge_turn: Option<(u64, String)>,
 }
 
 impl Replica {
@@ -365,6 +368,7 @@ impl Replica {
             unsynced_dirs: Default::default(),
             unpersisted_bytes: 0,
             persisted_lsn: pending_start,
+            merge_turn: None,
             status,
             view,
             pending: Vec::new(),
