@@ -44,6 +44,12 @@ pub struct LakeBenchArgs {
     /// `ferry dev --lake-target-file-mib`: the size compaction aims at.
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=16384))]
     lake_target_file_mib: u64,
+    /// `ferry dev --max-replication-flush-lag` in MiB (0: none): inserts
+    /// wait while a replica's durable parts are this far behind the WAL, so
+    /// the flat-out runs measure what the replicas (and so the policy) keep
+    /// up with, not acknowledgements minutes ahead of them.
+    #[arg(long, default_value_t = 64)]
+    max_replication_flush_lag_mib: u64,
 }
 
 /// Tables `name`: `id` Int64 sharded 2 ways, partitioned by `p` (Utf8).
@@ -79,12 +85,14 @@ struct Dev {
 }
 
 impl Dev {
-    fn start(data: &std::path::Path, target_file_mib: u64) -> anyhow::Result<Dev> {
+    fn start(data: &std::path::Path, args: &LakeBenchArgs) -> anyhow::Result<Dev> {
         let exe = std::env::current_exe().context("the ferry binary")?;
         let log = std::fs::File::create(data.with_extension("log"))?;
         let mut child = Command::new(exe)
             .args(["dev", "--http", "127.0.0.1:0", "--lake-target-file-mib"])
-            .arg(target_file_mib.to_string())
+            .arg(args.lake_target_file_mib.to_string())
+            .arg("--max-replication-flush-lag")
+            .arg((args.max_replication_flush_lag_mib << 20).to_string())
             .arg("--data-dir")
             .arg(data)
             .stdin(Stdio::null())
@@ -174,13 +182,15 @@ pub async fn lake(args: LakeBenchArgs) -> anyhow::Result<()> {
     let dir = crate::wal::scratch_dir(args.dir.as_deref(), "ferry-bench-lake-")?;
     // Absolute: the lake's file:// URLs are made from it.
     let data = std::path::absolute(dir.path())?.join("dev");
-    let dev = Dev::start(&data, args.lake_target_file_mib)?;
+    let dev = Dev::start(&data, &args)?;
     let c = Client::new(&dev.url, None, Duration::from_secs(120))?;
     let lake_url = |t: &str| format!("file://{}", data.join("lake").join(t).display());
     let freshness = args.freshness_secs.max(1);
     say!(
-        "bench lake: ferry dev at {}; freshness target {freshness}s",
-        dev.url
+        "bench lake: ferry dev at {}; freshness target {freshness}s; inserts wait while a replica is more than {} MiB behind{}",
+        dev.url,
+        args.max_replication_flush_lag_mib,
+        if args.max_replication_flush_lag_mib == 0 { " (no limit)" } else { "" }
     );
 
     // Latency: a steady stream into one partition; the lake holds a prefix

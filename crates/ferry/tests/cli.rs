@@ -408,6 +408,7 @@ fn lake_benchmark_prints_figures() {
         "files in the partition's current commit",
         "after compaction",
         "retention: partition a left replica 0",
+        "MiB behind",
     ] {
         assert!(stdout.contains(needle), "no {needle:?} in:\n{stdout}");
     }
