@@ -662,9 +662,11 @@ impl PolicyRunner {
         };
         let now_ms = self.clock.unix_micros() / 1000;
         let forget_after_ms = (policy.freshness_seconds * 1000).max(10_000);
-        // A quarter of the target between two commits of a partition: its
-        // rows wait at most a round and an export, well within the target.
-        let spacing_ms = (policy.freshness_seconds * 1000 / 4).max(MIN_ROUND.as_millis() as u64);
+        // Half the target between two commits of a partition: a row waits
+        // at most that, a round (a quarter) and its export, within the
+        // target; each commit costs the replicas a pin and an unpin (a state
+        // write each), so fewer commits leave more to inserts.
+        let spacing_ms = (policy.freshness_seconds * 1000 / 2).max(MIN_ROUND.as_millis() as u64);
         let wanted = state.plan(now_ms, &contents, status_of, forget_after_ms, spacing_ms);
         let mut errors = Vec::new();
         // Each increment adds a commit file or a snapshot: those superseded
