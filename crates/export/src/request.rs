@@ -502,7 +502,7 @@ impl Requester<'_> {
                     other => bad(other.to_string()),
                 })?;
             }
-            task::remove(self.session, &key).await?;
+            task::remove(self.session, &key, &existing.transaction_id).await?;
             // The task replaced may have committed on its way out.
             current = read_current().await?;
         }
@@ -747,7 +747,7 @@ async fn create(
         if ferry_coord::multi_request_bytes(&batch, prefix) > limit {
             let last = batch.pop().expect("just pushed");
             if let Err(e) = session.multi(std::mem::take(&mut batch)).await {
-                let _ = task::remove(session, key).await;
+                let _ = task::remove(session, key, &metadata.transaction_id).await;
                 return Err(e);
             }
             batch.push(last);
@@ -757,13 +757,13 @@ async fn create(
     last.push(status.clone());
     if ferry_coord::multi_request_bytes(&last, prefix) > limit {
         if let Err(e) = session.multi(std::mem::take(&mut batch)).await {
-            let _ = task::remove(session, key).await;
+            let _ = task::remove(session, key, &metadata.transaction_id).await;
             return Err(e);
         }
     }
     batch.push(status);
     if let Err(e) = session.multi(batch).await {
-        let _ = task::remove(session, key).await;
+        let _ = task::remove(session, key, &metadata.transaction_id).await;
         return Err(e);
     }
     Ok(())

@@ -168,13 +168,58 @@ pub async fn read_parts(
     Ok(parts)
 }
 
-/// Removes a task and everything under it (chunked deletes; nodes already
-/// gone are fine).
-pub async fn remove(session: &Session, key: &TaskKey) -> Result<(), CoordError> {
+/// Times [`remove`] starts again after another remover of the same task
+/// moved its mark.
+const MAX_REMOVE_ATTEMPTS: usize = 8;
+
+/// Removes the task of transaction `transaction_id` and everything under
+/// it (chunked deletes; nodes already gone are fine), and nothing of
+/// another: a task of the key created since (its node holds another
+/// transaction id) is left alone.
+///
+/// Removers race: two requests replacing the same finished task, cleanup
+/// and a request, a creator undoing its half-made task. Deleting by path
+/// alone, a slow remover could delete the status and parts of a task
+/// created after another remover finished, leaving it PENDING with parts
+/// missing for good. So the first step marks the task's node (a set that
+/// bumps its version, in the multi that deletes `status` and the fence:
+/// the task is then invisible to workers and its transaction fenced), and
+/// every later delete is a multi checking that version: once the node is
+/// gone, or re-created, or marked again by another remover, this one
+/// stops (and looks again).
+pub async fn remove(
+    session: &Session,
+    key: &TaskKey,
+    transaction_id: &str,
+) -> Result<(), CoordError> {
+    for _ in 0..MAX_REMOVE_ATTEMPTS {
+        if remove_once(session, key, transaction_id).await? {
+            return Ok(());
+        }
+    }
+    Err(CoordError::BadVersion { path: key.path() })
+}
+
+/// One attempt of [`remove`]: `Ok(true)` once the task is gone (or was
+/// never this transaction's), `Ok(false)` when another remover moved the
+/// mark.
+async fn remove_once(
+    session: &Session,
+    key: &TaskKey,
+    transaction_id: &str,
+) -> Result<bool, CoordError> {
     let base = key.path();
+    let (data, stat) = match session.get(&base).await {
+        Ok(r) => r,
+        Err(CoordError::NoNode { .. }) => return Ok(true),
+        Err(e) => return Err(e),
+    };
+    if data != transaction_id.as_bytes() {
+        return Ok(true);
+    }
     let subs = match session.children(&base).await {
         Ok((c, _)) => c,
-        Err(CoordError::NoNode { .. }) => return Ok(()),
+        Err(CoordError::NoNode { .. }) => return Ok(true),
         Err(e) => return Err(e),
     };
     // First what makes the task visible and what fences its transaction:
@@ -183,11 +228,16 @@ pub async fn remove(session: &Session, key: &TaskKey) -> Result<(), CoordError> 
     let (first, subs): (Vec<String>, Vec<String>) = subs
         .into_iter()
         .partition(|s| s == "status" || s.starts_with("tx-"));
-    delete_all(
-        session,
-        first.iter().map(|s| format!("{base}/{s}")).collect(),
-    )
-    .await?;
+    let mut mark = vec![Op::set(base.clone(), data, Some(stat.version))];
+    mark.extend(first.iter().map(|s| Op::delete(format!("{base}/{s}"), None)));
+    match session.multi(mark).await {
+        Ok(_) => {}
+        // Moved, re-created, or its status/fence already deleted by
+        // another remover: look again.
+        Err(CoordError::MultiFailed { .. }) => return Ok(false),
+        Err(e) => return Err(e),
+    }
+    let marked = stat.version.saturating_add(1);
     let mut deletes = Vec::new();
     for sub in &subs {
         let path = format!("{base}/{sub}");
@@ -200,41 +250,63 @@ pub async fn remove(session: &Session, key: &TaskKey) -> Result<(), CoordError> 
         }
     }
     deletes.extend(subs.iter().map(|s| format!("{base}/{s}")));
-    deletes.push(base.clone());
-    delete_all(session, deletes).await
+    delete_all_marked(session, &base, marked, deletes).await
 }
 
-/// Deletes nodes in order, in multis within the request limit; a node
-/// already gone is skipped (the batch it failed is retried one by one).
-async fn delete_all(session: &Session, paths: Vec<String>) -> Result<(), CoordError> {
+/// Deletes the nodes under the task's node `base` in order, in multis
+/// within the request limit, each checking that `base` still has version
+/// `marked` (a node already gone is skipped: the batch it failed is retried
+/// one by one), then `base` itself at that version. `Ok(false)` when the
+/// check failed (another remover took over).
+async fn delete_all_marked(
+    session: &Session,
+    base: &str,
+    marked: i32,
+    paths: Vec<String>,
+) -> Result<bool, CoordError> {
     let limit = ferry_coord::path::MAX_REQUEST_BYTES;
     let prefix = session.path_prefix_bytes();
-    let mut batch: Vec<Op> = Vec::new();
+    let check = || Op::check(base.to_string(), marked);
     let flush = |batch: Vec<Op>| async move {
-        if batch.is_empty() {
-            return Ok(());
+        if batch.len() <= 1 {
+            return Ok(true);
         }
         match session.multi(batch.clone()).await {
-            Ok(_) => Ok(()),
+            Ok(_) => Ok(true),
+            Err(CoordError::MultiFailed { index: 0, .. }) => Ok(false),
             Err(CoordError::MultiFailed { .. }) => {
-                for op in batch {
-                    match session.delete(op.path(), None).await {
-                        Ok(()) | Err(CoordError::NoNode { .. }) => {}
+                for op in batch.into_iter().skip(1) {
+                    match session.multi(vec![check(), op]).await {
+                        Ok(_) => {}
+                        Err(CoordError::MultiFailed { index: 0, .. }) => return Ok(false),
+                        Err(CoordError::MultiFailed { index: 1, source })
+                            if matches!(*source, CoordError::NoNode { .. }) => {}
                         Err(e) => return Err(e),
                     }
                 }
-                Ok(())
+                Ok(true)
             }
             Err(e) => Err(e),
         }
     };
+    let mut batch: Vec<Op> = vec![check()];
     for p in paths {
         batch.push(Op::delete(p, None));
-        if ferry_coord::multi_request_bytes(&batch, prefix) > limit / 2 {
-            flush(std::mem::take(&mut batch)).await?;
+        if ferry_coord::multi_request_bytes(&batch, prefix) > limit / 2
+            && !flush(std::mem::replace(&mut batch, vec![check()])).await?
+        {
+            return Ok(false);
         }
     }
-    flush(batch).await
+    if !flush(batch).await? {
+        return Ok(false);
+    }
+    // The node itself last, at the version marked.
+    match session.delete(base, Some(marked)).await {
+        Ok(()) => Ok(true),
+        Err(CoordError::NoNode { .. }) | Err(CoordError::BadVersion { .. }) => Ok(false),
+        Err(e) => Err(e),
+    }
 }
 
 /// An ephemeral lock node held by this session.
@@ -693,5 +765,105 @@ pub async fn fail(
         }
         Err(CoordError::MultiFailed { .. }) => Ok(false),
         Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_coord::embedded::EmbeddedStore;
+    use ferry_coord::{CoordMetrics, EmbeddedSessions, SessionFactory};
+    use std::sync::Arc;
+
+    async fn session() -> (tempfile::TempDir, Session) {
+        let (dir, disk) = ferry_testkit::disk::temp_disk();
+        let store = EmbeddedStore::open(disk, "coord", Default::default())
+            .await
+            .expect("store");
+        let sessions = EmbeddedSessions {
+            store,
+            timeout: std::time::Duration::from_secs(5),
+            metrics: Arc::new(CoordMetrics::default()),
+        };
+        (dir, sessions.open().await.expect("session"))
+    }
+
+    /// A task of transaction `tx` as a request makes one.
+    async fn make(session: &Session, key: &TaskKey, tx: &str) {
+        let base = key.path();
+        ferry_coord::create_all(session.as_ref(), &base)
+            .await
+            .expect("parents");
+        session.delete(&base, None).await.expect("bare node");
+        let persistent = CreateMode::Persistent;
+        let mut ops = vec![Op::create(base.clone(), tx.as_bytes(), persistent)];
+        for sub in ["metadata.json", "parts", "processing", "status"] {
+            ops.push(Op::create(format!("{base}/{sub}"), Vec::new(), persistent));
+        }
+        ops.push(Op::create(
+            crate::model::fence_path(&base, tx),
+            Vec::new(),
+            persistent,
+        ));
+        ops.push(Op::create(format!("{base}/parts/000000"), Vec::new(), persistent));
+        ops.push(Op::create(format!("{base}/processing/p_1_1_0"), Vec::new(), persistent));
+        session.multi(ops).await.expect("task");
+    }
+
+    async fn nodes(session: &Session, key: &TaskKey) -> Vec<String> {
+        let base = key.path();
+        let mut out = Vec::new();
+        if let Ok((subs, _)) = session.children(&base).await {
+            for s in subs {
+                out.push(s.clone());
+                if let Ok((c, _)) = session.children(&format!("{base}/{s}")).await {
+                    out.extend(c.into_iter().map(|c| format!("{s}/{c}")));
+                }
+            }
+        }
+        out.sort();
+        out
+    }
+
+    fn key() -> TaskKey {
+        TaskKey {
+            table: "t".into(),
+            key: "p_abc".into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_remover_of_an_older_transaction_leaves_the_task_made_since() {
+        let (_dir, s) = session().await;
+        make(&s, &key(), "tx1").await;
+        remove(&s, &key(), "tx1").await.expect("remove");
+        assert!(nodes(&s, &key()).await.is_empty());
+        assert!(s.exists(&key().path()).await.expect("exists").is_none());
+        make(&s, &key(), "tx2").await;
+        let made = nodes(&s, &key()).await;
+        assert_eq!(made.len(), 7, "{made:?}");
+        // A second remover of tx1, late: nothing of tx2's goes.
+        remove(&s, &key(), "tx1").await.expect("remove");
+        assert_eq!(nodes(&s, &key()).await, made);
+    }
+
+    #[tokio::test]
+    async fn a_remover_whose_mark_another_took_over_deletes_nothing_more() {
+        let (_dir, s) = session().await;
+        make(&s, &key(), "tx1").await;
+        let base = key().path();
+        let (_, stat) = s.get(&base).await.expect("task node");
+        // Another remover marked the task after this one did.
+        s.set(&base, b"tx1", Some(stat.version)).await.expect("mark");
+        let before = nodes(&s, &key()).await;
+        let stale = stat.version;
+        let done = delete_all_marked(&s, &base, stale, vec![format!("{base}/parts/000000")])
+            .await
+            .expect("no error");
+        assert!(!done);
+        assert_eq!(nodes(&s, &key()).await, before);
+        // Removing it again with the transaction finishes the work.
+        remove(&s, &key(), "tx1").await.expect("remove");
+        assert!(s.exists(&base).await.expect("exists").is_none());
     }
 }

@@ -68,11 +68,16 @@ use ferry_sim::seeds;
 /// node's policy waited on it forever (207920171: a partition never
 /// exported again); the safety poll now reads the status of every task it
 /// mirrors as in flight.
+/// Two removers of one finished task raced (a policy's request and a
+/// manual one, 89300691): the slower deleted by path the status and parts
+/// of the task the faster had created since, which stayed PENDING with
+/// parts missing for good; removal now marks the task it removes and
+/// checks the mark at every delete (`task::remove`).
 /// Seed numbers are those of the schedule when each bug was planted. They
 /// must stay green.
 const REGRESSION_SEEDS: &[u64] = &[
     0, 1, 2, 3, 4, 7, 9, 13, 14, 18, 26, 29, 36, 41, 53, 59, 113, 142, 157, 977, 1190, 1911,
-    207920171,
+    207920171, 89300691,
 ];
 
 #[test]

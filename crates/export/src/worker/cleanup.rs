@@ -53,7 +53,7 @@ impl Run<'_> {
                     Duty::Keep => continue,
                     Duty::Remove => {
                         tracing::info!(task = %key, "removing an export task past its TTL");
-                        task::remove(&self.session, &key).await?;
+                        task::remove(&self.session, &key, &t.metadata.transaction_id).await?;
                         self.forget(&key).await;
                         continue;
                     }
@@ -113,7 +113,7 @@ impl Run<'_> {
                     );
                     if abandoned {
                         tracing::info!(task = %key, "removing an export task whose creation never finished");
-                        task::remove(&self.session, &key).await?;
+                        task::remove(&self.session, &key, &head.transaction_id).await?;
                     }
                 }
             }
