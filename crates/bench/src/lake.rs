@@ -184,13 +184,7 @@ async fn merges_settled(c: &Client) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(120);
     let mut quiet = 0;
     while quiet < 2 {
-        let replicas = c.get_json("/replicas").await?;
-        let pending: u64 = replicas
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|r| r["pending_merges"].as_u64().unwrap_or(0))
-            .sum();
+        let pending = c.pending_merges().await?;
         quiet = if pending == 0 { quiet + 1 } else { 0 };
         if Instant::now() > deadline {
             say!("merges: {pending} still pending after 120 s; the run starts anyway");

@@ -279,6 +279,18 @@ impl Client {
             .1)
     }
 
+    /// Merges decided and not yet run, summed over the node's replicas
+    /// (`GET /replicas`): zero once the background merges settled.
+    pub async fn pending_merges(&self) -> Result<u64, ClientError> {
+        let replicas = self.get_json("/replicas").await?;
+        Ok(replicas
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|r| r["pending_merges"].as_u64().unwrap_or(0))
+            .sum())
+    }
+
     /// Rows of a table, or of one partition, on replica `replica`, once it
     /// applied `min_lsn` (an insert's `commit_lsn`) if given.
     pub async fn count(

@@ -138,13 +138,7 @@ pub async fn run(url: &str, rows: usize, lake_url: &str) -> anyhow::Result<()> {
     // Merges run in the background; they settle on the same parts everywhere.
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let replicas = client.get_json("/replicas").await?;
-        let pending: u64 = replicas
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|r| r["pending_merges"].as_u64().unwrap_or(0))
-            .sum();
+        let pending = client.pending_merges().await?;
         if pending == 0 {
             break;
         }
