@@ -229,7 +229,11 @@ async fn remove_once(
         .into_iter()
         .partition(|s| s == "status" || s.starts_with("tx-"));
     let mut mark = vec![Op::set(base.clone(), data, Some(stat.version))];
-    mark.extend(first.iter().map(|s| Op::delete(format!("{base}/{s}"), None)));
+    mark.extend(
+        first
+            .iter()
+            .map(|s| Op::delete(format!("{base}/{s}"), None)),
+    );
     match session.multi(mark).await {
         Ok(_) => {}
         // Moved, re-created, or its status/fence already deleted by
@@ -805,8 +809,16 @@ mod tests {
             Vec::new(),
             persistent,
         ));
-        ops.push(Op::create(format!("{base}/parts/000000"), Vec::new(), persistent));
-        ops.push(Op::create(format!("{base}/processing/p_1_1_0"), Vec::new(), persistent));
+        ops.push(Op::create(
+            format!("{base}/parts/000000"),
+            Vec::new(),
+            persistent,
+        ));
+        ops.push(Op::create(
+            format!("{base}/processing/p_1_1_0"),
+            Vec::new(),
+            persistent,
+        ));
         session.multi(ops).await.expect("task");
     }
 
@@ -854,7 +866,9 @@ mod tests {
         let base = key().path();
         let (_, stat) = s.get(&base).await.expect("task node");
         // Another remover marked the task after this one did.
-        s.set(&base, b"tx1", Some(stat.version)).await.expect("mark");
+        s.set(&base, b"tx1", Some(stat.version))
+            .await
+            .expect("mark");
         let before = nodes(&s, &key()).await;
         let stale = stat.version;
         let done = delete_all_marked(&s, &base, stale, vec![format!("{base}/parts/000000")])
