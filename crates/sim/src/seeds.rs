@@ -14,7 +14,7 @@ use crate::world::{Failure, Run};
 /// A workload as the seed harness runs it.
 pub trait Workload {
     /// What one seed did.
-    type Outcome;
+    type Outcome: Send;
     /// The workload's subcommand of `ferry-sim` (and its name in the random
     /// tests' window variables).
     const NAME: &'static str;

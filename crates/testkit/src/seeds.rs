@@ -37,14 +37,53 @@ impl SeedWindow {
         window
     }
 
-    /// Runs every seed of the window; the first failure panics with
-    /// `explain`'s account of it (which says how to replay it).
-    pub fn run<T, F>(
+    /// Runs every seed of the window, on as many threads as the machine
+    /// has cores (seeds are independent: each run is its own world), and
+    /// answers the outcomes in seed order; the failure of the lowest seed
+    /// that failed panics with `explain`'s account of it (which says how to
+    /// replay it). Once a seed failed, threads start no new seed.
+    pub fn run<T: Send, F: Send>(
         &self,
-        run: impl FnMut(u64) -> Result<T, F>,
+        run: impl Fn(u64) -> Result<T, F> + Sync,
         explain: impl Fn(&F) -> String,
     ) -> Vec<T> {
-        run_seeds(self.seeds.clone(), run, explain)
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .clamp(1, 16);
+        let next = AtomicU64::new(self.seeds.start);
+        let failed = AtomicBool::new(false);
+        let end = self.seeds.end;
+        let mut results: Vec<(u64, Result<T, F>)> = std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let mut mine = Vec::new();
+                        while !failed.load(Ordering::Relaxed) {
+                            let seed = next.fetch_add(1, Ordering::Relaxed);
+                            if seed >= end {
+                                break;
+                            }
+                            let r = run(seed);
+                            if r.is_err() {
+                                failed.store(true, Ordering::Relaxed);
+                            }
+                            mine.push((seed, r));
+                        }
+                        mine
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .flat_map(|w| w.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+                .collect()
+        });
+        results.sort_by_key(|(seed, _)| *seed);
+        results
+            .into_iter()
+            .map(|(_, r)| r.unwrap_or_else(|f| panic!("{}", explain(&f))))
+            .collect()
     }
 }
 
@@ -91,6 +130,30 @@ mod tests {
         assert_eq!(
             message.downcast_ref::<String>().map(String::as_str),
             Some("seed 2 failed")
+        );
+    }
+
+    #[test]
+    fn a_window_runs_on_threads_answers_in_seed_order_and_explains_its_lowest_failure() {
+        let window = SeedWindow { seeds: 10..200 };
+        let ok = window.run(Ok::<u64, String>, |e| e.clone());
+        assert_eq!(ok, (10..200).collect::<Vec<_>>());
+        let failed = std::panic::catch_unwind(|| {
+            window.run(
+                |s| {
+                    if s == 40 || s == 41 {
+                        Err(format!("seed {s} failed"))
+                    } else {
+                        Ok(s)
+                    }
+                },
+                |e| e.clone(),
+            )
+        });
+        let message = failed.expect_err("seeds 40 and 41 fail");
+        assert_eq!(
+            message.downcast_ref::<String>().map(String::as_str),
+            Some("seed 40 failed")
         );
     }
 }
