@@ -476,7 +476,7 @@ impl PolicyRunner {
                 _ = stop.changed() => {}
                 _ = tokio::time::sleep(IDLE_ROUND) => {}
             }
-            if *stop.borrow() {
+            if stopping(&stop) {
                 break;
             }
         }
@@ -507,7 +507,7 @@ impl PolicyRunner {
         let mut counters = TablePolicyStatus::default();
         let mut view = self.view.clone();
         let mut gone = false;
-        while !gone && !*stop.borrow() {
+        while !gone && !stopping(&stop) {
             let started = tokio::time::Instant::now();
             let table = spec.borrow_and_update().clone();
             let round = self
@@ -1064,6 +1064,12 @@ async fn policy_tables(session: &Session) -> Result<Vec<PolicyTable>, CoordError
         }
     }
     Ok(out)
+}
+
+/// Whether the runner is to stop: told so, or its owner is gone (a closed
+/// channel would otherwise wake every wait at once, for ever).
+fn stopping(stop: &watch::Receiver<bool>) -> bool {
+    *stop.borrow() || stop.has_changed().is_err()
 }
 
 /// A table's part of its policy task's seed: tables' transaction ids draw

@@ -159,26 +159,22 @@ impl Replica {
     /// replica runs which merge when differs; what each merge makes does
     /// not (decided by the WAL).
     pub fn next_merge(&self) -> Option<MergeJob> {
-        let mut heads: Vec<(&(u64, String), &Merge)> = Vec::new();
-        let mut seen = std::collections::BTreeSet::new();
-        let keys: Vec<(u64, String)> = self
-            .state
-            .merges
-            .iter()
-            .map(|m| (m.table_id, m.result.partition_id.clone()))
-            .collect();
-        for (key, m) in keys.iter().zip(&self.state.merges) {
-            if seen.insert(key) {
-                heads.push((key, m));
-            }
+        // Each partition's first decided merge, by partition.
+        let mut heads: std::collections::BTreeMap<(u64, &str), &Merge> =
+            std::collections::BTreeMap::new();
+        for m in &self.state.merges {
+            heads
+                .entry((m.table_id, m.result.partition_id.as_str()))
+                .or_insert(m);
         }
-        heads.sort_by(|a, b| a.0.cmp(b.0));
-        let start = match &self.merge_turn {
-            Some(last) => heads.iter().position(|(k, _)| *k > last).unwrap_or(0),
-            None => 0,
-        };
-        heads.rotate_left(start);
-        heads.into_iter().find_map(|(_, m)| self.merge_job(m))
+        let after = self.merge_turn.as_ref().map(|(t, p)| (*t, p.as_str()));
+        let (later, earlier): (Vec<_>, Vec<_>) = heads
+            .into_iter()
+            .partition(|(k, _)| after.is_some_and(|a| *k > a));
+        later
+            .into_iter()
+            .chain(earlier)
+            .find_map(|(_, m)| self.merge_job(m))
     }
 
     /// The job of merge `m` if its sources are all written.
