@@ -196,7 +196,7 @@ pub async fn run(url: &str, rows: usize, lake_url: &str) -> anyhow::Result<()> {
         .and_then(|p| p["partition_id"].as_str())
         .context("no partition to export")?
         .to_string();
-    let created: crate::exports::CreatedBody = client
+    let created: ferry_node::exports::CreatedBody = client
         .post_json(
             "/exports",
             &serde_json::json!({

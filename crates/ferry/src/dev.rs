@@ -159,7 +159,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         args.lake_target_file_mib << 20,
     )?;
     // Tables that export themselves.
-    let policies = crate::exports::Policies::start(&exports);
+    let policies = ferry_node::exports::Policies::start(&exports);
     let metrics = dev_metrics(
         registry,
         &quorum,
@@ -176,7 +176,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
                 replicas: nodes.iter().map(|n| n.reader.clone()).collect(),
             },
         )))
-        .merge(crate::exports::router(exports))
+        .merge(ferry_node::exports::router(exports))
         .merge(ferry_host::http::node_routes(
             dev_status(&record, &quorum, &nodes, recording, policies.status.clone()),
             Arc::new(metrics),
@@ -450,14 +450,14 @@ fn export_api(
     quorum: &Arc<LocalQuorum>,
     destinations: Arc<dyn ferry_export::Destinations>,
     target_file_bytes: u64,
-) -> anyhow::Result<Arc<crate::exports::ExportApi>> {
+) -> anyhow::Result<Arc<ferry_node::exports::ExportApi>> {
     let first = nodes.first().context("no replica")?;
     let view = first
         .exports
         .clone()
         .context("a dev replica runs an exporter")?;
     let commit_writer = Arc::clone(&quorum.writer);
-    Ok(Arc::new(crate::exports::ExportApi {
+    Ok(Arc::new(ferry_node::exports::ExportApi {
         session: session.clone(),
         sessions: coord.factory(),
         parts: Arc::clone(&first.parts) as Arc<dyn ferry_export::LocalParts>,
@@ -487,6 +487,8 @@ fn export_api(
             })
         },
         view,
+        // The edge's randomness: transaction ids only need to differ.
+        ids: ferry_node::exports::TransactionIds::new(rand::random()),
     }))
 }
 

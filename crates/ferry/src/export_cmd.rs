@@ -163,7 +163,7 @@ pub async fn export(args: ExportArgs) -> anyhow::Result<()> {
         "force": args.force,
         "settings": args.settings.settings(),
     });
-    let created: crate::exports::CreatedBody = client.post_json("/exports", &body).await?;
+    let created: ferry_node::exports::CreatedBody = client.post_json("/exports", &body).await?;
     for c in &created.created {
         if let Some(commit) = &c.unchanged {
             println!(

@@ -8,7 +8,6 @@ mod config;
 mod demo;
 mod dev;
 mod export_cmd;
-mod exports;
 mod roles;
 
 use std::io::IsTerminal;

@@ -713,7 +713,7 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
         .clone()
         .context("the replica node runs an exporter")?;
     let commit_peers = Arc::clone(&peers);
-    let export_api = Arc::new(crate::exports::ExportApi {
+    let export_api = Arc::new(ferry_node::exports::ExportApi {
         session: catalog.renewing_session(),
         sessions: Arc::clone(&sessions),
         parts: request_parts,
@@ -734,9 +734,11 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
             })
         },
         view: export_view.clone(),
+        // The edge's randomness: transaction ids only need to differ.
+        ids: ferry_node::exports::TransactionIds::new(rand::random()),
     });
     // Tables that export themselves: one replica node runs each table's rounds.
-    let policies = crate::exports::Policies::start(&export_api);
+    let policies = ferry_node::exports::Policies::start(&export_api);
     let status_replica = status_rx.clone();
     let status_policies = policies.status.clone();
     let status = move || {
@@ -774,7 +776,7 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
         name: registered_as.clone(),
     });
     let router = ferry_host::reads::router(reads)
-        .merge(crate::exports::router(export_api))
+        .merge(ferry_node::exports::router(export_api))
         .merge(ferry_node::bootstrap::router(donor))
         .merge(ferry_host::http::node_routes(status, Arc::new(metrics)));
     let http = ferry_host::http::serve(http_listener, router, token)?;

@@ -23,39 +23,18 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use axum::extract::{Path, Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use ferry_ingest::api::ApiError;
-use ferry_ingest::{Catalog, TableById};
-use ferry_replica::{PartMeta, ReadView, ReplicaReader, RetiredPartition, TableRef, Tables};
+use ferry_ingest::Catalog;
+use ferry_replica::{PartMeta, ReadView, ReplicaReader, RetiredPartition};
 use ferry_wal::Lsn;
 use serde::{Deserialize, Serialize};
 
-/// The catalog as replicas look tables up. Ids unknown to a possibly lagging
-/// coordination server are asked again a few times before they count as
-/// never created.
-pub struct CatalogTables(pub Catalog);
-
-#[async_trait]
-impl Tables for CatalogTables {
-    async fn by_id(&self, id: u64) -> Result<TableRef, String> {
-        for attempt in 0..5 {
-            match self.0.by_id(id).await.map_err(|e| e.to_string())? {
-                TableById::Known(t) => return Ok(TableRef::Known(t)),
-                TableById::Dropped => return Ok(TableRef::Dropped),
-                TableById::Unknown if attempt < 4 => {
-                    tokio::time::sleep(Duration::from_millis(200)).await
-                }
-                TableById::Unknown => return Ok(TableRef::Unknown),
-            }
-        }
-        Ok(TableRef::Unknown)
-    }
-}
+pub use ferry_node::CatalogTables;
 
 pub struct Reads {
     pub catalog: Catalog,

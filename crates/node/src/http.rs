@@ -15,7 +15,8 @@ use ferry_export::peers::{PeerCalls, ShardSnapshotAnswer, ShardSnapshotBody, Unp
 use ferry_wal::Lsn;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::header::{AUTHORIZATION, CONTENT_TYPE, HOST};
-use hyper::{Method, Request, StatusCode};
+use hyper::Request;
+pub use hyper::{Method, StatusCode};
 use hyper_util::rt::TokioIo;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -199,6 +200,46 @@ impl HttpPeers {
             .await
     }
 
+    /// `method path` on `addr` with `body` of `content_type` and extra
+    /// `headers`: the answer's status and body whatever the status (an
+    /// insert's client decides what a 409 or a 503 means). Bounded by
+    /// `timeout` and [`MAX_PEER_ANSWER_BYTES`].
+    #[allow(clippy::too_many_arguments)] // one per part of a request
+    pub async fn request(
+        &self,
+        addr: &str,
+        method: Method,
+        path: &str,
+        content_type: &str,
+        headers: &[(&'static str, String)],
+        body: Bytes,
+        timeout: Duration,
+    ) -> Result<(StatusCode, Bytes), CallError> {
+        let exchange = async {
+            let (response, driver) = self
+                .send_with(addr, method, path, Some((content_type, body)), headers)
+                .await?;
+            let status = response.status();
+            let bytes = Limited::new(response.into_body(), MAX_PEER_ANSWER_BYTES)
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .map_err(|e| CallError::Http {
+                    addr: addr.to_string(),
+                    detail: format!("reading the answer: {e}"),
+                });
+            driver.abort();
+            Ok((status, bytes?))
+        };
+        match tokio::time::timeout(timeout, exchange).await {
+            Ok(answer) => answer,
+            Err(_) => Err(CallError::Timeout {
+                addr: addr.to_string(),
+                timeout,
+            }),
+        }
+    }
+
     async fn call<T: DeserializeOwned>(
         &self,
         addr: &str,
@@ -267,6 +308,24 @@ impl HttpPeers {
         ),
         CallError,
     > {
+        let body = body.map(|json| ("application/json", Bytes::from(json)));
+        self.send_with(addr, method, path, body, &[]).await
+    }
+
+    async fn send_with(
+        &self,
+        addr: &str,
+        method: Method,
+        path: &str,
+        body: Option<(&str, Bytes)>,
+        headers: &[(&'static str, String)],
+    ) -> Result<
+        (
+            hyper::Response<hyper::body::Incoming>,
+            tokio::task::JoinHandle<()>,
+        ),
+        CallError,
+    > {
         let http = |detail: String| CallError::Http {
             addr: addr.to_string(),
             detail,
@@ -296,10 +355,13 @@ impl HttpPeers {
         if let Some(token) = &self.token {
             request = request.header(AUTHORIZATION, format!("Bearer {token}"));
         }
+        for (name, value) in headers {
+            request = request.header(*name, value);
+        }
         let request = match body {
-            Some(json) => request
-                .header(CONTENT_TYPE, "application/json")
-                .body(Full::new(Bytes::from(json))),
+            Some((content_type, bytes)) => request
+                .header(CONTENT_TYPE, content_type)
+                .body(Full::new(bytes)),
             None => request.body(Full::new(Bytes::new())),
         }
         .map_err(|e| http(e.to_string()))?;

@@ -7,10 +7,15 @@
 //! or inside an in-process quorum); its HTTP endpoint is the caller's too.
 
 use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
 
 use ferry_coord::{RenewingSession, SessionFactory};
 use ferry_env::Cpu;
+use ferry_ingest::catalog::TableById;
 use ferry_ingest::{Api, ApiLimits, Catalog, CatalogError, IngestMetrics, InsertSink};
+use ferry_replica::{TableRef, Tables};
 use ferry_writer::driver::Writer;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -111,5 +116,27 @@ impl WriterNode {
             let _ = r.await;
         }
         self.session
+    }
+}
+
+/// The catalog as replicas look tables up. Ids unknown to a possibly lagging
+/// coordination server are asked again a few times before they count as
+/// never created.
+pub struct CatalogTables(pub Catalog);
+
+#[async_trait]
+impl Tables for CatalogTables {
+    async fn by_id(&self, id: u64) -> Result<TableRef, String> {
+        for attempt in 0..5 {
+            match self.0.by_id(id).await.map_err(|e| e.to_string())? {
+                TableById::Known(t) => return Ok(TableRef::Known(t)),
+                TableById::Dropped => return Ok(TableRef::Dropped),
+                TableById::Unknown if attempt < 4 => {
+                    tokio::time::sleep(Duration::from_millis(200)).await
+                }
+                TableById::Unknown => return Ok(TableRef::Unknown),
+            }
+        }
+        Ok(TableRef::Unknown)
     }
 }

@@ -9,7 +9,7 @@
 //!                      → {status}
 //! ```
 //!
-//! and, between nodes of the distributed deployment (`crate::peers`):
+//! and, between nodes of the distributed deployment (`ferry_export::peers`):
 //!
 //! ```text
 //! POST /exports/shard-snapshot  {shard, request}  → {parts: [...]} | {failed: ...}
@@ -53,6 +53,39 @@ pub struct ExportApi {
     /// What compaction aims a policy table's lake files at (bytes).
     pub target_file_bytes: u64,
     pub view: watch::Receiver<ExportsView>,
+    /// Where this node's transaction ids come from (they only need to
+    /// differ): drawn at the edge, fixed by the simulator's seed.
+    pub ids: TransactionIds,
+}
+
+/// Draws of 64-bit numbers from a seed (splitmix64), shared by a node's
+/// requests: the seed is the only randomness, so a simulated node replays.
+#[derive(Debug, Default)]
+pub struct TransactionIds {
+    seed: u64,
+    draws: std::sync::atomic::AtomicU64,
+}
+
+impl TransactionIds {
+    pub fn new(seed: u64) -> TransactionIds {
+        TransactionIds {
+            seed,
+            draws: Default::default(),
+        }
+    }
+
+    pub fn next(&self) -> u64 {
+        let n = self
+            .draws
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            .wrapping_add(1);
+        let mut z = self
+            .seed
+            .wrapping_add(n.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -140,8 +173,7 @@ impl Policies {
             target_file_bytes: api.target_file_bytes,
             upkeep: Default::default(),
             view: api.view.clone(),
-            // The edge's randomness: transaction ids only need to differ.
-            seed: rand::random(),
+            seed: api.ids.next(),
         };
         let (status_tx, status) = watch::channel(Default::default());
         let (stop, stop_rx) = watch::channel(false);
@@ -274,8 +306,7 @@ async fn create(
         force: body.force,
         settings: body.settings,
     };
-    // The edge's randomness: transaction ids only need to differ.
-    let requested = ferry_export::request_table(requester, &mut rand::random::<u64>, &request)
+    let requested = ferry_export::request_table(requester, &mut || api.ids.next(), &request)
         .await
         .map_err(request_error)?;
     let not_created = |(partition_id, e): (String, RequestError)| {
