@@ -186,6 +186,13 @@ impl Policies {
         let _ = self.stop.send(true);
         let _ = self.task.await;
     }
+
+    /// Ends the rounds at once, as a crash does (the locks go with the
+    /// node's sessions).
+    pub async fn abort(self) {
+        self.task.abort();
+        let _ = self.task.await;
+    }
 }
 
 pub fn router(api: Arc<ExportApi>) -> Router {

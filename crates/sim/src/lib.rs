@@ -37,6 +37,7 @@
 //! beside them where it has more (the WAL workload's writers, misbehaving
 //! proposer and simulated replica).
 
+pub mod e2e;
 pub mod export;
 pub mod replicas;
 pub mod safekeepers;

@@ -31,6 +31,10 @@ enum SimCommand {
     /// The export random test: three nodes share exports under crashes,
     /// session expiries, lost coordination answers and object-store faults.
     Export(WalSimArgs),
+    /// The end-to-end random test: a client inserting over the HTTP API,
+    /// writers, safekeepers, replicas exporting themselves to the lake,
+    /// every fault at once; judged by what the lake's reader reads.
+    E2e(WalSimArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -73,5 +77,6 @@ fn main() -> anyhow::Result<()> {
         SimCommand::Wal(args) => run::<ferry_sim::wal::Wal>(args),
         SimCommand::Replicas(args) => run::<ferry_sim::replicas::Replicas>(args),
         SimCommand::Export(args) => run::<ferry_sim::export::Export>(args),
+        SimCommand::E2e(args) => run::<ferry_sim::e2e::EndToEnd>(args),
     }
 }

@@ -276,55 +276,64 @@ impl Sim {
         Ok((completed, killed, snapshots))
     }
 
-    /// No lock outlives its owner's session: every ephemeral node of the
-    /// export protocol (the cleanup lock, commit locks, part locks, worker
-    /// registrations) belongs to a session the store holds alive.
+    /// See [`check_export_locks`].
     pub(super) async fn check_ephemerals(&self, checker: &Session) -> Result<(), Failure> {
-        let live: BTreeSet<i64> = self
-            .world
-            .coord
-            .live_sessions()
-            .await
-            .map_err(|e| self.fail(format!("live sessions: {e}")))?
-            .into_iter()
-            .collect();
-        let table = "/ferry/tables/t";
-        let mut paths = vec![format!("{table}/exports_cleanup_lock")];
-        let keys = match checker.children(&format!("{table}/exports")).await {
-            Ok((k, _)) => k,
-            Err(ferry_coord::CoordError::NoNode { .. }) => Vec::new(),
-            Err(e) => return Err(self.fail(format!("exports: {e}"))),
-        };
-        for k in keys {
-            let base = format!("{table}/exports/{k}");
-            paths.push(format!("{base}/commit_lock"));
-            for dir in ["locks", "workers"] {
-                match checker.children(&format!("{base}/{dir}")).await {
-                    Ok((names, _)) => {
-                        paths.extend(names.iter().map(|n| format!("{base}/{dir}/{n}")))
-                    }
-                    Err(ferry_coord::CoordError::NoNode { .. }) => {}
-                    Err(e) => return Err(self.fail(format!("{base}/{dir}: {e}"))),
-                }
-            }
-        }
-        for path in paths {
-            let stat = checker
-                .exists(&path)
-                .await
-                .map_err(|e| self.fail(format!("{path}: {e}")))?;
-            if let Some(stat) = stat {
-                if stat.ephemeral_owner == 0 {
-                    return Err(self.fail(format!("{path} is not ephemeral")));
-                }
-                if !live.contains(&stat.ephemeral_owner) {
-                    return Err(self.fail(format!(
-                        "{path} outlived its session {:#x}",
-                        stat.ephemeral_owner
-                    )));
-                }
-            }
-        }
-        Ok(())
+        check_export_locks(&self.world, checker, "t").await
     }
+}
+
+/// No lock outlives its owner's session: every ephemeral node of the
+/// export protocol of table `table` (the cleanup lock, commit locks, part
+/// locks, worker registrations) belongs to a session the store holds
+/// alive.
+pub(crate) async fn check_export_locks(
+    world: &crate::world::World,
+    checker: &Session,
+    table: &str,
+) -> Result<(), Failure> {
+    let live: BTreeSet<i64> = world
+        .coord
+        .live_sessions()
+        .await
+        .map_err(|e| world.fail(format!("live sessions: {e}")))?
+        .into_iter()
+        .collect();
+    let table = format!("/ferry/tables/{table}");
+    let mut paths = vec![format!("{table}/exports_cleanup_lock")];
+    let keys = match checker.children(&format!("{table}/exports")).await {
+        Ok((k, _)) => k,
+        Err(ferry_coord::CoordError::NoNode { .. }) => Vec::new(),
+        Err(e) => return Err(world.fail(format!("exports: {e}"))),
+    };
+    for k in keys {
+        let base = format!("{table}/exports/{k}");
+        paths.push(format!("{base}/commit_lock"));
+        for dir in ["locks", "workers"] {
+            match checker.children(&format!("{base}/{dir}")).await {
+                Ok((names, _)) => {
+                    paths.extend(names.iter().map(|n| format!("{base}/{dir}/{n}")))
+                }
+                Err(ferry_coord::CoordError::NoNode { .. }) => {}
+                Err(e) => return Err(world.fail(format!("{base}/{dir}: {e}"))),
+            }
+        }
+    }
+    for path in paths {
+        let stat = checker
+            .exists(&path)
+            .await
+            .map_err(|e| world.fail(format!("{path}: {e}")))?;
+        if let Some(stat) = stat {
+            if stat.ephemeral_owner == 0 {
+                return Err(world.fail(format!("{path} is not ephemeral")));
+            }
+            if !live.contains(&stat.ephemeral_owner) {
+                return Err(world.fail(format!(
+                    "{path} outlived its session {:#x}",
+                    stat.ephemeral_owner
+                )));
+            }
+        }
+    }
+    Ok(())
 }

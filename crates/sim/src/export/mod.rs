@@ -63,7 +63,7 @@
 //! * `policy`: the policy runs (the catalog's policy, the simulated
 //!   writer of upkeep records, the caught-up check).
 
-mod checks;
+pub(crate) mod checks;
 mod driver;
 mod iceberg;
 mod nodes;
@@ -78,16 +78,15 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use ferry_coord::{Session, SessionFactory};
 use ferry_export::model::LakeFormat;
-use ferry_export::Destinations;
-use ferry_storage::{Location, StorageError};
 use ferry_table::Table;
 use ferry_wal::Lsn;
 use rand::rngs::SmallRng;
 use tokio::sync::watch;
 
 pub use driver::run_seed;
+pub(crate) use checks::check_export_locks;
 
-use crate::world::{Failure, Run, World};
+use crate::world::{Failure, Lake, Run, World};
 use nodes::Node;
 
 const NODES: usize = 3;
@@ -111,21 +110,6 @@ fn partition_of(id: i64) -> &'static str {
 
 fn node_name(i: usize) -> String {
     format!("n{i}")
-}
-
-/// The simulated lake: `sim://lake/<prefix>`.
-struct Lake(Arc<dyn object_store::ObjectStore>);
-
-impl Destinations for Lake {
-    fn open(&self, url: &str) -> Result<Location, StorageError> {
-        let prefix = url
-            .strip_prefix("sim://lake/")
-            .ok_or_else(|| StorageError::InvalidUrl {
-                url: url.to_string(),
-                reason: "not a simulated lake".into(),
-            })?;
-        Location::from_store(url, Arc::clone(&self.0), prefix)
-    }
 }
 
 /// What the schedule knows of an export it asked for.

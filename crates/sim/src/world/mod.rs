@@ -29,7 +29,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_storage::Location;
+use ferry_export::Destinations;
+use ferry_storage::{Location, StorageError};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tokio::time::Instant;
@@ -39,6 +40,27 @@ use coord::{CoordFaults, SimCoordination};
 use disk::{CrashStats, DiskLatency, SimDisk};
 use net::{NetOptions, SimNet};
 use objstore::{FaultyObjectStore, ObjectFaults};
+
+/// The simulated lake as an `s3://` URL (what a table's export policy must
+/// name): the same store as `sim://lake/`.
+pub const LAKE_BUCKET: &str = "s3://sim-lake/";
+
+/// The simulated lake as export destinations see it: `sim://lake/<prefix>`
+/// or [`LAKE_BUCKET`]`<prefix>`.
+pub struct Lake(pub Arc<dyn object_store::ObjectStore>);
+
+impl Destinations for Lake {
+    fn open(&self, url: &str) -> Result<Location, StorageError> {
+        let prefix = url
+            .strip_prefix("sim://lake/")
+            .or_else(|| url.strip_prefix(LAKE_BUCKET))
+            .ok_or_else(|| StorageError::InvalidUrl {
+                url: url.to_string(),
+                reason: "not a simulated lake".into(),
+            })?;
+        Location::from_store(url, Arc::clone(&self.0), prefix)
+    }
+}
 
 /// A broken invariant (or a run that could not finish), with the log so far.
 #[derive(Debug, Clone)]
