@@ -57,6 +57,9 @@ impl StreamConfig {
 }
 
 /// Streams until the replica fails (hostile WAL, a disk error): returns why.
+/// The pause before streaming again after the catalog was out of reach.
+const CATALOG_RETRY: Duration = Duration::from_secs(1);
+
 pub async fn run(
     replica: SharedReplica,
     network: Arc<dyn Network>,
@@ -79,6 +82,14 @@ pub async fn run(
         next += 1;
         match stream_from(&replica, network.as_ref(), clock.as_ref(), &addr, &config).await {
             Ok(()) => {}
+            Err(StreamError::Replica(e @ ReplicaError::Catalog { .. })) => {
+                // The catalog was out of reach (a coordination connection
+                // lost, a session expiring): nothing of the record was
+                // applied, so stream it again once coordination answers,
+                // rather than stop the replica on a passing fault.
+                tracing::warn!(error = %e, "table lookup failed; streaming again shortly");
+                tokio::time::sleep(CATALOG_RETRY.max(config.reconnect_delay)).await;
+            }
             Err(StreamError::Replica(e)) => {
                 tracing::error!(error = %e, "replica stopped");
                 return e;

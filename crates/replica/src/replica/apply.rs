@@ -113,8 +113,12 @@ impl Replica {
         ) {
             self.persist().await?;
         }
-        if let Err(e) = &result {
-            self.status.send_modify(|s| s.error = Some(e.to_string()));
+        match &result {
+            // The catalog out of reach stops nothing: the record stays
+            // pending, applied when its table can be looked up.
+            Err(ReplicaError::Catalog { .. }) => {}
+            Err(e) => self.status.send_modify(|s| s.error = Some(e.to_string())),
+            Ok(()) => {}
         }
         result?;
         Ok(self.persisted_lsn)
