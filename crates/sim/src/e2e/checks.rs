@@ -11,7 +11,9 @@ use bytes::Bytes;
 use ferry_export::model::LakeFormat;
 use ferry_storage::Location;
 
-use super::{replica_name, replicas, Failure, Sim, DESTINATION, PARTITIONS, REPLICAS_PER_SHARD, SHARDS};
+use super::{
+    replica_name, replicas, Failure, Sim, DESTINATION, PARTITIONS, REPLICAS_PER_SHARD, SHARDS,
+};
 
 /// The ids in a data file (a replica part or a lake file: both are the
 /// product's Parquet with the id first).
@@ -49,7 +51,9 @@ impl Sim {
     /// lists them), or of the Iceberg table's current snapshot; each id with
     /// how many times it is read.
     pub(super) async fn read_lake(&self) -> Result<BTreeMap<i64, usize>, String> {
-        let prefix = DESTINATION.strip_prefix(crate::world::LAKE_BUCKET).unwrap_or_default();
+        let prefix = DESTINATION
+            .strip_prefix(crate::world::LAKE_BUCKET)
+            .unwrap_or_default();
         let location = Location::from_store(DESTINATION, self.world.lake_store.truth(), prefix)
             .map_err(|e| e.to_string())?;
         let mut files = Vec::new();
@@ -120,7 +124,10 @@ impl Sim {
             .copied()
             .collect();
         if !foreign.is_empty() {
-            let refused = foreign.iter().filter(|id| self.refused.contains(id)).count();
+            let refused = foreign
+                .iter()
+                .filter(|id| self.refused.contains(id))
+                .count();
             return Err(self.fail(format!(
                 "the lake holds {} ids never acknowledged ({refused} of them of refused inserts), e.g. {:?}",
                 foreign.len(),

@@ -177,7 +177,11 @@ impl Sim {
                     let key = format!(
                         "{}{}",
                         sent.key,
-                        if sent.reuse_of.is_some() { "~reuse" } else { "" }
+                        if sent.reuse_of.is_some() {
+                            "~reuse"
+                        } else {
+                            ""
+                        }
                     );
                     self.acked.entry(key).or_insert(sent.ids);
                 }

@@ -280,13 +280,8 @@ impl Sim {
                 return Ok(());
             }
         };
-        let mut proposer = ProposerConfig::new(
-            cluster_id(),
-            SAFEKEEPERS,
-            1,
-            SEGMENT_BYTES,
-            u128::from(n),
-        );
+        let mut proposer =
+            ProposerConfig::new(cluster_id(), SAFEKEEPERS, 1, SEGMENT_BYTES, u128::from(n));
         proposer.min_term = known.term;
         proposer.known_commit_lsn = known.commit_lsn;
         let mut config = WriterConfig::new((0..SAFEKEEPERS).map(sk_name).collect(), proposer);
@@ -431,7 +426,11 @@ impl Sim {
                     let table: ferry_table::Table = serde_json::from_slice(bytes)
                         .map_err(|e| self.fail(format!("the created table: {e}")))?;
                     self.table_id = table.id;
-                    self.log(format!("table {} created with id {}", super::TABLE, table.id));
+                    self.log(format!(
+                        "table {} created with id {}",
+                        super::TABLE,
+                        table.id
+                    ));
                     return Ok(());
                 }
             }

@@ -58,10 +58,9 @@ pub(super) fn generate(rng: &mut SmallRng) -> Vec<(Duration, Event)> {
         61..=66 => Event::CrashSafekeeper(rng.random_range(0..SAFEKEEPERS)),
         67..=68 => Event::KillWriter,
         69..=70 => Event::TakeOver,
-        71..=73 => Event::PartitionReplica(
-            rng.random_range(0..r),
-            rng.random_range(0..SAFEKEEPERS),
-        ),
+        71..=73 => {
+            Event::PartitionReplica(rng.random_range(0..r), rng.random_range(0..SAFEKEEPERS))
+        }
         74..=75 => Event::PartitionWriter(rng.random_range(0..SAFEKEEPERS)),
         76..=77 => Event::PartitionPeers(rng.random_range(0..r), rng.random_range(0..r)),
         78..=79 => Event::PartitionCoord(rng.random_range(0..=r)),

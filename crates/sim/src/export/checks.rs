@@ -310,9 +310,7 @@ pub(crate) async fn check_export_locks(
         paths.push(format!("{base}/commit_lock"));
         for dir in ["locks", "workers"] {
             match checker.children(&format!("{base}/{dir}")).await {
-                Ok((names, _)) => {
-                    paths.extend(names.iter().map(|n| format!("{base}/{dir}/{n}")))
-                }
+                Ok((names, _)) => paths.extend(names.iter().map(|n| format!("{base}/{dir}/{n}"))),
                 Err(ferry_coord::CoordError::NoNode { .. }) => {}
                 Err(e) => return Err(world.fail(format!("{base}/{dir}: {e}"))),
             }

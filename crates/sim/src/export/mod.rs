@@ -83,8 +83,8 @@ use ferry_wal::Lsn;
 use rand::rngs::SmallRng;
 use tokio::sync::watch;
 
-pub use driver::run_seed;
 pub(crate) use checks::check_export_locks;
+pub use driver::run_seed;
 
 use crate::world::{Failure, Lake, Run, World};
 use nodes::Node;
