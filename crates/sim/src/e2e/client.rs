@@ -81,38 +81,40 @@ impl Sim {
         self.send(sent);
     }
 
+    /// A key the client sent with its own rows and was answered 200 for,
+    /// drawn at random.
+    fn pick_acked(&mut self) -> Option<Sent> {
+        let keys: Vec<&String> = self
+            .acked
+            .keys()
+            .filter(|k| self.sent.contains_key(*k))
+            .collect();
+        if keys.is_empty() {
+            return None;
+        }
+        let pick = self.client_rng.random_range(0..keys.len());
+        self.sent.get(keys[pick]).cloned()
+    }
+
     /// An acknowledged key sent again with `rows` other rows.
     pub(super) fn reuse_key(&mut self, rows: usize) {
-        let n = self.acked.len();
-        if n == 0 {
-            return;
-        }
-        let pick = self.client_rng.random_range(0..n);
-        let Some(key) = self.acked.keys().nth(pick).cloned() else {
+        let Some(of) = self.pick_acked() else {
             return;
         };
         let ids: Vec<i64> = (self.next_id..self.next_id + rows as i64).collect();
         self.next_id += rows as i64;
-        self.log(format!("key {key} reused for ids {ids:?}"));
+        self.log(format!("key {} reused for ids {ids:?}", of.key));
         self.send(Sent {
-            key: key.clone(),
+            key: of.key.clone(),
             ids,
-            reuse_of: Some(key),
+            reuse_of: Some(of.key),
         });
     }
 
     /// An acknowledged insert sent again, as it was.
     pub(super) fn retry_acked(&mut self) {
-        let n = self.acked.len();
-        if n == 0 {
-            return;
-        }
-        let pick = self.client_rng.random_range(0..n);
-        let Some(key) = self.acked.keys().nth(pick).cloned() else {
-            return;
-        };
-        if let Some(sent) = self.sent.get(&key).cloned() {
-            self.log(format!("retry of {key}"));
+        if let Some(sent) = self.pick_acked() {
+            self.log(format!("retry of {}", sent.key));
             self.send(sent);
         }
     }
@@ -174,15 +176,11 @@ impl Sim {
                         // in memory), so the rows are new rows.
                         self.log(format!("reuse of {of} acknowledged as new rows"));
                     }
-                    let key = format!(
-                        "{}{}",
-                        sent.key,
-                        if sent.reuse_of.is_some() {
-                            "~reuse"
-                        } else {
-                            ""
-                        }
-                    );
+                    // A reuse acknowledged is an insert of its own.
+                    let key = match sent.reuse_of {
+                        Some(_) => format!("{}~{}", sent.key, sent.ids.first().unwrap_or(&0)),
+                        None => sent.key.clone(),
+                    };
                     self.acked.entry(key).or_insert(sent.ids);
                 }
                 Ok((status, body))

@@ -568,29 +568,13 @@ impl Sim {
                 disk_consistent_lsn: Some(s.disk_consistent_lsn.to_string()),
             },
         ));
-        let mut status = node.reader.status.clone();
-        let monitor = tokio::spawn({
-            let reported = Arc::clone(&self.reported);
-            let violations = Arc::clone(&self.violations);
-            let name = name.clone();
-            async move {
-                loop {
-                    let lsn = status.borrow_and_update().disk_consistent_lsn;
-                    if let (Ok(mut r), Ok(mut v)) = (reported.lock(), violations.lock()) {
-                        if lsn < r[i] {
-                            v.push(format!(
-                                "{name}: disk_consistent_lsn went back from {} to {lsn}",
-                                r[i]
-                            ));
-                        }
-                        r[i] = r[i].max(lsn);
-                    }
-                    if status.changed().await.is_err() {
-                        return;
-                    }
-                }
-            }
-        });
+        let monitor = crate::replicas::watch_position(
+            name.clone(),
+            i,
+            node.reader.status.clone(),
+            Arc::clone(&self.reported),
+            Arc::clone(&self.violations),
+        );
         self.replicas[i] = Some(ReplicaNode {
             node,
             policies,

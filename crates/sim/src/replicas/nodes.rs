@@ -156,29 +156,14 @@ impl Sim {
                 "{name} reopened at {opened}, below the {reported} it reported as durable"
             )));
         }
-        let mut status = node.reader.status.clone();
         // The step check: the position never goes back.
-        let monitor = tokio::spawn({
-            let reported = Arc::clone(&self.reported);
-            let violations = Arc::clone(&self.violations);
-            async move {
-                loop {
-                    let lsn = status.borrow_and_update().disk_consistent_lsn;
-                    if let (Ok(mut r), Ok(mut v)) = (reported.lock(), violations.lock()) {
-                        if lsn < r[i] {
-                            v.push(format!(
-                                "{name}: disk_consistent_lsn went back from {} to {lsn}",
-                                r[i]
-                            ));
-                        }
-                        r[i] = r[i].max(lsn);
-                    }
-                    if status.changed().await.is_err() {
-                        return;
-                    }
-                }
-            }
-        });
+        let monitor = watch_position(
+            name,
+            i,
+            node.reader.status.clone(),
+            Arc::clone(&self.reported),
+            Arc::clone(&self.violations),
+        );
         let name = replica_name(i);
         let donor = ferry_replica::replica::bootstrap::LocalDonor {
             replica: Arc::clone(&node.replica),
@@ -464,4 +449,34 @@ impl Sim {
         }
         Ok(sim)
     }
+}
+
+/// Watches replica `i`'s reported position: each one it reports is kept in
+/// `reported[i]` (durable, so it must never go back, not across a crash
+/// either); one below it is pushed to `violations` (the step checks fail on
+/// it).
+pub(crate) fn watch_position(
+    name: String,
+    i: usize,
+    mut status: tokio::sync::watch::Receiver<ferry_replica::ReplicaStatus>,
+    reported: Arc<Mutex<Vec<Lsn>>>,
+    violations: Arc<Mutex<Vec<String>>>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            let lsn = status.borrow_and_update().disk_consistent_lsn;
+            if let (Ok(mut r), Ok(mut v)) = (reported.lock(), violations.lock()) {
+                if lsn < r[i] {
+                    v.push(format!(
+                        "{name}: disk_consistent_lsn went back from {} to {lsn}",
+                        r[i]
+                    ));
+                }
+                r[i] = r[i].max(lsn);
+            }
+            if status.changed().await.is_err() {
+                return;
+            }
+        }
+    })
 }
