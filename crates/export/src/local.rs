@@ -99,6 +99,17 @@ pub trait LocalParts: Send + Sync {
 
     /// Exports holding pins on some replica here.
     async fn pinned(&self) -> Vec<String>;
+
+    /// How many replicas here hold `shard` of the table (`None`: every
+    /// shard in common parts), if each of them has applied `at`; `None`
+    /// while one of them is behind (it may still make a part of that
+    /// snapshot). What a node says of a part it does not hold counts
+    /// towards declaring it lost only when this answers (see the
+    /// exporter's `lost` check); by default it never does.
+    async fn replicas_caught_up(&self, table_id: u64, shard: Option<u32>, at: Lsn) -> Option<u32> {
+        let _ = (table_id, shard, at);
+        None
+    }
 }
 
 /// Replicas of shards a node does not hold, elsewhere in the cluster.
@@ -286,6 +297,25 @@ impl LocalParts for ReplicaSet {
             Some(remote) => remote.unpin(transaction_id).await,
             None => Ok(()),
         }
+    }
+
+    async fn replicas_caught_up(&self, _table_id: u64, shard: Option<u32>, at: Lsn) -> Option<u32> {
+        let mut n = 0;
+        for r in &self.replicas {
+            let r = r.lock().await;
+            let holds = match shard {
+                Some(s) => r.shard() == s || r.shard() == ALL_SHARDS,
+                None => r.shard() == ALL_SHARDS,
+            };
+            if !holds {
+                continue;
+            }
+            if r.subscribe().borrow().disk_consistent_lsn < at {
+                return None;
+            }
+            n += 1;
+        }
+        Some(n)
     }
 
     async fn find(&self, table_id: u64, name: &PartName) -> Option<SourcePart> {

@@ -28,7 +28,7 @@ use ferry_export::{
     Destinations, ExportRequest, Exporter, ExporterConfig, ExportsView, LocalParts, ReplicaSet,
     Requester, StorageDestinations, TaskStatus,
 };
-use ferry_replica::{Replica, SharedReplica, ALL_SHARDS};
+use ferry_replica::{PartName, Replica, SharedReplica, ALL_SHARDS};
 use ferry_storage::{Location, S3Settings};
 use ferry_table::Table;
 use ferry_testkit::objstore::{FaultyObjectStore, ObjectFaults};
@@ -418,6 +418,7 @@ impl World {
         let mut config = ExporterConfig::new(name);
         config.tick = Duration::from_millis(50);
         config.cleanup_interval = Duration::from_millis(200);
+        config.safety_poll = Duration::from_millis(300);
         let exporter = Exporter::new(
             config,
             Arc::clone(&sessions) as Arc<dyn SessionFactory>,
@@ -444,6 +445,7 @@ impl World {
         let mut config = ExporterConfig::new(name);
         config.tick = Duration::from_millis(50);
         config.cleanup_interval = Duration::from_millis(200);
+        config.safety_poll = Duration::from_millis(300);
         let exporter = Exporter::new(
             config,
             Arc::clone(&node.sessions) as Arc<dyn SessionFactory>,
@@ -1000,6 +1002,95 @@ async fn merges_during_an_export_keep_the_snapshot_parts_until_it_ends() {
         for m in mergers {
             m.abort();
         }
+        w.session.close().await;
+    }
+}
+
+/// A part lost with a replica's data: the task's snapshot pinned it on one
+/// node only, that node lost its pins (as a replica rebuilt from a peer
+/// does) and both nodes merged it away. No node can upload it; the task
+/// fails with nothing committed instead of waiting for its timeout, and the
+/// partition exports again from the parts the replicas hold now.
+#[tokio::test]
+async fn a_part_no_replica_holds_any_more_fails_the_task_and_the_partition_exports_again() {
+    for backend in backends() {
+        let w = world(&backend, 48, 50).await;
+        let url = w.url("lake");
+        let mut a = w.node("r0", w.destinations()).await;
+        let mut b = w.node("r1", w.destinations()).await;
+        // Neither exporter runs while the task is made and its parts go.
+        // (`restart` reaps them.)
+        a.task.abort();
+        b.task.abort();
+        let (parts, rows) = active_rows(&*a.replica.lock().await, "a");
+        // The snapshot's parts: every active part of the partition.
+        let snapshot: Vec<PartName> = a
+            .replica
+            .lock()
+            .await
+            .parts(1)
+            .into_iter()
+            .filter(|p| p.name.partition_id == "a")
+            .map(|p| p.name)
+            .collect();
+        let created = w.export(&a, &request(&url, "a")).await.expect("created");
+        assert_eq!(created.parts_count as usize, parts);
+        let tx = created.transaction_id.clone();
+        a.parts.unpin(&tx).await.expect("the pins are lost");
+        let mergers = merge_away(&[&a, &b], "a", parts).await;
+        // Until some part of the snapshot is on neither node.
+        tokio::time::timeout(Duration::from_secs(30), async {
+            loop {
+                let mut gone = false;
+                for name in &snapshot {
+                    if a.parts.find(1, name).await.is_none()
+                        && b.parts.find(1, name).await.is_none()
+                    {
+                        gone = true;
+                    }
+                }
+                if gone {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("a part of the snapshot is removed from both nodes");
+        w.restart(&mut a, "r0", w.destinations()).await;
+        w.restart(&mut b, "r1", w.destinations()).await;
+        let done = wait_terminal(&mut a.view, &tx).await;
+        assert_eq!(done.status, TaskStatus::Failed, "{backend:?}: {done:?}");
+        // The node that failed it recorded why.
+        let other = wait_terminal(&mut b.view, &tx).await;
+        let why = done
+            .last_exception
+            .or(other.last_exception)
+            .expect("recorded")
+            .message;
+        assert!(why.contains("on no replica"), "{why}");
+        assert!(w.commit_files(&url).await.is_empty(), "nothing committed");
+        for m in mergers {
+            m.abort();
+        }
+        // Exported again from what the replicas hold now.
+        let (now_parts, now_rows) = active_rows(&*a.replica.lock().await, "a");
+        assert_eq!(now_rows, rows);
+        let mut again = request(&url, "a");
+        again.force = true;
+        let second = w.export(&a, &again).await.expect("exported again");
+        let done = wait_terminal(&mut a.view, &second.transaction_id).await;
+        assert_eq!(done.status, TaskStatus::Completed, "{backend:?}: {done:?}");
+        let commits = w.commit_files(&url).await;
+        assert_eq!(commits.len(), 1);
+        assert_eq!(commits[0].transaction_id, second.transaction_id);
+        assert_eq!(commits[0].files.len(), now_parts);
+        let report =
+            ferry_export::verify::verify(&w.location(&url), ferry_export::verify::Depth::Rows)
+                .await
+                .expect("verify");
+        assert!(report.ok(), "{report:?}");
+        assert_eq!(report.rows, rows, "every row once");
         w.session.close().await;
     }
 }

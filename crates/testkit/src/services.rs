@@ -180,6 +180,7 @@ def counts(location):
 out = {"pyiceberg": counts(meta), "pyiceberg_table": counts(meta.rsplit("/metadata/", 1)[0])}
 import duckdb, duckdb_ext
 con = duckdb.connect()
+con.execute("SET enable_progress_bar = false")
 con.execute(f"SET extension_directory = '{duckdb_ext.get_extension_dir()}'")
 con.execute("SET autoinstall_known_extensions = false")
 con.execute("LOAD avro")
@@ -201,5 +202,13 @@ print(json.dumps(out))
         "lake readers failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    Some(serde_json::from_slice(&out.stdout).expect("the lake readers' answer"))
+    // The answer is the last line: a reader may print notes of its own
+    // before it.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let answer = stdout.lines().rev().find(|l| !l.trim().is_empty());
+    Some(
+        answer
+            .and_then(|l| serde_json::from_str(l).ok())
+            .unwrap_or_else(|| panic!("no answer from the lake readers: {stdout}")),
+    )
 }

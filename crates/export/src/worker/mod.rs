@@ -36,6 +36,7 @@
 
 mod cleanup;
 mod commit;
+mod lost;
 mod mirror;
 mod order;
 mod queue;
@@ -345,6 +346,9 @@ impl Run<'_> {
                         r = self.load_tables().await;
                         if r.is_ok() {
                             r = self.verify_mirror().await;
+                        }
+                        if r.is_ok() {
+                            r = self.check_lost_parts().await;
                         }
                         loaded = r.is_ok();
                     }

@@ -164,7 +164,7 @@ impl Run<'_> {
 
     /// Claims a part: its lock, created together with a set of its
     /// processing entry (which fails if the part was exported already).
-    async fn claim(&self, key: &TaskKey, part: &str) -> Result<Claim, CoordError> {
+    pub(super) async fn claim(&self, key: &TaskKey, part: &str) -> Result<Claim, CoordError> {
         let base = key.path();
         let lock = format!("{base}/locks/{part}");
         let Some(fence) = self.fence(key) else {

@@ -169,7 +169,7 @@ impl Run<'_> {
         }
     }
 
-    async fn fail_part(
+    pub(super) async fn fail_part(
         &mut self,
         key: &TaskKey,
         part: &str,
