@@ -158,6 +158,17 @@ pub fn table_path(table: &str) -> String {
     format!("{TABLES}/{table}")
 }
 
+/// Present (ephemeral) while a node removes orphan files from the
+/// destination `destination_url`: no task for it may be created meanwhile
+/// (a task may reuse a file already there, which the removal could delete
+/// before the task's commit lists it). See `policy::remove_orphans`.
+pub fn lake_upkeep_path(table: &str, destination_url: &str) -> String {
+    format!(
+        "{TABLES}/{table}/lake-upkeep-{}",
+        destination_id(destination_url)
+    )
+}
+
 pub fn exports_path(table: &str) -> String {
     format!("{TABLES}/{table}/exports")
 }

@@ -390,6 +390,10 @@ pub struct PolicyStatus {
     pub tables: BTreeMap<String, TablePolicyStatus>,
 }
 
+/// Tries to delete an orphan removal's marker before leaving it to the
+/// session's end.
+const MARKER_DELETE_ATTEMPTS: u32 = 50;
+
 /// What a node needs to run export policies.
 pub struct PolicyRunner {
     pub session: RenewingSession,
@@ -783,6 +787,50 @@ impl PolicyRunner {
     /// uploaded before the cut. An export created after the check uploads
     /// after it, past the cut. Answers how many went.
     async fn remove_orphans(
+        &self,
+        session: &Session,
+        table: &str,
+        policy: &ExportPolicy,
+        format: LakeFormat,
+        location: &ferry_storage::Location,
+        cut_ms: u64,
+    ) -> Result<u64, String> {
+        // The marker first, then the check: a task created after the
+        // marker is refused (`request::create`), one created before it is
+        // seen in flight below. Ephemeral: a remover that dies leaves none.
+        let marker = crate::model::lake_upkeep_path(table, location.url());
+        match session.create(&marker, &[], CreateMode::Ephemeral).await {
+            Ok(_) => {}
+            Err(CoordError::NodeExists { .. }) => {
+                // This session's own (an answer lost), or another remover's.
+                match session.exists(&marker).await {
+                    Ok(Some(stat)) if stat.ephemeral_owner == session.session_id() => {}
+                    Ok(_) => return Ok(0),
+                    Err(e) => return Err(e.to_string()),
+                }
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+        let removed = self
+            .remove_orphans_marked(session, table, policy, format, location, cut_ms)
+            .await;
+        // A marker left behind would hold back every export to the
+        // destination while this session lives: its delete is tried until
+        // it is gone (or the session, and the marker with it).
+        for attempt in 0..MARKER_DELETE_ATTEMPTS {
+            match session.delete(&marker, None).await {
+                Ok(()) | Err(CoordError::NoNode { .. }) => break,
+                Err(e) if e.is_session_end() => break,
+                Err(e) => {
+                    tracing::warn!(%table, attempt, error = %e, "could not remove the orphan removal's marker; trying again");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
+        removed
+    }
+
+    async fn remove_orphans_marked(
         &self,
         session: &Session,
         table: &str,

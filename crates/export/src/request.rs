@@ -130,6 +130,10 @@ pub enum RequestError {
     NotHeld(String),
     #[error("table {0} has no active partitions")]
     NoPartitions(String),
+    /// Orphan files are being removed from the destination: a task
+    /// created now could list a file the removal deletes. Retry shortly.
+    #[error("orphan files are being removed from {0} right now; retry shortly")]
+    LakeUpkeep(String),
     #[error("coordination: {0}")]
     Coordination(#[from] CoordError),
 }
@@ -593,6 +597,11 @@ impl Requester<'_> {
             Ok(()) => {}
             Err(e) => {
                 return Err(match e {
+                    CoordError::MultiFailed { index: 0, source }
+                        if matches!(*source, CoordError::NodeExists { .. }) =>
+                    {
+                        RequestError::LakeUpkeep(destination.url().to_string())
+                    }
                     CoordError::NodeExists { .. } => RequestError::AlreadyExists {
                         table: req.table.clone(),
                         partition: req.partition_id.clone(),
@@ -682,7 +691,13 @@ async fn create(
     let base = key.path();
     let p = |s: &str| format!("{base}/{s}");
     let persistent = CreateMode::Persistent;
+    // First, atomically with the task's first nodes: no orphan removal
+    // runs on the destination (its marker is absent: created and deleted
+    // here). A removal that starts later sees this task in flight.
+    let upkeep = crate::model::lake_upkeep_path(&key.table, &metadata.destination);
     let mut head = vec![
+        Op::create(upkeep.clone(), Vec::new(), persistent),
+        Op::delete(upkeep, None),
         Op::create(base.clone(), metadata.transaction_id.as_bytes(), persistent),
         Op::create(
             p("metadata.json"),

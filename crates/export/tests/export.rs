@@ -419,6 +419,7 @@ impl World {
         config.tick = Duration::from_millis(50);
         config.cleanup_interval = Duration::from_millis(200);
         config.safety_poll = Duration::from_millis(300);
+        config.lost_part_grace = Duration::ZERO;
         let exporter = Exporter::new(
             config,
             Arc::clone(&sessions) as Arc<dyn SessionFactory>,
@@ -446,6 +447,7 @@ impl World {
         config.tick = Duration::from_millis(50);
         config.cleanup_interval = Duration::from_millis(200);
         config.safety_poll = Duration::from_millis(300);
+        config.lost_part_grace = Duration::ZERO;
         let exporter = Exporter::new(
             config,
             Arc::clone(&node.sessions) as Arc<dyn SessionFactory>,
@@ -1002,6 +1004,45 @@ async fn merges_during_an_export_keep_the_snapshot_parts_until_it_ends() {
         for m in mergers {
             m.abort();
         }
+        w.session.close().await;
+    }
+}
+
+/// While a node removes orphan files from a destination (its marker is
+/// present), no task for that destination is created: the task could reuse
+/// a file already there (an earlier attempt's) that the removal deletes
+/// before the task's commit lists it. Once the marker goes, the export is
+/// created as usual.
+#[tokio::test]
+async fn no_export_is_created_while_orphans_are_removed_from_its_destination() {
+    for backend in backends() {
+        let w = world(&backend, 4, 10).await;
+        let url = w.url("lake");
+        let a = w.node("r0", w.destinations()).await;
+        let location = w.location(&url);
+        let marker = ferry_export::model::lake_upkeep_path("t", location.url());
+        w.session
+            .create(&marker, &[], CreateMode::Ephemeral)
+            .await
+            .expect("marker");
+        let refused = w.export(&a, &request(&url, "a")).await;
+        assert!(
+            matches!(refused, Err(ferry_export::RequestError::LakeUpkeep(_))),
+            "{backend:?}: {refused:?}"
+        );
+        assert!(
+            w.session
+                .children(&ferry_export::model::exports_path("t"))
+                .await
+                .map(|(c, _)| c.is_empty())
+                .unwrap_or(true),
+            "nothing of the task was made"
+        );
+        w.session.delete(&marker, None).await.expect("marker gone");
+        let created = w.export(&a, &request(&url, "a")).await.expect("created");
+        let mut view = a.view.clone();
+        let done = wait_terminal(&mut view, &created.transaction_id).await;
+        assert_eq!(done.status, TaskStatus::Completed, "{backend:?}: {done:?}");
         w.session.close().await;
     }
 }

@@ -264,6 +264,7 @@ fn request_error(e: RequestError) -> ApiError {
         RequestError::Retired { .. } => (StatusCode::CONFLICT, "partition_retired"),
         RequestError::NotHeld(_) => (StatusCode::NOT_IMPLEMENTED, "shards_not_held"),
         RequestError::NoPartitions(_) => (StatusCode::BAD_REQUEST, "empty_partition"),
+        RequestError::LakeUpkeep(_) => (StatusCode::SERVICE_UNAVAILABLE, "lake_upkeep"),
         RequestError::Coordination(_) => (StatusCode::SERVICE_UNAVAILABLE, "coordination"),
     };
     ApiError::new(status, kind, e.to_string())

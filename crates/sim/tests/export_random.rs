@@ -73,11 +73,14 @@ use ferry_sim::seeds;
 /// of the task the faster had created since, which stayed PENDING with
 /// parts missing for good; removal now marks the task it removes and
 /// checks the mark at every delete (`task::remove`).
+/// A task whose part is on no replica any more fails (`worker::lost`);
+/// without the grace before it does, a node holding the part but away for
+/// a moment let the others fail the task (207930376, 207930826).
 /// Seed numbers are those of the schedule when each bug was planted. They
 /// must stay green.
 const REGRESSION_SEEDS: &[u64] = &[
     0, 1, 2, 3, 4, 7, 9, 13, 14, 18, 26, 29, 36, 41, 53, 59, 113, 142, 157, 977, 1190, 1911,
-    207920171, 89300691,
+    207920171, 89300691, 207930376, 207930826,
 ];
 
 #[test]

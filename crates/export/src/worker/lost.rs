@@ -11,9 +11,12 @@
 //! So at each safety poll, a node whose replicas of a part's shard have all
 //! applied the task's snapshot (or that holds none of that shard), and that
 //! does not hold the part, records so under `lost/<part>@<node>` with how
-//! many of the shard's replicas it holds. The part is lost once (1) the
-//! records count every replica the table has per shard and (2) every node
-//! now working on the task (`workers/`) recorded it; then the node claims
+//! many of the shard's replicas it holds and when). The part is lost once
+//! (1) the records count every replica the table has per shard, (2) every
+//! node now working on the task (`workers/`) recorded it, and (3) the first
+//! record is older than `lost_part_grace` (a node holding the part but away,
+//! restarting or between sessions, is not among the workers: it is back
+//! and working on the task again by then); then the node claims
 //! the part and fails the task with a fatal part failure (a failed task
 //! commits nothing: its decision is Fail, so no commit can follow, and its
 //! partition is exported again).
@@ -107,9 +110,10 @@ impl Run<'_> {
                         CreateMode::Persistent,
                     ));
                 }
+                let said = format!("{here} {}", self.ex.clock.unix_seconds());
                 ops.push(Op::create(
                     record,
-                    here.to_string().into_bytes(),
+                    said.into_bytes(),
                     CreateMode::Persistent,
                 ));
                 match self.session.multi(ops).await {
@@ -138,28 +142,31 @@ impl Run<'_> {
                 continue;
             }
             let mut said = 0u32;
+            let mut first = u64::MAX;
             for r in records.iter().filter(|r| r.starts_with(&prefix)) {
                 match self.session.get(&format!("{lost_dir}/{r}")).await {
                     Ok((data, _)) => {
-                        said += std::str::from_utf8(&data)
-                            .ok()
-                            .and_then(|s| s.parse::<u32>().ok())
-                            .unwrap_or(0)
+                        let (n, at) = parse_record(&data);
+                        said += n;
+                        first = first.min(at);
                     }
                     Err(CoordError::NoNode { .. }) => {}
                     Err(e) => return Err(e),
                 }
             }
-            if said < replicas {
+            let now = self.ex.clock.unix_seconds();
+            if said < replicas
+                || first.saturating_add(self.ex.config.lost_part_grace.as_secs()) > now
+            {
                 continue;
             }
             if self.claim(key, &part).await? == Claim::Ours {
-                let shard = shard.map_or("every shard".to_string(), |s| format!("shard {s}"));
+                let of = shard.map_or(String::new(), |s| format!(" of shard {s}"));
                 self.fail_part(
                     key,
                     &part,
                     PartFailure::Fatal(format!(
-                        "part {part} is on no replica of {shard} any more (lost with a replica's \
+                        "part {part} is on no replica{of} any more (lost with a replica's \
                          data before its peers pinned it); the partition is exported again"
                     )),
                 )
@@ -168,5 +175,31 @@ impl Run<'_> {
             return Ok(());
         }
         Ok(())
+    }
+}
+
+/// A `lost/` record: how many replicas of the shard its node holds, and when
+/// it said so (unix seconds). A damaged one counts no replica, said now.
+fn parse_record(data: &[u8]) -> (u32, u64) {
+    let text = std::str::from_utf8(data).unwrap_or("");
+    let mut words = text.split_whitespace();
+    let n = words.next().and_then(|w| w.parse().ok()).unwrap_or(0);
+    let at = words
+        .next()
+        .and_then(|w| w.parse().ok())
+        .unwrap_or(u64::MAX);
+    (n, at)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_record;
+
+    #[test]
+    fn a_record_says_how_many_replicas_and_when_and_a_damaged_one_nothing() {
+        assert_eq!(parse_record(b"2 1700000000"), (2, 1_700_000_000));
+        assert_eq!(parse_record(b"1"), (1, u64::MAX));
+        assert_eq!(parse_record(b"x y"), (0, u64::MAX));
+        assert_eq!(parse_record(&[0xff, 0xfe]), (0, u64::MAX));
     }
 }

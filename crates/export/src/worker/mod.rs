@@ -85,6 +85,10 @@ pub struct ExporterConfig {
     pub creating_grace: Duration,
     /// Most tasks mirrored (further ones are seen once others are removed).
     pub max_tasks: usize,
+    /// How long a part must have been said missing by every replica of its
+    /// shard before its task fails for it (see `lost`): a node that holds
+    /// it but is away (restarting, its session expired) is back by then.
+    pub lost_part_grace: Duration,
 }
 
 impl ExporterConfig {
@@ -98,6 +102,7 @@ impl ExporterConfig {
             upload_budget: UploadBudget::default(),
             creating_grace: Duration::from_secs(600),
             max_tasks: 10_000,
+            lost_part_grace: Duration::from_secs(60),
         }
     }
 }
