@@ -39,5 +39,7 @@ test_pid=$!
 watchdog=$!
 rc=0
 wait "$test_pid" || rc=$?
+set +m
 kill -- "-$watchdog" 2>/dev/null || true
+wait "$watchdog" 2>/dev/null || true
 exit "$rc"
