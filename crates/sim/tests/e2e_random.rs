@@ -11,8 +11,10 @@ use ferry_sim::seeds;
 /// operator's export created during the policy's orphan removal reused an
 /// old orphan file the removal then deleted, and the Iceberg snapshot it
 /// committed named a missing file (no task is created now while a removal
-/// runs). The rest are early seeds.
-const REGRESSION_SEEDS: &[u64] = &[0, 1, 2, 3, 7, 89300531];
+/// runs). 89301956: a replica reopening after a crash stopped because a
+/// half-written part it listed was gone when it removed it (a removal of
+/// what is gone now succeeds). The rest are early seeds.
+const REGRESSION_SEEDS: &[u64] = &[0, 1, 2, 3, 7, 89300531, 89301956];
 
 #[test]
 fn regression_seeds() {

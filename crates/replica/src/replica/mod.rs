@@ -247,7 +247,13 @@ impl Replica {
                 let path = format!("{tdir}/{file}");
                 if file.ends_with(".tmp") {
                     tracing::info!(%path, "removing a part left half-written by a crash");
-                    disk.remove_file(&path).await.map_err(io(&path))?;
+                    match disk.remove_file(&path).await {
+                        Ok(()) => {}
+                        // Gone between the listing and now: what removing
+                        // it was for.
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                        Err(e) => return Err(io(&path)(e)),
+                    }
                     continue;
                 }
                 let Some(name) = file.strip_suffix(".parquet").and_then(PartName::parse) else {
