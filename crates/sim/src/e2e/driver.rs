@@ -238,6 +238,9 @@ impl Sim {
                     return Ok(rows);
                 }
                 _ if Instant::now() > deadline => {
+                    // A replica that lacks rows explains a lake that lacks
+                    // them better than the lake does: it is checked first.
+                    self.check_replicas().await?;
                     let lake = read.map_err(|e| self.fail(format!("reading the lake: {e}")))?;
                     return self.check_lake(&lake).and_then(|_| {
                         Err(self.fail("the lake did not catch up (unreachable: check_lake fails)"))
