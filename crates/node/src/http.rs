@@ -79,8 +79,8 @@ pub struct HttpServer {
 }
 
 impl HttpServer {
-    /// Ends the endpoint at once, as a crash would: no request in progress
-    /// is answered (the simulator's crashes).
+    /// Ends the endpoint at once, as a crash would: every request in
+    /// progress ends where it is, unanswered (the simulator's crashes).
     pub async fn abort(self) {
         self.task.abort();
         let _ = self.task.await;
@@ -108,21 +108,62 @@ impl HttpServer {
 pub fn serve(listener: Box<dyn Listener>, app: axum::Router) -> io::Result<HttpServer> {
     let addr = listener.local_addr()?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        let result = axum::serve(SeamListener::new(listener), app)
-            .with_graceful_shutdown(async move {
-                let _ = stopped.await;
-            })
-            .await;
-        if let Err(e) = result {
-            tracing::error!(error = %e, "HTTP endpoint failed");
-        }
-    });
+    let task = tokio::spawn(serve_connections(SeamListener::new(listener), app, stopped));
     Ok(HttpServer {
         addr,
         stop: Some(stop),
         task,
     })
+}
+
+/// Accepts connections until `stopped` fires (or its sender is dropped),
+/// then lets every connection finish the request it serves and close.
+///
+/// Each connection is a task of a set this future owns, so that aborting
+/// the endpoint ([`HttpServer::abort`], a crash in the simulator) ends every
+/// request in progress with it, as a process's death does: a request
+/// handler outliving its node's crash would write to a disk and a
+/// coordination store the restarted node already read.
+async fn serve_connections(
+    mut listener: SeamListener,
+    app: axum::Router,
+    mut stopped: tokio::sync::oneshot::Receiver<()>,
+) {
+    use axum::serve::Listener as _;
+    let mut connections = tokio::task::JoinSet::new();
+    let (drain, draining) = tokio::sync::watch::channel(false);
+    loop {
+        // `biased`: the simulator needs the same choice for the same inputs.
+        tokio::select! {
+            biased;
+            _ = &mut stopped => break,
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            (io, _peer) = listener.accept() => {
+                let service = hyper_util::service::TowerToHyperService::new(app.clone());
+                let mut draining = draining.clone();
+                connections.spawn(async move {
+                    let conn = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(io), service);
+                    tokio::pin!(conn);
+                    tokio::select! {
+                        biased;
+                        result = conn.as_mut() => {
+                            if let Err(e) = result {
+                                tracing::debug!(error = %e, "an HTTP connection ended with an error");
+                            }
+                            return;
+                        }
+                        _ = draining.wait_for(|d| *d) => conn.as_mut().graceful_shutdown(),
+                    }
+                    if let Err(e) = conn.await {
+                        tracing::debug!(error = %e, "an HTTP connection ended with an error");
+                    }
+                });
+            }
+        }
+    }
+    let _ = drain.send(true);
+    while connections.join_next().await.is_some() {}
 }
 
 /// An accept error that concerns one connection only (its peer reset or

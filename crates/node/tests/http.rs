@@ -126,3 +126,73 @@ async fn the_token_is_sent_to_every_peer() {
     assert!(status["auth"].is_null(), "an empty token is no token");
     server.stop().await;
 }
+
+/// Drops its sender when the request's handler is dropped (finished or
+/// ended half-way).
+struct HandlerAlive(#[allow(dead_code)] tokio::sync::oneshot::Sender<()>);
+
+/// A router whose `/slow` handler tells when it started, waits for `go`,
+/// and answers "done".
+fn slow_router(
+    started: tokio::sync::mpsc::Sender<tokio::sync::oneshot::Receiver<()>>,
+    go: Arc<tokio::sync::Notify>,
+) -> Router {
+    Router::new().route(
+        "/slow",
+        get(move || {
+            let started = started.clone();
+            let go = Arc::clone(&go);
+            async move {
+                let (alive, gone) = tokio::sync::oneshot::channel();
+                let _alive = HandlerAlive(alive);
+                let _ = started.send(gone).await;
+                go.notified().await;
+                Json(serde_json::json!({"done": true}))
+            }
+        }),
+    )
+}
+
+#[tokio::test]
+async fn an_aborted_endpoint_ends_the_requests_it_serves_as_a_crash_would() {
+    let (started, mut handlers) = tokio::sync::mpsc::channel(1);
+    let go = Arc::new(tokio::sync::Notify::new());
+    let server = served(slow_router(started, Arc::clone(&go))).await;
+    let addr = server.addr.clone();
+    let call = tokio::spawn(async move {
+        HttpPeers::new(Arc::new(TcpNetwork), None)
+            .get::<serde_json::Value>(&addr, "/slow", Duration::from_secs(30))
+            .await
+    });
+    let gone = handlers.recv().await.expect("the handler started");
+    server.abort().await;
+    // The handler was dropped with the endpoint, not left running (a
+    // handler left running would hold its sender until `go`).
+    let ended = tokio::time::timeout(Duration::from_secs(10), gone).await;
+    assert!(matches!(ended, Ok(Err(_))), "the handler ended: {ended:?}");
+    go.notify_waiters();
+    let answer = call.await.expect("call task");
+    assert!(answer.is_err(), "no answer after the crash: {answer:?}");
+}
+
+#[tokio::test]
+async fn a_stopped_endpoint_answers_the_requests_in_progress_first() {
+    let (started, mut handlers) = tokio::sync::mpsc::channel(1);
+    let go = Arc::new(tokio::sync::Notify::new());
+    let server = served(slow_router(started, Arc::clone(&go))).await;
+    let addr = server.addr.clone();
+    let call = tokio::spawn(async move {
+        HttpPeers::new(Arc::new(TcpNetwork), None)
+            .get::<serde_json::Value>(&addr, "/slow", Duration::from_secs(30))
+            .await
+    });
+    let _gone = handlers.recv().await.expect("the handler started");
+    let stopping = tokio::spawn(server.stop());
+    // The stop waits for the request, which finishes once let go.
+    tokio::task::yield_now().await;
+    assert!(!stopping.is_finished(), "stop waits for the request");
+    go.notify_one();
+    stopping.await.expect("stopped");
+    let answer = call.await.expect("call task").expect("answered");
+    assert_eq!(answer["done"], true);
+}

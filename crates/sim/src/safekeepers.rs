@@ -96,7 +96,7 @@ impl Safekeepers {
             .bind(&node)
             .await
             .map_err(|e| world.fail(format!("{node} cannot listen: {e}")))?;
-        let disk: Arc<dyn Disk> = Arc::new(self.disks[i].clone());
+        let disk: Arc<dyn Disk> = Arc::new(self.disks[i].for_process());
         let server = ferry_node::start_safekeeper(disk, &node, open, acceptor, listener, config)
             .await
             .map_err(|e| match e {

@@ -91,37 +91,70 @@ pub fn replay<W: Workload>(seed: u64, log: bool) -> anyhow::Result<()> {
     }
 }
 
-/// Runs every seed of `seeds` (`ferry-sim <name> --seeds N --start-seed S`):
-/// each failure is printed with its replay command as it happens, then one
-/// summary line (speed, the workload's totals, failures) and the workload's
-/// notes. Fails naming the failing seeds, if any.
-pub fn window<W: Workload>(seeds: Range<u64>) -> anyhow::Result<()> {
+/// What one thread of [`window`] ran: outcomes by seed, failing seeds.
+type Ran<O> = (Vec<(u64, O)>, Vec<u64>);
+
+/// Runs every seed of `seeds` (`ferry-sim <name> --seeds N --start-seed S
+/// --jobs J`) on `jobs` threads, each seed alone on its thread's runtime (a
+/// seed's run depends on its seed only, not on the thread or the seeds
+/// beside it): each failure is printed with its replay command as it
+/// happens, then one summary line (speed, the workload's totals, failures)
+/// and the workload's notes. Fails naming the failing seeds, if any.
+pub fn window<W: Workload>(seeds: Range<u64>, jobs: usize) -> anyhow::Result<()> {
     // The wall clock measures the runs (seeds per second), outside the
     // simulated world; no simulated node reads it.
     #[allow(clippy::disallowed_methods)]
     let started = std::time::Instant::now();
     let count = seeds.end - seeds.start;
-    let mut outcomes = Vec::new();
-    let mut failures = Vec::new();
-    for seed in seeds {
-        match W::run_seed(seed, false) {
-            Ok(o) => outcomes.push(o),
-            Err(f) => {
-                say(format_args!("FAILED {f}"));
-                say(format_args!(
-                    "  replay: ferry-sim {} --seed {} --log",
-                    W::NAME,
-                    f.seed
-                ));
-                failures.push(f.seed);
+    let jobs = jobs.clamp(1, count.max(1) as usize);
+    let next = std::sync::atomic::AtomicU64::new(seeds.start);
+    let run_some = || {
+        let mut outcomes = Vec::new();
+        let mut failures = Vec::new();
+        loop {
+            let seed = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if seed >= seeds.end {
+                break;
+            }
+            match W::run_seed(seed, false) {
+                Ok(o) => outcomes.push((seed, o)),
+                Err(f) => {
+                    say(format_args!(
+                        "FAILED {f}\n  replay: ferry-sim {} --seed {} --log",
+                        W::NAME,
+                        f.seed
+                    ));
+                    failures.push(f.seed);
+                }
             }
         }
+        (outcomes, failures)
+    };
+    let results: Vec<Ran<W::Outcome>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (1..jobs).map(|_| scope.spawn(run_some)).collect();
+        let mut results = vec![run_some()];
+        for handle in handles {
+            match handle.join() {
+                Ok(r) => results.push(r),
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+        results
+    });
+    let mut outcomes = Vec::new();
+    let mut failures = Vec::new();
+    for (o, f) in results {
+        outcomes.extend(o);
+        failures.extend(f);
     }
+    outcomes.sort_by_key(|(seed, _)| *seed);
+    failures.sort_unstable();
+    let outcomes: Vec<W::Outcome> = outcomes.into_iter().map(|(_, o)| o).collect();
     let wall = started.elapsed().as_secs_f64();
     let mut totals = W::totals(&outcomes, wall);
     totals.push(format!("{} failed", failures.len()));
     say(format_args!(
-        "{count} seeds in {wall:.2} s: {:.1} seeds/s, {}",
+        "{count} seeds in {wall:.2} s on {jobs} threads: {:.1} seeds/s, {}",
         count as f64 / wall.max(1e-9),
         totals.join(", ")
     ));

@@ -13,14 +13,20 @@ use ferry_sim::seeds;
 /// committed named a missing file (no task is created now while a removal
 /// runs). 89301956: a replica reopening after a crash stopped because a
 /// half-written part it listed was gone when it removed it (a removal of
-/// what is gone now succeeds). The rest are early seeds.
+/// what is gone now succeeds). 89300661 (at commit fab553f): a replica
+/// lacked acknowledged rows after crashes, because a request its aborted
+/// endpoint was serving ran on after the crash and wrote its state file
+/// over parts the crash had lost (the simulator's defect: an aborted
+/// endpoint now ends its requests, and a dead process's disk is fenced;
+/// at today's schedules the seed no longer reaches it, the unit tests of
+/// both fences hold it). The rest are early seeds.
 ///
 /// Planted bugs (release `ferry-sim e2e`): an export increment keyed
 /// without its shard fails 4 of seeds 0..200 (92, 99, 147, 195); a
 /// walsender sending up to its flush_lsn instead of commit_lsn fails 4 of
 /// 0..1000 (272, 403, 438, 751: a replica stopping on WAL a truncation
 /// garbled, a replica lacking acknowledged rows, the lake lacking them).
-const REGRESSION_SEEDS: &[u64] = &[0, 1, 2, 3, 7, 89300531, 89301956];
+const REGRESSION_SEEDS: &[u64] = &[0, 1, 2, 3, 7, 89300531, 89300661, 89301956];
 
 #[test]
 fn regression_seeds() {
@@ -38,9 +44,16 @@ fn random_seeds() {
             && reached(|o| o.replica_crashes > 0)
             && reached(|o| o.writers > 1)
             && reached(|o| o.retention)
-            && reached(|o| o.format == ferry_export::model::LakeFormat::Iceberg),
-        "the schedules reach acknowledged, given-up and refused inserts, crashes, takeovers, retention and Iceberg"
+            && reached(|o| o.format == ferry_export::model::LakeFormat::Iceberg)
+            && reached(|o| o.safekeepers_restored > 0)
+            && reached(|o| o.replicas_rebuilt > 0),
+        "the schedules reach acknowledged, given-up and refused inserts, crashes, takeovers, retention, Iceberg, a safekeeper restored from the backup and a replica rebuilt from its peer"
     );
+    // Every task of a crashed node ends with it: none reaches its disk
+    // after the crash (the simulator's disk would fence it, hiding what it
+    // would have done).
+    let fenced: u64 = outcomes.iter().map(|o| o.fenced_disk_ops).sum();
+    assert_eq!(fenced, 0, "tasks of crashed nodes reached their disks after the crash");
 }
 
 #[test]

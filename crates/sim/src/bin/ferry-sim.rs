@@ -51,13 +51,24 @@ struct WalSimArgs {
     /// First seed of the range.
     #[arg(long, default_value_t = 0)]
     start_seed: u64,
+    /// Threads running seeds of the range side by side (each seed runs
+    /// alone on its own thread, so every seed runs as it would alone);
+    /// default: one per core.
+    #[arg(long, conflicts_with = "seed", value_parser = clap::value_parser!(u32).range(1..=256))]
+    jobs: Option<u32>,
 }
 
 /// One seed replayed, or a range of seeds with a summary.
 fn run<W: Workload>(args: WalSimArgs) -> anyhow::Result<()> {
     match args.seed {
         Some(seed) => seeds::replay::<W>(seed, args.log),
-        None => seeds::window::<W>(args.start_seed..args.start_seed + args.seeds),
+        None => {
+            let jobs = args.jobs.map_or_else(
+                || std::thread::available_parallelism().map_or(1, usize::from),
+                |j| j as usize,
+            );
+            seeds::window::<W>(args.start_seed..args.start_seed + args.seeds, jobs)
+        }
     }
 }
 

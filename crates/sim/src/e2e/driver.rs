@@ -14,7 +14,7 @@ use rand::SeedableRng;
 use tokio::time::Instant;
 
 use super::nodes::{replica_http, writer_name};
-use super::schedule::{generate, Event};
+use super::schedule::{generate, generate_losses, Event};
 use super::{
     replica_name, replicas, Failure, Outcome, Sim, CAUGHT_UP_WITHIN, DESTINATION, SAFEKEEPERS,
     TABLE,
@@ -66,18 +66,14 @@ impl Sim {
             Event::CrashReplica(i) => self.crash_replica(*i).await?,
             Event::CrashSafekeeper(i) => {
                 // At most one safekeeper down at a time: a quorum stays.
-                let down = self
-                    .safekeepers
-                    .servers
-                    .iter()
-                    .filter(|s| s.is_none())
-                    .count();
-                if down == 0 {
+                if self.safekeepers_down() == 0 {
                     self.crash_safekeeper(*i).await;
                 } else if self.safekeepers.servers[*i].is_none() {
                     self.start_safekeeper(*i, false).await?;
                 }
             }
+            Event::LoseSafekeeper(i) => self.lose_safekeeper(*i).await?,
+            Event::RebuildReplica(i) => self.rebuild_replica(*i).await?,
             Event::KillWriter => {
                 if let Some(n) = self.writers.last().map(|w| w.number) {
                     self.stop_writer(n, "killed").await;
@@ -268,7 +264,12 @@ pub fn run_seed(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
 
 async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
     let mut rng = SmallRng::seed_from_u64(seed ^ 0x6532_6520_656e_6421);
-    let events = generate(&mut rng);
+    let mut events = generate(&mut rng);
+    let span = events.last().map_or(Duration::ZERO, |(at, _)| *at);
+    events.extend(generate_losses(seed, span));
+    // Stable: the drawn schedule keeps its order, a loss comes after the
+    // events of its instant.
+    events.sort_by_key(|(at, _)| *at);
     let mut sim = Sim::start(seed, &mut rng, verbose).await?;
     sim.log(format!("seed {seed}: {} events", events.len()));
     for (at, event) in &events {
@@ -300,6 +301,9 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         writers: sim.writers_started,
         replica_crashes: sim.replica_crashes,
         exports_asked: sim.exports_asked,
+        safekeepers_restored: sim.safekeepers_restored,
+        replicas_rebuilt: sim.replicas_rebuilt,
+        fenced_disk_ops: sim.world.crash_stats().fenced_ops,
         run: sim.world.finish(events.len()),
     })
 }

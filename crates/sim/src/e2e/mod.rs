@@ -103,6 +103,11 @@ pub struct Outcome {
     pub writers: u64,
     pub replica_crashes: usize,
     pub exports_asked: usize,
+    pub safekeepers_restored: usize,
+    pub replicas_rebuilt: usize,
+    /// Disk operations tasks of crashed processes tried after their crash
+    /// (fenced: they never complete).
+    pub fenced_disk_ops: u64,
 }
 
 /// The end-to-end workload, as the seed harness runs it.
@@ -130,6 +135,9 @@ impl crate::seeds::Workload for EndToEnd {
             format!("{} writers", o.writers),
             format!("{} replica crashes", o.replica_crashes),
             format!("{} exports asked", o.exports_asked),
+            format!("{} safekeepers restored", o.safekeepers_restored),
+            format!("{} replicas rebuilt", o.replicas_rebuilt),
+            format!("{} disk operations fenced after crashes", o.fenced_disk_ops),
         ]
     }
 
@@ -149,6 +157,18 @@ impl crate::seeds::Workload for EndToEnd {
                 outcomes.iter().filter(|o| o.retention).count()
             ),
             format!("{} replica crashes", sum(|o| o.replica_crashes)),
+            format!(
+                "{} safekeepers restored from the backup",
+                sum(|o| o.safekeepers_restored)
+            ),
+            format!(
+                "{} replicas rebuilt from a peer",
+                sum(|o| o.replicas_rebuilt)
+            ),
+            format!(
+                "{} disk operations fenced after crashes",
+                outcomes.iter().map(|o| o.fenced_disk_ops).sum::<u64>()
+            ),
             format!(
                 "{:.1} seeds per wall second",
                 outcomes.len() as f64 / wall_secs.max(1e-9)
@@ -194,6 +214,17 @@ struct Sim {
     exports_asked: usize,
     /// The client's and the schedule's own draws.
     client_rng: SmallRng,
+    /// Draws of what came with data-dir losses (partial backup settings,
+    /// cut copies), apart from the other generators so that adding them
+    /// moved no earlier draw.
+    loss_rng: SmallRng,
+    /// The safekeeper whose data dir was lost, until its restore succeeds.
+    restoring: Option<usize>,
+    /// Replicas whose data dir was lost, until a copy from their peer
+    /// succeeds.
+    rebuilding: BTreeSet<usize>,
+    safekeepers_restored: usize,
+    replicas_rebuilt: usize,
 }
 
 impl Sim {

@@ -7,7 +7,7 @@
 //! found in coordination, the copy endpoint, the registration), each
 //! watched so that its reported position never goes back.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -21,6 +21,7 @@ use ferry_node::http::{HttpPeers, HttpServer};
 use ferry_node::{SafekeeperOpen, WriterNode};
 use ferry_replica::StreamConfig;
 use ferry_safekeeper::acceptor::AcceptorConfig;
+use ferry_safekeeper::partial::PartialBackupConfig;
 use ferry_wal::segment::SegmentSize;
 use ferry_wal::{ClusterId, Lsn};
 use ferry_writer::driver::{Writer, WriterConfig, WriterStatus};
@@ -186,6 +187,11 @@ impl Sim {
             next_id: 0,
             exports_asked: 0,
             client_rng: draws,
+            loss_rng: SmallRng::seed_from_u64(seed ^ 0x4c05_7d15_c0de_0002),
+            restoring: None,
+            rebuilding: BTreeSet::new(),
+            safekeepers_restored: 0,
+            replicas_rebuilt: 0,
         };
         sim.log(format!(
             "the table exports itself to {} as {} (freshness {} s, retention {:?} s)",
@@ -216,13 +222,29 @@ impl Sim {
         }
     }
 
+    /// Starts safekeeper `i` (a lost one is restored from the backup first,
+    /// see [`Sim::try_restore`]).
     pub(super) async fn start_safekeeper(&mut self, i: usize, create: bool) -> Result<(), Failure> {
-        let config = draw_backup_settings(&mut self.config_rng, &self.world.lake);
+        if self.restoring == Some(i) {
+            return self.try_restore().await;
+        }
+        self.run_safekeeper(i, create).await
+    }
+
+    /// Starts safekeeper `i`'s process on its disk.
+    async fn run_safekeeper(&mut self, i: usize, create: bool) -> Result<(), Failure> {
+        let mut config = draw_backup_settings(&mut self.config_rng, &self.world.lake);
+        config.partial_backup = self.loss_rng.random_bool(0.7).then(|| PartialBackupConfig {
+            timeout: Duration::from_millis(self.loss_rng.random_range(100..=3000)),
+        });
+        // Above the writers' election timeout, as the default is.
+        config.restore_quarantine = Duration::from_secs(5);
         let described = format!(
-            "backup jobs {}, keep-horizon {}, removal every {:?}",
+            "backup jobs {}, keep-horizon {}, removal every {:?}, partial backup {:?}",
             config.backup.as_ref().map_or(0, |b| b.parallel_jobs),
             config.walsenders_keep_horizon,
             config.removal_interval,
+            config.partial_backup.map(|p| p.timeout),
         );
         let open = if create {
             SafekeeperOpen::Create
@@ -242,6 +264,15 @@ impl Sim {
             .await
     }
 
+    /// Safekeepers not running (crashed, or lost and not restored yet).
+    pub(super) fn safekeepers_down(&self) -> usize {
+        self.safekeepers
+            .servers
+            .iter()
+            .filter(|s| s.is_none())
+            .count()
+    }
+
     pub(super) async fn crash_safekeeper(&mut self, i: usize) {
         self.safekeepers
             .crash(
@@ -253,6 +284,54 @@ impl Sim {
                 }),
             )
             .await;
+    }
+
+    /// Safekeeper `i` loses its data dir (while the others run: a quorum
+    /// stays) and is restored from the backup, as `ferry safekeeper
+    /// --restore-from-backup` does; it then waits out its quarantine until
+    /// a writer brings it back. One loss per run.
+    pub(super) async fn lose_safekeeper(&mut self, i: usize) -> Result<(), Failure> {
+        if self.safekeepers_down() > 0 || self.safekeepers_restored > 0 {
+            self.log(format!(
+                "sk{i} keeps its data dir: another safekeeper is down"
+            ));
+            return Ok(());
+        }
+        self.crash_safekeeper(i).await;
+        self.safekeepers.disks[i].lose(&sk_name(i));
+        self.log(format!("sk{i} lost its data dir"));
+        self.restoring = Some(i);
+        self.try_restore().await
+    }
+
+    /// One attempt to restore the lost safekeeper from the backup; it
+    /// starts once restored. A failed attempt (the object store failing)
+    /// leaves it down until the next event.
+    pub(super) async fn try_restore(&mut self) -> Result<(), Failure> {
+        use ferry_safekeeper::restore::{restore_from_backup, RestoreError};
+        let Some(i) = self.restoring else {
+            return Ok(());
+        };
+        let disk: Arc<dyn Disk> = Arc::new(self.safekeepers.disks[i].for_process());
+        let config = Self::acceptor_config(i);
+        match restore_from_backup(disk, &sk_name(i), &config, &self.world.lake).await {
+            Ok(report) => {
+                self.log(format!(
+                    "sk{i} restored {} whole segments and partial {:?}: WAL up to {}",
+                    report.whole_segments, report.partial, report.restored_lsn
+                ));
+                self.restoring = None;
+                self.safekeepers_restored += 1;
+                self.run_safekeeper(i, false).await
+            }
+            Err(RestoreError::Exists(path)) => {
+                Err(self.fail(format!("sk{i}: the restore found {path} on a lost disk")))
+            }
+            Err(e) => {
+                self.log(format!("sk{i} restore failed: {e}"));
+                Ok(())
+            }
+        }
     }
 
     /// Starts a new writer process, as its supervisor does: it reads the
@@ -445,6 +524,14 @@ impl Sim {
     /// A replica that cannot reach coordination to open its catalog is
     /// started again at the next event.
     pub(super) async fn start_replica(&mut self, i: usize) -> Result<(), Failure> {
+        if self.rebuilding.contains(&i) {
+            return self.try_rebuild(i).await;
+        }
+        self.run_replica(i).await
+    }
+
+    /// Starts replica `i`'s process on its disk.
+    async fn run_replica(&mut self, i: usize) -> Result<(), Failure> {
         let name = replica_name(i);
         let (shard, number) = (i as u32 / REPLICAS_PER_SHARD, i as u32 % REPLICAS_PER_SHARD);
         let sessions: Arc<dyn SessionFactory> =
@@ -457,7 +544,7 @@ impl Sim {
                 return Ok(());
             }
         };
-        let disk: Arc<dyn Disk> = Arc::new(self.world.disk(&name));
+        let disk: Arc<dyn Disk> = Arc::new(self.world.disk(&name).for_process());
         let mut stream = StreamConfig::new((0..SAFEKEEPERS).map(sk_name).collect());
         stream.reconnect_delay = Duration::from_millis(100);
         stream.lag_probe_interval = Duration::from_secs(1);
@@ -593,6 +680,115 @@ impl Sim {
             self.replica_crashes += 1;
         }
         self.start_replica(i).await
+    }
+
+    /// Replica `i` crashes, loses its data dir, and is built from a copy of
+    /// its shard's other replica over HTTP, as `ferry replica
+    /// --bootstrap-from` does (see [`Sim::try_rebuild`]). Without its peer
+    /// running it is an ordinary crash.
+    pub(super) async fn rebuild_replica(&mut self, i: usize) -> Result<(), Failure> {
+        let peer = i ^ 1; // the other replica of the shard (2 per shard)
+        if self.replicas[peer].is_none() || self.replicas[i].is_none() {
+            return self.crash_replica(i).await;
+        }
+        let Some(node) = self.replicas[i].take() else {
+            return Ok(());
+        };
+        let name = replica_name(i);
+        self.world.crash(&name, node, Some(CRASH)).await;
+        self.replica_crashes += 1;
+        self.world.disk(&name).lose("replica");
+        self.log(format!("{name} lost its data dir"));
+        self.rebuilding.insert(i);
+        self.try_rebuild(i).await
+    }
+
+    /// One attempt to build lost replica `i` from its peer; it starts once
+    /// built. Half of the attempts are cut by a power cut first (the next
+    /// copy goes on over what the cut left). A donor out of reach (down, or
+    /// cut off by a partition) leaves it down until the next event, as
+    /// `ferry replica --bootstrap-from` keeps trying.
+    async fn try_rebuild(&mut self, i: usize) -> Result<(), Failure> {
+        use ferry_replica::replica::bootstrap::{
+            copy_from_peer, needs_copy, BootstrapError, CopyCheck,
+        };
+        let peer = i ^ 1;
+        let name = replica_name(i);
+        if self.replicas[peer].is_none() {
+            return Ok(());
+        }
+        let source = ferry_node::bootstrap::HttpDonor {
+            peers: HttpPeers::new(self.world.net.node(&name), None),
+            addr: replica_http(peer),
+        };
+        let (shard, number) = (i as u32 / REPLICAS_PER_SHARD, i as u32 % REPLICAS_PER_SHARD);
+        // The copier's process: a power cut fences it, the copy goes on in
+        // a new one.
+        let copier = |world: &mut crate::world::World| -> Arc<dyn Disk> {
+            Arc::new(world.disk(&name).for_process())
+        };
+        let copy = |disk: Arc<dyn Disk>| {
+            let source = &source;
+            async move {
+                copy_from_peer(
+                    &disk,
+                    "replica",
+                    shard,
+                    number,
+                    Cpu::Inline,
+                    CopyCheck::Rows,
+                    source,
+                )
+                .await
+            }
+        };
+        let mut disk = copier(&mut self.world);
+        let mut built = None;
+        if self.loss_rng.random_bool(0.5) {
+            let cut = Duration::from_millis(self.loss_rng.random_range(0..300));
+            match tokio::time::timeout(cut, copy(Arc::clone(&disk))).await {
+                Ok(done) => built = Some(done),
+                Err(_) => {
+                    self.world.crash_disk(&name);
+                    disk = copier(&mut self.world);
+                    self.log(format!(
+                        "{name}: copy from {} cut after {cut:?}",
+                        replica_name(peer)
+                    ));
+                }
+            }
+        }
+        // A cut after the copy wrote its state file left a built replica.
+        let needs = needs_copy(disk.as_ref(), "replica")
+            .await
+            .map_err(|e| self.fail(format!("{name}: {e}")))?;
+        let built = match built {
+            Some(done) => Some(done),
+            None if needs => Some(copy(Arc::clone(&disk)).await),
+            None => None,
+        };
+        let position = match built {
+            Some(Err(e @ BootstrapError::Source { .. })) => {
+                self.log(format!("{name}: copy failed, tried again later: {e}"));
+                return Ok(());
+            }
+            Some(Err(e)) => {
+                return Err(self.fail(format!("{name}: copying {}: {e}", replica_name(peer))))
+            }
+            Some(Ok(b)) => b.disk_consistent_lsn,
+            None => Lsn(0),
+        };
+        self.log(format!(
+            "{name} built from {} at {position}",
+            replica_name(peer)
+        ));
+        self.rebuilding.remove(&i);
+        self.replicas_rebuilt += 1;
+        // A new replica under the old name: its position starts at the copy's.
+        if let Ok(mut r) = self.reported.lock() {
+            r[i] = position;
+        }
+        self.run_replica(i).await
     }
 
     /// Replicas that exited (no coordination when they started) start again.

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use rand::rngs::SmallRng;
-use rand::Rng;
+use rand::{Rng, SeedableRng};
 
 use super::{replicas, PARTITIONS, SAFEKEEPERS};
 use crate::world::faults::draw_events;
@@ -45,6 +45,12 @@ pub(super) enum Event {
         partition: &'static str,
     },
     Repair,
+    /// A safekeeper loses its data dir and is restored from the backup
+    /// (`ferry safekeeper --restore-from-backup`).
+    LoseSafekeeper(usize),
+    /// A replica loses its data dir and is built from a copy of its
+    /// shard's other replica (`ferry replica --bootstrap-from`).
+    RebuildReplica(usize),
 }
 
 pub(super) fn generate(rng: &mut SmallRng) -> Vec<(Duration, Event)> {
@@ -76,4 +82,24 @@ pub(super) fn generate(rng: &mut SmallRng) -> Vec<(Duration, Event)> {
         },
         _ => Event::Repair,
     })
+}
+
+/// Data dirs lost during the run, drawn from the seed alone (apart from
+/// [`generate`], so that the seeds drawn before losses existed keep their
+/// schedules): a safekeeper restored from the backup in a third of the
+/// runs, a replica rebuilt from its peer in a third, each at a time within
+/// `span`.
+pub(super) fn generate_losses(seed: u64, span: Duration) -> Vec<(Duration, Event)> {
+    let mut rng = SmallRng::seed_from_u64(seed ^ 0x4c05_7d15_c0de_0001);
+    let mut losses = Vec::new();
+    let span_ms = span.as_millis().max(1) as u64;
+    if rng.random_bool(1.0 / 3.0) {
+        let at = Duration::from_millis(rng.random_range(0..span_ms));
+        losses.push((at, Event::LoseSafekeeper(rng.random_range(0..SAFEKEEPERS))));
+    }
+    if rng.random_bool(1.0 / 3.0) {
+        let at = Duration::from_millis(rng.random_range(0..span_ms));
+        losses.push((at, Event::RebuildReplica(rng.random_range(0..replicas()))));
+    }
+    losses
 }

@@ -49,7 +49,7 @@ impl Stop for Node {
 impl Sim {
     pub(super) async fn start_node(&mut self, i: usize) -> Result<(), Failure> {
         let name = node_name(i);
-        let disk: Arc<dyn Disk> = Arc::new(self.world.disk(&name));
+        let disk: Arc<dyn Disk> = Arc::new(self.world.disk(&name).for_process());
         let mut config = ExporterConfig::new(name.clone());
         config.tick = Duration::from_millis(100);
         config.cleanup_interval = Duration::from_millis(500);

@@ -120,7 +120,7 @@ impl Sim {
     /// Opens replica `i` from its disk, checking it kept what it reported.
     pub(super) async fn start_replica(&mut self, i: usize) -> Result<(), Failure> {
         let name = replica_name(i);
-        let disk: Arc<dyn Disk> = Arc::new(self.world.disk(&name));
+        let disk: Arc<dyn Disk> = Arc::new(self.world.disk(&name).for_process());
         let mut config = StreamConfig::new((0..SAFEKEEPERS).map(sk_name).collect());
         config.reconnect_delay = Duration::from_millis(100);
         config.lag_probe_interval = Duration::from_secs(1);
@@ -209,7 +209,10 @@ impl Sim {
         self.replica_crashes += 1;
         let disk = self.world.disk(&name);
         disk.lose("replica");
-        let dir_disk: Arc<dyn Disk> = Arc::new(disk);
+        // The copier's process: a power cut during the copy fences it, and
+        // the copy goes on in a new one.
+        let dir_disk: std::cell::RefCell<Arc<dyn Disk>> =
+            std::cell::RefCell::new(Arc::new(disk.for_process()));
         // Over HTTP on the simulated network, as `ferry replica
         // --bootstrap-from` copies.
         let source = ferry_node::bootstrap::HttpDonor {
@@ -218,15 +221,20 @@ impl Sim {
         };
         let (shard, number) = (i as u32 / REPLICAS_PER_SHARD, i as u32 % REPLICAS_PER_SHARD);
         let copy = || {
-            copy_from_peer(
-                &dir_disk,
-                "replica",
-                shard,
-                number,
-                Cpu::Inline,
-                CopyCheck::Rows,
-                &source,
-            )
+            let disk = dir_disk.borrow().clone();
+            let source = &source;
+            async move {
+                copy_from_peer(
+                    &disk,
+                    "replica",
+                    shard,
+                    number,
+                    Cpu::Inline,
+                    CopyCheck::Rows,
+                    source,
+                )
+                .await
+            }
         };
         // A quarter of the copies meet a cut between the copier and its
         // donor for a while: the copy stalls past its idle timeout, fails,
@@ -266,6 +274,7 @@ impl Sim {
                 Ok(done) => built = Some(done),
                 Err(_) => {
                     self.world.crash_disk(&name);
+                    *dir_disk.borrow_mut() = Arc::new(self.world.disk(&name).for_process());
                     self.log(format!(
                         "{name}: copy from {} cut after {cut:?}",
                         replica_name(peer)
@@ -275,7 +284,8 @@ impl Sim {
         }
         // A cut that came after the state file was written left a built
         // replica: it starts as it is.
-        let needs = ferry_replica::replica::bootstrap::needs_copy(dir_disk.as_ref(), "replica")
+        let after_cut = dir_disk.borrow().clone();
+        let needs = ferry_replica::replica::bootstrap::needs_copy(after_cut.as_ref(), "replica")
             .await
             .map_err(|e| self.fail(format!("{name}: {e}")))?;
         let built = match built {

@@ -103,14 +103,16 @@ impl crate::seeds::Workload for Wal {
             crashes.found_unsynced += o.crash_stats.found_unsynced;
             crashes.bytes_lost += o.crash_stats.bytes_lost;
             crashes.torn += o.crash_stats.torn;
+            crashes.fenced_ops += o.crash_stats.fenced_ops;
         }
         vec![format!(
-            "safekeeper crashes: {}, of which {} ({:.0}%) found unsynced data or directory entries; they dropped {} unsynced bytes and tore {} files' last writes",
+            "safekeeper crashes: {}, of which {} ({:.0}%) found unsynced data or directory entries; they dropped {} unsynced bytes and tore {} files' last writes; tasks of crashed processes tried {} disk operations after their crash (fenced)",
             crashes.crashes,
             crashes.found_unsynced,
             100.0 * crashes.found_unsynced as f64 / crashes.crashes.max(1) as f64,
             crashes.bytes_lost,
-            crashes.torn
+            crashes.torn,
+            crashes.fenced_ops
         )]
     }
 }

@@ -38,7 +38,7 @@ impl Sim {
 
     /// Creates safekeeper `i` on its empty disk (once, when the cluster is made).
     pub(super) async fn create_acceptor(&self, i: usize) -> Result<(), Failure> {
-        let disk: Arc<dyn Disk> = Arc::new(self.safekeepers.disks[i].clone());
+        let disk: Arc<dyn Disk> = Arc::new(self.safekeepers.disks[i].for_process());
         Acceptor::create(disk, &format!("sk{i}"), self.acceptor_config(i))
             .await
             .map(drop)
@@ -48,7 +48,7 @@ impl Sim {
     /// Opens safekeeper `i`'s acceptor from its disk, as a restart does: it
     /// must find its control file and every WAL record below its commit point.
     pub(super) async fn open_acceptor(&self, i: usize) -> Result<Acceptor, Failure> {
-        let disk: Arc<dyn Disk> = Arc::new(self.safekeepers.disks[i].clone());
+        let disk: Arc<dyn Disk> = Arc::new(self.safekeepers.disks[i].for_process());
         Acceptor::open(disk, &format!("sk{i}"), self.acceptor_config(i))
             .await
             .map_err(|e| self.fail(format!("sk{i} cannot recover from its disk: {e}")))
@@ -139,7 +139,7 @@ impl Sim {
         // Each attempt comes with a working disk (one that failed meanwhile
         // was replaced).
         self.safekeepers.disks[i].set_failing(false);
-        let disk: Arc<dyn Disk> = Arc::new(self.safekeepers.disks[i].clone());
+        let disk: Arc<dyn Disk> = Arc::new(self.safekeepers.disks[i].for_process());
         let config = self.acceptor_config(i);
         let dir = node_name(i);
         let restore = ferry_safekeeper::restore::restore_from_backup(

@@ -72,6 +72,9 @@ pub struct CrashStats {
     pub bytes_lost: u64,
     /// Crashes that tore a file (kept some unsynced sectors, not others).
     pub torn: u64,
+    /// Operations a crashed process's tasks tried after its crash (they
+    /// never complete; see [`SimDisk::for_process`]).
+    pub fenced_ops: u64,
 }
 
 #[derive(Debug, Default)]
@@ -87,6 +90,9 @@ struct State {
     fsyncs: u64,
     latency: Option<(DiskLatency, SmallRng)>,
     crash_stats: CrashStats,
+    /// Power cuts so far: the process running on the disk between two of
+    /// them is one incarnation.
+    incarnation: u64,
 }
 
 /// One node's simulated disk; clones share it (it outlives node crashes).
@@ -95,6 +101,10 @@ pub struct SimDisk {
     state: Arc<Mutex<State>>,
     /// Woken whenever a write leaves data unsynced.
     wrote: Arc<tokio::sync::Notify>,
+    /// The incarnation of the process this handle was given to
+    /// ([`SimDisk::for_process`]); `None`: the simulator's own handle, never
+    /// fenced.
+    process: Option<u64>,
 }
 
 fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
@@ -114,6 +124,22 @@ fn not_found(path: &str) -> io::Error {
 impl SimDisk {
     pub fn new() -> SimDisk {
         SimDisk::default()
+    }
+
+    /// The handle a process started now runs on. A crash ends a process at
+    /// once, but a task of it the simulator could not abort (a connection
+    /// task an HTTP server spawned, say) would run on; through this handle,
+    /// from the power cut on, its disk operations never complete, as
+    /// nothing of a dead process reaches its disk. Without the fence such a
+    /// task writes after the crash, over state the restarted process
+    /// already read: a replica's state file recorded parts the crash had
+    /// lost.
+    pub fn for_process(&self) -> SimDisk {
+        SimDisk {
+            state: Arc::clone(&self.state),
+            wrote: Arc::clone(&self.wrote),
+            process: Some(lock(&self.state).incarnation),
+        }
     }
 
     /// Loses everything not synced, as a power cut would. With `tear`, a file
@@ -160,6 +186,7 @@ impl SimDisk {
             s.crash_stats.torn += 1;
         }
         s.stall_until = None;
+        s.incarnation += 1;
     }
 
     /// Loses every file and directory under `prefix` (a data dir lost with
@@ -248,6 +275,22 @@ impl SimDisk {
         }
         if let Some(took) = took.filter(|t| !t.is_zero()) {
             tokio::time::sleep(took).await;
+        }
+        // Checked after the op's own time, right before its effect (the
+        // caller takes the lock next, with no await between): an operation
+        // a crash interrupted does not land either.
+        if let Some(process) = self.process {
+            let fenced = {
+                let mut s = lock(&self.state);
+                let fenced = s.incarnation != process;
+                if fenced {
+                    s.crash_stats.fenced_ops += 1;
+                }
+                fenced
+            };
+            if fenced {
+                std::future::pending::<()>().await;
+            }
         }
     }
 
@@ -585,6 +628,35 @@ mod tests {
         assert_eq!(disk.read("d/x").await.expect("read"), b"atomic");
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_crashed_process_never_reaches_its_disk_again() {
+        let disk = SimDisk::new();
+        let mut rng = SmallRng::seed_from_u64(1);
+        let old = disk.for_process();
+        let f = synced_then_unsynced(&old, b"durable", b" lost").await;
+        disk.crash(&mut rng, false);
+        let new = disk.for_process();
+        // The dead process's writes, through the disk or an open file,
+        // never complete and change nothing.
+        let late = Duration::from_secs(3600);
+        let write = old.write_atomic("d/state", b"zombie".to_vec());
+        assert!(tokio::time::timeout(late, write).await.is_err());
+        let append = f.write_at(7, bytes::Bytes::from_static(b" zombie"));
+        assert!(tokio::time::timeout(late, append).await.is_err());
+        assert_eq!(disk.crash_stats().fenced_ops, 2);
+        // The restarted process and the simulator's own handle see the disk
+        // as the crash left it.
+        assert_eq!(new.read("d/a").await.expect("read"), b"durable");
+        assert_eq!(new.list_dir("d").await.expect("ls"), vec!["a"]);
+        assert_eq!(disk.read("d/a").await.expect("read"), b"durable");
+        new.write_atomic("d/state", b"alive".to_vec())
+            .await
+            .expect("the new process writes");
+        // The simulator's own handle is never fenced.
+        disk.crash(&mut rng, false);
+        assert_eq!(disk.read("d/state").await.expect("read"), b"alive");
+    }
+
     #[tokio::test]
     async fn a_failed_sync_loses_the_unsynced_writes() {
         let disk = SimDisk::new();
@@ -618,6 +690,7 @@ mod tests {
             let d2 = SimDisk {
                 state: Arc::clone(&disk.state),
                 wrote: Arc::clone(&disk.wrote),
+                process: None,
             };
             d2.crash(&mut rng, true);
             let data = disk.read("d/a").await.expect("read");

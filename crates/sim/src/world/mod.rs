@@ -282,6 +282,7 @@ impl World {
                 found_unsynced: a.found_unsynced + b.found_unsynced,
                 bytes_lost: a.bytes_lost + b.bytes_lost,
                 torn: a.torn + b.torn,
+                fenced_ops: a.fenced_ops + b.fenced_ops,
             })
     }
 
