@@ -75,7 +75,7 @@ impl ClientError {
                     || (*status == 503
                         && matches!(
                             body.kind.as_str(),
-                            "outcome_unknown" | "overloaded" | "coordination"
+                            "outcome_unknown" | "overloaded" | "coordination" | "lake_upkeep"
                         ))
             }
             _ => false,
@@ -427,4 +427,40 @@ fn error_chain(e: &dyn std::error::Error) -> String {
         source = s.source();
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn api(status: u16, kind: &str) -> ClientError {
+        ClientError::Api {
+            status,
+            body: Box::new(ApiErrorBody {
+                kind: kind.into(),
+                error: String::new(),
+                reason: None,
+                row: None,
+                column: None,
+                field: None,
+            }),
+        }
+    }
+
+    #[test]
+    fn only_answers_that_promise_nothing_was_decided_are_retried() {
+        for kind in [
+            "outcome_unknown",
+            "overloaded",
+            "coordination",
+            "lake_upkeep",
+        ] {
+            assert!(api(503, kind).retryable(), "503 {kind}");
+        }
+        assert!(api(429, "too_many_requests").retryable());
+        assert!(api(409, "idempotency_key_in_flight").retryable());
+        assert!(!api(409, "idempotency_key_reused").retryable());
+        assert!(!api(400, "bad_row").retryable());
+        assert!(!api(503, "disk_failed").retryable());
+    }
 }

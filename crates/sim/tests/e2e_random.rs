@@ -53,7 +53,10 @@ fn random_seeds() {
     // after the crash (the simulator's disk would fence it, hiding what it
     // would have done).
     let fenced: u64 = outcomes.iter().map(|o| o.fenced_disk_ops).sum();
-    assert_eq!(fenced, 0, "tasks of crashed nodes reached their disks after the crash");
+    assert_eq!(
+        fenced, 0,
+        "tasks of crashed nodes reached their disks after the crash"
+    );
 }
 
 #[test]

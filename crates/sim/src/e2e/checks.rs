@@ -204,3 +204,85 @@ impl Sim {
         Ok(())
     }
 }
+
+impl Sim {
+    /// A commit file in the lake belongs to a task decided `commit`: of
+    /// every task whose head still names its transaction (a replaced
+    /// transaction's head is gone) and that is not being removed, a commit
+    /// file of that transaction means the decision is `commit`. A commit file written before its
+    /// decision could belong to a task a kill ended. Parquet destinations
+    /// (an Iceberg snapshot is the commit; its checks are the reader's).
+    /// Returns how many commit files were matched with their task.
+    pub(super) async fn check_commits_decided(
+        &self,
+        checker: &ferry_coord::Session,
+    ) -> Result<usize, Failure> {
+        use ferry_export::model::{CommitFile, TaskKey};
+        use ferry_export::task::{read_decision, read_head, Decision};
+        if self.format != LakeFormat::Parquet {
+            return Ok(0);
+        }
+        let keys = match checker
+            .children(&ferry_export::model::exports_path(super::TABLE))
+            .await
+        {
+            Ok((k, _)) => k,
+            Err(ferry_coord::CoordError::NoNode { .. }) => Vec::new(),
+            Err(e) => return Err(self.fail(format!("listing export tasks: {e}"))),
+        };
+        let mut heads = BTreeMap::new();
+        for k in keys {
+            let key = TaskKey {
+                table: super::TABLE.into(),
+                key: k,
+            };
+            let head = read_head(checker, &key)
+                .await
+                .map_err(|e| self.fail(format!("{}: {e}", key.path())))?;
+            // A task without status is being removed (status goes first).
+            if let Some(head) = head.filter(|h| h.status.is_some()) {
+                heads.insert(head.transaction_id, key);
+            }
+        }
+        let prefix = DESTINATION
+            .strip_prefix(crate::world::LAKE_BUCKET)
+            .unwrap_or_default();
+        let location = Location::from_store(DESTINATION, self.world.lake_store.truth(), prefix)
+            .map_err(|e| self.fail(e.to_string()))?;
+        let objects = location
+            .list("")
+            .await
+            .map_err(|e| self.fail(format!("listing the lake: {e}")))?;
+        let mut matched = 0;
+        for (k, _) in objects {
+            if !k
+                .rsplit('/')
+                .next()
+                .is_some_and(|f| f.starts_with("commit_"))
+            {
+                continue;
+            }
+            let data = location
+                .get(&k)
+                .await
+                .map_err(|e| self.fail(format!("{k}: {e}")))?;
+            let commit: CommitFile = serde_json::from_slice(&data)
+                .map_err(|e| self.fail(format!("{k} is not a commit file: {e}")))?;
+            let Some(key) = heads.get(&commit.transaction_id) else {
+                continue;
+            };
+            let decision = read_decision(checker, key)
+                .await
+                .map_err(|e| self.fail(format!("{}: {e}", key.path())))?;
+            if decision != Some(Decision::Commit) {
+                return Err(self.fail(format!(
+                    "{k}: a commit file of task {} {}, decided {decision:?}",
+                    key.path(),
+                    commit.transaction_id
+                )));
+            }
+            matched += 1;
+        }
+        Ok(matched)
+    }
+}

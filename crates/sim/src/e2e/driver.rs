@@ -183,13 +183,30 @@ impl Sim {
             self.run_until(until, true).await?;
             self.restart_exited_replicas().await?;
         }
-        let Some(w) = self.writers.last() else {
-            return Err(self.fail("no writer runs after the faults stopped"));
+        // The replicas must reach the current writer's commit_lsn once it
+        // committed its epoch start, which covers every acknowledged insert
+        // (a writer elected a moment ago reports 0/0 until then).
+        let commit = loop {
+            match self.writers.last().map(|w| w.writer.status()) {
+                Some(s) if s.elected && s.synced && s.superseded_by.is_none() => {
+                    break s.commit_lsn.parse::<ferry_wal::Lsn>().map_err(|e| {
+                        self.fail(format!("the writer's commit_lsn {}: {e}", s.commit_lsn))
+                    })?;
+                }
+                Some(_) => {}
+                None if self.restart_writer_at.is_none() => self.start_writer().await?,
+                None => {}
+            }
+            if Instant::now() > deadline {
+                return Err(self.fail(format!(
+                    "no writer committed its epoch start {} s after faults stopped",
+                    SETTLE_WITHIN.as_secs()
+                )));
+            }
+            let until = Instant::now() + STEP;
+            self.run_until(until, true).await?;
+            self.restart_exited_replicas().await?;
         };
-        let commit = w.writer.status().commit_lsn;
-        let commit: ferry_wal::Lsn = commit
-            .parse()
-            .map_err(|e| self.fail(format!("the writer's commit_lsn {commit}: {e}")))?;
         self.log(format!(
             "every insert answered; {} acknowledged; the writer's commit_lsn {commit}",
             self.acked.len()
@@ -289,6 +306,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         .await
         .map_err(|e| sim.fail(format!("checker session: {e}")))?;
     crate::export::check_export_locks(&sim.world, &checker, TABLE).await?;
+    let commit_files_checked = sim.check_commits_decided(&checker).await?;
     sim.stop_everything().await;
     let acked = sim.acked_ids();
     Ok(Outcome {
@@ -303,6 +321,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         exports_asked: sim.exports_asked,
         safekeepers_restored: sim.safekeepers_restored,
         replicas_rebuilt: sim.replicas_rebuilt,
+        commit_files_checked,
         fenced_disk_ops: sim.world.crash_stats().fenced_ops,
         run: sim.world.finish(events.len()),
     })

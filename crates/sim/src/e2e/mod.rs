@@ -105,6 +105,8 @@ pub struct Outcome {
     pub exports_asked: usize,
     pub safekeepers_restored: usize,
     pub replicas_rebuilt: usize,
+    /// Commit files in the lake matched with their task's decision.
+    pub commit_files_checked: usize,
     /// Disk operations tasks of crashed processes tried after their crash
     /// (fenced: they never complete).
     pub fenced_disk_ops: u64,
@@ -137,6 +139,10 @@ impl crate::seeds::Workload for EndToEnd {
             format!("{} exports asked", o.exports_asked),
             format!("{} safekeepers restored", o.safekeepers_restored),
             format!("{} replicas rebuilt", o.replicas_rebuilt),
+            format!(
+                "{} commit files matched with their decision",
+                o.commit_files_checked
+            ),
             format!("{} disk operations fenced after crashes", o.fenced_disk_ops),
         ]
     }
@@ -164,6 +170,10 @@ impl crate::seeds::Workload for EndToEnd {
             format!(
                 "{} replicas rebuilt from a peer",
                 sum(|o| o.replicas_rebuilt)
+            ),
+            format!(
+                "{} commit files matched with their decision",
+                sum(|o| o.commit_files_checked)
             ),
             format!(
                 "{} disk operations fenced after crashes",
