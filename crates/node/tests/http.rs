@@ -153,17 +153,30 @@ fn slow_router(
     )
 }
 
-#[tokio::test]
-async fn an_aborted_endpoint_ends_the_requests_it_serves_as_a_crash_would() {
-    let (started, mut handlers) = tokio::sync::mpsc::channel(1);
-    let go = Arc::new(tokio::sync::Notify::new());
-    let server = served(slow_router(started, Arc::clone(&go))).await;
+type SlowCall = (
+    ferry_node::http::HttpServer,
+    tokio::task::JoinHandle<Result<serde_json::Value, CallError>>,
+    tokio::sync::mpsc::Receiver<tokio::sync::oneshot::Receiver<()>>,
+);
+
+/// An endpoint serving [`slow_router`] and a call of `/slow` to it in
+/// flight; the receiver hears when the handler started.
+async fn slow_call(go: Arc<tokio::sync::Notify>) -> SlowCall {
+    let (started, handlers) = tokio::sync::mpsc::channel(1);
+    let server = served(slow_router(started, go)).await;
     let addr = server.addr.clone();
     let call = tokio::spawn(async move {
         HttpPeers::new(Arc::new(TcpNetwork), None)
             .get::<serde_json::Value>(&addr, "/slow", Duration::from_secs(30))
             .await
     });
+    (server, call, handlers)
+}
+
+#[tokio::test]
+async fn an_aborted_endpoint_ends_the_requests_it_serves_as_a_crash_would() {
+    let go = Arc::new(tokio::sync::Notify::new());
+    let (server, call, mut handlers) = slow_call(Arc::clone(&go)).await;
     let gone = handlers.recv().await.expect("the handler started");
     server.abort().await;
     // The handler was dropped with the endpoint, not left running (a
@@ -177,15 +190,8 @@ async fn an_aborted_endpoint_ends_the_requests_it_serves_as_a_crash_would() {
 
 #[tokio::test]
 async fn a_stopped_endpoint_answers_the_requests_in_progress_first() {
-    let (started, mut handlers) = tokio::sync::mpsc::channel(1);
     let go = Arc::new(tokio::sync::Notify::new());
-    let server = served(slow_router(started, Arc::clone(&go))).await;
-    let addr = server.addr.clone();
-    let call = tokio::spawn(async move {
-        HttpPeers::new(Arc::new(TcpNetwork), None)
-            .get::<serde_json::Value>(&addr, "/slow", Duration::from_secs(30))
-            .await
-    });
+    let (server, call, mut handlers) = slow_call(Arc::clone(&go)).await;
     let _gone = handlers.recv().await.expect("the handler started");
     let stopping = tokio::spawn(server.stop());
     // The stop waits for the request, which finishes once let go.

@@ -91,6 +91,14 @@ const REGRESSION_SEEDS: &[u64] = &[
     // from its start, so it never ended (the product: a read now resumes
     // where it stopped).
     89112261, 89109983, 89112384,
+    // Committed WAL lost (the product): a term's donor lost its data dir
+    // and was restored from a backup that lacked the committed tail; the
+    // writer, unable to commit its epoch start, still brought the restored
+    // safekeeper back at 0/0, and the next election, by it and a peer that
+    // had been cut off, started at 0/0. A restored safekeeper now comes
+    // back only once a quorum of the others holds the writer's epoch
+    // start, and a term whose donor greets as restored gives itself up.
+    89417877,
 ];
 
 #[test]

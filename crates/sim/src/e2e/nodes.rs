@@ -709,9 +709,7 @@ impl Sim {
     /// cut off by a partition) leaves it down until the next event, as
     /// `ferry replica --bootstrap-from` keeps trying.
     async fn try_rebuild(&mut self, i: usize) -> Result<(), Failure> {
-        use ferry_replica::replica::bootstrap::{
-            copy_from_peer, needs_copy, BootstrapError, CopyCheck,
-        };
+        use ferry_replica::replica::bootstrap::BootstrapError;
         let peer = i ^ 1;
         let name = replica_name(i);
         if self.replicas[peer].is_none() {
@@ -722,52 +720,22 @@ impl Sim {
             addr: replica_http(peer),
         };
         let (shard, number) = (i as u32 / REPLICAS_PER_SHARD, i as u32 % REPLICAS_PER_SHARD);
-        // The copier's process: a power cut fences it, the copy goes on in
-        // a new one.
-        let copier = |world: &mut crate::world::World| -> Arc<dyn Disk> {
-            Arc::new(world.disk(&name).for_process())
-        };
-        let copy = |disk: Arc<dyn Disk>| {
-            let source = &source;
-            async move {
-                copy_from_peer(
-                    &disk,
-                    "replica",
-                    shard,
-                    number,
-                    Cpu::Inline,
-                    CopyCheck::Rows,
-                    source,
-                )
-                .await
-            }
-        };
-        let mut disk = copier(&mut self.world);
-        let mut built = None;
-        if self.loss_rng.random_bool(0.5) {
-            let cut = Duration::from_millis(self.loss_rng.random_range(0..300));
-            match tokio::time::timeout(cut, copy(Arc::clone(&disk))).await {
-                Ok(done) => built = Some(done),
-                Err(_) => {
-                    self.world.crash_disk(&name);
-                    disk = copier(&mut self.world);
-                    self.log(format!(
-                        "{name}: copy from {} cut after {cut:?}",
-                        replica_name(peer)
-                    ));
-                }
-            }
-        }
-        // A cut after the copy wrote its state file left a built replica.
-        let needs = needs_copy(disk.as_ref(), "replica")
-            .await
-            .map_err(|e| self.fail(format!("{name}: {e}")))?;
-        let built = match built {
-            Some(done) => Some(done),
-            None if needs => Some(copy(Arc::clone(&disk)).await),
-            None => None,
-        };
-        let position = match built {
+        let cut = self
+            .loss_rng
+            .random_bool(0.5)
+            .then(|| Duration::from_millis(self.loss_rng.random_range(0..300)));
+        let copied = crate::replicas::copy_lost_replica(
+            &mut self.world,
+            &name,
+            shard,
+            number,
+            &source,
+            cut,
+            0,
+        )
+        .await
+        .map_err(|e| self.fail(e))?;
+        let position = match copied.built {
             Some(Err(e @ BootstrapError::Source { .. })) => {
                 self.log(format!("{name}: copy failed, tried again later: {e}"));
                 return Ok(());

@@ -40,7 +40,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 pub use driver::{run_lagging_safekeeper, run_seed};
-pub(crate) use nodes::watch_position;
+pub(crate) use nodes::{copy_lost_replica, watch_position};
 
 use crate::safekeepers::{name as sk_name, Safekeepers};
 use crate::world::{Failure, Run, World};

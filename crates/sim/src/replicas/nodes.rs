@@ -12,6 +12,9 @@ use std::time::Duration;
 
 use ferry_env::{Cpu, Disk};
 use ferry_node::SafekeeperOpen;
+use ferry_replica::replica::bootstrap::{
+    copy_from_peer, needs_copy, BootstrapError, Bootstrapped, CopyCheck,
+};
 use ferry_replica::{SharedReplica, StreamConfig};
 use ferry_safekeeper::acceptor::AcceptorConfig;
 use ferry_wal::segment::SegmentSize;
@@ -196,7 +199,6 @@ impl Sim {
     /// done again over what the cut left. Without a running peer (or while
     /// `i` is kept down) it is an ordinary crash.
     pub(super) async fn rebuild_replica(&mut self, i: usize) -> Result<(), Failure> {
-        use ferry_replica::replica::bootstrap::{copy_from_peer, CopyCheck};
         let peer = i ^ 1; // the other replica of the shard (2 per shard)
         if self.replicas[peer].is_none() || self.replicas[i].is_none() {
             return self.crash_replica(i).await;
@@ -207,12 +209,7 @@ impl Sim {
         let name = replica_name(i);
         self.world.crash(&name, node, Some(CRASH)).await;
         self.replica_crashes += 1;
-        let disk = self.world.disk(&name);
-        disk.lose("replica");
-        // The copier's process: a power cut during the copy fences it, and
-        // the copy goes on in a new one.
-        let dir_disk: std::cell::RefCell<Arc<dyn Disk>> =
-            std::cell::RefCell::new(Arc::new(disk.for_process()));
+        self.world.disk(&name).lose("replica");
         // Over HTTP on the simulated network, as `ferry replica
         // --bootstrap-from` copies.
         let source = ferry_node::bootstrap::HttpDonor {
@@ -220,22 +217,6 @@ impl Sim {
             addr: http_addr(peer),
         };
         let (shard, number) = (i as u32 / REPLICAS_PER_SHARD, i as u32 % REPLICAS_PER_SHARD);
-        let copy = || {
-            let disk = dir_disk.borrow().clone();
-            let source = &source;
-            async move {
-                copy_from_peer(
-                    &disk,
-                    "replica",
-                    shard,
-                    number,
-                    Cpu::Inline,
-                    CopyCheck::Rows,
-                    source,
-                )
-                .await
-            }
-        };
         // A quarter of the copies meet a cut between the copier and its
         // donor for a while: the copy stalls past its idle timeout, fails,
         // and is tried again (as `ferry replica` does).
@@ -253,52 +234,21 @@ impl Sim {
                 net.heal(&a, &b);
             });
         }
-        let failed_attempts = std::cell::Cell::new(0u32);
-        let copy_until_done = || async {
-            loop {
-                match copy().await {
-                    Err(ferry_replica::replica::bootstrap::BootstrapError::Source { .. })
-                        if failed_attempts.get() < 10 =>
-                    {
-                        failed_attempts.set(failed_attempts.get() + 1);
-                        tokio::time::sleep(Duration::from_secs(1)).await;
-                    }
-                    done => return done,
-                }
-            }
-        };
-        let mut built = None;
-        if self.rebuild_rng.random_bool(0.5) {
-            let cut = Duration::from_millis(self.rebuild_rng.random_range(0..300));
-            match tokio::time::timeout(cut, copy_until_done()).await {
-                Ok(done) => built = Some(done),
-                Err(_) => {
-                    self.world.crash_disk(&name);
-                    *dir_disk.borrow_mut() = Arc::new(self.world.disk(&name).for_process());
-                    self.log(format!(
-                        "{name}: copy from {} cut after {cut:?}",
-                        replica_name(peer)
-                    ));
-                }
-            }
-        }
-        // A cut that came after the state file was written left a built
-        // replica: it starts as it is.
-        let after_cut = dir_disk.borrow().clone();
-        let needs = ferry_replica::replica::bootstrap::needs_copy(after_cut.as_ref(), "replica")
+        let cut = self
+            .rebuild_rng
+            .random_bool(0.5)
+            .then(|| Duration::from_millis(self.rebuild_rng.random_range(0..300)));
+        let copied = copy_lost_replica(&mut self.world, &name, shard, number, &source, cut, 10)
             .await
-            .map_err(|e| self.fail(format!("{name}: {e}")))?;
-        let built = match built {
-            Some(done) => Some(done),
-            None if needs => Some(copy_until_done().await),
-            None => None,
-        }
-        .transpose()
-        .map_err(|e| self.fail(format!("{name}: copying {}: {e}", replica_name(peer))))?;
-        if failed_attempts.get() > 0 {
+            .map_err(|e| self.fail(e))?;
+        let built = copied
+            .built
+            .transpose()
+            .map_err(|e| self.fail(format!("{name}: copying {}: {e}", replica_name(peer))))?;
+        if copied.failed_attempts > 0 {
             self.log(format!(
                 "{name}: {} copies from {} failed and were tried again",
-                failed_attempts.get(),
+                copied.failed_attempts,
                 replica_name(peer)
             ));
         }
@@ -488,5 +438,83 @@ pub(crate) fn watch_position(
                 return;
             }
         }
+    })
+}
+
+/// What [`copy_lost_replica`] did.
+pub(crate) struct LostReplicaCopy {
+    /// The copy's result (`None`: a power cut came after the copy wrote its
+    /// state file, so the replica is built as the cut left it).
+    pub(crate) built: Option<Result<Bootstrapped, BootstrapError>>,
+    /// Copies that failed on their donor and were tried again.
+    pub(crate) failed_attempts: u32,
+}
+
+/// Copies lost replica `name` (its data dir `replica` gone) of `shard`,
+/// replica `number`, from `source`, as `ferry replica --bootstrap-from`
+/// does: with `cut`, the first copy is cut by a power cut after that long,
+/// and the copy goes on over what the cut left in a new process (the old
+/// one's disk handle is fenced); a copy that fails on its donor is tried
+/// again a second later, up to `source_retries` times. The workloads that
+/// rebuild replicas share it.
+pub(crate) async fn copy_lost_replica(
+    world: &mut World,
+    name: &str,
+    shard: u32,
+    number: u32,
+    source: &ferry_node::bootstrap::HttpDonor,
+    cut: Option<Duration>,
+    source_retries: u32,
+) -> Result<LostReplicaCopy, String> {
+    let failed_attempts = std::cell::Cell::new(0u32);
+    let copy = |disk: Arc<dyn Disk>| {
+        let failed_attempts = &failed_attempts;
+        async move {
+            loop {
+                match copy_from_peer(
+                    &disk,
+                    "replica",
+                    shard,
+                    number,
+                    Cpu::Inline,
+                    CopyCheck::Rows,
+                    source,
+                )
+                .await
+                {
+                    Err(BootstrapError::Source { .. })
+                        if failed_attempts.get() < source_retries =>
+                    {
+                        failed_attempts.set(failed_attempts.get() + 1);
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                    done => return done,
+                }
+            }
+        }
+    };
+    let mut disk: Arc<dyn Disk> = Arc::new(world.disk(name).for_process());
+    let mut built = None;
+    if let Some(cut) = cut {
+        match tokio::time::timeout(cut, copy(Arc::clone(&disk))).await {
+            Ok(done) => built = Some(done),
+            Err(_) => {
+                world.crash_disk(name);
+                disk = Arc::new(world.disk(name).for_process());
+                world.log(format!("{name}: copy cut after {cut:?}"));
+            }
+        }
+    }
+    let needs = needs_copy(disk.as_ref(), "replica")
+        .await
+        .map_err(|e| format!("{name}: {e}"))?;
+    let built = match built {
+        Some(done) => Some(done),
+        None if needs => Some(copy(Arc::clone(&disk)).await),
+        None => None,
+    };
+    Ok(LostReplicaCopy {
+        built,
+        failed_attempts: failed_attempts.get(),
     })
 }

@@ -74,6 +74,16 @@ impl Proposer {
         }
         let term = g.term;
         if let Some(restored) = g.restored {
+            if self.donor == Some(peer) {
+                // The donor lost the WAL it gave this election: a term whose
+                // start nobody else holds gives itself up (see
+                // `start_fetch_if_needed`) rather than wait for it forever.
+                self.donor = None;
+                self.start_fetch_if_needed(actions);
+                if self.phase == Phase::Stopped {
+                    return;
+                }
+            }
             // A safekeeper rebuilt from the backup: never a voter. In its
             // quarantine, greet it again later.
             if !restored.ready {
@@ -282,7 +292,13 @@ impl Proposer {
     /// safekeeper's lost votes can be elected after it (its quarantine
     /// outlasted those elections), so its acknowledgements are safe to count.
     pub(super) fn bring_back_restored(&mut self, actions: &mut Vec<Action>) {
-        if self.phase != Phase::Elected {
+        // Only once a quorum of the others holds this term's epoch start:
+        // then every quorum the restored one can join holds a member with all
+        // WAL committed before this term. Brought back earlier (its donor's
+        // WAL lost, say), it would lower quorums that held committed WAL it
+        // acknowledged before its loss (wal soak seed 89417877: a later
+        // election of it and a lagging peer started at 0/0).
+        if self.phase != Phase::Elected || self.commit_lsn < self.epoch_start_lsn {
             return;
         }
         for peer in 0..self.peers.len() {
@@ -292,7 +308,7 @@ impl Proposer {
             let confirmed = (0..self.peers.len())
                 .filter(|&p| {
                     p != peer
-                        && matches!(self.peers[p], Peer::Streaming { .. })
+                        && matches!(self.peers[p], Peer::Streaming { flush_lsn, .. } if flush_lsn >= self.epoch_start_lsn)
                         && self.peer_probe[p] >= probe
                 })
                 .count();
