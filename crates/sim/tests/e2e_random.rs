@@ -45,6 +45,7 @@ use ferry_sim::seeds;
 ///   a replica drops only parts a retired file holds whole, so a
 ///   retirement the gate would refuse drops nothing the lake lacks (that
 ///   rule's own plant fails 139 of 300 export seeds).
+///
 /// Earlier, without the fences: an increment keyed without its shard
 /// failed 4 of 0..200 (92, 99, 147, 195).
 const REGRESSION_SEEDS: &[u64] = &[0, 1, 2, 3, 7, 89300531, 89300661, 89301932, 89301956];
