@@ -316,10 +316,8 @@ impl Proposer {
                 continue;
             }
             tracing::info!(peer, start = %flush_lsn, "bringing back a restored safekeeper");
-            if self.donor == Some(peer) {
-                // It lost the WAL it gave this election.
-                self.donor = None;
-            }
+            // A restored donor gave up its role when it greeted.
+            debug_assert_ne!(self.donor, Some(peer));
             self.send_elected_at(peer, flush_lsn, true, actions);
         }
     }
