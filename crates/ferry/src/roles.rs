@@ -670,6 +670,16 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
             );
         }
     }
+    if args.bootstrap_from.is_none()
+        && ferry_replica::replica::bootstrap::copy_unfinished(disk.as_ref(), &dir).await?
+    {
+        anyhow::bail!(
+            "{} holds a copy from a peer replica that did not finish; start with --bootstrap-from auto (or the peer's HOST:PORT) to finish it, or remove that directory to start replica {} of shard {} empty",
+            data_dir.join(&dir).display(),
+            args.replica,
+            args.shard
+        );
+    }
     let mut node = ferry_node::ReplicaNode::start(
         ferry_node::ReplicaNodeConfig {
             dir: dir.clone(),
@@ -856,6 +866,17 @@ async fn copy_from_peer(
             let found = peers.replicas_of(args.shard).await.map_err(|e| {
                 anyhow::anyhow!("looking for a peer replica of shard {}: {e}", args.shard)
             })?;
+            if found.is_empty() && bootstrap::copy_unfinished(disk.as_ref(), dir).await? {
+                // A copy began from a peer that is not registered now: the
+                // replica cannot start empty over it.
+                last_error = format!(
+                    "no other replica of shard {} is registered, and the copy begun from one must finish",
+                    args.shard
+                );
+                say!("{last_error}: waiting (attempt {attempt} of {COPY_ATTEMPTS})");
+                tokio::time::sleep(COPY_RETRY).await;
+                continue;
+            }
             if found.is_empty() {
                 say!(
                     "no other replica of shard {} is registered: replica {} starts empty and streams the WAL from its start",

@@ -78,6 +78,9 @@ struct Node {
     url: Arc<Mutex<Option<String>>>,
     /// When it exited without the schedule killing it, with its status.
     exits: Vec<String>,
+    /// The extra arguments of its last start, which its supervisor starts
+    /// it with again (a unit's command line does not change when it exits).
+    last_extra: Vec<String>,
 }
 
 impl Node {
@@ -90,6 +93,7 @@ impl Node {
             child: None,
             url: Arc::new(Mutex::new(None)),
             exits: Vec::new(),
+            last_extra: Vec::new(),
         }
     }
 
@@ -103,6 +107,7 @@ impl Node {
             .open(&self.log)
             .expect("log");
         let _ = writeln!(log, "---- start {} {extra:?}", self.name);
+        self.last_extra = extra.iter().map(|a| a.to_string()).collect();
         let mut child = Proc::spawn(
             Command::new(FERRY)
                 .args(&self.args)
@@ -430,7 +435,11 @@ impl Cluster {
         }
         for node in self.replicas.iter_mut() {
             if node.child.is_some() && !node.poll() {
-                node.start(&[]);
+                // With its last arguments: a replica that exited during a
+                // copy from a peer must finish it (it refuses to start
+                // without `--bootstrap-from` over an unfinished copy).
+                let extra = node.last_extra.clone();
+                node.start(&extra.iter().map(String::as_str).collect::<Vec<_>>());
             }
         }
     }

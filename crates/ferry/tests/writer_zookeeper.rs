@@ -857,8 +857,9 @@ fn table_exports_itself_across_processes(format: &str) {
 /// cannot be built from the WAL (it stops, naming the LSN); with
 /// `--bootstrap-from auto` it copies the live replica of its shard at one
 /// position, streams the WAL from there, and holds exactly its shard's rows,
-/// the same parts as its donor, also after more inserts. `ferry replica`
-/// with a state file ignores the flag.
+/// the same parts as its donor, also after more inserts. A copy killed
+/// part-way is refused by a start without the flag and finished by one with
+/// it. `ferry replica` with a state file ignores the flag.
 #[test]
 fn a_replica_added_after_wal_removal_is_built_from_a_peer() {
     let Some(zk) = zk_address() else { return };
@@ -957,7 +958,75 @@ fn a_replica_added_after_wal_removal_is_built_from_a_peer() {
         "a new replica cannot stream WAL that is gone: {err}"
     );
 
-    // Built from a peer instead.
+    // A copy killed part-way (kill -9 once it checked a first part, before
+    // its state file) and started again without `--bootstrap-from`, as a
+    // supervisor that lost the flag would: refused, nothing changed; it
+    // would otherwise open as a new replica and stream from 0/0 over the
+    // copied parts.
+    let replica_dir = new_dir.join("s0r1");
+    fn walk(dir: &std::path::Path) -> Vec<String> {
+        std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .flat_map(|e| {
+                if e.path().is_dir() {
+                    walk(&e.path())
+                } else {
+                    vec![e.path().display().to_string()]
+                }
+            })
+            .collect()
+    }
+    let mut interrupted = false;
+    for _ in 0..5 {
+        let _ = std::fs::remove_dir_all(&new_dir);
+        let mut cmd = replica_command(&cluster.addrs, &cluster.connect, 0, 1, &new_dir);
+        cmd.args(["--bootstrap-from", "auto"]).stdout(Stdio::null());
+        let mut copier = Proc::spawn(&mut cmd);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let copied_a_part = || {
+            walk(&replica_dir.join("parts"))
+                .iter()
+                .any(|f| f.ends_with(".parquet"))
+        };
+        while !copied_a_part() {
+            assert!(Instant::now() < deadline, "the copy never began");
+            assert!(
+                copier.try_wait().expect("poll").is_none(),
+                "the copier exited"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let _ = copier.kill();
+        let _ = copier.wait();
+        if !replica_dir.join("state").exists() {
+            assert!(replica_dir.join("copy-unfinished").exists(), "marked");
+            interrupted = true;
+            break;
+        }
+    }
+    assert!(interrupted, "every copy finished before the kill landed");
+    let listing = || -> Vec<String> {
+        let mut v: Vec<String> = walk(&replica_dir);
+        v.sort();
+        v
+    };
+    let before = listing();
+    let mut plain = Proc::spawn(
+        replica_command(&cluster.addrs, &cluster.connect, 0, 1, &new_dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped()),
+    );
+    let (ok, err) = wait_exit(&mut plain);
+    assert!(
+        !ok && err.contains("holds a copy from a peer replica that did not finish")
+            && err.contains("start with --bootstrap-from auto"),
+        "an unfinished copy is refused: {err}"
+    );
+    assert_eq!(listing(), before, "refusing changed nothing");
+
+    // Built from a peer instead (the copy goes on over what it left).
     let mut cmd = replica_command(&cluster.addrs, &cluster.connect, 0, 1, &new_dir);
     cmd.args(["--bootstrap-from", "auto"]);
     let (mut copy, lines) = spawn_until(&mut cmd, |l| l.contains("status on "));

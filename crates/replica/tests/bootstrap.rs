@@ -2,8 +2,8 @@
 //! position and then applies WAL from there exactly like the donor (the
 //! idempotency window and the decided merges came with it); a merge that
 //! replaces a listed part during the copy does not remove it; a damaged byte
-//! is refused; an interrupted copy resumes; a built replica is never
-//! overwritten; and a manifest that is not one position is refused.
+//! is refused; an interrupted copy resumes and is never opened as a new
+//! replica; a built replica is never overwritten; and a manifest that is not one position is refused.
 
 #![allow(clippy::disallowed_methods, clippy::disallowed_types)] // a real temp dir
 
@@ -14,10 +14,10 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use ferry_env::{Cpu, Disk, SystemClock};
 use ferry_replica::replica::bootstrap::{
-    check_manifest, copy_from_peer, needs_copy, BootstrapError, BootstrapManifest, BootstrapSource,
-    CopyCheck, LocalDonor, PartBytes,
+    check_manifest, copy_from_peer, copy_unfinished, needs_copy, BootstrapError, BootstrapManifest,
+    BootstrapSource, CopyCheck, LocalDonor, PartBytes,
 };
-use ferry_replica::{PartName, Replica, SharedReplica};
+use ferry_replica::{PartName, Replica, ReplicaError, SharedReplica};
 use ferry_wal::Lsn;
 
 mod common;
@@ -269,6 +269,29 @@ async fn a_damaged_byte_is_refused_and_an_interrupted_copy_resumes() {
         .expect_err("cut");
     assert!(matches!(e, BootstrapError::Source { .. }), "{e}");
     assert!(!dir.path().join("n/state").exists());
+    // The unfinished copy is not a new replica: opening it is refused and
+    // changes nothing (a new replica would apply the WAL from 0/0 over the
+    // copied merged parts).
+    assert!(copy_unfinished(disk.as_ref(), "n").await.expect("look"));
+    let listing = |d: &std::path::Path| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(d.join("n/parts/1"))
+            .expect("parts")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    let before = listing(dir.path());
+    assert!(!before.is_empty(), "the cut copy left parts");
+    let refused = Replica::open(Arc::clone(&disk), "n", 0, 1, Cpu::Inline, tables())
+        .await
+        .err()
+        .expect("refused");
+    assert!(
+        matches!(&refused, ReplicaError::CopyUnfinished { dir } if dir == "n"),
+        "{refused}"
+    );
+    assert_eq!(listing(dir.path()), before, "refusing changed nothing");
     // A file no manifest lists is removed by the next copy.
     std::fs::write(dir.path().join("n/parts/1/stray.parquet.tmp"), b"torn").expect("tmp");
 
@@ -280,8 +303,47 @@ async fn a_damaged_byte_is_refused_and_an_interrupted_copy_resumes() {
         "the checked parts of the interrupted copy are kept: {done:?}"
     );
     assert!(!dir.path().join("n/parts/1/stray.parquet.tmp").exists());
+    assert!(!copy_unfinished(disk.as_ref(), "n").await.expect("look"));
+    assert!(
+        !dir.path().join("n/copy-unfinished").exists(),
+        "marker gone"
+    );
     let n = open_as(&disk, "n", 1).await;
     assert_eq!(names(&n), names(&*d.lock().await));
+}
+
+/// Parts without a state file and without a copy's marker (a copy made
+/// before copies were marked, or files put there by hand) are records not
+/// recorded as applied, merged ones too: the replica applies the WAL from
+/// 0/0 and holds each row once, like the replica it came from.
+#[tokio::test]
+async fn parts_past_the_recorded_position_are_written_again_merged_ones_too() {
+    let (dir, disk) = ferry_testkit::disk::temp_disk();
+    let (_, all) = history();
+    let mut d = open_as(&disk, "d", 0).await;
+    d.receive(Lsn(0), &all).await.expect("apply");
+    merge_all(&mut d).await;
+    let merged = names(&d)
+        .iter()
+        .filter(|(n, ..)| !n.ends_with("_0"))
+        .count();
+    assert!(merged > 0, "a merged part: {:?}", names(&d));
+    drop(d);
+    let copy = |from: &std::path::Path, to: &std::path::Path| {
+        std::fs::create_dir_all(to).expect("mkdir");
+        for e in std::fs::read_dir(from).expect("list") {
+            let e = e.expect("entry");
+            std::fs::copy(e.path(), to.join(e.file_name())).expect("copy");
+        }
+    };
+    copy(&dir.path().join("d/parts/1"), &dir.path().join("x/parts/1"));
+    let mut x = open_as(&disk, "x", 0).await;
+    assert!(names(&x).is_empty(), "no part opened: {:?}", names(&x));
+    x.receive(Lsn(0), &all).await.expect("apply");
+    merge_all(&mut x).await;
+    let d = open_as(&disk, "d", 0).await;
+    assert_eq!(names(&x), names(&d));
+    assert_eq!(x.parts(1).iter().map(|p| p.rows).sum::<u64>(), 200);
 }
 
 #[tokio::test]

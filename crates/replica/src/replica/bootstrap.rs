@@ -18,6 +18,12 @@
 //!   before leaves a replica without a state file, which is built again (the
 //!   parts already checked under their names are kept when the new manifest
 //!   lists them). A replica with a state file is never overwritten.
+//! * **An unfinished copy is never a new replica.** A copy writes its marker
+//!   ([`copy_unfinished`]) before its first part and removes it after the
+//!   state file; [`Replica::open`] refuses a replica with the marker and no
+//!   state file. Opened as a new replica it would stream the WAL from 0/0
+//!   over the copy's merged parts (which records it applies again) or fail
+//!   on WAL the safekeepers removed: only another copy may finish it.
 //! * **How bytes travel is the source's.** [`BootstrapSource`] is HTTP
 //!   between nodes (`ferry_node::bootstrap`) and the donor [`Replica`] itself in
 //!   one process ([`LocalDonor`]: `ferry dev`, the simulator).
@@ -144,6 +150,26 @@ pub async fn needs_copy(disk: &dyn Disk, dir: &str) -> Result<bool, ReplicaError
     }
 }
 
+/// The marker of a copy under way under `dir` (see the module docs).
+pub(super) fn copy_marker(dir: &str) -> String {
+    format!("{dir}/copy-unfinished")
+}
+
+/// Whether the replica under `dir` holds a copy from a peer that has not
+/// finished: no state file, and a copy began. Only another copy may build
+/// it; [`Replica::open`] refuses it.
+pub async fn copy_unfinished(disk: &dyn Disk, dir: &str) -> Result<bool, ReplicaError> {
+    if !needs_copy(disk, dir).await? {
+        return Ok(false);
+    }
+    let marker = copy_marker(dir);
+    match disk.metadata(&marker).await {
+        Ok(_) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(io(&marker)(e)),
+    }
+}
+
 /// Checks a manifest is one replica at one position (see the module docs).
 pub fn check_manifest(m: &BootstrapManifest, shard: u32) -> Result<(), String> {
     if m.shard != shard {
@@ -242,6 +268,13 @@ pub async fn copy_from_peer(
         donor: donor.clone(),
         detail,
     })?;
+    // The marker goes first: from here on, the dir holds a copy.
+    disk.create_dir_all(dir).await.map_err(io(dir))?;
+    let marker = copy_marker(dir);
+    let donor_line = format!("{donor} at {}\n", manifest.disk_consistent_lsn).into_bytes();
+    disk.write_atomic(&marker, donor_line)
+        .await
+        .map_err(io(&marker))?;
     let outcome = copy_parts(disk, dir, cpu, check, source, &manifest).await;
     if outcome.is_err() {
         // The hold expires anyway; releasing it now frees the donor sooner.
@@ -260,6 +293,9 @@ pub async fn copy_from_peer(
     disk.write_atomic(&state_path, data)
         .await
         .map_err(io(&state_path))?;
+    // Built: the marker is history (a crash before it goes leaves it beside
+    // the state file, where it means nothing and the next open removes it).
+    remove_copy_marker(disk.as_ref(), dir).await?;
     if let Err(e) = source.release(&manifest.hold).await {
         tracing::info!(%donor, error = %e, "could not release the copy's hold (it expires)");
     }
@@ -270,6 +306,16 @@ pub async fn copy_from_peer(
         copied,
         bytes_copied,
     })
+}
+
+/// Removes the marker of a finished copy (durably; none: nothing to do).
+pub(super) async fn remove_copy_marker(disk: &dyn Disk, dir: &str) -> Result<(), ReplicaError> {
+    let marker = copy_marker(dir);
+    match disk.remove_file(&marker).await {
+        Ok(()) => disk.sync_dir(dir).await.map_err(io(dir)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(io(&marker)(e)),
+    }
 }
 
 /// Makes the parts under `dir` exactly the manifest's: files it does not

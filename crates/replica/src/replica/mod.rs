@@ -121,6 +121,12 @@ pub enum ReplicaError {
     },
     #[error("replica state {path} is damaged: {detail}")]
     Damaged { path: String, detail: String },
+    /// A copy from a peer began under `dir` and did not finish: opened as a
+    /// new replica it would apply the WAL from its start over the copy's
+    /// merged parts. Another copy finishes it (or removing the dir starts
+    /// the replica empty).
+    #[error("replica {dir} holds a copy from a peer that did not finish (no state file): it is not opened as a new replica; finish the copy from a peer, or remove {dir} to start it empty")]
+    CopyUnfinished { dir: String },
     #[error("WAL record at {lsn}: {detail}; the replica stopped rather than write a wrong part")]
     BadRecord { lsn: Lsn, detail: String },
     #[error("looking up table {table_id} for the record at {lsn}: {detail}")]
@@ -230,6 +236,14 @@ impl Replica {
         cpu: Cpu,
         tables: Arc<dyn Tables>,
     ) -> Result<Replica, ReplicaError> {
+        if bootstrap::copy_unfinished(disk.as_ref(), dir).await? {
+            return Err(ReplicaError::CopyUnfinished {
+                dir: dir.to_string(),
+            });
+        }
+        // A copy that wrote the state file and crashed before removing its
+        // marker finished.
+        bootstrap::remove_copy_marker(disk.as_ref(), dir).await?;
         disk.create_dir_all(&format!("{dir}/parts"))
             .await
             .map_err(io(dir))?;
@@ -263,10 +277,16 @@ impl Replica {
                     .await?
                     .meta()
                     .clone();
-                if meta.min_lsn >= state.disk_consistent_lsn && name.level == 0 {
-                    // Written for a record past the recorded position: it is
-                    // written again, identically, when the record is applied
-                    // again, and until then no merge decision may count it.
+                if meta.max_lsn >= state.disk_consistent_lsn {
+                    // Holds a record past the recorded position: written
+                    // again, identically, when the record is applied again
+                    // (a merge's result when the merge, decided by the WAL,
+                    // is decided and done again), and until then no merge
+                    // decision may count it nor a reader see it beside the
+                    // parts the records write again. Its sources are all
+                    // still there: a merge's sources go only after the state
+                    // recording its result is written, at a position past
+                    // every record the result holds.
                     tracing::info!(%path, "removing a part of a record not yet recorded as applied");
                     disk.remove_file(&path).await.map_err(io(&path))?;
                     continue;

@@ -321,6 +321,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         exports_asked: sim.exports_asked,
         safekeepers_restored: sim.safekeepers_restored,
         replicas_rebuilt: sim.replicas_rebuilt,
+        unfinished_copies_refused: sim.unfinished_copies_refused,
         commit_files_checked,
         fenced_disk_ops: sim.world.crash_stats().fenced_ops,
         run: sim.world.finish(events.len()),

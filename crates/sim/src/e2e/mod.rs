@@ -105,6 +105,8 @@ pub struct Outcome {
     pub exports_asked: usize,
     pub safekeepers_restored: usize,
     pub replicas_rebuilt: usize,
+    /// Plain starts of a replica holding an unfinished copy, refused.
+    pub unfinished_copies_refused: usize,
     /// Commit files in the lake matched with their task's decision.
     pub commit_files_checked: usize,
     /// Disk operations tasks of crashed processes tried after their crash
@@ -140,6 +142,10 @@ impl crate::seeds::Workload for EndToEnd {
             format!("{} safekeepers restored", o.safekeepers_restored),
             format!("{} replicas rebuilt", o.replicas_rebuilt),
             format!(
+                "{} starts over an unfinished copy refused",
+                o.unfinished_copies_refused
+            ),
+            format!(
                 "{} commit files matched with their decision",
                 o.commit_files_checked
             ),
@@ -170,6 +176,10 @@ impl crate::seeds::Workload for EndToEnd {
             format!(
                 "{} replicas rebuilt from a peer",
                 sum(|o| o.replicas_rebuilt)
+            ),
+            format!(
+                "{} starts over an unfinished copy refused",
+                sum(|o| o.unfinished_copies_refused)
             ),
             format!(
                 "{} commit files matched with their decision",
@@ -235,6 +245,11 @@ struct Sim {
     rebuilding: BTreeSet<usize>,
     safekeepers_restored: usize,
     replicas_rebuilt: usize,
+    /// Copies from a peer cut by a power cut.
+    copies_cut: usize,
+    /// Plain starts (no copy asked) of a replica holding an unfinished
+    /// copy, refused as they must be.
+    unfinished_copies_refused: usize,
 }
 
 impl Sim {

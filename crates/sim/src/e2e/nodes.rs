@@ -192,6 +192,8 @@ impl Sim {
             rebuilding: BTreeSet::new(),
             safekeepers_restored: 0,
             replicas_rebuilt: 0,
+            copies_cut: 0,
+            unfinished_copies_refused: 0,
         };
         sim.log(format!(
             "the table exports itself to {} as {} (freshness {} s, retention {:?} s)",
@@ -584,8 +586,19 @@ impl Sim {
                 tables: Arc::new(ferry_node::CatalogTables(catalog.clone())),
             },
         )
-        .await
-        .map_err(|e| self.fail(format!("{name} cannot reopen: {e}")))?;
+        .await;
+        let node = match node {
+            Ok(node) => node,
+            Err(e @ ferry_replica::ReplicaError::CopyUnfinished { .. })
+                if self.rebuilding.contains(&i) =>
+            {
+                self.log(format!("{name} refused to start: {e}"));
+                self.world.coord.crash_node(&name);
+                self.unfinished_copies_refused += 1;
+                return Ok(());
+            }
+            Err(e) => return Err(self.fail(format!("{name} cannot reopen: {e}"))),
+        };
         let opened = node.replica.lock().await.disk_consistent_lsn();
         let reported = self.reported.lock().map(|r| r[i]).unwrap_or_default();
         if opened < reported {
@@ -724,6 +737,18 @@ impl Sim {
             .loss_rng
             .random_bool(0.5)
             .then(|| Duration::from_millis(self.loss_rng.random_range(0..300)));
+        // Every other cut copy is not resumed at once: the process is
+        // started plainly first, as a supervisor that dropped
+        // `--bootstrap-from` would, and must refuse the unfinished copy
+        // (the next event copies again). Counted, not drawn: the seeds'
+        // draws stay where they were.
+        let resume = match cut {
+            Some(_) => {
+                self.copies_cut += 1;
+                self.copies_cut.is_multiple_of(2)
+            }
+            None => true,
+        };
         let copied = crate::replicas::copy_lost_replica(
             &mut self.world,
             &name,
@@ -732,9 +757,13 @@ impl Sim {
             &source,
             cut,
             0,
+            resume,
         )
         .await
         .map_err(|e| self.fail(e))?;
+        if copied.left_after_cut {
+            return self.start_over_unfinished_copy(i).await;
+        }
         let position = match copied.built {
             Some(Err(e @ BootstrapError::Source { .. })) => {
                 self.log(format!("{name}: copy failed, tried again later: {e}"));
@@ -757,6 +786,34 @@ impl Sim {
             r[i] = position;
         }
         self.run_replica(i).await
+    }
+
+    /// Starts lost replica `i` without a copy over what a cut copy left:
+    /// with the copy's marker down it must refuse to open (a new replica
+    /// would stream from 0/0 over the copied parts); the replica stays
+    /// lost until a copy finishes.
+    async fn start_over_unfinished_copy(&mut self, i: usize) -> Result<(), Failure> {
+        let name = replica_name(i);
+        let unfinished = ferry_replica::replica::bootstrap::copy_unfinished(
+            &self.world.disk(&name).for_process(),
+            "replica",
+        )
+        .await
+        .map_err(|e| self.fail(format!("{name}: {e}")))?;
+        if !unfinished {
+            // Cut before its first part: a plain start would be a new
+            // replica, which is not what is tested here.
+            return Ok(());
+        }
+        let refused = self.unfinished_copies_refused;
+        self.run_replica(i).await?;
+        if self.replicas[i].is_some() {
+            return Err(self.fail(format!("{name} opened an unfinished copy as a new replica")));
+        }
+        if self.unfinished_copies_refused == refused {
+            self.log(format!("{name} exited before opening its data dir"));
+        }
+        Ok(())
     }
 
     /// Replicas that exited (no coordination when they started) start again.

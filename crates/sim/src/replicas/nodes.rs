@@ -238,9 +238,18 @@ impl Sim {
             .rebuild_rng
             .random_bool(0.5)
             .then(|| Duration::from_millis(self.rebuild_rng.random_range(0..300)));
-        let copied = copy_lost_replica(&mut self.world, &name, shard, number, &source, cut, 10)
-            .await
-            .map_err(|e| self.fail(e))?;
+        let copied = copy_lost_replica(
+            &mut self.world,
+            &name,
+            shard,
+            number,
+            &source,
+            cut,
+            10,
+            true,
+        )
+        .await
+        .map_err(|e| self.fail(e))?;
         let built = copied
             .built
             .transpose()
@@ -448,6 +457,9 @@ pub(crate) struct LostReplicaCopy {
     pub(crate) built: Option<Result<Bootstrapped, BootstrapError>>,
     /// Copies that failed on their donor and were tried again.
     pub(crate) failed_attempts: u32,
+    /// The copy was cut and not resumed (`resume_after_cut` false): `built`
+    /// is `None` and the data dir holds what the cut left.
+    pub(crate) left_after_cut: bool,
 }
 
 /// Copies lost replica `name` (its data dir `replica` gone) of `shard`,
@@ -455,8 +467,10 @@ pub(crate) struct LostReplicaCopy {
 /// does: with `cut`, the first copy is cut by a power cut after that long,
 /// and the copy goes on over what the cut left in a new process (the old
 /// one's disk handle is fenced); a copy that fails on its donor is tried
-/// again a second later, up to `source_retries` times. The workloads that
-/// rebuild replicas share it.
+/// again a second later, up to `source_retries` times. Without
+/// `resume_after_cut` a cut copy is left as the cut left it. The workloads
+/// that rebuild replicas share it.
+#[allow(clippy::too_many_arguments)] // one call per workload, each names all
 pub(crate) async fn copy_lost_replica(
     world: &mut World,
     name: &str,
@@ -465,6 +479,7 @@ pub(crate) async fn copy_lost_replica(
     source: &ferry_node::bootstrap::HttpDonor,
     cut: Option<Duration>,
     source_retries: u32,
+    resume_after_cut: bool,
 ) -> Result<LostReplicaCopy, String> {
     let failed_attempts = std::cell::Cell::new(0u32);
     let copy = |disk: Arc<dyn Disk>| {
@@ -502,6 +517,13 @@ pub(crate) async fn copy_lost_replica(
                 world.crash_disk(name);
                 disk = Arc::new(world.disk(name).for_process());
                 world.log(format!("{name}: copy cut after {cut:?}"));
+                if !resume_after_cut {
+                    return Ok(LostReplicaCopy {
+                        built: None,
+                        failed_attempts: failed_attempts.get(),
+                        left_after_cut: true,
+                    });
+                }
             }
         }
     }
@@ -516,5 +538,6 @@ pub(crate) async fn copy_lost_replica(
     Ok(LostReplicaCopy {
         built,
         failed_attempts: failed_attempts.get(),
+        left_after_cut: false,
     })
 }
