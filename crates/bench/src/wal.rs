@@ -517,11 +517,13 @@ pub async fn fresh_quorum(
                 preallocation: Default::default(),
                 create: true,
                 restore: false,
+                pull_from: Vec::new(),
                 server,
             },
             min_term: 0,
             known_commit_lsn: ferry_wal::Lsn(0),
             back_pressure: Default::default(),
+            pull_lost: false,
         };
         let quorum = ferry_host::local::LocalQuorum::start(&spec).await?;
         let addrs = quorum.servers().map(|s| s.addr().to_string()).collect();

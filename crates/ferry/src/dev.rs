@@ -294,11 +294,13 @@ async fn start_wal(
             preallocation: args.wal_preallocation,
             create: creating,
             restore: false,
+            pull_from: Vec::new(),
             server: wal_server,
         },
         min_term: known.term,
         known_commit_lsn: known.commit_lsn,
         back_pressure: args.back_pressure.limits(),
+        pull_lost: !creating,
     };
     let quorum = LocalQuorum::start(&spec)
         .await

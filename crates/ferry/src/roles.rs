@@ -36,6 +36,20 @@ pub struct SafekeeperArgs {
     /// file present it starts as it is, so the flag may stay on.
     #[arg(long, conflicts_with = "create")]
     restore_from_backup: bool,
+    /// Rebuild this safekeeper from a peer if its data dir holds no control
+    /// file: the peers' addresses, comma-separated, tried in turn for up to
+    /// 2 minutes. Only the WAL above the peer's removal horizon is copied
+    /// (the WAL below is read from the backup when needed), so it takes time
+    /// with the WAL the peers keep, not with the timeline. With
+    /// --restore-from-backup too, the backup is the fallback. Like a restore,
+    /// it does not vote until a writer proven current brings it back.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        conflicts_with = "create",
+        value_name = "ADDR,..."
+    )]
+    pull_from_peers: Vec<String>,
     /// Address writers and replicas connect to.
     #[arg(long, default_value = "127.0.0.1:5454")]
     listen: String,
@@ -112,6 +126,7 @@ pub async fn safekeeper(args: SafekeeperArgs) -> anyhow::Result<()> {
         preallocation: args.wal_preallocation,
         create: args.create,
         restore: args.restore_from_backup,
+        pull_from: args.pull_from_peers.clone(),
         server: args.wal.server_config(None)?,
     };
     let sk = start_safekeeper(&data_dir, args.id, listener, &spec).await?;

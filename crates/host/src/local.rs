@@ -38,6 +38,12 @@ pub struct SafekeeperSpec {
     /// Rebuild it from the WAL backup if it has no control file (its data
     /// was lost); it votes again only once a writer brought it back.
     pub restore: bool,
+    /// Rebuild it from one of these peers (safekeeper addresses, tried in
+    /// order) if it has no control file: only the WAL above the peer's
+    /// removal horizon is copied; with `restore` too, the backup is the
+    /// fallback when no peer can be pulled from. It votes again only once a
+    /// writer brought it back.
+    pub pull_from: Vec<String>,
     /// Backup and WAL removal.
     pub server: ServerConfig,
 }
@@ -161,7 +167,7 @@ pub async fn start_safekeeper(
     spec: &SafekeeperSpec,
 ) -> anyhow::Result<LocalSafekeeper> {
     let node_dir = root.join(format!("sk{id}"));
-    if spec.restore {
+    if spec.restore || !spec.pull_from.is_empty() {
         std::fs::create_dir_all(&node_dir)
             .with_context(|| format!("creating {}", node_dir.display()))?;
     }
@@ -182,7 +188,15 @@ pub async fn start_safekeeper(
         preallocation: spec.preallocation,
     };
     let dir = format!("sk{id}");
-    if spec.restore {
+    let lost = !node_dir
+        .join(ferry_safekeeper::control::CONTROL_FILE)
+        .exists();
+    let pulled = if lost && !spec.pull_from.is_empty() {
+        pull_if_lost(&disk, &dir, &node_dir, &config, spec).await?
+    } else {
+        false
+    };
+    if spec.restore && !pulled {
         restore_if_lost(&disk, &dir, &node_dir, &config, spec).await?;
     }
     let open = if spec.create {
@@ -209,6 +223,126 @@ pub async fn start_safekeeper(
 /// How long a restore is retried while the backup is incomplete or the
 /// object store fails, before the safekeeper gives up starting.
 const RESTORE_RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// Rebuilds each down member whose folder holds no control file (lost, not
+/// damaged: a damaged one is left as it is, for its operator) from the
+/// members that started, and starts it.
+async fn pull_lost_members(spec: &QuorumSpec, members: &mut [Member]) -> anyhow::Result<()> {
+    let peers: Vec<String> = members
+        .iter()
+        .filter_map(|m| m.server().map(|s| s.addr().to_string()))
+        .collect();
+    if peers.is_empty() {
+        return Ok(());
+    }
+    for member in members.iter_mut() {
+        let Member::Down { id, reason } = member else {
+            continue;
+        };
+        let id = *id;
+        let node_dir = spec.dir.join(format!("sk{id}"));
+        if node_dir
+            .join(ferry_safekeeper::control::CONTROL_FILE)
+            .exists()
+        {
+            continue;
+        }
+        let mut sk = spec.safekeeper.clone();
+        sk.pull_from = peers.clone();
+        let listener = TcpNetwork
+            .bind("127.0.0.1:0")
+            .await
+            .context("binding a loopback port for a safekeeper")?;
+        match start_safekeeper(&spec.dir, id, listener, &sk).await {
+            Ok(started) => *member = Member::Up(started),
+            Err(e) => *reason = format!("{e:#}"),
+        }
+    }
+    Ok(())
+}
+
+/// How long a pull is retried (every peer in turn) before the safekeeper
+/// gives up starting, or falls back to the backup.
+const PULL_RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Rebuilds lost safekeeper `dir` (no control file) from one of the peers
+/// `spec.pull_from` names (see `ferry_safekeeper::pull`). Returns whether it
+/// did; `false` when every peer failed for [`PULL_RETRY_FOR`] and the
+/// backup is the fallback (`spec.restore`), an error otherwise.
+async fn pull_if_lost(
+    disk: &Arc<dyn Disk>,
+    dir: &str,
+    node_dir: &Path,
+    config: &AcceptorConfig,
+    spec: &SafekeeperSpec,
+) -> anyhow::Result<bool> {
+    let backup = spec.server.backup.as_ref().map(|b| &b.location);
+    let mut waited = std::time::Duration::ZERO;
+    let mut pause = std::time::Duration::from_secs(1);
+    let mut errors = Vec::new();
+    loop {
+        for peer in &spec.pull_from {
+            say!(
+                "safekeeper {}: {} holds no control file; pulling from peer {peer}",
+                config.node_id,
+                node_dir.display()
+            );
+            match ferry_safekeeper::pull::pull_from_peer(
+                Arc::clone(disk),
+                dir,
+                config,
+                &TcpNetwork,
+                peer,
+                backup,
+            )
+            .await
+            {
+                Ok(report) => {
+                    say!(
+                        "safekeeper {}: pulled from {}: WAL {}..{} ({} bytes; below it, the backup), term {}; it votes again once a writer brings it back (after {})",
+                        config.node_id,
+                        report.donor,
+                        report.start_lsn,
+                        report.commit_lsn,
+                        report.bytes,
+                        report.term,
+                        humantime::format_duration(spec.server.restore_quarantine)
+                    );
+                    return Ok(true);
+                }
+                Err(e @ ferry_safekeeper::pull::PullError::Exists(_)) => {
+                    return Err(anyhow::Error::new(e))
+                }
+                Err(e) => {
+                    say!(
+                        "safekeeper {}: pull from {peer} failed: {e}",
+                        config.node_id
+                    );
+                    errors.push(format!("{peer}: {e}"));
+                }
+            }
+        }
+        if waited >= PULL_RETRY_FOR {
+            break;
+        }
+        tokio::time::sleep(pause).await;
+        waited += pause;
+        pause = (pause * 2).min(std::time::Duration::from_secs(15));
+    }
+    if spec.restore {
+        say!(
+            "safekeeper {}: no peer could be pulled from; restoring from the backup instead",
+            config.node_id
+        );
+        return Ok(false);
+    }
+    anyhow::bail!(
+        "safekeeper {}: no peer could be pulled from for {}: {}",
+        config.node_id,
+        humantime::format_duration(PULL_RETRY_FOR),
+        errors.last().cloned().unwrap_or_default()
+    )
+}
 
 /// Rebuilds safekeeper `dir` from the backup when it has no control file;
 /// one that has its control file starts as it is (the flag can stay on).
@@ -335,6 +469,9 @@ pub struct QuorumSpec {
     pub known_commit_lsn: Lsn,
     /// The writer's lag limits.
     pub back_pressure: BackPressure,
+    /// A member whose folder was lost (no control file) is rebuilt from a
+    /// member that started (`ferry_safekeeper::pull`) instead of left down.
+    pub pull_lost: bool,
 }
 
 /// The writer's back-pressure flags (Neon's `max_replication_*_lag`).
@@ -397,6 +534,9 @@ impl LocalQuorum {
                 }
                 Err(e) => return Err(e),
             }
+        }
+        if spec.pull_lost {
+            pull_lost_members(spec, &mut members).await?;
         }
         let up = members
             .iter()

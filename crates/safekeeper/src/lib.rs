@@ -10,6 +10,8 @@
 //!   under a protocol that leaves no orphan object after any crash;
 //! * [`restore`]: a lost safekeeper rebuilt from the backup, which votes
 //!   again only once a writer proven current brought it back;
+//! * [`pull`]: a lost safekeeper rebuilt from a peer's WAL above its removal
+//!   horizon, under the same rule;
 //! * [`server`]: connections (the writer's, batched into group commits, and
 //!   walsenders to replicas) over the network seam.
 
@@ -17,6 +19,7 @@ pub mod acceptor;
 pub mod backup;
 pub mod control;
 pub mod partial;
+pub mod pull;
 pub mod restore;
 pub mod server;
 pub mod wal_storage;

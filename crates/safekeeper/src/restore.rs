@@ -103,21 +103,12 @@ pub async fn restore_from_backup(
     let mut tail: Option<(String, Lsn)> = None;
     // The lost safekeeper's own partial objects: no control file names them
     // any more, so the restored one adopts them for its gc to delete.
-    let mut own_partials = Vec::new();
+    let own_partials = own_partial_objects(backup, seg, config.node_id).await?;
     for (key, _) in backup.list(PARTIAL_DIR).await? {
         let name = key.strip_prefix(&format!("{PARTIAL_DIR}/")).unwrap_or(&key);
         let Some(p) = parse_partial_name(seg, name) else {
             continue;
         };
-        if p.node_id == config.node_id {
-            own_partials.push(PartialRemoteSegment {
-                status: UploadStatus::Deleting,
-                name: name.to_string(),
-                flush_lsn: p.flush_lsn,
-                commit_lsn: p.commit_lsn,
-                term: p.term,
-            });
-        }
         if p.segno == whole
             && p.commit_lsn > run_end
             && p.commit_lsn <= p.flush_lsn
@@ -215,6 +206,34 @@ pub async fn restore_from_backup(
         restored_lsn,
         bytes,
     })
+}
+
+/// The partial objects safekeeper `node_id` uploaded before it lost its
+/// data dir, as `Deleting` entries: no control file names them any more,
+/// so a rebuilt safekeeper adopts them for its gc to delete (no object is
+/// left that no control file names). `backup` is the cluster's folder.
+pub(crate) async fn own_partial_objects(
+    backup: &Location,
+    seg: SegmentSize,
+    node_id: u64,
+) -> Result<Vec<PartialRemoteSegment>, RestoreError> {
+    let mut own = Vec::new();
+    for (key, _) in backup.list(PARTIAL_DIR).await? {
+        let name = key.strip_prefix(&format!("{PARTIAL_DIR}/")).unwrap_or(&key);
+        let Some(p) = parse_partial_name(seg, name) else {
+            continue;
+        };
+        if p.node_id == node_id {
+            own.push(PartialRemoteSegment {
+                status: UploadStatus::Deleting,
+                name: name.to_string(),
+                flush_lsn: p.flush_lsn,
+                commit_lsn: p.commit_lsn,
+                term: p.term,
+            });
+        }
+    }
+    Ok(own)
 }
 
 /// The number of whole segments in the backup from segment 0 on without a

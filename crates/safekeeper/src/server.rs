@@ -39,6 +39,9 @@ pub const DEFAULT_REMOVAL_INTERVAL: std::time::Duration = std::time::Duration::f
 /// Most walsenders served at once; more are refused (each is a task and a
 /// buffer).
 pub const MAX_WALSENDERS: usize = 1024;
+/// Most pulls (peers rebuilding themselves from this safekeeper) served at
+/// once; more are refused: each reads the WAL above the removal horizon.
+pub const MAX_PULLS: usize = 4;
 
 /// How a safekeeper serves besides the protocol: backup and WAL removal.
 #[derive(Debug, Clone)]
@@ -103,6 +106,9 @@ struct Shared {
 struct WalsenderSlots {
     next_id: u64,
     positions: std::collections::BTreeMap<u64, Lsn>,
+    /// Pulls in progress: id → the start of the WAL they copy, which
+    /// removal must keep until they end.
+    pulls: std::collections::BTreeMap<u64, Lsn>,
 }
 
 impl Shared {
@@ -118,6 +124,11 @@ impl Shared {
             return None;
         }
         self.walsenders().positions.values().copied().min()
+    }
+
+    /// The lowest start of the pulls in progress: WAL removal holds there.
+    fn pull_horizon(&self) -> Option<Lsn> {
+        self.walsenders().pulls.values().copied().min()
     }
 
     fn fail(&self, reason: String) {
@@ -148,6 +159,35 @@ impl WalsenderSlot<'_> {
 impl Drop for WalsenderSlot<'_> {
     fn drop(&mut self) {
         self.shared.walsenders().positions.remove(&self.id);
+    }
+}
+
+/// A pull's hold on WAL removal, from its snapshot to its end (dropped with
+/// the connection, however it ends).
+struct PullHold<'a> {
+    shared: &'a Shared,
+    id: u64,
+}
+
+impl<'a> PullHold<'a> {
+    /// Holds removal at `start`; `None` when [`MAX_PULLS`] are running. The
+    /// caller holds the acceptor's lock, which removal takes before it reads
+    /// the holds: no removal decided without this hold can run after it.
+    fn new(shared: &'a Shared, start: Lsn) -> Option<PullHold<'a>> {
+        let mut slots = shared.walsenders();
+        if slots.pulls.len() >= MAX_PULLS {
+            return None;
+        }
+        slots.next_id += 1;
+        let id = slots.next_id;
+        slots.pulls.insert(id, start);
+        Some(PullHold { shared, id })
+    }
+}
+
+impl Drop for PullHold<'_> {
+    fn drop(&mut self) {
+        self.shared.walsenders().pulls.remove(&self.id);
     }
 }
 
@@ -353,6 +393,9 @@ async fn serve_connection(conn: BoxConnection, shared: &Shared) -> Result<(), pr
     {
         return walsender(reader, writer, shared, shard_number, start_lsn).await;
     }
+    if let ToSafekeeper::Pull(req) = first {
+        return serve_pull(writer, shared, req).await;
+    }
     let mut batch = vec![first];
     loop {
         // Everything that already arrived joins the batch: one fsync for all.
@@ -393,6 +436,90 @@ async fn serve_connection(conn: BoxConnection, shared: &Shared) -> Result<(), pr
             Err(_) => return Ok(()),
         }
     }
+}
+
+/// Serves a pull: the snapshot, the committed WAL from the removal horizon
+/// to the snapshot's commit_lsn, and the donor's term and commit_lsn at the
+/// end (see `crate::pull`). Removal holds at the snapshot's start until the
+/// connection ends.
+async fn serve_pull<W>(
+    mut writer: BufWriter<W>,
+    shared: &Shared,
+    req: proto::PullRequest,
+) -> Result<(), proto::FrameError>
+where
+    W: tokio::io::AsyncWrite + Unpin,
+{
+    let started = {
+        let acceptor = shared.acceptor.lock().await;
+        let term = acceptor.term();
+        match acceptor.pull_snapshot(&req) {
+            Ok(snapshot) => match PullHold::new(shared, snapshot.start_lsn) {
+                Some(hold) => Ok((snapshot, acceptor.committed_wal(), hold)),
+                None => Err(FromSafekeeper::Refused {
+                    term,
+                    reason: format!("too many pulls (at most {MAX_PULLS}): try again later"),
+                }),
+            },
+            Err(e) => Err(e.to_message(term)),
+        }
+    };
+    let (snapshot, committed, _hold) = match started {
+        Ok(started) => started,
+        Err(refusal) => {
+            proto::write_frame(&mut writer, &refusal).await?;
+            writer.flush().await?;
+            return Ok(());
+        }
+    };
+    tracing::info!(
+        peer = req.node_id,
+        start = %snapshot.start_lsn,
+        commit = %snapshot.commit_lsn,
+        "a peer pulls this safekeeper's WAL"
+    );
+    let (start, end) = (snapshot.start_lsn, snapshot.commit_lsn);
+    proto::write_frame(&mut writer, &FromSafekeeper::PullStart(snapshot)).await?;
+    let mut pos = start;
+    while pos < end {
+        let wal = match committed.read(pos, end, MAX_SEND_BYTES).await {
+            Ok(wal) if !wal.is_empty() => wal,
+            Ok(_) => {
+                let term = shared.acceptor.lock().await.term();
+                let e = AcceptorError::Refused {
+                    term,
+                    reason: format!("committed WAL at {pos} read as empty below {end}"),
+                };
+                proto::write_frame(&mut writer, &e.to_message(term)).await?;
+                writer.flush().await?;
+                return Ok(());
+            }
+            Err(e) => {
+                let term = shared.acceptor.lock().await.term();
+                proto::write_frame(&mut writer, &e.to_message(term)).await?;
+                writer.flush().await?;
+                return Ok(());
+            }
+        };
+        let begin = pos;
+        pos = Lsn(pos.0 + wal.len() as u64);
+        proto::write_frame(
+            &mut writer,
+            &FromSafekeeper::Wal {
+                begin_lsn: begin,
+                commit_lsn: end,
+                wal,
+            },
+        )
+        .await?;
+    }
+    let (term, commit_lsn) = {
+        let a = shared.acceptor.lock().await;
+        (a.term(), a.commit_lsn())
+    };
+    proto::write_frame(&mut writer, &FromSafekeeper::PullEnd { term, commit_lsn }).await?;
+    writer.flush().await?;
+    Ok(())
 }
 
 /// Streams committed WAL from `start` to a replica and records its feedback.
@@ -643,9 +770,12 @@ async fn run_removal(shared: &Shared) {
         if shared.fatal.borrow().is_some() {
             return;
         }
-        let walsenders = shared.walsender_horizon();
         let mut a = shared.acceptor.lock().await;
-        let horizon = a.removal_horizon(backup_enabled, walsenders);
+        // Read under the acceptor's lock: a pull registers its hold under
+        // it, so a removal never misses a pull that started before it.
+        let walsenders = shared.walsender_horizon();
+        let mut horizon = a.removal_horizon(backup_enabled, walsenders);
+        horizon.pulls = shared.pull_horizon();
         match a.remove_old_wal(&horizon).await {
             Ok(0) => {}
             Ok(n) => tracing::info!(segments = n, horizon = %horizon.lsn(), "old WAL removed"),

@@ -207,6 +207,39 @@ pub enum ToSafekeeper {
     /// up to `reply_time_micros` (the operator's clock) stops holding WAL
     /// removal and back-pressure. Answered with [`FromSafekeeper::Forgotten`].
     ForgetReplica(ForgottenReplica),
+    /// A safekeeper that lost its data dir asks a peer for a copy of its
+    /// committed WAL from the peer's removal horizon on (see [`PullSnapshot`]);
+    /// answered with [`FromSafekeeper::PullStart`], the WAL in
+    /// [`FromSafekeeper::Wal`] frames, and [`FromSafekeeper::PullEnd`]. The
+    /// donor holds its WAL removal at the horizon until the connection ends.
+    Pull(PullRequest),
+}
+
+/// Who asks for a pull: the donor refuses a safekeeper of another cluster,
+/// timeline or segment size, and itself.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PullRequest {
+    pub cluster_id: ClusterId,
+    pub timeline_id: u64,
+    pub segment_bytes: u64,
+    pub node_id: u64,
+}
+
+/// A donor's state at the start of a pull: its committed WAL
+/// `[start_lsn, commit_lsn)` follows. `start_lsn` is the start of the
+/// donor's first segment kept (its removal horizon, held while the pull
+/// runs); the WAL below is in the backup (`backup_lsn`), not copied.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PullSnapshot {
+    pub term: Term,
+    /// History cut at `commit_lsn`.
+    pub term_history: TermHistory,
+    pub timeline_start_lsn: Lsn,
+    pub start_lsn: Lsn,
+    pub commit_lsn: Lsn,
+    pub backup_lsn: Lsn,
+    pub peer_horizon_lsn: Lsn,
+    pub remote_consistent_lsn: Lsn,
 }
 
 /// Everything a safekeeper sends.
@@ -245,6 +278,15 @@ pub enum FromSafekeeper {
     /// registered here.
     Forgotten {
         was_registered: bool,
+    },
+    /// The answer to [`ToSafekeeper::Pull`].
+    PullStart(PullSnapshot),
+    /// The pull's WAL was all sent; `term` and `commit_lsn` are the donor's
+    /// now (never below the snapshot's: a donor that went back, restarted
+    /// from less, is not copied).
+    PullEnd {
+        term: Term,
+        commit_lsn: Lsn,
     },
 }
 

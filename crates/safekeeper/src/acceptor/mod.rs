@@ -25,12 +25,14 @@
 //! * `removal`: the WAL removal horizon and the removal of old segments;
 //! * `backup_state`: what the backup and the partial backup follow and report;
 //! * `feedback`: the feedback board of the replicas streaming from here;
-//! * `reads`: committed WAL for walsenders, and recovery reads for writers.
+//! * `reads`: committed WAL for walsenders, and recovery reads for writers;
+//! * `pull`: what a peer rebuilding itself from this safekeeper copies.
 
 mod backup_state;
 mod decide;
 mod feedback;
 mod protocol;
+mod pull;
 mod reads;
 mod removal;
 

@@ -305,6 +305,9 @@ impl Acceptor {
                     self.state.term,
                     "START_REPLICATION opens its own connection",
                 )),
+                ToSafekeeper::Pull(_) => {
+                    Err(refused(self.state.term, "a pull opens its own connection"))
+                }
             };
             match result {
                 Ok(Some(reply)) => out.push(reply),

@@ -18,6 +18,8 @@ pub struct RemovalHorizon {
     pub backup: Option<Lsn>,
     /// The slowest active walsender (`None`: not kept, or none active).
     pub walsenders: Option<Lsn>,
+    /// The lowest start of the pulls in progress (`None`: none).
+    pub pulls: Option<Lsn>,
 }
 
 impl RemovalHorizon {
@@ -27,8 +29,8 @@ impl RemovalHorizon {
         if let Some(b) = self.backup {
             h = h.min(b);
         }
-        if let Some(w) = self.walsenders {
-            h = h.min(w);
+        for held in [self.walsenders, self.pulls].into_iter().flatten() {
+            h = h.min(held);
         }
         h
     }
@@ -51,6 +53,7 @@ impl Acceptor {
             peers: self.peer_horizon_lsn.min(self.commit_lsn),
             backup: backup_enabled.then_some(self.state.backup_lsn),
             walsenders,
+            pulls: None,
         }
     }
 

@@ -394,10 +394,12 @@ impl Proposer {
                     self.pause_fetch_from(peer, &mut actions);
                 }
             }
-            // Walsender answers: never sent to a writer.
+            // Walsender and pull answers: never sent to a writer.
             FromSafekeeper::Keepalive { .. }
             | FromSafekeeper::WalRemoved { .. }
-            | FromSafekeeper::Forgotten { .. } => {}
+            | FromSafekeeper::Forgotten { .. }
+            | FromSafekeeper::PullStart(_)
+            | FromSafekeeper::PullEnd { .. } => {}
         }
         actions
     }
