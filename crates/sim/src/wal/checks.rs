@@ -457,14 +457,15 @@ impl Sim {
         }
         // A restored safekeeper held exactly committed WAL, and was brought
         // back (it votes again).
-        if let Some((i, restored)) = &self.restored {
-            if restored.len() > full.len() || restored[..] != full[..restored.len()] {
-                let at = (0..restored.len().min(full.len()))
-                    .find(|&k| restored[k] != full[k])
-                    .unwrap_or(restored.len().min(full.len()));
+        if let Some((i, start, restored)) = &self.restored {
+            let start = start.0 as usize;
+            let end = start + restored.len();
+            if end > full.len() || restored[..] != full[start..end] {
+                let at = (0..restored.len().min(full.len().saturating_sub(start)))
+                    .find(|&k| restored[k] != full[start + k])
+                    .map_or(end.min(full.len()), |k| start + k);
                 return Err(self.fail(format!(
-                    "sk{i} was restored with {} bytes that are not the committed WAL ({} bytes): they differ at byte {at}",
-                    restored.len(),
+                    "sk{i} was rebuilt with WAL {start}..{end} that is not the committed WAL ({} bytes): they differ at byte {at}",
                     full.len()
                 )));
             }

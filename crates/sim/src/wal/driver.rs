@@ -379,6 +379,8 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         recorder_sessions,
         recorders: BTreeMap::new(),
         restored: None,
+        pull_rng: rand::SeedableRng::seed_from_u64(seed ^ 0x7075_6c6c),
+        pulled: 0,
         restoring: None,
     };
     let mut header = String::new();
@@ -422,6 +424,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         acknowledged: sim.acked.len(),
         elections: sim.elections,
         commit_lsn: committed,
+        pulled: sim.pulled,
         crash_stats,
     })
 }

@@ -61,6 +61,8 @@ pub struct Outcome {
     pub acknowledged: usize,
     pub elections: usize,
     pub commit_lsn: Lsn,
+    /// Lost safekeepers rebuilt from a peer.
+    pub pulled: usize,
     /// What the safekeeper crashes found on their disks, summed.
     pub crash_stats: CrashStats,
 }
@@ -85,6 +87,7 @@ impl crate::seeds::Workload for Wal {
             format!("{} acknowledged writes", o.acknowledged),
             format!("{} elections", o.elections),
             format!("commit_lsn {}", o.commit_lsn),
+            format!("{} safekeepers pulled from a peer", o.pulled),
         ]
     }
 
@@ -198,9 +201,18 @@ struct Sim {
     /// it lives and dies with its writer.
     recorder_sessions: SimSessions,
     recorders: BTreeMap<u64, tokio::task::JoinHandle<()>>,
-    /// The safekeeper whose data dir was lost, and the WAL its restore put
-    /// back (checked at the end against the committed WAL).
-    restored: Option<(usize, Bytes)>,
+    /// The safekeeper whose data dir was lost, where the WAL its restore or
+    /// pull put back starts, and that WAL (checked at the end against the
+    /// committed WAL).
+    restored: Option<(usize, Lsn, Bytes)>,
+    /// Whether each attempt to rebuild the lost safekeeper pulls it from a
+    /// peer or restores it from the backup: drawn apart from the world's
+    /// generator, so that the seeds drawn before pulls existed keep their
+    /// events.
+    pull_rng: rand::rngs::SmallRng,
+    /// Safekeepers rebuilt from a peer (the others of `restored` came from
+    /// the backup).
+    pulled: usize,
     /// The safekeeper whose data dir was lost and whose restore has not
     /// succeeded yet (the backup may lack what it needs until the others
     /// upload it): it stays down, and the restore is tried again between

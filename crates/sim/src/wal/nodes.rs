@@ -14,7 +14,7 @@ use ferry_safekeeper::wal_storage::Preallocation;
 use ferry_wal::Lsn;
 use rand::Rng;
 
-use super::{cluster_id, node_name, Failure, Sim, TIMELINE};
+use super::{cluster_id, node_name, Failure, Sim, SAFEKEEPERS, TIMELINE};
 use crate::safekeepers::draw_backup_settings;
 use crate::world::AfterAWrite;
 
@@ -142,12 +142,69 @@ impl Sim {
         let disk: Arc<dyn Disk> = Arc::new(self.safekeepers.disks[i].for_process());
         let config = self.acceptor_config(i);
         let dir = node_name(i);
-        let restore = ferry_safekeeper::restore::restore_from_backup(
-            Arc::clone(&disk),
-            &dir,
-            &config,
-            &self.world.lake,
-        );
+        // Half of the attempts pull from a running peer (as `ferry
+        // safekeeper --pull-from-peers` does), the others restore from the
+        // backup; both may be cut by a crash.
+        let donors: Vec<usize> = (0..SAFEKEEPERS)
+            .filter(|&p| p != i && self.safekeepers.servers[p].is_some())
+            .collect();
+        let donor = match self.pull_rng.random_bool(0.5) {
+            true if !donors.is_empty() => Some(donors[self.pull_rng.random_range(0..donors.len())]),
+            _ => None,
+        };
+        let net = self.world.net.node(&dir);
+        let rebuild = async {
+            match donor {
+                Some(d) => ferry_safekeeper::pull::pull_from_peer(
+                    Arc::clone(&disk),
+                    &dir,
+                    &config,
+                    net.as_ref(),
+                    &node_name(d),
+                    Some(&self.world.lake),
+                )
+                .await
+                .map(|r| {
+                    (
+                        r.start_lsn,
+                        r.commit_lsn,
+                        format!(
+                            "pulled from sk{d}: WAL {}..{}, term {}",
+                            r.start_lsn, r.commit_lsn, r.term
+                        ),
+                    )
+                })
+                .map_err(|e| {
+                    (
+                        matches!(e, ferry_safekeeper::pull::PullError::Exists(_)),
+                        e.to_string(),
+                    )
+                }),
+                None => ferry_safekeeper::restore::restore_from_backup(
+                    Arc::clone(&disk),
+                    &dir,
+                    &config,
+                    &self.world.lake,
+                )
+                .await
+                .map(|r| {
+                    (
+                        Lsn(0),
+                        r.restored_lsn,
+                        format!(
+                            "restored {} whole segments and partial {:?}: WAL up to {}",
+                            r.whole_segments, r.partial, r.restored_lsn
+                        ),
+                    )
+                })
+                .map_err(|e| {
+                    (
+                        matches!(e, ferry_safekeeper::restore::RestoreError::Exists(_)),
+                        e.to_string(),
+                    )
+                }),
+            }
+        };
         let crash_after = self
             .world
             .rng
@@ -155,40 +212,44 @@ impl Sim {
             .then(|| Duration::from_millis(self.world.rng.random_range(0..300)));
         let result = match crash_after {
             Some(after) => tokio::select! {
-                r = restore => Some(r),
+                r = rebuild => Some(r),
                 () = tokio::time::sleep(after) => None,
             },
-            None => Some(restore.await),
+            None => Some(rebuild.await),
         };
-        let report = match result {
-            Some(Ok(report)) => report,
-            Some(Err(ferry_safekeeper::restore::RestoreError::Exists(path))) => {
-                return Err(self.fail(format!("sk{i}: the restore found {path} on a lost disk")));
+        let how = if donor.is_some() { "pull" } else { "restore" };
+        let (start, end, report) = match result {
+            Some(Ok(done)) => done,
+            Some(Err((true, e))) => {
+                return Err(self.fail(format!(
+                    "sk{i}: the {how} found a safekeeper on a lost disk: {e}"
+                )));
             }
-            Some(Err(e)) => {
-                self.log(format!("sk{i} restore failed: {e}"));
+            Some(Err((false, e))) => {
+                self.log(format!("sk{i} {how} failed: {e}"));
                 return Ok(());
             }
             None => {
                 self.world.crash_disk(&node_name(i));
-                self.log(format!("sk{i} crashed while restoring"));
+                self.log(format!("sk{i} crashed during its {how}"));
                 return Ok(());
             }
         };
         let acceptor = self.open_acceptor(i).await?;
-        let restored = acceptor
+        let rebuilt = acceptor
             .wal_reader()
-            .read_all(Lsn(0), report.restored_lsn)
+            .read_all(start, end)
             .await
-            .map_err(|e| self.fail(format!("sk{i} cannot read its restored WAL: {e}")))?;
+            .map_err(|e| self.fail(format!("sk{i} cannot read its rebuilt WAL: {e}")))?;
         drop(acceptor);
-        self.log(format!(
-            "sk{i} restored {} whole segments and partial {:?}: WAL up to {}",
-            report.whole_segments, report.partial, report.restored_lsn
-        ));
-        self.restored = Some((i, restored));
+        self.log(format!("sk{i} {report}"));
+        self.restored = Some((i, start, rebuilt));
         self.restoring = None;
-        // It forgot its terms: the restored one starts from term 0.
+        if donor.is_some() {
+            self.pulled += 1;
+        }
+        // It forgot its votes: a rebuilt one starts from the term it was
+        // given (0 from the backup, the donor's from a pull).
         self.seen_terms[i] = 0;
         self.start_safekeeper(i).await
     }
