@@ -63,7 +63,18 @@ use ferry_sim::wal::Wal;
 /// product's commit recorder (`ferry_node::commit_record`): a recorder
 /// writing the end of WAL instead of commit_lsn fails 45 of the first 400
 /// (e.g. 25, 61, 72: a write does not commit after the faults stop, the
-/// writers refusing elections below a commit that never was).
+/// writers refusing elections below a commit that never was). Since half
+/// of the lost safekeepers' rebuilds pull from a running peer
+/// (`ferry_safekeeper::pull`; each of the first 1000 seeds): 11, 163 and
+/// 453 (10 of 1000) fail when the pulled safekeeper is not marked restored
+/// (it votes at once: two writers in one term, committed WAL lost); 39, 84
+/// and 89 (21 of 1000) when it records no segment removed below the copy
+/// (it cannot open). A snapshot taken at the donor's flush_lsn instead of
+/// its commit_lsn fails none: while the pulled one waits to be brought
+/// back, every election needs the donor, whose tail the next writer keeps,
+/// so the copied tail is committed after all. A pull without the donor's
+/// removal hold fails safe: a segment removed under it fails the read and
+/// the pull (tried again, or restored from the backup), never a copy.
 const REGRESSION_SEEDS: &[u64] = &[
     0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 13, 14, 20, 21, 23, 27, 29, 31, 32, 37, 42, 44, 65, 71, 72, 85,
     97, 111, 121, 123, 145, 151, 163, 167, 176, 199, 211, 217, 284, 286, 287, 363, 1000, 4883,
@@ -99,6 +110,8 @@ const REGRESSION_SEEDS: &[u64] = &[
     // back only once a quorum of the others holds the writer's epoch
     // start, and a term whose donor greets as restored gives itself up.
     89417877,
+    // Pulls (see above): each failed under a planted bug.
+    11, 39, 84, 89, 453,
 ];
 
 #[test]
