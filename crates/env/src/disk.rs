@@ -67,6 +67,12 @@ pub trait Disk: Send + Sync + fmt::Debug + 'static {
     async fn list_dir(&self, path: &str) -> io::Result<Vec<String>>;
     /// Makes creations, renames and removals in a directory durable.
     async fn sync_dir(&self, path: &str) -> io::Result<()>;
+    /// Bytes an unprivileged writer can still write on the file system of
+    /// the data dir (`None`: not known, as on a disk with no limit). What
+    /// the disk-full breaker ([`crate::space`]) watches.
+    async fn free_bytes(&self) -> io::Result<Option<u64>> {
+        Ok(None)
+    }
 }
 
 /// What [`Disk::metadata`] tells of an entry.
@@ -214,6 +220,15 @@ fn sync_dir_path(dir: &Path) -> io::Result<()> {
 
 #[async_trait]
 impl Disk for RealDisk {
+    async fn free_bytes(&self) -> io::Result<Option<u64>> {
+        let root = Arc::clone(&self.root);
+        blocking(move || {
+            let st = rustix::fs::statvfs(root.as_path()).map_err(|e| dir_error(&root, e.into()))?;
+            Ok(Some(st.f_bavail.saturating_mul(st.f_frsize)))
+        })
+        .await
+    }
+
     async fn create_dir_all(&self, path: &str) -> io::Result<()> {
         let full = self.resolve(path)?;
         let root = Arc::clone(&self.root);
@@ -458,6 +473,14 @@ impl DiskFile for RealFile {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn the_free_space_of_the_file_system_is_known() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let disk = RealDisk::open_root(dir.path()).expect("disk");
+        let free = disk.free_bytes().await.expect("statvfs");
+        assert!(free.is_some_and(|f| f > 0), "{free:?}");
+    }
 
     #[tokio::test]
     async fn paths_must_stay_inside_the_root() {

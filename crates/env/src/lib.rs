@@ -16,6 +16,7 @@ mod cpu;
 mod disk;
 mod net;
 mod ops;
+pub mod space;
 
 pub use clock::{Clock, SharedClock, SystemClock};
 pub use cpu::Cpu;

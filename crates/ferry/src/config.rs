@@ -63,6 +63,7 @@ pub struct DevSection {
     pub partial_backup_timeout: Option<String>,
     pub restore_quarantine: Option<String>,
     pub replica_expiry: Option<String>,
+    pub min_free_disk: Option<String>,
     pub max_replication_write_lag: Option<u64>,
     pub max_replication_flush_lag: Option<u64>,
     pub max_replication_apply_lag: Option<u64>,
@@ -80,6 +81,7 @@ pub struct SafekeeperSection {
     pub wal_preallocation: Option<String>,
     pub http: Option<String>,
     pub restore_from_backup: Option<bool>,
+    pub pull_from_peers: Option<Vec<String>>,
     pub wal_backup: Option<String>,
     pub wal_backup_parallel_jobs: Option<u64>,
     pub walsenders_keep_horizon: Option<bool>,
@@ -89,6 +91,7 @@ pub struct SafekeeperSection {
     pub partial_backup_timeout: Option<String>,
     pub restore_quarantine: Option<String>,
     pub replica_expiry: Option<String>,
+    pub min_free_disk: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize, Serialize)]
@@ -159,6 +162,9 @@ restore_quarantine = "10s"
 # A replica whose feedback has not changed for this long no longer holds WAL
 # removal or back-pressure (it reads removed WAL from the backup if it comes back).
 replica_expiry = "1day"
+# Appends are refused (inserts answer 503 disk_full) while less than this is
+# free on the data dir's file system; taken again once an eighth more is free.
+min_free_disk = "1GiB"
 # Inserts wait while the end of WAL is this many bytes ahead of what the
 # slowest replica received / made durable / applied remotely (0: no limit).
 max_replication_write_lag = 0
@@ -184,6 +190,9 @@ http = "127.0.0.1:7676"
 # Rebuild the safekeeper from wal_backup if its data dir holds no control
 # file (its data was lost); with one present it starts as it is.
 restore_from_backup = false
+# Rebuild the safekeeper from one of these peers if its data dir holds no
+# control file: only the WAL above their removal horizon is copied.
+# pull_from_peers = ["10.0.0.2:5454", "10.0.0.3:5454"]
 # Where whole WAL segments are backed up: "file:///dir" or "s3://bucket/prefix"
 # (S3 settings from the AWS_* variables). Env: FERRY_WAL_BACKUP.
 # wal_backup = "s3://backups/ferry"
@@ -205,6 +214,9 @@ restore_quarantine = "10s"
 # A replica whose feedback has not changed for this long no longer holds WAL
 # removal or back-pressure (it reads removed WAL from the backup if it comes back).
 replica_expiry = "1day"
+# Appends are refused (inserts answer 503 disk_full) while less than this is
+# free on the data dir's file system; taken again once an eighth more is free.
+min_free_disk = "1GiB"
 
 [writer]
 # The cluster whose safekeepers it writes to (required). Env: FERRY_CLUSTER_ID.

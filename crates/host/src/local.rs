@@ -87,6 +87,12 @@ pub struct WalServiceArgs {
     /// lost data gave.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub restore_quarantine: std::time::Duration,
+    /// Appends are refused (the API answers 503 `disk_full`, nothing
+    /// written) while less than this is free on the file system of a
+    /// safekeeper's data dir, and taken again by themselves once an eighth
+    /// more is free: `512MiB`, `2GiB`, a number of bytes, or `0` (never).
+    #[arg(long, default_value = "1GiB", value_parser = crate::paths::parse_byte_size)]
+    pub min_free_disk: u64,
     /// A registered replica whose feedback has not changed for this long
     /// (e.g. `1day`, `6h`) is forgotten, with a warning: it stops holding WAL
     /// removal and back-pressure. If it comes back later it reads the removed
@@ -143,6 +149,7 @@ impl WalServiceArgs {
             remove_wal: !self.keep_all_wal,
             restore_quarantine: self.restore_quarantine,
             replica_expiry: self.replica_expiry,
+            min_free_disk: self.min_free_disk,
             partial_backup: self.partial_backup_enabled.then_some(
                 ferry_safekeeper::partial::PartialBackupConfig {
                     timeout: self.partial_backup_timeout,

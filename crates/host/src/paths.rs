@@ -83,3 +83,46 @@ pub fn export_roots(
         )
     })
 }
+
+/// A size in bytes as flags give it: a number with an optional unit of
+/// `B`, `KiB`, `MiB`, `GiB` or `TiB` (`512MiB`, `2GiB`, `1048576`).
+pub fn parse_byte_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let shift = match unit.trim() {
+        "" | "B" => 0,
+        "KiB" => 10,
+        "MiB" => 20,
+        "GiB" => 30,
+        "TiB" => 40,
+        other => {
+            return Err(format!(
+                "{text:?}: unknown unit {other:?} (use B, KiB, MiB, GiB or TiB)"
+            ))
+        }
+    };
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size (e.g. 512MiB, 2GiB)"))?;
+    n.checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("{text:?} is too large"))
+}
+
+#[cfg(test)]
+mod size_tests {
+    use super::parse_byte_size;
+
+    #[test]
+    fn sizes_parse_with_binary_units_and_refuse_the_rest() {
+        assert_eq!(parse_byte_size("0"), Ok(0));
+        assert_eq!(parse_byte_size("1048576"), Ok(1 << 20));
+        assert_eq!(parse_byte_size("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_byte_size("2GiB"), Ok(2 << 30));
+        assert_eq!(parse_byte_size("3 KiB"), Ok(3 << 10));
+        assert!(parse_byte_size("1GB").is_err());
+        assert!(parse_byte_size("MiB").is_err());
+        assert!(parse_byte_size("-1").is_err());
+        assert!(parse_byte_size("99999999999TiB").is_err());
+    }
+}

@@ -705,6 +705,16 @@ async fn insert_rows(
                     "the writer has too many appends waiting; nothing was written, retry later",
                 ));
             }
+            Ok(Err(e @ WriterError::DiskFull { .. })) => {
+                if let Some(t) = ticket {
+                    t.nothing_written();
+                }
+                return Err(ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "disk_full",
+                    e.to_string(),
+                ));
+            }
             Ok(Err(WriterError::InvalidRecords(e))) => {
                 if let Some(t) = ticket {
                     t.nothing_written();

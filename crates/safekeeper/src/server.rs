@@ -68,7 +68,14 @@ pub struct ServerConfig {
     /// back-pressure). It must outlast any stop a replica is expected to come
     /// back from; one that comes back later reads removed WAL from the backup.
     pub replica_expiry: std::time::Duration,
+    /// Appends are refused while less than this many bytes are free on the
+    /// data dir's file system (`ferry_env::space`; 0: never).
+    pub min_free_disk: u64,
 }
+
+/// Default [`ServerConfig::min_free_disk`]: room for a few segments and the
+/// control file's rewrites, far more than a batch in flight.
+pub const DEFAULT_MIN_FREE_DISK: u64 = 1 << 30;
 
 pub use ferry_wal::liveness::DEFAULT_REPLICA_EXPIRY;
 
@@ -89,6 +96,7 @@ impl Default for ServerConfig {
             partial_backup: None,
             restore_quarantine: DEFAULT_RESTORE_QUARANTINE,
             replica_expiry: DEFAULT_REPLICA_EXPIRY,
+            min_free_disk: DEFAULT_MIN_FREE_DISK,
         }
     }
 }
@@ -100,6 +108,8 @@ struct Shared {
     config: ServerConfig,
     /// Active walsenders: id → the position their replica received.
     walsenders: std::sync::Mutex<WalsenderSlots>,
+    /// Open while the disk is nearly full: appends are refused.
+    space: Option<ferry_env::space::SpaceBreaker>,
 }
 
 #[derive(Default)]
@@ -242,11 +252,18 @@ impl SafekeeperServer {
             });
         }
         let (fatal, _) = watch::channel(None);
+        let space = (config.min_free_disk > 0).then(|| {
+            ferry_env::space::SpaceBreaker::new(
+                format!("safekeeper {}", acceptor.status().node_id),
+                config.min_free_disk,
+            )
+        });
         let shared = Arc::new(Shared {
             acceptor: Mutex::new(acceptor),
             fatal,
             config,
             walsenders: std::sync::Mutex::new(WalsenderSlots::default()),
+            space,
         });
         let (stop, stop_rx) = watch::channel(false);
         let task = tokio::spawn(accept_loop(listener, Arc::clone(&shared), stop_rx));
@@ -264,7 +281,19 @@ impl SafekeeperServer {
     }
 
     pub async fn status(&self) -> AcceptorStatus {
-        self.shared.acceptor.lock().await.status()
+        let mut status = self.shared.acceptor.lock().await.status();
+        status.disk_full = self
+            .shared
+            .space
+            .as_ref()
+            .and_then(|s| s.check().err())
+            .map(|e| e.to_string());
+        status
+    }
+
+    /// Its disk-full breaker (`None`: `min_free_disk` is 0).
+    pub fn space(&self) -> Option<&ferry_env::space::SpaceBreaker> {
+        self.shared.space.as_ref()
     }
 
     /// The remote partial segments its control file lists (for checkers).
@@ -327,6 +356,10 @@ async fn accept_loop(
     let mut fatal = shared.fatal.subscribe();
     // Background duties live and die with the connections: a kill aborts
     // them with everything else.
+    if let Some(space) = shared.space.clone() {
+        let disk = shared.acceptor.lock().await.disk();
+        connections.spawn(ferry_env::space::watch_free_space(disk, space));
+    }
     if let Some(config) = shared.config.backup.clone() {
         let shared = Arc::clone(&shared);
         connections.spawn(async move { run_backup(&shared, config).await });
@@ -408,16 +441,33 @@ async fn serve_connection(conn: BoxConnection, shared: &Shared) -> Result<(), pr
         if shared.fatal.borrow().is_some() {
             return Ok(());
         }
+        // With the disk nearly full, appends are refused (nothing of them
+        // written); the rest of the batch (greetings, votes, elections,
+        // reads) is served: it writes at most a control file.
+        let full = shared.space.as_ref().and_then(|s| s.check().err());
+        let mut refused_appends = false;
+        if full.is_some() {
+            let before = batch.len();
+            batch.retain(|m| !matches!(m, ToSafekeeper::Append(_)));
+            refused_appends = batch.len() < before;
+        }
         let replies = {
             let mut acceptor = shared.acceptor.lock().await;
             let term = acceptor.term();
-            match acceptor.handle_batch(std::mem::take(&mut batch)).await {
+            let mut replies = match acceptor.handle_batch(std::mem::take(&mut batch)).await {
                 Ok(replies) => replies,
                 Err(e) => {
                     shared.fail(e.to_string());
                     vec![e.to_message(term)]
                 }
+            };
+            if let (true, Some(full)) = (refused_appends, &full) {
+                replies.push(FromSafekeeper::Refused {
+                    term,
+                    reason: full.to_string(),
+                });
             }
+            replies
         };
         for reply in &replies {
             proto::write_frame(&mut writer, reply).await?;

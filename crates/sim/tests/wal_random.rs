@@ -109,8 +109,7 @@ const REGRESSION_SEEDS: &[u64] = &[
     // had been cut off, started at 0/0. A restored safekeeper now comes
     // back only once a quorum of the others holds the writer's epoch
     // start, and a term whose donor greets as restored gives itself up.
-    89417877,
-    // Pulls (see above): each failed under a planted bug.
+    89417877, // Pulls (see above): each failed under a planted bug.
     11, 39, 84, 89, 453,
 ];
 

@@ -83,6 +83,11 @@ impl DiskOp<'_> {
 #[async_trait]
 pub trait DiskHook: Send + Sync + 'static {
     async fn before(&self, op: DiskOp<'_>) -> io::Result<()>;
+    /// The free space the disk reports (`None`: the inner disk's): a test
+    /// fills and empties a disk without writing.
+    fn free_bytes(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// A disk whose every operation passes `hook` first.
@@ -168,6 +173,12 @@ impl Disk for HookedDisk {
     async fn sync_dir(&self, path: &str) -> io::Result<()> {
         self.hook.before(DiskOp::SyncDir(path)).await?;
         self.inner.sync_dir(path).await
+    }
+    async fn free_bytes(&self) -> io::Result<Option<u64>> {
+        match self.hook.free_bytes() {
+            Some(free) => Ok(Some(free)),
+            None => self.inner.free_bytes().await,
+        }
     }
 }
 

@@ -180,6 +180,16 @@ pub struct ForgottenReplica {
     pub reply_time_micros: u64,
 }
 
+/// How a refusal for lack of disk space begins ([`FromSafekeeper::Refused`]'s
+/// reason): the safekeeper wrote nothing of the refused appends, and takes
+/// them again once space returns.
+pub const DISK_FULL: &str = "disk_full:";
+
+/// Whether a refusal's reason is [`DISK_FULL`]'s.
+pub fn is_disk_full(reason: &str) -> bool {
+    reason.starts_with(DISK_FULL)
+}
+
 /// Everything a safekeeper receives.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ToSafekeeper {

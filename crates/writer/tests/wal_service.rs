@@ -6,6 +6,9 @@
 //! `walsenders_keep_horizon` a lagging walsender keeps its WAL locally.
 //! A clean shutdown can wait until every replica applied the committed WAL,
 //! and with a lag limit one slow shard holds the writer back, losing nothing.
+//! Safekeepers short of disk space refuse appends, the writer refuses new
+//! ones at once while too few are left, and both go on by themselves once
+//! space returns, losing nothing.
 
 // The test sets up its backup folder directly; node code may not.
 #![allow(clippy::disallowed_methods)]
@@ -753,4 +756,146 @@ async fn an_unregistered_replica_stops_holding_removal_at_once() {
     .await;
     alive.abort();
     writer.shutdown().await.expect("clean shutdown");
+}
+
+/// A disk whose free space the test sets.
+struct FreeSpace(std::sync::atomic::AtomicU64);
+
+#[async_trait::async_trait]
+impl ferry_testkit::disk::DiskHook for FreeSpace {
+    async fn before(&self, _: ferry_testkit::disk::DiskOp<'_>) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn free_bytes(&self) -> Option<u64> {
+        Some(self.0.load(std::sync::atomic::Ordering::SeqCst))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn safekeepers_short_of_disk_refuse_appends_and_go_on_when_space_returns() {
+    const MIN_FREE: u64 = 100 << 20;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let real: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let spaces: Vec<Arc<FreeSpace>> = (0..3)
+        .map(|_| Arc::new(FreeSpace(std::sync::atomic::AtomicU64::new(10 * MIN_FREE))))
+        .collect();
+    let mut servers = Vec::new();
+    for (id, space) in spaces.iter().enumerate() {
+        let disk: Arc<dyn Disk> = Arc::new(ferry_testkit::disk::HookedDisk::new(
+            Arc::clone(&real),
+            Arc::clone(space) as Arc<dyn ferry_testkit::disk::DiskHook>,
+        ));
+        let acceptor = Acceptor::create(
+            disk,
+            &format!("sk{id}"),
+            AcceptorConfig {
+                cluster_id: cluster_id(),
+                node_id: id as u64,
+                timeline_id: 1,
+                segment_size: seg(),
+                preallocation: Default::default(),
+            },
+        )
+        .await
+        .expect("create");
+        let listener = TcpNetwork.bind("127.0.0.1:0").await.expect("bind");
+        let config = ServerConfig {
+            min_free_disk: MIN_FREE,
+            ..ServerConfig::default()
+        };
+        servers.push(SafekeeperServer::serve_with(listener, acceptor, config).expect("serve"));
+    }
+    let cluster = Cluster {
+        _dir: dir,
+        backup: ferry_storage::open("file:///nonexistent-unused", &Default::default())
+            .expect("unused location"),
+        servers,
+    };
+    let writer = Arc::new(cluster.writer());
+    let before = write_wal(&writer, 20_000).await;
+
+    // Two of three short of space: they refuse appends (nothing written)
+    // and say why; the writer refuses new appends before writing anything.
+    for space in &spaces[..2] {
+        space
+            .0
+            .store(MIN_FREE / 2, std::sync::atomic::Ordering::SeqCst);
+    }
+    for s in &cluster.servers[..2] {
+        let mut open = s.space().expect("a breaker").subscribe();
+        tokio::time::timeout(SOON, open.wait_for(Option::is_some))
+            .await
+            .expect("the breaker opens within its probe interval")
+            .expect("breaker");
+    }
+    let statuses = cluster.statuses().await;
+    for st in &statuses[..2] {
+        let why = st.disk_full.as_deref().expect("disk_full in the status");
+        assert!(why.starts_with("disk_full: safekeeper"), "{why}");
+    }
+    assert!(statuses[2].disk_full.is_none());
+    // An append sent now is refused at once, or, sent before the writer
+    // heard of the refusals, waits (its outcome unknown) until space
+    // returns; once the heartbeats were refused, new ones are refused at
+    // once.
+    let early = {
+        let w = Arc::clone(&writer);
+        tokio::spawn(async move { w.append(ferry_testkit::wal::insert(4, 1000, 3000)).await })
+    };
+    let deadline = tokio::time::Instant::now() + SOON;
+    let refused = loop {
+        let probe = ferry_testkit::wal::insert(4, 2000, 10);
+        match tokio::time::timeout(Duration::from_millis(200), writer.append(probe)).await {
+            Ok(Err(e @ ferry_writer::driver::WriterError::DiskFull { .. })) => break e,
+            Ok(other) => panic!("an append with two of three safekeepers full: {other:?}"),
+            // Waiting: its outcome is unknown until space returns.
+            Err(_) => {}
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the writer never refused an append for lack of space"
+        );
+    };
+    assert!(refused.to_string().starts_with("disk_full:"), "{refused}");
+
+    // Space returns: the breakers close by themselves, the writer takes
+    // appends again, the early append ended as refused (nothing written)
+    // or committed, and nothing acknowledged is lost.
+    for space in &spaces[..2] {
+        space
+            .0
+            .store(10 * MIN_FREE, std::sync::atomic::Ordering::SeqCst);
+    }
+    let deadline = tokio::time::Instant::now() + SOON;
+    let last = loop {
+        match writer.append(ferry_testkit::wal::insert(4, 3000, 10)).await {
+            Ok(end) => break end,
+            Err(ferry_writer::driver::WriterError::DiskFull { .. }) => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "appends still refused after space returned"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("after space returned: {e}"),
+        }
+    };
+    match tokio::time::timeout(SOON, early)
+        .await
+        .expect("ends")
+        .expect("task")
+    {
+        Ok(end) => assert!(end <= last),
+        Err(ferry_writer::driver::WriterError::DiskFull { .. }) => {}
+        Err(e) => panic!("the early append: {e}"),
+    }
+    cluster
+        .wait_all("everything committed everywhere", |st| {
+            lsn(&st.commit_lsn) >= last
+        })
+        .await;
+    assert!(last > Lsn(before.len() as u64));
+    for s in &cluster.servers {
+        assert!(s.status().await.disk_full.is_none());
+    }
 }

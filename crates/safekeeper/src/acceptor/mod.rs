@@ -161,6 +161,9 @@ pub struct AcceptorStatus {
     /// Whether a restored safekeeper's quarantine is over (writers may start
     /// bringing it back).
     pub restore_quarantine_over: bool,
+    /// Why appends are refused for lack of disk space (the server's
+    /// disk-full breaker; `None`: they are taken).
+    pub disk_full: Option<String>,
 }
 
 /// The acceptor of one safekeeper.
@@ -413,7 +416,13 @@ impl Acceptor {
             wal_segments_preallocated: self.wal.segments_preallocated(),
             restored_up_to: self.state.restored_up_to.map(|l| l.to_string()),
             restore_quarantine_over: self.quarantine_over,
+            disk_full: None,
         }
+    }
+
+    /// The disk its WAL and control file are on.
+    pub fn disk(&self) -> Arc<dyn Disk> {
+        self.wal.disk()
     }
 
     /// Persists commit_lsn and the horizons when they moved far enough (a segment)

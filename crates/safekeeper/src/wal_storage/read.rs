@@ -24,6 +24,11 @@ impl WalStorage {
         self.reader().read(begin, self.flush_lsn, max).await
     }
 
+    /// The disk the WAL is on (what the disk-full breaker watches).
+    pub fn disk(&self) -> Arc<dyn ferry_env::Disk> {
+        Arc::clone(&self.disk)
+    }
+
     /// A reader of this WAL that needs no access to the storage itself, so that
     /// walsenders read committed WAL while appends and fsyncs go on.
     pub fn reader(&self) -> WalReader {

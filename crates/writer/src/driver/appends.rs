@@ -19,6 +19,10 @@ impl Driver {
                     let _ = reply.send(Err(WriterError::Overloaded));
                     return Vec::new();
                 }
+                if let Some(safekeepers) = self.proposer.quorum_out_of_space() {
+                    let _ = reply.send(Err(WriterError::DiskFull { safekeepers }));
+                    return Vec::new();
+                }
                 // Behind waiting appends, or while a replica lags too far,
                 // an append waits its turn.
                 if self.proposer.is_elected() && self.queued.is_empty() && self.throttle().is_none()

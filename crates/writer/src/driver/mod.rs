@@ -54,6 +54,10 @@ pub enum WriterError {
     Stopped,
     #[error("too many appends waiting")]
     Overloaded,
+    /// Too few safekeepers take appends: the others refuse them for lack of
+    /// disk space. Nothing of this append was written.
+    #[error("disk_full: safekeepers {safekeepers:?} refuse appends for lack of disk space and the others are too few to commit; nothing was written")]
+    DiskFull { safekeepers: Vec<usize> },
     #[error("invalid records: {0}")]
     InvalidRecords(String),
     /// A clean shutdown committed its checkpoint, but these replicas had not

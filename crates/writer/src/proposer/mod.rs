@@ -256,6 +256,10 @@ pub struct Proposer {
     probe: u64,
     /// The highest probe each safekeeper echoed in this term.
     peer_probe: Vec<u64>,
+    /// Safekeepers whose last answer to an append refused it for lack of
+    /// disk space (`ferry_wal::proto::DISK_FULL`); an accepted append
+    /// clears it.
+    peer_disk_full: Vec<bool>,
 }
 
 impl Proposer {
@@ -282,7 +286,18 @@ impl Proposer {
             backup_lsn: Lsn(0),
             probe: 0,
             peer_probe: vec![0; n],
+            peer_disk_full: vec![false; n],
         }
+    }
+
+    /// The safekeepers refusing appends for lack of disk space, when too
+    /// few others are left to commit: new appends are refused before
+    /// anything is written (`None`: a quorum takes appends).
+    pub fn quorum_out_of_space(&self) -> Option<Vec<usize>> {
+        let full: Vec<usize> = (0..self.peers.len())
+            .filter(|&p| self.peer_disk_full[p])
+            .collect();
+        (self.peers.len() - full.len() < self.quorum).then_some(full)
     }
 
     pub fn term(&self) -> Term {
@@ -368,6 +383,7 @@ impl Proposer {
                         self.feedback.insert(key, *fb);
                     }
                 }
+                self.peer_disk_full[peer] = false;
                 self.peer_commit[peer] = self.peer_commit[peer].max(a.commit_lsn);
                 self.backup_lsn = self.backup_lsn.max(a.backup_lsn);
                 if a.term == self.term {
@@ -388,6 +404,7 @@ impl Proposer {
                 if term > self.term {
                     self.stop(term, &reason, &mut actions);
                 } else {
+                    self.peer_disk_full[peer] = ferry_wal::proto::is_disk_full(&reason);
                     tracing::warn!(peer, %reason, "safekeeper refused; reconnecting to it");
                     self.peers[peer] = Peer::Offline;
                     actions.push(Action::Reconnect { peer });
