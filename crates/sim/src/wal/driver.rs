@@ -16,7 +16,9 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::rogue::RogueOutcome;
-use super::schedule::{add_disk_loss, add_partial_crashes, generate_schedule, Event};
+use super::schedule::{
+    add_disk_full, add_disk_loss, add_partial_crashes, generate_schedule, Event,
+};
 use super::walreceiver::{self, SharedReceived};
 use super::{
     cluster_id, insert_record, node_name, writer_node, Failure, Outcome, Sim, LIVENESS_BOUND,
@@ -81,6 +83,14 @@ impl Sim {
                 safekeeper,
                 applied,
             } => self.crash_in_partial_upload(safekeeper, applied).await?,
+            Event::DiskNearlyFull { safekeeper, secs } => {
+                self.safekeepers.disks[safekeeper].set_free_bytes(Some(0));
+                self.log(format!("sk{safekeeper} disk nearly full for {secs} s"));
+            }
+            Event::DiskSpaceBack(i) => {
+                self.safekeepers.disks[i].set_free_bytes(Some(1 << 40));
+                self.log(format!("sk{i} disk has room again"));
+            }
             Event::Fault(Fault::Partition(a, b)) => {
                 // Index SAFEKEEPERS is the current writer.
                 let name = |i: usize| {
@@ -326,6 +336,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
     let mut schedule = generate_schedule(&mut rng);
     add_disk_loss(&mut schedule, seed);
     add_partial_crashes(&mut schedule, seed);
+    add_disk_full(&mut schedule, seed);
     let mut world = World::new(
         seed,
         &mut rng,

@@ -36,7 +36,9 @@ use tokio::sync::{mpsc, watch};
 
 pub use crate::world::Failure;
 pub use driver::run_seed;
-pub use schedule::{add_disk_loss, add_partial_crashes, generate_schedule, Event, Schedule};
+pub use schedule::{
+    add_disk_full, add_disk_loss, add_partial_crashes, generate_schedule, Event, Schedule,
+};
 
 use crate::safekeepers::{name as node_name, Safekeepers};
 use crate::world::coord::SimSessions;

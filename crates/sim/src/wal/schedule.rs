@@ -52,6 +52,11 @@ pub enum Event {
     /// false) or right after it took effect, so that crashes land in every
     /// gap of the partial upload protocol; it restarts at once.
     CrashInPartialUpload { safekeeper: usize, applied: bool },
+    /// Safekeeper `i`'s disk reports less free space than its minimum for
+    /// `secs` seconds (its breaker refuses appends), then enough again.
+    DiskNearlyFull { safekeeper: usize, secs: u64 },
+    /// The end of a [`Event::DiskNearlyFull`].
+    DiskSpaceBack(usize),
 }
 
 /// A schedule: events at virtual times, plus the network settings.
@@ -160,5 +165,33 @@ pub fn add_partial_crashes(schedule: &mut Schedule, seed: u64) {
         };
         let index = schedule.events.partition_point(|(t, _)| *t <= at);
         schedule.events.insert(index, (at, event));
+    }
+}
+
+/// Adds to a third of the schedules one or two periods of a safekeeper's
+/// disk nearly full ([`Event::DiskNearlyFull`]), drawn from a generator of
+/// their own (as [`add_disk_loss`]).
+pub fn add_disk_full(schedule: &mut Schedule, seed: u64) {
+    let mut rng = SmallRng::seed_from_u64(seed ^ 0xD15C_F011_0000_0000);
+    let Some(&(last, _)) = schedule.events.last() else {
+        return;
+    };
+    if !rng.random_bool(1.0 / 3.0) {
+        return;
+    }
+    for _ in 0..rng.random_range(1..=2) {
+        let at = Duration::from_millis(rng.random_range(0..=last.as_millis() as u64));
+        let safekeeper = rng.random_range(0..SAFEKEEPERS);
+        let secs = rng.random_range(1..=8);
+        for (at, event) in [
+            (at, Event::DiskNearlyFull { safekeeper, secs }),
+            (
+                at + Duration::from_secs(secs),
+                Event::DiskSpaceBack(safekeeper),
+            ),
+        ] {
+            let index = schedule.events.partition_point(|(t, _)| *t <= at);
+            schedule.events.insert(index, (at, event));
+        }
     }
 }

@@ -87,6 +87,8 @@ struct State {
     stall_until: Option<Instant>,
     /// Every sync fails (a dying disk or controller).
     failing: bool,
+    /// The free space it reports (`None`: unknown, as a disk without limit).
+    free_bytes: Option<u64>,
     fsyncs: u64,
     latency: Option<(DiskLatency, SmallRng)>,
     crash_stats: CrashStats,
@@ -238,6 +240,13 @@ impl SimDisk {
         lock(&self.state).failing
     }
 
+    /// The free space it reports from now on (`None`: unknown): what a
+    /// disk-full breaker sees. Writes still succeed: the breaker must stop
+    /// them before the disk really fills.
+    pub fn set_free_bytes(&self, free: Option<u64>) {
+        lock(&self.state).free_bytes = free;
+    }
+
     /// Every operation waits until `until`.
     pub fn stall_until(&self, until: Instant) {
         lock(&self.state).stall_until = Some(until);
@@ -333,6 +342,10 @@ fn tear_sectors(synced: &[u8], current: &[u8], rng: &mut SmallRng) -> Vec<u8> {
 
 #[async_trait]
 impl Disk for SimDisk {
+    async fn free_bytes(&self) -> io::Result<Option<u64>> {
+        Ok(lock(&self.state).free_bytes)
+    }
+
     async fn create_dir_all(&self, path: &str) -> io::Result<()> {
         Self::check_path(path)?;
         self.stall().await;

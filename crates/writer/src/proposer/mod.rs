@@ -404,8 +404,15 @@ impl Proposer {
                 if term > self.term {
                     self.stop(term, &reason, &mut actions);
                 } else {
-                    self.peer_disk_full[peer] = ferry_wal::proto::is_disk_full(&reason);
-                    tracing::warn!(peer, %reason, "safekeeper refused; reconnecting to it");
+                    let full = ferry_wal::proto::is_disk_full(&reason);
+                    if !full {
+                        tracing::warn!(peer, %reason, "safekeeper refused; reconnecting to it");
+                    } else if !self.peer_disk_full[peer] {
+                        // Once per spell: it refuses every append until
+                        // space returns.
+                        tracing::warn!(peer, %reason, "safekeeper short of disk space refuses appends; trying it again until it takes them");
+                    }
+                    self.peer_disk_full[peer] = full;
                     self.peers[peer] = Peer::Offline;
                     actions.push(Action::Reconnect { peer });
                     self.pause_fetch_from(peer, &mut actions);
