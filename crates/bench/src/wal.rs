@@ -37,6 +37,16 @@ pub struct WalBenchArgs {
     /// latency run (replicas reading WAL must not slow commits down).
     #[arg(long, default_value_t = 8)]
     walsenders: usize,
+    /// Only measure rebuilding a lost safekeeper from a peer, for each
+    /// timeline size of --rebuild-timelines-mib.
+    #[arg(long)]
+    rebuild: bool,
+    /// Timeline sizes of the rebuild measurement, MiB.
+    #[arg(long, value_delimiter = ',', default_value = "1024,8192")]
+    rebuild_timelines_mib: Vec<u64>,
+    /// WAL the donor keeps above its removal horizon (what a pull copies), MiB.
+    #[arg(long, default_value_t = 256)]
+    rebuild_kept_mib: u64,
 }
 
 /// Replicas streaming from every safekeeper, on a thread of their own.
@@ -307,7 +317,7 @@ fn disk_limits(dir: &std::path::Path, files: usize, probe_mib: u64) -> anyhow::R
     })
 }
 
-fn insert_of(total_bytes: usize, block: u64) -> bytes::Bytes {
+pub(crate) fn insert_of(total_bytes: usize, block: u64) -> bytes::Bytes {
     let payload = total_bytes.saturating_sub(ferry_wal::record::Record::insert_len(0, 0));
     ferry_wal::record::Record::Insert {
         shard: 0,
@@ -455,7 +465,7 @@ fn spawn_safekeeper(
 }
 
 /// Every quorum of the benchmark is a cluster of its own, made for it.
-fn bench_cluster() -> ferry_wal::ClusterId {
+pub(crate) fn bench_cluster() -> ferry_wal::ClusterId {
     ferry_wal::ClusterId::new("bench").unwrap_or_else(|_| unreachable!("a valid cluster id"))
 }
 
@@ -623,6 +633,14 @@ pub fn scratch_dir(
 
 pub async fn wal(args: WalBenchArgs) -> anyhow::Result<()> {
     let tmp = scratch_dir(args.dir.as_deref(), "ferry-bench-wal-")?;
+    if args.rebuild {
+        return crate::rebuild::rebuild_runs(
+            tmp.path(),
+            &args.rebuild_timelines_mib,
+            args.rebuild_kept_mib,
+        )
+        .await;
+    }
     let n = args.safekeepers.max(1);
     let disk = disk_limits(tmp.path(), n, args.mib.clamp(64, 256))?;
     say!(

@@ -202,6 +202,34 @@ fn wal_benchmark_prints_figures() {
     }
 }
 
+#[test]
+fn wal_rebuild_benchmark_prints_figures() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = Command::new(FERRY)
+        .args([
+            "bench",
+            "wal",
+            "--rebuild",
+            "--rebuild-timelines-mib",
+            "24,64",
+        ])
+        .args(["--rebuild-kept-mib", "8", "--dir"])
+        .arg(dir.path())
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run bench");
+    let stdout = succeeded(&out);
+    for needle in [
+        "timeline 24 MiB: pulled",
+        "timeline 64 MiB: pulled",
+        "the floor",
+        "the 64 MiB timeline's pull took",
+        "membership change: not measured",
+    ] {
+        assert!(stdout.contains(needle), "no {needle:?} in:\n{stdout}");
+    }
+}
+
 /// `ferry sim ...` runs the separate simulator binary beside `ferry` with its
 /// arguments, and says how to get it when there is none.
 #[test]
