@@ -3,7 +3,8 @@
 //! backup lacks its first segment): it restores the
 //! backed-up whole segments and the newest partial segment, does not vote,
 //! is brought back by the writer after its quarantine, catches up, and then
-//! holds every acknowledged insert like the others.
+//! holds every acknowledged insert like the others. One rebuilt with
+//! `--pull-from-peers` instead does the same from a running peer.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -216,6 +217,101 @@ async fn a_lost_safekeeper_is_restored_from_the_backup_while_writes_go_on() {
         Duration::from_secs(60),
         "the restored safekeeper is brought back and catches up",
         |s| flush_of(s, 2) >= after_restore,
+    )
+    .await;
+    flow.send_replace(Flow::Stop);
+    let (blocks, end) = common::stop_appending(writer, appends).await;
+    common::assert_every_safekeeper_holds(&addrs, &blocks, end).await;
+    drop(children);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_safekeeper_is_pulled_from_a_peer_while_writes_go_on() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // Above the writer's election timeout below.
+    let service: &[&str] = &[
+        "--restore-quarantine",
+        "2s",
+        "--wal-removal-interval",
+        "200ms",
+    ];
+    let mut children = Vec::new();
+    let mut addrs = Vec::new();
+    for id in 0..3u64 {
+        let mut args = service.to_vec();
+        args.push("--create");
+        let (child, addr, _) = common::start_safekeeper_watching(
+            id,
+            &dir.path().join(format!("sk{id}")),
+            "127.0.0.1:0",
+            &args,
+            CLUSTER,
+            SEG,
+            |_| {},
+        );
+        children.push(child);
+        addrs.push(addr);
+    }
+    let mut config = WriterConfig::new(
+        addrs.clone(),
+        ProposerConfig::new(
+            ferry_wal::ClusterId::new(CLUSTER).expect("id"),
+            3,
+            1,
+            SEG,
+            79,
+        ),
+    );
+    config.reconnect_delay = Duration::from_millis(50);
+    config.election_timeout = Duration::from_secs(1);
+    let writer = Arc::new(Writer::start(Arc::new(TcpNetwork), config));
+    let (flow, flow_rx) = tokio::sync::watch::channel(Flow::Run);
+    let appends = common::spawn_appends(&writer, flow_rx);
+    let mut status = writer.subscribe();
+    status_reaches(
+        &mut status,
+        Duration::from_secs(60),
+        "a few segments are committed",
+        |s| lsn(&s.commit_lsn) >= Lsn(3 * SEG),
+    )
+    .await;
+
+    // Safekeeper 2 dies and its data dir is lost while appends go on; it is
+    // pulled from the two others.
+    children[2].kill().expect("kill -9");
+    children[2].wait().expect("reap");
+    std::fs::remove_dir_all(dir.path().join("sk2")).expect("lose the data dir");
+    let before_pull = lsn(&writer.status().commit_lsn);
+    let peers = format!("{},{}", addrs[0], addrs[1]);
+    let mut args = service.to_vec();
+    args.extend(["--pull-from-peers", peers.as_str()]);
+    let (child, _, printed) = common::start_safekeeper_watching(
+        2,
+        &dir.path().join("sk2"),
+        &addrs[2],
+        &args,
+        CLUSTER,
+        SEG,
+        |_| {},
+    );
+    children[2] = child;
+    let pulled = printed
+        .iter()
+        .find(|l| l.contains("safekeeper 2: pulled from"))
+        .unwrap_or_else(|| panic!("a pull report: {printed:?}"));
+    assert!(
+        pulled.contains("votes again once a writer brings it back"),
+        "{pulled}"
+    );
+    let after_pull = lsn(&writer.status().end_lsn);
+    assert!(after_pull >= before_pull);
+    // Brought back after its quarantine, it catches up with the WAL written
+    // meanwhile, and holds every acknowledged insert like the others.
+    status_reaches(
+        &mut status,
+        Duration::from_secs(60),
+        "the pulled safekeeper is brought back and catches up",
+        |s| flush_of(s, 2) >= after_pull,
     )
     .await;
     flow.send_replace(Flow::Stop);
