@@ -48,7 +48,14 @@ use ferry_sim::seeds;
 ///
 /// Earlier, without the fences: an increment keyed without its shard
 /// failed 4 of 0..200 (92, 99, 147, 195).
-const REGRESSION_SEEDS: &[u64] = &[0, 1, 2, 3, 7, 89300531, 89300661, 89301932, 89301956];
+///
+/// 589400124 and 589401450 (11 of the 2,000 of that soak window) failed
+/// the harness, not the product: a cut copy left for a plain start had
+/// written its state file before the cut, and the next event copied over
+/// a built replica (the harness now starts it as it is).
+const REGRESSION_SEEDS: &[u64] = &[
+    0, 1, 2, 3, 7, 89300531, 89300661, 89301932, 89301956, 589400124, 589401450,
+];
 
 #[test]
 fn regression_seeds() {

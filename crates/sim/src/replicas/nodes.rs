@@ -517,19 +517,21 @@ pub(crate) async fn copy_lost_replica(
                 world.crash_disk(name);
                 disk = Arc::new(world.disk(name).for_process());
                 world.log(format!("{name}: copy cut after {cut:?}"));
-                if !resume_after_cut {
-                    return Ok(LostReplicaCopy {
-                        built: None,
-                        failed_attempts: failed_attempts.get(),
-                        left_after_cut: true,
-                    });
-                }
             }
         }
     }
     let needs = needs_copy(disk.as_ref(), "replica")
         .await
         .map_err(|e| format!("{name}: {e}"))?;
+    // A cut that came after the state file leaves a built replica, which
+    // starts as it is, resumed or not.
+    if built.is_none() && needs && !resume_after_cut {
+        return Ok(LostReplicaCopy {
+            built: None,
+            failed_attempts: failed_attempts.get(),
+            left_after_cut: true,
+        });
+    }
     let built = match built {
         Some(done) => Some(done),
         None if needs => Some(copy(Arc::clone(&disk)).await),
