@@ -26,6 +26,23 @@ fn lsn(s: &str) -> Lsn {
     s.parse().unwrap_or(Lsn(0))
 }
 
+/// A writer on the safekeepers at `addrs`, electing quickly.
+fn start_writer(addrs: &[String], proposer_id: u128) -> Arc<Writer> {
+    let mut config = WriterConfig::new(
+        addrs.to_vec(),
+        ProposerConfig::new(
+            ferry_wal::ClusterId::new(CLUSTER).expect("id"),
+            3,
+            1,
+            SEG,
+            proposer_id,
+        ),
+    );
+    config.reconnect_delay = Duration::from_millis(50);
+    config.election_timeout = Duration::from_secs(1);
+    Arc::new(Writer::start(Arc::new(TcpNetwork), config))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_safekeeper_is_restored_from_the_backup_while_writes_go_on() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -71,19 +88,7 @@ async fn a_lost_safekeeper_is_restored_from_the_backup_while_writes_go_on() {
         children.push(child);
         addrs.push(addr);
     }
-    let mut config = WriterConfig::new(
-        addrs.clone(),
-        ProposerConfig::new(
-            ferry_wal::ClusterId::new(CLUSTER).expect("id"),
-            3,
-            1,
-            SEG,
-            78,
-        ),
-    );
-    config.reconnect_delay = Duration::from_millis(50);
-    config.election_timeout = Duration::from_secs(1);
-    let writer = Arc::new(Writer::start(Arc::new(TcpNetwork), config));
+    let writer = start_writer(&addrs, 78);
 
     // Appends stream one after the other while the flow is Run.
     let (flow, flow_rx) = tokio::sync::watch::channel(Flow::Run);
@@ -252,19 +257,7 @@ async fn a_lost_safekeeper_is_pulled_from_a_peer_while_writes_go_on() {
         children.push(child);
         addrs.push(addr);
     }
-    let mut config = WriterConfig::new(
-        addrs.clone(),
-        ProposerConfig::new(
-            ferry_wal::ClusterId::new(CLUSTER).expect("id"),
-            3,
-            1,
-            SEG,
-            79,
-        ),
-    );
-    config.reconnect_delay = Duration::from_millis(50);
-    config.election_timeout = Duration::from_secs(1);
-    let writer = Arc::new(Writer::start(Arc::new(TcpNetwork), config));
+    let writer = start_writer(&addrs, 79);
     let (flow, flow_rx) = tokio::sync::watch::channel(Flow::Run);
     let appends = common::spawn_appends(&writer, flow_rx);
     let mut status = writer.subscribe();
