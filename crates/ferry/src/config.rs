@@ -42,6 +42,7 @@ pub struct ReplicaSection {
     pub lake_target_file_mib: Option<u64>,
     pub bootstrap_from: Option<String>,
     pub bootstrap_check: Option<String>,
+    pub min_free_disk: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize, Serialize)]
@@ -269,6 +270,9 @@ lake_target_file_mib = 128
 # What a copy checks beyond the crc32c of every part's bytes: "rows" (every
 # row against its part's footer) or "footers".
 bootstrap_check = "rows"
+# No WAL is applied while less than this is free on the data dir's file
+# system; applying resumes once an eighth more is free.
+min_free_disk = "1GiB"
 
 [api]
 # Bearer token every HTTP request must carry; at least 16 characters. Unset:

@@ -149,7 +149,15 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
             ferry_host::s3_settings_from_env(),
             ferry_host::paths::export_roots(&args.export_roots, &data_dir)?,
         ));
-    let mut nodes = start_replicas(&data_dir, &coord, &catalog, &quorum, &destinations).await?;
+    let mut nodes = start_replicas(
+        &data_dir,
+        &coord,
+        &catalog,
+        &quorum,
+        &destinations,
+        args.wal.min_free_disk,
+    )
+    .await?;
     let exports = export_api(
         &nodes,
         &coord,
@@ -354,6 +362,7 @@ async fn start_replicas(
     catalog: &ferry_ingest::Catalog,
     quorum: &LocalQuorum,
     destinations: &Arc<dyn ferry_export::Destinations>,
+    min_free_disk: u64,
 ) -> anyhow::Result<Vec<ferry_node::ReplicaNode>> {
     let disk: Arc<dyn ferry_env::Disk> = Arc::new(
         RealDisk::open_root(data_dir)
@@ -415,7 +424,15 @@ async fn start_replicas(
                 replica: r,
                 wal: ferry_node::WalSource::Safekeepers {
                     network: Arc::new(ferry_env::TcpNetwork),
-                    config: ferry_replica::StreamConfig::new(safekeeper_addrs.clone()),
+                    config: ferry_replica::StreamConfig {
+                        space: (min_free_disk > 0).then(|| {
+                            ferry_env::space::SpaceBreaker::new(
+                                format!("replica {r}"),
+                                min_free_disk,
+                            )
+                        }),
+                        ..ferry_replica::StreamConfig::new(safekeeper_addrs.clone())
+                    },
                 },
                 merges: Some(ferry_node::replica::REPLACED_PART_GRACE),
                 export: Some(ferry_node::ExportSeams {

@@ -611,6 +611,12 @@ pub struct ReplicaArgs {
     /// merged or exported).
     #[arg(long, value_enum, default_value_t = BootstrapCheck::Rows)]
     bootstrap_check: BootstrapCheck,
+    /// No WAL is applied while less than this is free on the data dir's
+    /// file system (the WAL waits on the safekeepers, the writer's lag
+    /// limits hold inserts back); applying resumes by itself once an eighth
+    /// more is free: `512MiB`, `2GiB`, bytes, or `0` (never).
+    #[arg(long, default_value = "1GiB", value_parser = ferry_host::paths::parse_byte_size)]
+    min_free_disk: u64,
 }
 
 /// `--bootstrap-check`.
@@ -702,7 +708,15 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
             replica: args.replica,
             wal: ferry_node::WalSource::Safekeepers {
                 network: Arc::new(TcpNetwork),
-                config: ferry_replica::StreamConfig::new(args.safekeepers.clone()),
+                config: ferry_replica::StreamConfig {
+                    space: (args.min_free_disk > 0).then(|| {
+                        ferry_env::space::SpaceBreaker::new(
+                            format!("replica {} of shard {}", args.replica, args.shard),
+                            args.min_free_disk,
+                        )
+                    }),
+                    ..ferry_replica::StreamConfig::new(args.safekeepers.clone())
+                },
             },
             merges: Some(ferry_node::replica::REPLACED_PART_GRACE),
             export: Some(ferry_node::ExportSeams {

@@ -97,6 +97,8 @@ pub struct ReplicaNode {
     stream: Option<JoinHandle<ReplicaError>>,
     merges: Option<JoinHandle<()>>,
     holds: Option<JoinHandle<()>>,
+    /// Feeds the walreceiver's disk-full breaker, when it has one.
+    space_watch: Option<JoinHandle<()>>,
     exporter: Option<JoinHandle<()>>,
 }
 
@@ -119,8 +121,15 @@ impl ReplicaNode {
         let reader = replica.reader();
         let replica: SharedReplica = Arc::new(tokio::sync::Mutex::new(replica));
         let parts = Arc::new(ReplicaSet::new(vec![Arc::clone(&replica)]));
+        let mut space_watch = None;
         let stream = match config.wal {
             WalSource::Safekeepers { network, config } => {
+                space_watch = config.space.clone().map(|space| {
+                    tokio::spawn(ferry_env::space::watch_free_space(
+                        Arc::clone(&seams.disk),
+                        space,
+                    ))
+                });
                 Some(tokio::spawn(ferry_replica::stream::run(
                     Arc::clone(&replica),
                     network,
@@ -175,6 +184,7 @@ impl ReplicaNode {
             stream,
             merges,
             holds: Some(holds),
+            space_watch,
             exporter: exporter_task,
         })
     }
@@ -212,9 +222,13 @@ impl ReplicaNode {
             stream.abort();
             let _ = stream.await;
         }
-        for task in [self.merges.take(), self.holds.take()]
-            .into_iter()
-            .flatten()
+        for task in [
+            self.merges.take(),
+            self.holds.take(),
+            self.space_watch.take(),
+        ]
+        .into_iter()
+        .flatten()
         {
             task.abort();
             let _ = task.await;

@@ -41,6 +41,10 @@ pub struct StreamConfig {
     /// frames waiting in the connection (which announce the commit position
     /// of when they were sent) never look like lag.
     pub max_lag_bytes: u64,
+    /// While open (the disk nearly full), no WAL is applied: the connection
+    /// is dropped and streaming resumes once the breaker closes. The WAL
+    /// waits on the safekeepers; the writer's lag limits hold inserts back.
+    pub space: Option<ferry_env::space::SpaceBreaker>,
 }
 
 impl StreamConfig {
@@ -52,6 +56,7 @@ impl StreamConfig {
             lag_probe_interval: Duration::from_secs(5),
             probe_timeout: Duration::from_secs(1),
             max_lag_bytes: 16 << 20,
+            space: None,
         }
     }
 }
@@ -76,6 +81,13 @@ pub async fn run(
         if config.safekeepers.is_empty() {
             tokio::time::sleep(config.reconnect_delay).await;
             continue;
+        }
+        if let Some(space) = &config.space {
+            if let Err(full) = space.check() {
+                tracing::warn!(error = %full, "the replica applies no WAL until disk space returns");
+                space.wait_closed().await;
+                tracing::info!("disk space is back: the replica streams WAL again");
+            }
         }
         let index = next % config.safekeepers.len();
         let addr = config.safekeepers[index].clone();
@@ -246,6 +258,11 @@ async fn stream_from(
                     return Err(StreamError::Connection(format!(
                         "{addr} sent WAL up to {end}, past its commit_lsn {commit_lsn}"
                     )));
+                }
+                if let Some(full) = config.space.as_ref().and_then(|s| s.check().err()) {
+                    // Not applied: streamed again from the replica's
+                    // position once space returns.
+                    return Err(StreamError::Connection(full.to_string()));
                 }
                 let mut r = replica.lock().await;
                 let applied = r

@@ -899,3 +899,58 @@ async fn safekeepers_short_of_disk_refuse_appends_and_go_on_when_space_returns()
         assert!(s.status().await.disk_full.is_none());
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_short_of_disk_applies_no_wal_until_space_returns() {
+    let c = cluster_of(false, None, false).await;
+    let writer = c.writer();
+    let wal = write_wal(&writer, 3 * SEG).await;
+    let end = writer
+        .append(ferry_testkit::wal::insert(4, 9999, 10))
+        .await
+        .expect("append");
+    assert!(end.0 > wal.len() as u64);
+    let (_dir, disk) = ferry_testkit::disk::temp_disk();
+    let replica = Arc::new(tokio::sync::Mutex::new(
+        ferry_replica::Replica::open(
+            disk,
+            "s0r0",
+            0,
+            0,
+            ferry_env::Cpu::Inline,
+            // The test's records are of a dropped table: applied as skipped.
+            Arc::new(ferry_testkit::table::FixedTables::new([]).with_dropped(4)),
+        )
+        .await
+        .expect("replica"),
+    ));
+    let space = ferry_env::space::SpaceBreaker::new("replica 0 of shard 0", 100 << 20);
+    space.observe(Some(1 << 20));
+    let mut config =
+        ferry_replica::StreamConfig::new(c.servers.iter().map(|s| s.addr().to_string()).collect());
+    config.reconnect_delay = Duration::from_millis(10);
+    config.space = Some(space.clone());
+    let stream = tokio::spawn(ferry_replica::stream::run(
+        Arc::clone(&replica),
+        Arc::new(TcpNetwork),
+        Arc::new(ferry_env::SystemClock),
+        config,
+    ));
+    // While the breaker is open nothing is applied (a bounded look: a
+    // replica that ignored it would have applied the 3 segments by then).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(replica.lock().await.receive_from(), Lsn(0));
+    // Space returns: it streams and applies everything committed.
+    space.observe(Some(1 << 30));
+    let deadline = tokio::time::Instant::now() + SOON;
+    while replica.lock().await.disk_consistent_lsn() < end {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the replica never applied the WAL once space returned: at {} of {end}",
+            replica.lock().await.receive_from()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stream.abort();
+    writer.shutdown().await.expect("clean shutdown");
+}
