@@ -122,8 +122,10 @@ impl ReplicaNode {
         let replica: SharedReplica = Arc::new(tokio::sync::Mutex::new(replica));
         let parts = Arc::new(ReplicaSet::new(vec![Arc::clone(&replica)]));
         let mut space_watch = None;
+        let mut space = None;
         let stream = match config.wal {
             WalSource::Safekeepers { network, config } => {
+                space = config.space.clone();
                 space_watch = config.space.clone().map(|space| {
                     tokio::spawn(ferry_env::space::watch_free_space(
                         Arc::clone(&seams.disk),
@@ -143,7 +145,7 @@ impl ReplicaNode {
             let replica = Arc::clone(&replica);
             let dir = config.dir.clone();
             tokio::spawn(async move {
-                let e = ferry_replica::run_merges(replica, grace).await;
+                let e = ferry_replica::replica::run_merges_with_space(replica, grace, space).await;
                 tracing::warn!(replica = %dir, error = %e, "the replica's merges stopped");
             })
         });

@@ -3,7 +3,8 @@
 //! idempotency window and the decided merges came with it); a merge that
 //! replaces a listed part during the copy does not remove it; a damaged byte
 //! is refused; an interrupted copy resumes and is never opened as a new
-//! replica; a built replica is never overwritten; and a manifest that is not one position is refused.
+//! replica; a built replica is never overwritten; (with this file's
+//! history) merges wait while the disk is nearly full; and a manifest that is not one position is refused.
 
 #![allow(clippy::disallowed_methods, clippy::disallowed_types)] // a real temp dir
 
@@ -390,4 +391,39 @@ async fn a_manifest_that_is_not_one_position_is_refused() {
     assert!(check_manifest(&both, 0)
         .expect_err("replaced")
         .contains("replaced"));
+}
+
+/// With the disk nearly full no merge starts (a merge writes its result
+/// before the parts it replaces go); the merges decided meanwhile run once
+/// space returns.
+#[tokio::test]
+async fn merges_wait_while_the_disk_is_nearly_full() {
+    let (_dir, disk) = ferry_testkit::disk::temp_disk();
+    let (_, all) = history();
+    let mut r = open_as(&disk, "m", 0).await;
+    r.receive(Lsn(0), &all).await.expect("apply");
+    let pending = r.subscribe().borrow().pending_merges;
+    assert!(pending > 0, "merges decided");
+    let mut status = r.subscribe();
+    let r: SharedReplica = Arc::new(tokio::sync::Mutex::new(r));
+    let space = ferry_env::space::SpaceBreaker::new("replica 0", 100 << 20);
+    space.observe(Some(1 << 20));
+    let merges = tokio::spawn(ferry_replica::replica::run_merges_with_space(
+        Arc::clone(&r),
+        std::time::Duration::from_secs(60),
+        Some(space.clone()),
+    ));
+    // A bounded look: a merger that ignored the breaker would have done the
+    // first merge by then.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert_eq!(r.lock().await.subscribe().borrow().merges_done, 0);
+    space.observe(Some(1 << 30));
+    tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        status.wait_for(|s| s.pending_merges == 0 && s.merges_done > 0),
+    )
+    .await
+    .expect("the merges run once space returned")
+    .expect("status");
+    merges.abort();
 }

@@ -354,10 +354,26 @@ impl MergeJob {
 /// them), unless an export pinned them by then. Returns only if a merge
 /// fails.
 pub async fn run_merges(replica: SharedReplica, grace: std::time::Duration) -> ReplicaError {
+    run_merges_with_space(replica, grace, None).await
+}
+
+/// [`run_merges`], starting no merge while `space` is open (the disk nearly
+/// full: a merge writes its result before the parts it replaces go); the
+/// replaced parts' removal goes on, since it frees space.
+pub async fn run_merges_with_space(
+    replica: SharedReplica,
+    grace: std::time::Duration,
+    space: Option<ferry_env::space::SpaceBreaker>,
+) -> ReplicaError {
     let mut status = replica.lock().await.subscribe();
     let mut doomed: VecDeque<(tokio::time::Instant, Vec<(u64, PartName)>)> = VecDeque::new();
     loop {
-        let job = replica.lock().await.next_merge();
+        let full = space.as_ref().is_some_and(|s| s.check().is_err());
+        let job = if full {
+            None
+        } else {
+            replica.lock().await.next_merge()
+        };
         if let Some(job) = job {
             let merge = job.merge.clone();
             let meta = match job.run().await {
@@ -405,6 +421,13 @@ pub async fn run_merges(replica: SharedReplica, grace: std::time::Duration) -> R
                 match wake {
                     Some(at) => tokio::time::sleep_until(at).await,
                     None => std::future::pending::<()>().await,
+                }
+            } => {}
+            // Space is back: the merges decided meanwhile run.
+            () = async {
+                match &space {
+                    Some(s) if full => s.wait_closed().await,
+                    _ => std::future::pending::<()>().await,
                 }
             } => {}
         }

@@ -71,7 +71,9 @@ use crate::view::{ReadView, ReplicaReader};
 
 pub use decide::{DEDUP_WINDOW, PERSIST_EVERY_BYTES};
 pub use holds::{HoldError, BOOTSTRAP_HOLD_IDLE, MAX_BOOTSTRAP_HOLDS};
-pub use merges::{run_merges, Merge, MergeJob, MAX_MERGE_LEVEL, MERGE_FANIN};
+pub use merges::{
+    run_merges, run_merges_with_space, Merge, MergeJob, MAX_MERGE_LEVEL, MERGE_FANIN,
+};
 pub use retire::RetiredPartition;
 
 /// The merges a compaction record with `target_rows` would decide for a
