@@ -3,8 +3,9 @@
 //! idempotency window and the decided merges came with it); a merge that
 //! replaces a listed part during the copy does not remove it; a damaged byte
 //! is refused; an interrupted copy resumes and is never opened as a new
-//! replica; a built replica is never overwritten; (with this file's
-//! history) merges wait while the disk is nearly full; and a manifest that is not one position is refused.
+//! replica; a built replica is never overwritten; a manifest that is not
+//! one position is refused; and (with this file's history) merges wait
+//! while the disk is nearly full.
 
 #![allow(clippy::disallowed_methods, clippy::disallowed_types)] // a real temp dir
 
