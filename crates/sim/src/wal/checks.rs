@@ -308,6 +308,10 @@ impl Sim {
             }
             Err(e) => {
                 self.not_acked.insert(block);
+                if matches!(e, WriterError::DiskFull { .. }) {
+                    // "Nothing was written": checked at the end.
+                    self.refused_unwritten.insert(block);
+                }
                 self.log(format!("block {block} not acknowledged: {e}"));
             }
         }
@@ -522,6 +526,14 @@ impl Sim {
                     return Err(self.fail(format!("block {block_number} appears twice in the WAL")));
                 }
             }
+        }
+        // A writer that refused an append for lack of disk space wrote
+        // nothing of it: the API tells the client so (503 disk_full), and a
+        // retry without the key must not make it twice.
+        if let Some(block) = self.refused_unwritten.iter().find(|b| seen.contains_key(b)) {
+            return Err(self.fail(format!(
+                "block {block} was refused for lack of disk space (nothing written), yet it is in the committed WAL"
+            )));
         }
         for (block, end) in &self.acked {
             match seen.get(block) {

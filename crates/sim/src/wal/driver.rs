@@ -375,6 +375,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         next_block: 0,
         acked: BTreeMap::new(),
         not_acked: BTreeSet::new(),
+        refused_unwritten: BTreeSet::new(),
         results: mpsc::unbounded_channel(),
         committed: Lsn(0),
         committed_by: BTreeMap::new(),

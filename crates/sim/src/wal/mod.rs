@@ -173,6 +173,9 @@ struct Sim {
     acked: BTreeMap<u64, Lsn>,
     /// Blocks whose append failed (not acknowledged: outcome unknown).
     not_acked: BTreeSet<u64>,
+    /// Of those, the ones refused for lack of disk space: nothing of them
+    /// may be written.
+    refused_unwritten: BTreeSet<u64>,
     results: (
         mpsc::UnboundedSender<AppendResult>,
         mpsc::UnboundedReceiver<AppendResult>,
