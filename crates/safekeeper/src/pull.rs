@@ -38,8 +38,8 @@ use ferry_wal::{Lsn, Term};
 use tokio::io::AsyncWriteExt;
 
 use crate::acceptor::AcceptorConfig;
-use crate::control::{ControlFile, ControlFileError, SafekeeperState, CONTROL_FILE};
-use crate::restore::{own_partial_objects, RestoreError};
+use crate::control::{ControlFile, ControlFileError, SafekeeperState};
+use crate::restore::{control_file_of, empty_wal_dir, own_partial_objects, RestoreError};
 use crate::wal_storage::{Preallocation, WalStorage, WalStorageError};
 
 /// WAL written between two flushes of a pull (the flushes bound what a
@@ -99,11 +99,8 @@ pub async fn pull_from_peer(
     backup: Option<&Location>,
 ) -> Result<PullReport, PullError> {
     let seg = config.segment_size;
-    let control_path = format!("{dir}/{CONTROL_FILE}");
-    match disk.metadata(&control_path).await {
-        Ok(_) => return Err(PullError::Exists(control_path)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e.into()),
+    if let Some(control_path) = control_file_of(disk.as_ref(), dir).await? {
+        return Err(PullError::Exists(control_path));
     }
     let own_partials = match backup {
         Some(b) => {
@@ -148,15 +145,16 @@ pub async fn pull_from_peer(
             snapshot.start_lsn, snapshot.commit_lsn
         )));
     }
-
-    // Leftovers of a pull or restore that crashed before its control file
-    // go first.
-    let wal_dir = format!("{dir}/wal");
-    disk.create_dir_all(&wal_dir).await?;
-    for name in disk.list_dir(&wal_dir).await? {
-        disk.remove_file(&format!("{wal_dir}/{name}")).await?;
+    // What goes into the control file is input from the network.
+    if !snapshot.term_history.is_well_formed() || snapshot.term_history.last_term() > snapshot.term
+    {
+        return Err(fail(format!(
+            "its snapshot's term history is not one of term {}",
+            snapshot.term
+        )));
     }
-    disk.sync_dir(&wal_dir).await?;
+
+    let wal_dir = empty_wal_dir(disk.as_ref(), dir).await?;
     let mut wal = WalStorage::open(
         Arc::clone(&disk),
         &wal_dir,

@@ -90,11 +90,8 @@ pub async fn restore_from_backup(
 ) -> Result<RestoreReport, RestoreError> {
     let seg = config.segment_size;
     let backup = &crate::backup::cluster_folder(backup, &config.cluster_id)?;
-    let control_path = format!("{dir}/{CONTROL_FILE}");
-    match disk.metadata(&control_path).await {
-        Ok(_) => return Err(RestoreError::Exists(control_path)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e.into()),
+    if let Some(control_path) = control_file_of(disk.as_ref(), dir).await? {
+        return Err(RestoreError::Exists(control_path));
     }
     let whole = whole_run(seg, backup).await?;
     let run_end = seg.start(whole);
@@ -118,13 +115,7 @@ pub async fn restore_from_backup(
         }
     }
 
-    // Leftovers of a restore that crashed before its control file go first.
-    let wal_dir = format!("{dir}/wal");
-    disk.create_dir_all(&wal_dir).await?;
-    for name in disk.list_dir(&wal_dir).await? {
-        disk.remove_file(&format!("{wal_dir}/{name}")).await?;
-    }
-    disk.sync_dir(&wal_dir).await?;
+    let wal_dir = empty_wal_dir(disk.as_ref(), dir).await?;
 
     // Opened from the start of the timeline with nothing known durable:
     // empty at first, then walked to its last whole record.
@@ -206,6 +197,30 @@ pub async fn restore_from_backup(
         restored_lsn,
         bytes,
     })
+}
+
+/// The path of the control file under `dir`, if there is one: a data dir
+/// with one holds a safekeeper, which a rebuild never overwrites.
+pub(crate) async fn control_file_of(disk: &dyn Disk, dir: &str) -> std::io::Result<Option<String>> {
+    let control_path = format!("{dir}/{CONTROL_FILE}");
+    match disk.metadata(&control_path).await {
+        Ok(_) => Ok(Some(control_path)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Makes `<dir>/wal` an empty directory and returns its path: the leftovers
+/// of a rebuild (a restore or a pull) that crashed before its control file
+/// go first.
+pub(crate) async fn empty_wal_dir(disk: &dyn Disk, dir: &str) -> std::io::Result<String> {
+    let wal_dir = format!("{dir}/wal");
+    disk.create_dir_all(&wal_dir).await?;
+    for name in disk.list_dir(&wal_dir).await? {
+        disk.remove_file(&format!("{wal_dir}/{name}")).await?;
+    }
+    disk.sync_dir(&wal_dir).await?;
+    Ok(wal_dir)
 }
 
 /// The partial objects safekeeper `node_id` uploaded before it lost its

@@ -516,11 +516,7 @@ where
     };
     let (snapshot, committed, _hold) = match started {
         Ok(started) => started,
-        Err(refusal) => {
-            proto::write_frame(&mut writer, &refusal).await?;
-            writer.flush().await?;
-            return Ok(());
-        }
+        Err(refusal) => return send_last(&mut writer, &refusal).await,
     };
     tracing::info!(
         peer = req.node_id,
@@ -532,23 +528,21 @@ where
     proto::write_frame(&mut writer, &FromSafekeeper::PullStart(snapshot)).await?;
     let mut pos = start;
     while pos < end {
-        let wal = match committed.read(pos, end, MAX_SEND_BYTES).await {
+        let read = committed.read(pos, end, MAX_SEND_BYTES).await;
+        let wal = match read {
             Ok(wal) if !wal.is_empty() => wal,
-            Ok(_) => {
+            failed => {
+                // Committed WAL is never truncated: an empty read below the
+                // commit point is as much a failure as an error.
                 let term = shared.acceptor.lock().await.term();
-                let e = AcceptorError::Refused {
-                    term,
-                    reason: format!("committed WAL at {pos} read as empty below {end}"),
+                let refusal = match failed {
+                    Err(e) => e.to_message(term),
+                    Ok(_) => FromSafekeeper::Refused {
+                        term,
+                        reason: format!("committed WAL at {pos} read as empty below {end}"),
+                    },
                 };
-                proto::write_frame(&mut writer, &e.to_message(term)).await?;
-                writer.flush().await?;
-                return Ok(());
-            }
-            Err(e) => {
-                let term = shared.acceptor.lock().await.term();
-                proto::write_frame(&mut writer, &e.to_message(term)).await?;
-                writer.flush().await?;
-                return Ok(());
+                return send_last(&mut writer, &refusal).await;
             }
         };
         let begin = pos;
@@ -567,7 +561,15 @@ where
         let a = shared.acceptor.lock().await;
         (a.term(), a.commit_lsn())
     };
-    proto::write_frame(&mut writer, &FromSafekeeper::PullEnd { term, commit_lsn }).await?;
+    send_last(&mut writer, &FromSafekeeper::PullEnd { term, commit_lsn }).await
+}
+
+/// Sends the last message of a connection and flushes it.
+async fn send_last<W: tokio::io::AsyncWrite + Unpin>(
+    writer: &mut BufWriter<W>,
+    msg: &FromSafekeeper,
+) -> Result<(), proto::FrameError> {
+    proto::write_frame(writer, msg).await?;
     writer.flush().await?;
     Ok(())
 }
@@ -609,16 +611,11 @@ where
     };
     let Some(slot) = slot else {
         let term = shared.acceptor.lock().await.term();
-        proto::write_frame(
-            &mut writer,
-            &FromSafekeeper::Refused {
-                term,
-                reason: format!("too many walsenders (at most {MAX_WALSENDERS})"),
-            },
-        )
-        .await?;
-        writer.flush().await?;
-        return Ok(());
+        let refusal = FromSafekeeper::Refused {
+            term,
+            reason: format!("too many walsenders (at most {MAX_WALSENDERS})"),
+        };
+        return send_last(&mut writer, &refusal).await;
     };
     let mut pos = start;
     let mut announced = Lsn(0);
@@ -644,9 +641,7 @@ where
                         e => e.to_message(acceptor.term()),
                     };
                     drop(acceptor);
-                    proto::write_frame(&mut writer, &answer).await?;
-                    writer.flush().await?;
-                    return Ok(());
+                    return send_last(&mut writer, &answer).await;
                 }
             };
             if wal.is_empty() {

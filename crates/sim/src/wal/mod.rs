@@ -1,11 +1,12 @@
 //! The WAL random test: three safekeepers, writers and a simulated replica
 //! under a random schedule of writes, crashes, restarts, partitions, disk
 //! stalls and failures, writer restarts and takeovers, a misbehaving
-//! proposer, a lost data dir restored from the backup and crashes inside
-//! partial uploads, checked against the invariants of the WAL quorum.
+//! proposer, a lost data dir rebuilt from the backup or a peer, disks
+//! nearly full, and crashes inside partial uploads, checked against the
+//! invariants of the WAL quorum.
 //!
 //! * [`schedule`]: the events and how a seed draws them;
-//! * `nodes`: starting, crashing, losing and restoring safekeepers;
+//! * `nodes`: starting, crashing, losing and rebuilding safekeepers;
 //! * `writers`: starting, killing and replacing writers, and the known
 //!   commit kept in coordination;
 //! * `checks`: the checks at every step and the final ones;

@@ -1,7 +1,7 @@
 //! The WAL workload's safekeepers: created once, started with settings drawn
 //! at every start (through the shared [`crate::safekeepers`] harness),
 //! crashed (most right after a write), crashed inside a partial upload, and
-//! one of them losing its data dir and restored from the backup.
+//! one of them losing its data dir and rebuilt from the backup or a peer.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -111,9 +111,9 @@ impl Sim {
             .await;
     }
 
-    /// Loses safekeeper `i`'s data dir and rebuilds it from the backup (a
-    /// restore may crash half way, or find the backup incomplete; it is
-    /// tried again later, see [`Sim::try_restore`]).
+    /// Loses safekeeper `i`'s data dir and rebuilds it from the backup or a
+    /// peer (a rebuild may crash half way, find the backup incomplete or
+    /// the peer gone; it is tried again later, see [`Sim::try_restore`]).
     pub(super) async fn lose_disk(&mut self, i: usize) -> Result<(), Failure> {
         if self.restored.is_some() || self.restoring.is_some() {
             self.log(format!(
@@ -129,9 +129,9 @@ impl Sim {
         self.try_restore().await
     }
 
-    /// One attempt to rebuild the lost safekeeper from the backup; on
-    /// success it starts. A failed or crashed attempt leaves it down for the
-    /// next one.
+    /// One attempt to rebuild the lost safekeeper, pulled from a running
+    /// peer or restored from the backup; on success it starts. A failed or
+    /// crashed attempt leaves it down for the next one.
     pub(super) async fn try_restore(&mut self) -> Result<(), Failure> {
         let Some(i) = self.restoring else {
             return Ok(());
