@@ -131,6 +131,7 @@ async fn safekeeper_term(addr: &str) -> u64 {
             proposer_id: 1,
             timeline_id: 1,
             segment_bytes: SEG,
+            configuration: None,
         }),
     )
     .await

@@ -10,6 +10,7 @@
 use std::sync::Arc;
 
 use ferry_env::Disk;
+use ferry_wal::membership::Configuration;
 use ferry_wal::{ClusterId, Lsn, Term, TermHistory};
 use serde::{Deserialize, Serialize};
 
@@ -18,8 +19,9 @@ pub const CONTROL_FILE: &str = "safekeeper.control";
 const MAGIC: u32 = 0xFE55_AFE0;
 /// Bumped on every incompatible change of [`SafekeeperState`] (2: the cluster id;
 /// 3: the durable flush point; 4: registered replicas; 5: restored from the
-/// backup). Versions 3 and 4 are read and upgraded on the next write.
-pub const FORMAT_VERSION: u32 = 5;
+/// backup; 6: the membership configuration). Versions 3 to 5 are read and
+/// upgraded on the next write.
+pub const FORMAT_VERSION: u32 = 6;
 
 /// Most replicas a control file registers (as many as the feedback board keeps).
 pub const MAX_REGISTERED_REPLICAS: usize = 4096;
@@ -91,9 +93,13 @@ pub struct SafekeeperState {
     /// Rebuilt from the WAL backup up to this LSN and not brought back by a
     /// writer yet: the votes this safekeeper gave before its data was lost
     /// are forgotten, so it must not vote or acknowledge WAL until a writer
-    /// proven current brings it back (`ferry_wal::proto::Restored`). Last
-    /// field: a format 4 body plus one `None` byte is a format 5 body.
+    /// proven current brings it back (`ferry_wal::proto::Restored`). A
+    /// format 4 body plus one `None` byte is a format 5 body.
     pub restored_up_to: Option<Lsn>,
+    /// The highest membership configuration seen (`None`: generation 0,
+    /// never recorded). Persisted before any answer that depends on it.
+    /// Last field: a format 5 body plus one `None` byte is a format 6 body.
+    pub configuration: Option<Configuration>,
 }
 
 /// Format version 3, read to upgrade it.
@@ -137,6 +143,7 @@ impl From<StateV3> for SafekeeperState {
             partial_backup: v.partial_backup,
             registered_replicas: Vec::new(),
             restored_up_to: None,
+            configuration: None,
         }
     }
 }
@@ -167,6 +174,7 @@ impl SafekeeperState {
             partial_backup: Vec::new(),
             registered_replicas: Vec::new(),
             restored_up_to: None,
+            configuration: None,
         }
     }
 }
@@ -234,12 +242,14 @@ pub fn decode(bytes: &[u8]) -> Result<SafekeeperState, ControlFileError> {
     let corrupt = |e: postcard::Error| ControlFileError::Corrupt(e.to_string());
     let state: SafekeeperState = match version {
         FORMAT_VERSION => postcard::from_bytes(body).map_err(corrupt)?,
-        // Format 5 appended `restored_up_to`; postcard writes `None` as one
-        // zero byte, so a format 4 body with that byte is a format 5 body.
-        4 => {
-            let mut upgraded = Vec::with_capacity(body.len() + 1);
+        // Formats 5 and 6 appended `restored_up_to` and `configuration`;
+        // postcard writes `None` as one zero byte, so a format 4 body with
+        // two such bytes (format 5 with one) is a format 6 body.
+        4 | 5 => {
+            let missing = (FORMAT_VERSION - version) as usize;
+            let mut upgraded = Vec::with_capacity(body.len() + missing);
             upgraded.extend_from_slice(body);
-            upgraded.push(0);
+            upgraded.extend(std::iter::repeat_n(0u8, missing));
             postcard::from_bytes(&upgraded).map_err(corrupt)?
         }
         3 => postcard::from_bytes::<StateV3>(body)
@@ -321,8 +331,8 @@ impl ControlFile {
             return Ok(());
         }
         // What a safekeeper promised survives every write of its control
-        // file: its term (a vote given) and its commit_lsn never go back,
-        // and its backup never passes what it knows committed. A violation
+        // file: its term (a vote given), its commit_lsn and its
+        // configuration's generation never go back, and its backup never passes what it knows committed. A violation
         // stops the safekeeper before the file says otherwise.
         assert!(
             state.term >= self.persisted.term,
@@ -335,6 +345,13 @@ impl ControlFile {
             "commit_lsn would go back from {} to {}",
             self.persisted.commit_lsn,
             state.commit_lsn
+        );
+        let generation = |s: &SafekeeperState| s.configuration.as_ref().map_or(0, |c| c.generation);
+        assert!(
+            generation(state) >= generation(&self.persisted),
+            "the configuration would go back from generation {} to {}",
+            generation(&self.persisted),
+            generation(state)
         );
         assert!(
             state.backup_lsn <= state.commit_lsn,
@@ -414,15 +431,20 @@ mod tests {
     }
 
     #[test]
-    fn versions_3_and_4_are_upgraded_and_new_fields_round_trip() {
-        // Format 4 is format 5 without `restored_up_to` (`None`: one byte);
-        // format 3 also lacks the registered replicas (empty: one byte).
+    fn versions_3_to_5_are_upgraded_and_new_fields_round_trip() {
+        // Format 5 is format 6 without `configuration` (`None`: one byte);
+        // format 4 also lacks `restored_up_to` (one byte), format 3 the
+        // registered replicas (empty: one byte).
         assert_eq!(
-            decode(&older_format(&sample(), 4, 1)).expect("v4"),
+            decode(&older_format(&sample(), 5, 1)).expect("v5"),
             sample()
         );
         assert_eq!(
-            decode(&older_format(&sample(), 3, 2)).expect("v3"),
+            decode(&older_format(&sample(), 4, 2)).expect("v4"),
+            sample()
+        );
+        assert_eq!(
+            decode(&older_format(&sample(), 3, 3)).expect("v3"),
             sample()
         );
 
@@ -434,6 +456,13 @@ mod tests {
         }];
         with.last_removed_segno = 3;
         with.restored_up_to = Some(Lsn(12345));
+        with.configuration = Some(
+            Configuration::initial(vec![ferry_wal::membership::Member {
+                id: 2,
+                addr: "sk2:7000".into(),
+            }])
+            .expect("configuration"),
+        );
         let bytes = encode(&with).expect("encode");
         assert_eq!(decode(&bytes).expect("decode"), with);
     }

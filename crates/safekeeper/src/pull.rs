@@ -227,6 +227,12 @@ pub async fn pull_from_peer(
     state.last_removed_segno = seg.segno(snapshot.start_lsn);
     state.partial_backup = own_partials;
     state.restored_up_to = Some(snapshot.commit_lsn);
+    // A configuration that does not validate is left out: the next writer
+    // or change driver hands over the current one.
+    state.configuration = snapshot
+        .configuration
+        .clone()
+        .filter(|c| c.validate().is_ok());
     ControlFile::create(disk, dir, state).await?;
     Ok(PullReport {
         donor: donor.to_string(),

@@ -14,7 +14,7 @@ use tokio::io::{AsyncWriteExt, BufWriter};
 use tokio::sync::{watch, Mutex};
 use tokio::task::JoinSet;
 
-use crate::acceptor::{Acceptor, AcceptorError, AcceptorStatus};
+use crate::acceptor::{Acceptor, AcceptorError, AcceptorStatus, WriterSession};
 use crate::backup::{self, BackupConfig, BackupPlanner, RemoteWal};
 use crate::partial::{self, PartialBackupConfig};
 use crate::wal_storage::WalStorageError;
@@ -430,6 +430,7 @@ async fn serve_connection(conn: BoxConnection, shared: &Shared) -> Result<(), pr
         return serve_pull(writer, shared, req).await;
     }
     let mut batch = vec![first];
+    let mut session = WriterSession::default();
     loop {
         // Everything that already arrived joins the batch: one fsync for all.
         while batch.len() < MAX_BATCH_MESSAGES {
@@ -454,7 +455,10 @@ async fn serve_connection(conn: BoxConnection, shared: &Shared) -> Result<(), pr
         let replies = {
             let mut acceptor = shared.acceptor.lock().await;
             let term = acceptor.term();
-            let mut replies = match acceptor.handle_batch(std::mem::take(&mut batch)).await {
+            let mut replies = match acceptor
+                .handle_batch(std::mem::take(&mut batch), &mut session)
+                .await
+            {
                 Ok(replies) => replies,
                 Err(e) => {
                     shared.fail(e.to_string());

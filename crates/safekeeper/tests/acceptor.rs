@@ -8,9 +8,10 @@ use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 use ferry_env::{Disk, RealDisk};
-use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig, AcceptorError};
+use ferry_safekeeper::acceptor::{Acceptor, AcceptorConfig, AcceptorError, WriterSession};
 use ferry_safekeeper::restore::{RestoreError, RestoreReport};
 use ferry_testkit::disk::temp_disk;
+use ferry_wal::membership::{Configuration, Member};
 use ferry_wal::proto::{
     AppendRequest, FromSafekeeper, Greeting, ProposerElected, ShardFeedback, ToSafekeeper,
 };
@@ -101,31 +102,48 @@ fn refusal(e: AcceptorError) -> String {
 #[tokio::test]
 async fn greeting_checks_timeline_and_geometry() {
     let (_dir, disk) = temp_disk();
-    let a = open(&disk).await;
+    let mut a = open(&disk).await;
     let ok = Greeting {
         cluster_id: cluster(),
         proposer_id: 1,
         timeline_id: 1,
         segment_bytes: 64 << 10,
+        configuration: None,
     };
+    let s = &mut WriterSession::default();
     assert!(
-        matches!(a.handle_greeting(&ok), Ok(FromSafekeeper::Greeting(g)) if g.node_id == 7 && g.term == 0)
+        matches!(a.handle_greeting(&ok, s).await, Ok(FromSafekeeper::Greeting(g)) if g.node_id == 7 && g.term == 0)
     );
     let wrong_timeline = Greeting {
         timeline_id: 2,
         ..ok.clone()
     };
-    assert!(refusal(a.handle_greeting(&wrong_timeline).expect_err("refused")).contains("timeline"));
+    assert!(refusal(
+        a.handle_greeting(&wrong_timeline, s)
+            .await
+            .expect_err("refused")
+    )
+    .contains("timeline"));
     let wrong_segments = Greeting {
         segment_bytes: 16 << 20,
         ..ok.clone()
     };
-    assert!(refusal(a.handle_greeting(&wrong_segments).expect_err("refused")).contains("segment"));
+    assert!(refusal(
+        a.handle_greeting(&wrong_segments, s)
+            .await
+            .expect_err("refused")
+    )
+    .contains("segment"));
     let wrong_cluster = Greeting {
         cluster_id: ClusterId::new("other").expect("id"),
         ..ok
     };
-    assert!(refusal(a.handle_greeting(&wrong_cluster).expect_err("refused")).contains("cluster"));
+    assert!(refusal(
+        a.handle_greeting(&wrong_cluster, s)
+            .await
+            .expect_err("refused")
+    )
+    .contains("cluster"));
 }
 
 #[tokio::test]
@@ -328,7 +346,10 @@ async fn batch_shares_one_answer_and_relays_feedback() {
             start_lsn: Lsn(0),
         },
     ];
-    let out = a.handle_batch(msgs).await.expect("batch");
+    let out = a
+        .handle_batch(msgs, &mut WriterSession::default())
+        .await
+        .expect("batch");
     assert_eq!(out.len(), 3, "{out:?}");
     match &out[0] {
         FromSafekeeper::Append(r) => {
@@ -391,7 +412,10 @@ async fn flushed_wal_recorded_at_a_clean_stop_must_be_there() {
     let mut a = elected_in_term_1(&disk).await;
     let wal = records(20);
     let out = a
-        .handle_batch(vec![ToSafekeeper::Append(append(1, 0, &wal, 0))])
+        .handle_batch(
+            vec![ToSafekeeper::Append(append(1, 0, &wal, 0))],
+            &mut WriterSession::default(),
+        )
         .await
         .expect("append");
     assert!(
@@ -517,8 +541,13 @@ async fn a_restored_safekeeper_holds_committed_wal_and_votes_only_after_rejoinin
         proposer_id: 1,
         timeline_id: 1,
         segment_bytes: seg,
+        configuration: None,
     };
-    let FromSafekeeper::Greeting(g) = a.handle_greeting(&greeting).expect("greeting") else {
+    let FromSafekeeper::Greeting(g) = a
+        .handle_greeting(&greeting, &mut WriterSession::default())
+        .await
+        .expect("greeting")
+    else {
         panic!("not a greeting")
     };
     let restored = g.restored.expect("says it is restored");
@@ -539,7 +568,11 @@ async fn a_restored_safekeeper_holds_committed_wal_and_votes_only_after_rejoinin
     assert!(e.contains("quarantine"), "{e}");
 
     a.end_quarantine();
-    let FromSafekeeper::Greeting(g) = a.handle_greeting(&greeting).expect("greeting") else {
+    let FromSafekeeper::Greeting(g) = a
+        .handle_greeting(&greeting, &mut WriterSession::default())
+        .await
+        .expect("greeting")
+    else {
         panic!("not a greeting")
     };
     assert!(g.restored.expect("still restored").ready);
@@ -658,4 +691,144 @@ async fn a_restore_stops_at_the_first_gap_cuts_split_records_and_starts_over_aft
         "{err}"
     );
     assert!(!other.path().join("sk/safekeeper.control").exists());
+}
+
+fn members(ids: &[u64]) -> Vec<Member> {
+    ids.iter()
+        .map(|&id| Member {
+            id,
+            addr: format!("sk{id}:7000"),
+        })
+        .collect()
+}
+
+/// Generations: the higher configuration is adopted from a greeting or the
+/// change driver and persisted before the answer; a writer of an older
+/// generation learns the newer one and is refused votes, elections and
+/// appends; a safekeeper no configuration names refuses every writer.
+#[tokio::test]
+async fn generations_are_adopted_persisted_and_older_writers_refused() {
+    let (_dir, disk) = temp_disk();
+    let mut a = open(&disk).await;
+    let initial = Configuration::initial(members(&[5, 6, 7])).expect("initial");
+    let greeting = |conf: Option<&Configuration>| Greeting {
+        cluster_id: cluster(),
+        proposer_id: 1,
+        timeline_id: 1,
+        segment_bytes: 64 << 10,
+        configuration: conf.cloned(),
+    };
+    // A writer of generation 1 makes the safekeeper adopt it.
+    let new_writer = &mut WriterSession::default();
+    let FromSafekeeper::Greeting(g) = a
+        .handle_greeting(&greeting(Some(&initial)), new_writer)
+        .await
+        .expect("greeting")
+    else {
+        panic!("not a greeting")
+    };
+    assert_eq!(g.configuration.as_ref(), Some(&initial));
+    drop(a);
+    let mut a = open(&disk).await;
+    assert_eq!(a.configuration(), Some(&initial), "persisted");
+
+    // A writer started before any configuration (generation 0) is told
+    // generation 1 and refused everything that writes.
+    let old_writer = &mut WriterSession::default();
+    let FromSafekeeper::Greeting(g) = a
+        .handle_greeting(&greeting(None), old_writer)
+        .await
+        .expect("greeting")
+    else {
+        panic!("not a greeting")
+    };
+    assert_eq!(
+        g.configuration.as_ref(),
+        Some(&initial),
+        "told the newer one"
+    );
+    let replies = a
+        .handle_batch(vec![ToSafekeeper::VoteRequest { term: 1 }], old_writer)
+        .await
+        .expect("batch");
+    assert!(
+        matches!(&replies[..], [FromSafekeeper::Refused { reason, .. }] if reason.starts_with(ferry_wal::proto::GENERATION)),
+        "{replies:?}"
+    );
+    assert_eq!(a.term(), 0, "no vote given");
+    let replies = a
+        .handle_batch(vec![ToSafekeeper::VoteRequest { term: 1 }], new_writer)
+        .await
+        .expect("batch");
+    assert!(
+        matches!(&replies[..], [FromSafekeeper::Vote(v)] if v.vote_given),
+        "{replies:?}"
+    );
+
+    // The change driver: a joint configuration and a term raised to 4.
+    let joint = initial.joint(members(&[5, 6, 8])).expect("joint");
+    let replies = a
+        .handle_batch(
+            vec![ToSafekeeper::Configure {
+                configuration: joint.clone(),
+                min_term: 4,
+            }],
+            &mut WriterSession::default(),
+        )
+        .await
+        .expect("batch");
+    let [FromSafekeeper::Configured(c)] = &replies[..] else {
+        panic!("{replies:?}")
+    };
+    assert_eq!((c.configuration.as_ref(), c.term), (Some(&joint), 4));
+    // The writer of generation 1 is refused now.
+    let replies = a
+        .handle_batch(vec![ToSafekeeper::VoteRequest { term: 5 }], new_writer)
+        .await
+        .expect("batch");
+    assert!(
+        matches!(&replies[..], [FromSafekeeper::Refused { .. }]),
+        "{replies:?}"
+    );
+    // An older configuration handed over changes nothing; a different one
+    // claiming the same generation is refused.
+    let replies = a
+        .handle_batch(
+            vec![
+                ToSafekeeper::Configure {
+                    configuration: initial.clone(),
+                    min_term: 0,
+                },
+                ToSafekeeper::Configure {
+                    configuration: initial.joint(members(&[5, 6, 9])).expect("other"),
+                    min_term: 0,
+                },
+            ],
+            &mut WriterSession::default(),
+        )
+        .await
+        .expect("batch");
+    assert!(
+        matches!(&replies[..], [FromSafekeeper::Configured(c), FromSafekeeper::Refused { .. }] if c.configuration.as_ref() == Some(&joint)),
+        "{replies:?}"
+    );
+    // Switched to a set without node 7: it refuses every writer, even one
+    // of its own generation.
+    let switched = joint.switched().expect("switched");
+    let writer = &mut WriterSession::default();
+    a.handle_greeting(&greeting(Some(&switched)), writer)
+        .await
+        .expect("greeting");
+    let replies = a
+        .handle_batch(vec![ToSafekeeper::VoteRequest { term: 9 }], writer)
+        .await
+        .expect("batch");
+    assert!(
+        matches!(&replies[..], [FromSafekeeper::Refused { reason, .. }] if reason.contains("not a member")),
+        "{replies:?}"
+    );
+    drop(a);
+    let a = open(&disk).await;
+    assert_eq!(a.configuration(), Some(&switched));
+    assert_eq!(a.term(), 4);
 }

@@ -5,6 +5,8 @@
 //! * [`ClusterId`]: which cluster a safekeeper and a writer belong to;
 //! * [`record`]: the self-checking record format, so a safekeeper can find the
 //!   real end of its WAL after a crash;
+//! * [`membership`]: which safekeepers form the quorum in a generation, and
+//!   how a change of them goes through a joint configuration;
 //! * [`segment`]: how WAL is cut into segment files and how they are named;
 //! * [`proto`]: the messages between writer, safekeepers and replicas and their
 //!   versioned, length-prefixed binary framing.
@@ -16,6 +18,7 @@
 mod cluster;
 pub mod liveness;
 mod lsn;
+pub mod membership;
 pub mod proto;
 pub mod record;
 pub mod segment;

@@ -18,11 +18,12 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use crate::membership::{Configuration, Position};
 use crate::record::MAX_RECORD_BYTES;
 use crate::{ClusterId, Lsn, Term, TermHistory};
 
 /// Version byte of every frame; bumped on any incompatible message change.
-pub const PROTOCOL_VERSION: u8 = 6;
+pub const PROTOCOL_VERSION: u8 = 7;
 /// Largest frame accepted: one maximal record plus headroom for the header fields.
 pub const MAX_FRAME_BYTES: usize = MAX_RECORD_BYTES + (64 << 10);
 /// Most WAL bytes a walsender puts in one message (Neon's MAX_SEND_SIZE).
@@ -45,6 +46,10 @@ pub struct Greeting {
     pub timeline_id: u64,
     /// Segment size the writer expects; must match the safekeeper's.
     pub segment_bytes: u64,
+    /// The writer's configuration (`None`: generation 0, the safekeepers it
+    /// was started with). A safekeeper adopts a higher one; it refuses
+    /// votes, elections and appends of a lower one.
+    pub configuration: Option<Configuration>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -57,6 +62,9 @@ pub struct GreetingResponse {
     /// election, and only a writer that proves it is current may bring it
     /// back (see [`Restored`]).
     pub restored: Option<Restored>,
+    /// The safekeeper's configuration after the greeting (`None`: generation
+    /// 0). A writer of a lower generation starts over with it.
+    pub configuration: Option<Configuration>,
 }
 
 /// A safekeeper rebuilt from the WAL backup, waiting to rejoin.
@@ -223,7 +231,20 @@ pub enum ToSafekeeper {
     /// [`FromSafekeeper::Wal`] frames, and [`FromSafekeeper::PullEnd`]. The
     /// donor holds its WAL removal at the horizon until the connection ends.
     Pull(PullRequest),
+    /// The membership change driver hands a configuration over (adopted if
+    /// its generation is higher) and raises the term to at least `min_term`
+    /// (a new member never lets a writer be elected in a term an older one
+    /// already used); answered with [`FromSafekeeper::Configured`].
+    Configure {
+        configuration: Configuration,
+        min_term: Term,
+    },
 }
+
+/// Prefix of a refusal's reason when the writer's generation is older than
+/// the safekeeper's (or the safekeeper is not in its configuration): the
+/// writer greets it again to learn the newer configuration.
+pub const GENERATION: &str = "generation:";
 
 /// Who asks for a pull: the donor refuses a safekeeper of another cluster,
 /// timeline or segment size, and itself.
@@ -250,6 +271,19 @@ pub struct PullSnapshot {
     pub backup_lsn: Lsn,
     pub peer_horizon_lsn: Lsn,
     pub remote_consistent_lsn: Lsn,
+    /// The donor's configuration, adopted by the copy.
+    pub configuration: Option<Configuration>,
+}
+
+/// The answer to [`ToSafekeeper::Configure`]: the safekeeper's state after it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Configured {
+    pub configuration: Option<Configuration>,
+    pub term: Term,
+    pub position: Position,
+    pub commit_lsn: Lsn,
+    /// Rebuilt (restored or pulled) and not brought back by a writer yet.
+    pub restored: bool,
 }
 
 /// Everything a safekeeper sends.
@@ -298,6 +332,7 @@ pub enum FromSafekeeper {
         term: Term,
         commit_lsn: Lsn,
     },
+    Configured(Configured),
 }
 
 /// A message of the protocol: a postcard header, and for some messages a bulk
@@ -517,6 +552,19 @@ where
 
 #[cfg(test)]
 mod tests {
+    fn configuration() -> Configuration {
+        Configuration::initial(vec![crate::membership::Member {
+            id: 1,
+            addr: "sk1:7000".into(),
+        }])
+        .expect("configuration")
+        .joint(vec![crate::membership::Member {
+            id: 2,
+            addr: "sk2:7000".into(),
+        }])
+        .expect("joint")
+    }
+
     use super::*;
     use crate::TermLsn;
     use proptest::prelude::*;
@@ -549,6 +597,7 @@ mod tests {
                 proposer_id: u128::MAX - 5,
                 timeline_id: 1,
                 segment_bytes: 16 << 20,
+                configuration: Some(configuration()),
             }),
             ToSafekeeper::VoteRequest { term: 4 },
             ToSafekeeper::Elected(ProposerElected {
@@ -585,6 +634,10 @@ mod tests {
                 replica_number: 2,
                 reply_time_micros: 3,
             }),
+            ToSafekeeper::Configure {
+                configuration: configuration(),
+                min_term: 9,
+            },
         ];
         let from = vec![
             FromSafekeeper::Greeting(GreetingResponse {
@@ -594,6 +647,17 @@ mod tests {
                     flush_lsn: Lsn(7),
                     ready: false,
                 }),
+                configuration: None,
+            }),
+            FromSafekeeper::Configured(Configured {
+                configuration: Some(configuration()),
+                term: 9,
+                position: Position {
+                    last_log_term: 8,
+                    flush_lsn: Lsn(77),
+                },
+                commit_lsn: Lsn(70),
+                restored: true,
             }),
             FromSafekeeper::Vote(VoteResponse {
                 term: 4,

@@ -158,6 +158,10 @@ struct Writer {
     /// Recovery reads (by their index in `reads`) that the safekeeper
     /// refuses instead of answering, as one whose backup read failed does.
     failing_reads: Vec<usize>,
+    /// What each safekeeper remembers of its connection from this writer.
+    sessions: Vec<ferry_safekeeper::acceptor::WriterSession>,
+    /// The configuration of the last `Reconfigure`.
+    reconfigured: Option<ferry_wal::membership::Configuration>,
 }
 
 impl Writer {
@@ -183,6 +187,8 @@ impl Writer {
             reads: Vec::new(),
             failing_reads: Vec::new(),
             refused: None,
+            sessions: vec![Default::default(); n],
+            reconfigured: None,
         }
     }
 
@@ -195,6 +201,7 @@ impl Writer {
         for i in 0..cluster.acceptors.len() {
             if cluster.acceptors[i].is_some() && !self.connected[i] {
                 self.connected[i] = true;
+                self.sessions[i] = Default::default();
                 let actions = self.proposer.on_connected(i);
                 self.absorb(actions);
             }
@@ -246,6 +253,9 @@ impl Writer {
                         all_voted,
                     } => self.behind = Some((best_flush_lsn, known_commit_lsn, all_voted)),
                     Action::RefusedByAll { reasons } => self.refused = Some(reasons),
+                    Action::Reconfigure { configuration } => {
+                        self.reconfigured = Some(configuration)
+                    }
                     Action::Reconnect { peer } => {
                         self.connected[peer] = false;
                         let more = self.proposer.on_disconnected(peer);
@@ -268,7 +278,7 @@ impl Writer {
                     continue;
                 };
                 let replies = acceptor
-                    .handle_batch(msgs)
+                    .handle_batch(msgs, &mut self.sessions[to])
                     .await
                     .expect("safekeeper storage");
                 for reply in replies {
@@ -613,11 +623,14 @@ async fn a_long_lag_is_read_from_the_donor_in_bounded_reads() {
     // A read above the limit: refused, nothing read.
     let acceptor = cluster.acceptors[1].as_mut().expect("running");
     let replies = acceptor
-        .handle_batch(vec![ToSafekeeper::ReadWal {
-            term: 2,
-            begin_lsn: Lsn(0),
-            end_lsn: Lsn(ferry_wal::proto::MAX_READ_WAL_BYTES + 1),
-        }])
+        .handle_batch(
+            vec![ToSafekeeper::ReadWal {
+                term: 2,
+                begin_lsn: Lsn(0),
+                end_lsn: Lsn(ferry_wal::proto::MAX_READ_WAL_BYTES + 1),
+            }],
+            &mut Default::default(),
+        )
         .await
         .expect("storage");
     assert!(
@@ -671,7 +684,10 @@ async fn deliver(
     msg: ToSafekeeper,
 ) -> Vec<Action> {
     let acceptor = cluster.acceptors[to].as_mut().expect("running");
-    let replies = acceptor.handle_batch(vec![msg]).await.expect("storage");
+    let replies = acceptor
+        .handle_batch(vec![msg], &mut Default::default())
+        .await
+        .expect("storage");
     let mut actions = Vec::new();
     for reply in replies {
         actions.extend(proposer.on_message(to, reply));
@@ -931,4 +947,77 @@ async fn a_restored_safekeeper_is_brought_back_by_a_current_writer_only() {
             "safekeeper {i} holds every acknowledged byte"
         );
     }
+}
+
+fn members(ids: &[u64]) -> Vec<ferry_wal::membership::Member> {
+    ids.iter()
+        .map(|&id| ferry_wal::membership::Member {
+            id,
+            addr: format!("sk{id}"),
+        })
+        .collect()
+}
+
+/// During a change (old set {0, 1, 2}, new set {0, 1, 3}) an election and
+/// every commit need a majority of both sets; a writer of the generation
+/// before learns the joint one at its greeting and starts over with it.
+#[tokio::test]
+async fn a_joint_configuration_needs_both_majorities_and_an_older_writer_starts_over() {
+    use ferry_wal::membership::Configuration;
+    let mut cluster = Cluster::new(4).await;
+    let initial = Configuration::initial(members(&[0, 1, 2])).expect("initial");
+    let joint = initial.joint(members(&[0, 1, 3])).expect("joint");
+
+    // Only 2 and 3 up: a majority of neither set alone... nor both.
+    cluster.kill(0, &mut []);
+    cluster.kill(1, &mut []);
+    let mut w = Writer::with(4, 0, |c| c.configuration = Some(joint.clone()));
+    w.connect_all(&mut cluster).await;
+    assert_eq!(
+        w.elected, None,
+        "{{2, 3}} is no quorum of a joint configuration"
+    );
+    // With 0: {0, 2} of the old set, {0, 3} of the new one.
+    cluster.start(0).await;
+    w.connect_all(&mut cluster).await;
+    assert!(w.elected.is_some(), "elected by both majorities");
+    let records = batch(0, 5, 300);
+    let end = w.append(&mut cluster, &records).await.expect("append");
+    assert_eq!(w.commit_lsn, end);
+    // Without 3, the new set has only 0 up: nothing commits.
+    cluster.kill(3, &mut [&mut w]);
+    let more = batch(5, 5, 300);
+    let end2 = w.append(&mut cluster, &more).await.expect("append");
+    assert_eq!(
+        w.commit_lsn, end,
+        "no commit without a majority of the new set"
+    );
+    cluster.start(1).await;
+    w.connect_all(&mut cluster).await;
+    let heartbeat = w.proposer.heartbeat();
+    w.absorb(heartbeat);
+    w.run(&mut cluster).await;
+    assert_eq!(w.commit_lsn, end2, "{{0, 1}} is a majority of both sets");
+    for i in [0, 1, 2] {
+        assert_eq!(
+            cluster.acceptor(i).configuration(),
+            Some(&joint),
+            "safekeeper {i} adopted the writer's configuration"
+        );
+    }
+
+    // A writer of generation 1 greets a safekeeper of generation 2: it
+    // stops and starts over with the joint configuration, having written
+    // nothing.
+    let mut old = Writer::with(3, w.proposer.term(), |c| {
+        c.configuration = Some(initial.clone())
+    });
+    old.connect_all(&mut cluster).await;
+    assert_eq!(old.reconfigured.as_ref(), Some(&joint));
+    assert_eq!(old.elected, None);
+    assert_eq!(
+        cluster.acceptor(0).term(),
+        w.proposer.term(),
+        "no term moved"
+    );
 }

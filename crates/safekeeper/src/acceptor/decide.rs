@@ -9,7 +9,8 @@
 //! disk (the tests below), and the simulator tests the same functions with
 //! I/O and faults around them.
 
-use ferry_wal::proto::{AppendRequest, ProposerElected};
+use ferry_wal::membership::{Configuration, Generation};
+use ferry_wal::proto::{AppendRequest, ProposerElected, GENERATION};
 use ferry_wal::{Lsn, Term};
 
 use super::{refused, AcceptorError};
@@ -34,6 +35,72 @@ pub(super) struct Positions {
     pub(super) restored: bool,
     /// The quarantine of a restored safekeeper is over.
     pub(super) quarantine_over: bool,
+}
+
+/// The generation of a configuration (`None`: 0, never recorded).
+pub(super) fn generation_of(conf: Option<&Configuration>) -> Generation {
+    conf.map_or(0, |c| c.generation)
+}
+
+/// Whether a writer that greeted with generation `writer` may vote, elect
+/// or append here: not if this safekeeper has seen a higher generation (its
+/// quorums are no longer the writer's), nor if the configuration it holds
+/// does not name it (it was removed).
+pub(super) fn generation_allows(
+    term: Term,
+    own: Option<&Configuration>,
+    node_id: u64,
+    writer: Generation,
+) -> Result<(), AcceptorError> {
+    let Some(own) = own else {
+        return Ok(());
+    };
+    if writer < own.generation {
+        return Err(refused(
+            term,
+            format!(
+                "{GENERATION} the writer's generation {writer} is older than this safekeeper's {}",
+                own.generation
+            ),
+        ));
+    }
+    if !own.contains(node_id) {
+        return Err(refused(
+            term,
+            format!(
+                "{GENERATION} safekeeper {node_id} is not a member of generation {}",
+                own.generation
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Whether to adopt `offered` (from a writer's greeting or the change
+/// driver): only a valid configuration of a higher generation; the same
+/// generation must be the same configuration (generations are unique, by
+/// the coordination store's compare-and-swap).
+pub(super) fn adopt_configuration(
+    term: Term,
+    own: Option<&Configuration>,
+    offered: &Configuration,
+) -> Result<bool, AcceptorError> {
+    if let Err(e) = offered.validate() {
+        return Err(refused(term, e.to_string()));
+    }
+    match own {
+        Some(own) if own.generation == offered.generation && own != offered => Err(refused(
+            term,
+            format!(
+                "{GENERATION} two configurations claim generation {}: {} here, {} offered",
+                own.generation,
+                own.describe(),
+                offered.describe()
+            ),
+        )),
+        Some(own) => Ok(offered.generation > own.generation),
+        None => Ok(true),
+    }
 }
 
 /// A vote request: whether to grant it (the new term is persisted first).
@@ -360,5 +427,50 @@ mod tests {
         assert_eq!(commit_after_flush(Lsn(5), Lsn(3), Lsn(7)), Lsn(5));
         assert_eq!(commit_after_flush(Lsn(5), Lsn(9), Lsn(4)), Lsn(5));
         assert_eq!(commit_after_flush(Lsn(5), Lsn(6), Lsn(9)), Lsn(6));
+    }
+
+    fn conf(generation: Generation, ids: &[u64], new: Option<&[u64]>) -> Configuration {
+        let set = |ids: &[u64]| {
+            ids.iter()
+                .map(|&id| ferry_wal::membership::Member {
+                    id,
+                    addr: format!("sk{id}:1"),
+                })
+                .collect::<Vec<_>>()
+        };
+        Configuration {
+            generation,
+            members: set(ids),
+            new_members: new.map(set),
+        }
+    }
+
+    #[test]
+    fn an_older_generation_or_a_removed_safekeeper_refuses_the_writer() {
+        let own = conf(3, &[0, 1, 2], None);
+        assert!(generation_allows(1, None, 0, 0).is_ok());
+        assert!(generation_allows(1, Some(&own), 0, 3).is_ok());
+        assert!(generation_allows(1, Some(&own), 0, 4).is_ok());
+        let older = generation_allows(1, Some(&own), 0, 2).expect_err("older generation");
+        assert!(reason(older).starts_with(GENERATION));
+        assert!(generation_allows(1, Some(&own), 0, 0).is_err());
+        let removed = generation_allows(1, Some(&own), 7, 3).expect_err("not a member");
+        assert!(reason(removed).contains("not a member"));
+        let joint = conf(4, &[0, 1, 2], Some(&[0, 1, 7]));
+        assert!(generation_allows(1, Some(&joint), 7, 4).is_ok());
+    }
+
+    #[test]
+    fn only_higher_generations_are_adopted_and_a_generation_is_one_configuration() {
+        let own = conf(3, &[0, 1, 2], None);
+        assert!(adopt_configuration(1, None, &own).expect("first"));
+        assert!(!adopt_configuration(1, Some(&own), &own).expect("same"));
+        assert!(!adopt_configuration(1, Some(&own), &conf(2, &[0, 1], None)).expect("older"));
+        assert!(
+            adopt_configuration(1, Some(&own), &conf(4, &[0, 1, 2], Some(&[0, 1, 3])))
+                .expect("newer")
+        );
+        assert!(adopt_configuration(1, Some(&own), &conf(3, &[0, 1, 3], None)).is_err());
+        assert!(adopt_configuration(1, Some(&own), &conf(5, &[], None)).is_err());
     }
 }

@@ -51,6 +51,7 @@ use crate::control::{ControlFile, ControlFileError, SafekeeperState};
 use crate::wal_storage::{Preallocation, WalStorage, WalStorageError};
 
 pub use feedback::{FeedbackBoard, MAX_FEEDBACK_REPLICAS};
+pub use protocol::WriterSession;
 pub use reads::CommittedWal;
 pub use removal::RemovalHorizon;
 
@@ -113,6 +114,10 @@ impl AcceptorError {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct AcceptorStatus {
     pub node_id: u64,
+    /// The generation of the configuration held (0: none recorded), and
+    /// the configuration itself (`None`: none recorded).
+    pub generation: u32,
+    pub configuration: Option<ferry_wal::membership::Configuration>,
     pub term: Term,
     pub last_log_term: Term,
     pub flush_lsn: String,
@@ -386,6 +391,8 @@ impl Acceptor {
     pub fn status(&self) -> AcceptorStatus {
         AcceptorStatus {
             node_id: self.config.node_id,
+            generation: decide::generation_of(self.state.configuration.as_ref()),
+            configuration: self.state.configuration.clone(),
             term: self.state.term,
             last_log_term: self.last_log_term(),
             flush_lsn: self.flush_lsn().to_string(),

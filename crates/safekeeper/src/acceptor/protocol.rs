@@ -3,9 +3,10 @@
 //! and one fsync per batch (group commit).
 
 use bytes::BytesMut;
+use ferry_wal::membership::{Configuration, Generation, Position};
 use ferry_wal::proto::{
-    AppendRequest, AppendResponse, FromSafekeeper, Greeting, GreetingResponse, ProposerElected,
-    Restored, ToSafekeeper, VoteResponse,
+    AppendRequest, AppendResponse, Configured, FromSafekeeper, Greeting, GreetingResponse,
+    ProposerElected, Restored, ToSafekeeper, VoteResponse,
 };
 use ferry_wal::{Lsn, Term};
 
@@ -17,10 +18,24 @@ const MAX_PENDING_WAL_BYTES: usize = 8 << 20;
 /// Appends smaller than this are copied together into one write.
 const JOIN_BELOW_BYTES: usize = 32 << 10;
 
+/// What a safekeeper remembers of one writer connection: the generation
+/// its greeting carried (0 until it greets). Votes, elections, appends and
+/// reads of a connection whose generation is older than the safekeeper's
+/// are refused (`decide::generation_allows`).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct WriterSession {
+    generation: Generation,
+}
+
 impl Acceptor {
     /// Greeting: checks that the writer writes our cluster's timeline with our
-    /// geometry.
-    pub fn handle_greeting(&self, greeting: &Greeting) -> Result<FromSafekeeper, AcceptorError> {
+    /// geometry, adopts the writer's configuration if it is newer (persisted
+    /// before the answer), and answers with ours.
+    pub async fn handle_greeting(
+        &mut self,
+        greeting: &Greeting,
+        session: &mut WriterSession,
+    ) -> Result<FromSafekeeper, AcceptorError> {
         if greeting.cluster_id != self.config.cluster_id {
             return Err(refused(
                 self.state.term,
@@ -49,6 +64,16 @@ impl Acceptor {
                 ),
             ));
         }
+        if let Some(offered) = &greeting.configuration {
+            if decide::adopt_configuration(
+                self.state.term,
+                self.state.configuration.as_ref(),
+                offered,
+            )? {
+                self.persist_configuration(offered.clone(), None).await?;
+            }
+        }
+        session.generation = decide::generation_of(greeting.configuration.as_ref());
         Ok(FromSafekeeper::Greeting(GreetingResponse {
             term: self.state.term,
             node_id: self.config.node_id,
@@ -56,7 +81,86 @@ impl Acceptor {
                 flush_lsn: self.flush_lsn(),
                 ready: self.quarantine_over,
             }),
+            configuration: self.state.configuration.clone(),
         }))
+    }
+
+    /// The configuration this safekeeper holds (`None`: generation 0).
+    pub fn configuration(&self) -> Option<&Configuration> {
+        self.state.configuration.as_ref()
+    }
+
+    /// The membership change driver's message: adopts `configuration` if it
+    /// is newer and raises the term to `min_term`, persisted before the
+    /// answer, which tells where this safekeeper's WAL stands.
+    pub async fn handle_configure(
+        &mut self,
+        configuration: &Configuration,
+        min_term: Term,
+    ) -> Result<FromSafekeeper, AcceptorError> {
+        let adopt = decide::adopt_configuration(
+            self.state.term,
+            self.state.configuration.as_ref(),
+            configuration,
+        )?;
+        let raise = (min_term > self.state.term).then_some(min_term);
+        if adopt || raise.is_some() {
+            let conf = if adopt {
+                configuration.clone()
+            } else {
+                // Raising the term alone keeps the configuration held.
+                self.state
+                    .configuration
+                    .clone()
+                    .unwrap_or_else(|| configuration.clone())
+            };
+            self.persist_configuration(conf, raise).await?;
+        }
+        Ok(FromSafekeeper::Configured(Configured {
+            configuration: self.state.configuration.clone(),
+            term: self.state.term,
+            position: Position {
+                last_log_term: self.last_log_term(),
+                flush_lsn: self.flush_lsn(),
+            },
+            commit_lsn: self.commit_lsn,
+            restored: self.state.restored_up_to.is_some(),
+        }))
+    }
+
+    /// Persists a configuration (and a raised term) after flushing pending
+    /// WAL, as a vote does, so that the persisted positions stay consistent.
+    async fn persist_configuration(
+        &mut self,
+        configuration: Configuration,
+        term: Option<Term>,
+    ) -> Result<(), AcceptorError> {
+        self.flush().await?;
+        let generation = decide::generation_of(self.state.configuration.as_ref());
+        if configuration.generation >= generation {
+            tracing::info!(
+                node = self.config.node_id,
+                configuration = %configuration.describe(),
+                "adopting a safekeeper configuration"
+            );
+            self.state.configuration = Some(configuration);
+        }
+        if let Some(term) = term {
+            self.state.term = self.state.term.max(term);
+        }
+        self.state.commit_lsn = self.commit_lsn;
+        self.control.persist(&self.state).await?;
+        Ok(())
+    }
+
+    /// Whether the writer of `session` may vote, elect, append or read here.
+    fn check_generation(&self, session: &WriterSession) -> Result<(), AcceptorError> {
+        decide::generation_allows(
+            self.state.term,
+            self.state.configuration.as_ref(),
+            self.config.node_id,
+            session.generation,
+        )
     }
 
     /// Rebuilt from the backup up to this LSN and not brought back yet.
@@ -269,6 +373,7 @@ impl Acceptor {
     pub async fn handle_batch(
         &mut self,
         msgs: Vec<ToSafekeeper>,
+        session: &mut WriterSession,
     ) -> Result<Vec<FromSafekeeper>, AcceptorError> {
         let mut out = Vec::new();
         let mut appended = false;
@@ -277,8 +382,28 @@ impl Acceptor {
                 out.push(self.flush_appends().await?);
                 appended = false;
             }
+            let writes = matches!(
+                msg,
+                ToSafekeeper::VoteRequest { .. }
+                    | ToSafekeeper::Elected(_)
+                    | ToSafekeeper::Append(_)
+                    | ToSafekeeper::ReadWal { .. }
+            );
+            if writes {
+                if let Err(e) = self.check_generation(session) {
+                    out.push(e.to_message(self.state.term));
+                    continue;
+                }
+            }
             let result = match msg {
-                ToSafekeeper::Greeting(g) => self.handle_greeting(&g).map(Some),
+                ToSafekeeper::Greeting(g) => self.handle_greeting(&g, session).await.map(Some),
+                ToSafekeeper::Configure {
+                    configuration,
+                    min_term,
+                } => self
+                    .handle_configure(&configuration, min_term)
+                    .await
+                    .map(Some),
                 ToSafekeeper::VoteRequest { term } => self.handle_vote(term).await.map(Some),
                 ToSafekeeper::Elected(e) => self.handle_elected(&e).await.map(Some),
                 ToSafekeeper::Append(a) => match self.append_no_flush(&a).await {

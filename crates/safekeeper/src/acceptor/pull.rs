@@ -59,6 +59,7 @@ impl Acceptor {
             backup_lsn: self.state.backup_lsn.min(commit_lsn),
             peer_horizon_lsn: self.peer_horizon_lsn.min(commit_lsn),
             remote_consistent_lsn: self.state.remote_consistent_lsn.min(commit_lsn),
+            configuration: self.state.configuration.clone(),
         })
     }
 }

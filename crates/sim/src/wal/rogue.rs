@@ -121,6 +121,7 @@ pub async fn attempt(
         proposer_id: 0xBAD,
         timeline_id: 1,
         segment_bytes,
+        configuration: None,
     });
     match c.ask(&greeting).await {
         Some(FromSafekeeper::Greeting(_)) => {}

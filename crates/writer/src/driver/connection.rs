@@ -10,6 +10,7 @@ use ferry_env::Network;
 use ferry_wal::proto::{self, FrameReader, FromSafekeeper, ToSafekeeper};
 use tokio::io::{AsyncWriteExt, BufWriter};
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 
 /// Buffer of a safekeeper connection: small messages are gathered into one
 /// system call, while a WAL payload at least this large goes to the socket
@@ -22,15 +23,88 @@ pub(super) enum Event {
     Disconnected(usize, u64),
 }
 
-pub(super) async fn connection_task(
+/// The connection tasks of the writer's current configuration: replaced
+/// as a whole when the configuration changes. Each set has an epoch, the
+/// high half of its connections' generations, so that events of a replaced
+/// set still in the channel are told apart and ignored.
+#[derive(Clone)]
+pub(super) struct ConnectionSet {
+    network: Arc<dyn Network>,
+    events: mpsc::Sender<Event>,
+    reconnect_delay: Duration,
+    peer_timeout: Duration,
+    tasks: Arc<std::sync::Mutex<(u64, Vec<JoinHandle<()>>)>>,
+}
+
+impl ConnectionSet {
+    pub(super) fn new(
+        network: Arc<dyn Network>,
+        events: mpsc::Sender<Event>,
+        reconnect_delay: Duration,
+        peer_timeout: Duration,
+    ) -> ConnectionSet {
+        ConnectionSet {
+            network,
+            events,
+            reconnect_delay,
+            peer_timeout,
+            tasks: Arc::new(std::sync::Mutex::new((0, Vec::new()))),
+        }
+    }
+
+    /// Stops the current connections and starts one per address (an empty
+    /// address is a member known to be down: counted in the quorum size,
+    /// never connected to); returns the new set's epoch.
+    pub(super) fn start(&self, addrs: &[String]) -> u64 {
+        let mut tasks = self.tasks.lock().unwrap_or_else(|e| e.into_inner());
+        for t in tasks.1.drain(..) {
+            t.abort();
+        }
+        tasks.0 += 1;
+        let epoch = tasks.0;
+        for (i, addr) in addrs.iter().enumerate() {
+            if addr.is_empty() {
+                continue;
+            }
+            tasks.1.push(tokio::spawn(connection_task(
+                Arc::clone(&self.network),
+                i,
+                addr.clone(),
+                self.reconnect_delay,
+                self.peer_timeout,
+                self.events.clone(),
+                epoch,
+            )));
+        }
+        epoch
+    }
+
+    /// Aborts every connection task; returns them to be awaited.
+    pub(super) fn abort_all(&self) -> Vec<JoinHandle<()>> {
+        let mut tasks = self.tasks.lock().unwrap_or_else(|e| e.into_inner());
+        let all: Vec<JoinHandle<()>> = tasks.1.drain(..).collect();
+        for t in &all {
+            t.abort();
+        }
+        all
+    }
+}
+
+/// The epoch of the connection set a connection generation belongs to.
+pub(super) fn epoch_of(generation: u64) -> u64 {
+    generation >> 32
+}
+
+async fn connection_task(
     network: Arc<dyn Network>,
     peer: usize,
     addr: String,
     reconnect_delay: Duration,
     peer_timeout: Duration,
     events: mpsc::Sender<Event>,
+    epoch: u64,
 ) {
-    let mut generation = 0u64;
+    let mut generation = epoch << 32;
     loop {
         generation += 1;
         match network.connect(&addr).await {

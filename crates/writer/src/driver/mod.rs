@@ -42,7 +42,7 @@ use crate::proposer::Proposer;
 pub use config::{BackPressure, WriterConfig};
 pub use status::{PeerStatus, ShardMinimum, WriterStatus};
 
-use connection::connection_task;
+use connection::ConnectionSet;
 
 /// Why an append was not acknowledged.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -60,6 +60,10 @@ pub enum WriterError {
     DiskFull { safekeepers: Vec<usize> },
     #[error("invalid records: {0}")]
     InvalidRecords(String),
+    /// The safekeeper set changed (generation `generation`): the writer
+    /// starts over with it, and whether this append survived is unknown.
+    #[error("the safekeeper configuration changed to generation {generation}; the outcome of this append is unknown")]
+    Reconfigured { generation: u32 },
     /// A clean shutdown committed its checkpoint, but these replicas had not
     /// applied the WAL up to it in time.
     #[error("replicas {behind:?} (shard, replica) did not apply the WAL up to {end} in time")]
@@ -114,7 +118,7 @@ pub struct Writer {
     commands: mpsc::Sender<Command>,
     status: watch::Receiver<WriterStatus>,
     task: JoinHandle<()>,
-    connections: Vec<JoinHandle<()>>,
+    connections: ConnectionSet,
 }
 
 impl Writer {
@@ -123,22 +127,13 @@ impl Writer {
         let n = config.safekeepers.len();
         let (events_tx, events_rx) = mpsc::channel(1024);
         let (commands, commands_rx) = mpsc::channel(1024);
-        let mut connections = Vec::new();
-        for (i, addr) in config.safekeepers.iter().enumerate() {
-            if addr.is_empty() {
-                // A member known to be down (its data is damaged): counted in
-                // the quorum size, never connected to.
-                continue;
-            }
-            connections.push(tokio::spawn(connection_task(
-                Arc::clone(&network),
-                i,
-                addr.clone(),
-                config.reconnect_delay,
-                config.peer_timeout,
-                events_tx.clone(),
-            )));
-        }
+        let connections = ConnectionSet::new(
+            network,
+            events_tx,
+            config.reconnect_delay,
+            config.peer_timeout,
+        );
+        let conn_epoch = connections.start(&config.safekeepers);
         let status0 = WriterStatus {
             term: 0,
             elected: false,
@@ -185,6 +180,8 @@ impl Writer {
             liveness: Default::default(),
             replicas_forgotten: 0,
             config,
+            connections: connections.clone(),
+            conn_epoch,
         };
         let task = tokio::spawn(driver.run(events_rx, commands_rx));
         Writer {
@@ -346,17 +343,14 @@ impl Writer {
     /// appends fail with [`WriterError::Stopped`] (outcome unknown).
     pub fn abort(&self) {
         self.task.abort();
-        for c in &self.connections {
-            c.abort();
-        }
+        self.connections.abort_all();
     }
 
     /// Stops at once, without a checkpoint (pending appends fail).
     pub async fn stop(self) {
         self.task.abort();
         let _ = self.task.await;
-        for c in self.connections {
-            c.abort();
+        for c in self.connections.abort_all() {
             let _ = c.await;
         }
     }
@@ -387,6 +381,11 @@ struct Driver {
     /// When each replica's feedback last changed (for the replica expiry).
     liveness: ferry_wal::liveness::ReplicaLiveness,
     replicas_forgotten: u64,
+    /// The connection tasks, replaced when the configuration changes.
+    connections: ConnectionSet,
+    /// The epoch of the current connection set: events of older ones are
+    /// ignored.
+    conn_epoch: u64,
 }
 
 /// Encodes insert records into one buffer (a convenience for callers and tests).

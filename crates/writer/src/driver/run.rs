@@ -9,7 +9,7 @@ use std::time::Duration;
 use ferry_wal::proto::ForgottenReplica;
 use tokio::sync::mpsc;
 
-use super::connection::Event;
+use super::connection::{epoch_of, Event};
 use super::{Command, Driver, WriterError};
 use crate::proposer::{Action, Proposer};
 
@@ -93,12 +93,18 @@ impl Driver {
     fn on_event(&mut self, event: Event) -> Vec<Action> {
         match event {
             Event::Connected(peer, generation, tx) => {
+                if epoch_of(generation) != self.conn_epoch || peer >= self.conns.len() {
+                    // A connection of a replaced configuration.
+                    return Vec::new();
+                }
                 self.conns[peer] = Some((generation, tx));
                 self.proposer.on_connected(peer)
             }
             Event::Message(peer, generation, msg) => {
-                if self.conns[peer]
-                    .as_ref()
+                if self
+                    .conns
+                    .get(peer)
+                    .and_then(|c| c.as_ref())
                     .is_some_and(|(g, _)| *g == generation)
                 {
                     self.proposer.on_message(peer, msg)
@@ -107,8 +113,10 @@ impl Driver {
                 }
             }
             Event::Disconnected(peer, generation) => {
-                if self.conns[peer]
-                    .as_ref()
+                if self
+                    .conns
+                    .get(peer)
+                    .and_then(|c| c.as_ref())
                     .is_some_and(|(g, _)| *g == generation)
                 {
                     self.conns[peer] = None;
@@ -282,6 +290,11 @@ impl Driver {
                     self.publish_status();
                     return false;
                 }
+                Action::Reconfigure { configuration } => {
+                    self.reconfigure(configuration);
+                    // What the old proposer asked for no longer applies.
+                    queue.clear();
+                }
                 Action::ElectionLost { term, reason } => {
                     // Queued appends wait for the next attempt (started by the
                     // next tick, above `term`).
@@ -290,6 +303,38 @@ impl Driver {
             }
         }
         true
+    }
+
+    /// Starts over with a newer configuration: appends in flight have an
+    /// unknown outcome (a writer of the new configuration may or may not
+    /// keep them), appends not sent yet wait for the new election, which
+    /// runs above this writer's term and never below what it saw committed.
+    fn reconfigure(&mut self, configuration: ferry_wal::membership::Configuration) {
+        let generation = configuration.generation;
+        tracing::warn!(
+            configuration = %configuration.describe(),
+            "the safekeeper set changed; the writer starts over with it"
+        );
+        for (_, reply) in self.waiters.drain(..) {
+            let _ = reply.send(Err(WriterError::Reconfigured { generation }));
+        }
+        if let Some(reply) = self.shutdown.take() {
+            let _ = reply.send(Err(WriterError::Reconfigured { generation }));
+        }
+        self.announcing = None;
+        let members = configuration.all_members();
+        self.config.safekeepers = members.iter().map(|m| m.addr.clone()).collect();
+        let mut proposer = self.config.proposer.clone();
+        proposer.safekeepers = members.len();
+        proposer.configuration = Some(configuration);
+        proposer.min_term = self.proposer.term();
+        proposer.known_commit_lsn = proposer.known_commit_lsn.max(self.proposer.commit_lsn());
+        self.config.proposer = proposer.clone();
+        self.proposer = Proposer::new(proposer);
+        self.attempt_started = tokio::time::Instant::now();
+        self.conns = vec![None; members.len()];
+        self.conn_epoch = self.connections.start(&self.config.safekeepers);
+        self.publish_status();
     }
 
     /// Fails everything waiting for an election that will not come: nothing

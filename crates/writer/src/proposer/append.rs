@@ -216,23 +216,16 @@ impl Proposer {
     }
 
     fn advance_commit(&mut self, actions: &mut Vec<Action>) {
-        let mut flushes: Vec<Lsn> = self
-            .peers
-            .iter()
-            .filter_map(|p| match p {
-                // No commit from a previous term: positions below the epoch start
-                // prove nothing about this term's WAL.
-                Peer::Streaming { flush_lsn, .. } if *flush_lsn >= self.epoch_start_lsn => {
-                    Some(*flush_lsn)
-                }
-                _ => None,
-            })
-            .collect();
-        if flushes.len() < self.quorum {
+        // No commit from a previous term: positions below the epoch start
+        // prove nothing about this term's WAL.
+        let Some(candidate) = self.quorum_value(|p| match self.peers[p] {
+            Peer::Streaming { flush_lsn, .. } if flush_lsn >= self.epoch_start_lsn => {
+                Some(flush_lsn)
+            }
+            _ => None,
+        }) else {
             return;
-        }
-        flushes.sort_unstable_by(|a, b| b.cmp(a));
-        let candidate = flushes[self.quorum - 1];
+        };
         if candidate > self.commit_lsn {
             self.commit_lsn = candidate;
             actions.push(Action::Committed {

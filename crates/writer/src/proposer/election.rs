@@ -72,6 +72,29 @@ impl Proposer {
         if self.peers[peer] != Peer::Greeting {
             return;
         }
+        if let Some(conf) = &g.configuration {
+            if conf.generation > self.generation() && conf.validate().is_ok() {
+                // Its quorums are the cluster's now, not this proposer's.
+                tracing::info!(
+                    peer,
+                    configuration = %conf.describe(),
+                    "a safekeeper holds a newer configuration; starting over with it"
+                );
+                self.phase = Phase::Stopped;
+                actions.push(Action::Reconfigure {
+                    configuration: conf.clone(),
+                });
+                return;
+            }
+        }
+        if self.config.configuration.is_some() && self.slot_ids[peer] != g.node_id {
+            let reason = format!(
+                "the safekeeper at this address is node {}, the configuration names node {} here",
+                g.node_id, self.slot_ids[peer]
+            );
+            self.on_greeting_refused(peer, reason, actions);
+            return;
+        }
         let term = g.term;
         if let Some(restored) = g.restored {
             if self.donor == Some(peer) {
@@ -112,7 +135,7 @@ impl Proposer {
                         _ => None,
                     })
                     .collect();
-                if greeted.len() >= self.quorum {
+                if self.is_quorum(|p| matches!(self.peers[p], Peer::Greeted { .. })) {
                     let highest = greeted.iter().copied().max().unwrap_or(0);
                     self.term = self.term.max(highest) + 1;
                     self.phase = Phase::Voting;
@@ -164,12 +187,7 @@ impl Proposer {
                     return;
                 }
                 self.peers[peer] = Peer::Voted(vote);
-                let votes = self
-                    .peers
-                    .iter()
-                    .filter(|p| matches!(p, Peer::Voted(_)))
-                    .count();
-                if votes >= self.quorum {
+                if self.is_quorum(|p| matches!(self.peers[p], Peer::Voted(_))) {
                     self.become_elected(actions);
                 }
             }
@@ -305,14 +323,12 @@ impl Proposer {
             let Peer::Rejoining { flush_lsn, probe } = self.peers[peer] else {
                 continue;
             };
-            let confirmed = (0..self.peers.len())
-                .filter(|&p| {
-                    p != peer
-                        && matches!(self.peers[p], Peer::Streaming { flush_lsn, .. } if flush_lsn >= self.epoch_start_lsn)
-                        && self.peer_probe[p] >= probe
-                })
-                .count();
-            if confirmed < self.quorum {
+            let confirmed = self.is_quorum(|p| {
+                p != peer
+                    && matches!(self.peers[p], Peer::Streaming { flush_lsn, .. } if flush_lsn >= self.epoch_start_lsn)
+                    && self.peer_probe[p] >= probe
+            });
+            if !confirmed {
                 continue;
             }
             tracing::info!(peer, start = %flush_lsn, "bringing back a restored safekeeper");

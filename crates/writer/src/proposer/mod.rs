@@ -36,6 +36,7 @@ mod recovery;
 
 use std::collections::BTreeMap;
 
+use ferry_wal::membership::{Configuration, Generation};
 use ferry_wal::proto::{
     FromSafekeeper, Greeting, ShardFeedback, ToSafekeeper, VoteResponse, MAX_READ_WAL_BYTES,
 };
@@ -52,8 +53,16 @@ use recovery::Fetch;
 pub struct ProposerConfig {
     /// The cluster whose safekeepers this writer writes to (they refuse others).
     pub cluster_id: ClusterId,
-    /// Number of safekeepers; a quorum is a majority of them.
+    /// Number of safekeepers (slots); without a configuration a quorum is a
+    /// majority of them.
     pub safekeepers: usize,
+    /// The membership configuration the writer starts with (`None`:
+    /// generation 0, every slot a member). Its slots are
+    /// [`Configuration::all_members`]; quorums are the configuration's
+    /// (both majorities during a change). A safekeeper that answers with a
+    /// higher generation makes the proposer stop with
+    /// [`Action::Reconfigure`].
+    pub configuration: Option<Configuration>,
     pub timeline_id: u64,
     pub segment_bytes: u64,
     /// Random id of this writer incarnation.
@@ -97,6 +106,7 @@ impl ProposerConfig {
             cluster_id,
             known_commit_lsn: Lsn(0),
             safekeepers,
+            configuration: None,
             timeline_id,
             segment_bytes,
             proposer_id,
@@ -153,6 +163,13 @@ pub enum Action {
         best_flush_lsn: Lsn,
         known_commit_lsn: Lsn,
         all_voted: bool,
+    },
+    /// A safekeeper holds a configuration of a higher generation: this
+    /// proposer stopped (its quorums are no longer the cluster's). The
+    /// driver starts over with it; appends in flight have an unknown
+    /// outcome.
+    Reconfigure {
+        configuration: Configuration,
     },
     /// Every safekeeper refused this writer's greeting (another cluster,
     /// timeline or segment size): no election can ever succeed with this
@@ -228,7 +245,8 @@ enum Phase {
 #[derive(Debug)]
 pub struct Proposer {
     config: ProposerConfig,
-    quorum: usize,
+    /// The safekeeper id of each slot (with a configuration).
+    slot_ids: Vec<u64>,
     phase: Phase,
     term: Term,
     peers: Vec<Peer>,
@@ -266,8 +284,17 @@ impl Proposer {
     pub fn new(config: ProposerConfig) -> Proposer {
         assert!(config.safekeepers >= 1, "need at least one safekeeper");
         let n = config.safekeepers;
+        let slot_ids: Vec<u64> = match &config.configuration {
+            Some(conf) => conf.all_members().iter().map(|m| m.id).collect(),
+            None => (0..n as u64).collect(),
+        };
+        assert_eq!(
+            slot_ids.len(),
+            n,
+            "a writer's slots are its configuration's safekeepers"
+        );
         Proposer {
-            quorum: config.safekeepers / 2 + 1,
+            slot_ids,
             peers: vec![Peer::Offline; config.safekeepers],
             term: config.min_term,
             config,
@@ -297,7 +324,46 @@ impl Proposer {
         let full: Vec<usize> = (0..self.peers.len())
             .filter(|&p| self.peer_disk_full[p])
             .collect();
-        (self.peers.len() - full.len() < self.quorum).then_some(full)
+        (!self.is_quorum(|p| !self.peer_disk_full[p])).then_some(full)
+    }
+
+    /// The generation of this proposer's configuration (0: none recorded).
+    pub fn generation(&self) -> Generation {
+        self.config
+            .configuration
+            .as_ref()
+            .map_or(0, |c| c.generation)
+    }
+
+    /// Whether the slots for which `has` holds make a quorum: a majority of
+    /// all slots, or the configuration's quorum (both majorities during a
+    /// change).
+    fn is_quorum(&self, has: impl Fn(usize) -> bool) -> bool {
+        match &self.config.configuration {
+            None => {
+                let n = self.peers.len();
+                (0..n).filter(|&p| has(p)).count() > n / 2
+            }
+            Some(conf) => conf.is_quorum(|id| self.slot_of(id).is_some_and(&has)),
+        }
+    }
+
+    /// The highest value a quorum of slots reached (`value`: each slot's,
+    /// `None` for one without).
+    fn quorum_value(&self, value: impl Fn(usize) -> Option<Lsn>) -> Option<Lsn> {
+        match &self.config.configuration {
+            None => {
+                let n = self.peers.len();
+                let mut values: Vec<Lsn> = (0..n).filter_map(&value).collect();
+                values.sort_unstable_by(|a, b| b.cmp(a));
+                values.get(n / 2).copied()
+            }
+            Some(conf) => conf.quorum_value(|id| self.slot_of(id).and_then(&value)),
+        }
+    }
+
+    fn slot_of(&self, id: u64) -> Option<usize> {
+        self.slot_ids.iter().position(|&s| s == id)
     }
 
     pub fn term(&self) -> Term {
@@ -334,6 +400,7 @@ impl Proposer {
                 proposer_id: self.config.proposer_id,
                 timeline_id: self.config.timeline_id,
                 segment_bytes: self.config.segment_bytes,
+                configuration: self.config.configuration.clone(),
             }),
         }]
     }
@@ -423,7 +490,8 @@ impl Proposer {
             | FromSafekeeper::WalRemoved { .. }
             | FromSafekeeper::Forgotten { .. }
             | FromSafekeeper::PullStart(_)
-            | FromSafekeeper::PullEnd { .. } => {}
+            | FromSafekeeper::PullEnd { .. }
+            | FromSafekeeper::Configured(_) => {}
         }
         actions
     }
