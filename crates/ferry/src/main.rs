@@ -9,6 +9,7 @@ mod demo;
 mod dev;
 mod export_cmd;
 mod roles;
+mod safekeeper_set;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -40,6 +41,9 @@ enum Command {
     Safekeeper(roles::SafekeeperArgs),
     /// Runs the writer (the proposer of the WAL quorum) of a distributed deployment.
     Writer(roles::WriterArgs),
+    /// Shows or changes the safekeeper set of a distributed deployment
+    /// (replace, add, remove) without losing committed WAL.
+    SafekeeperSet(safekeeper_set::SafekeeperSetArgs),
     /// Runs one replica of one shard of a distributed deployment: applies the
     /// shard's committed WAL as Parquet parts and serves reads.
     Replica(roles::ReplicaCommand),
@@ -193,6 +197,7 @@ fn run() -> anyhow::Result<()> {
             Command::Dev(args) => dev::run(args).await,
             Command::Safekeeper(args) => roles::safekeeper(args).await,
             Command::Writer(args) => roles::writer(args).await,
+            Command::SafekeeperSet(args) => safekeeper_set::run(args).await,
             Command::Replica(cmd) => match (cmd.action, cmd.run) {
                 (Some(roles::ReplicaAction::Unregister(args)), _) => {
                     roles::unregister_replica(args).await

@@ -194,10 +194,15 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
                 .open()
                 .await
                 .with_context(|| format!("connecting to ZooKeeper at {connect}"))?;
-            check_cluster_record(&*session, &args, n).await?;
+            let recorded = ferry_node::membership::read_configuration(&*session).await?;
+            if recorded.is_none() {
+                // Once a configuration is recorded, it names the safekeepers
+                // (changed by `ferry safekeeper-set`), not the flags.
+                check_cluster_record(&*session, &args, n).await?;
+            }
             let known = ferry_node::commit_record::read_wal_state(&*session).await?;
             let session = ferry_coord::RenewingSession::with(Arc::clone(&sessions), session);
-            Some((sessions, session, known))
+            Some((sessions, session, known, recorded))
         }
     };
     let proposer_id = u128::from(std::process::id());
@@ -208,11 +213,23 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
         segment.bytes(),
         proposer_id,
     );
-    if let Some((_, _, known)) = &coordination {
+    let mut safekeepers = args.safekeepers.clone();
+    if let Some((_, _, known, recorded)) = &coordination {
         proposer.min_term = known.term;
         proposer.known_commit_lsn = known.commit_lsn;
+        if let Some(r) = recorded {
+            let members = r.configuration.all_members();
+            say!(
+                "safekeepers from the recorded configuration, {} (--safekeepers is not used)",
+                r.configuration.describe()
+            );
+            safekeepers = members.iter().map(|m| m.addr.clone()).collect();
+            proposer.safekeepers = members.len();
+            proposer.configuration = Some(r.configuration.clone());
+        }
     }
-    let mut config = WriterConfig::new(args.safekeepers.clone(), proposer);
+    let n = safekeepers.len();
+    let mut config = WriterConfig::new(safekeepers, proposer);
     config.back_pressure = args.back_pressure.limits();
     anyhow::ensure!(
         !args.replica_expiry.is_zero(),
@@ -234,7 +251,7 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
     // With coordination, the writer node: catalog, table and insert API,
     // commit record, registration for replicas.
     let mut node = None;
-    if let Some((sessions, session, _)) = &coordination {
+    if let Some((sessions, session, _, _)) = &coordination {
         node = Some(
             ferry_node::WriterNode::start(
                 Arc::clone(&writer),
@@ -314,7 +331,7 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
         // Nothing of this writer's term was acknowledged: there is nothing to
         // checkpoint, and waiting for an election could wait for ever.
         writer.stop().await;
-        if let Some((_, session, _)) = &coordination {
+        if let Some((_, session, _, _)) = &coordination {
             session.close().await;
         }
         say!("writer stopped before it was elected; nothing to checkpoint");
@@ -328,7 +345,7 @@ pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {
             "second {signal} signal: stopped without the shutdown checkpoint (acknowledged WAL is committed; the next writer recovers the rest)"
         ),
     };
-    if let Some((_, session, _)) = &coordination {
+    if let Some((_, session, _, _)) = &coordination {
         ferry_node::commit_record::record_wal_state(
             &*session.session().await?,
             ferry_node::commit_record::WalState {
@@ -429,7 +446,11 @@ async fn check_replica_against_cluster(
         record.cluster_id,
         args.cluster_id
     );
-    if let Some(recorded) = &record.safekeeper_addrs {
+    if let Some(mut recorded) = record.safekeeper_addrs.clone() {
+        // Safekeepers a change added since are the cluster's too.
+        if let Some(r) = ferry_node::membership::read_configuration(&*session).await? {
+            recorded.extend(r.configuration.all_members().into_iter().map(|m| m.addr));
+        }
         let strangers: Vec<&String> = args
             .safekeepers
             .iter()

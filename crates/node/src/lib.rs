@@ -20,6 +20,7 @@ pub mod bootstrap;
 pub mod commit_record;
 pub mod exports;
 pub mod http;
+pub mod membership;
 pub mod replica;
 pub mod safekeeper;
 pub mod writer;

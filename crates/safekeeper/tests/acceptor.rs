@@ -770,6 +770,7 @@ async fn generations_are_adopted_persisted_and_older_writers_refused() {
     let replies = a
         .handle_batch(
             vec![ToSafekeeper::Configure {
+                cluster_id: cluster(),
                 configuration: joint.clone(),
                 min_term: 4,
             }],
@@ -796,10 +797,12 @@ async fn generations_are_adopted_persisted_and_older_writers_refused() {
         .handle_batch(
             vec![
                 ToSafekeeper::Configure {
+                    cluster_id: cluster(),
                     configuration: initial.clone(),
                     min_term: 0,
                 },
                 ToSafekeeper::Configure {
+                    cluster_id: cluster(),
                     configuration: initial.joint(members(&[5, 6, 9])).expect("other"),
                     min_term: 0,
                 },

@@ -321,8 +321,8 @@ mod tests {
 
     #[test]
     fn a_joint_configuration_needs_both_majorities() {
-        let c = Configuration::initial(set(&[0, 1, 2])).unwrap();
-        let j = c.joint(set(&[0, 1, 3])).unwrap();
+        let c = Configuration::initial(set(&[0, 1, 2])).expect("valid");
+        let j = c.joint(set(&[0, 1, 3])).expect("valid");
         assert_eq!(j.generation, 2);
         assert_eq!(
             j.all_members().iter().map(|m| m.id).collect::<Vec<_>>(),
@@ -340,9 +340,9 @@ mod tests {
     #[test]
     fn the_commit_value_is_the_lowest_of_both_majorities() {
         let j = Configuration::initial(set(&[0, 1, 2]))
-            .unwrap()
+            .expect("valid")
             .joint(set(&[0, 1, 3]))
-            .unwrap();
+            .expect("valid");
         let flush = |id: u64| Some([10u64, 5, 9, 1][id as usize]);
         // Old set: 10, 9, 5 -> 9; new set: 10, 5, 1 -> 5.
         assert_eq!(j.quorum_value(flush), Some(5));
@@ -351,18 +351,18 @@ mod tests {
 
     #[test]
     fn changes_go_joint_then_switch_or_abort_in_higher_generations() {
-        let c = Configuration::initial(set(&[0, 1, 2])).unwrap();
-        let j = c.joint(set(&[0, 1, 3])).unwrap();
+        let c = Configuration::initial(set(&[0, 1, 2])).expect("valid");
+        let j = c.joint(set(&[0, 1, 3])).expect("valid");
         assert!(matches!(
             j.joint(set(&[0, 1, 4])),
             Err(MembershipError::ChangeUnderWay { .. })
         ));
-        let s = j.switched().unwrap();
+        let s = j.switched().expect("valid");
         assert_eq!(
             (s.generation, s.members.clone(), s.new_members.clone()),
             (3, set(&[0, 1, 3]), None)
         );
-        let a = j.aborted().unwrap();
+        let a = j.aborted().expect("valid");
         assert_eq!((a.generation, a.members.clone()), (3, set(&[0, 1, 2])));
         assert!(c.switched().is_err());
         assert!(c.aborted().is_err());
@@ -370,7 +370,7 @@ mod tests {
 
     #[test]
     fn bad_configurations_are_refused() {
-        let c = Configuration::initial(set(&[0, 1, 2])).unwrap();
+        let c = Configuration::initial(set(&[0, 1, 2])).expect("valid");
         assert!(c.joint(set(&[2, 1, 0])).is_err(), "same set");
         assert!(c.joint(Vec::new()).is_err());
         assert!(c.joint(set(&[0, 0, 3])).is_err());
@@ -391,14 +391,14 @@ mod tests {
     #[test]
     fn the_switch_waits_for_a_new_majority_at_the_sync_position() {
         let j = Configuration::initial(set(&[0, 1, 2]))
-            .unwrap()
+            .expect("valid")
             .joint(set(&[0, 1, 3]))
-            .unwrap();
+            .expect("valid");
         let p = |t, l| Position {
             last_log_term: t,
             flush_lsn: Lsn(l),
         };
-        let sync = sync_position([p(2, 100), p(3, 50), p(2, 200)]).unwrap();
+        let sync = sync_position([p(2, 100), p(3, 50), p(2, 200)]).expect("valid");
         assert_eq!(sync, p(3, 50));
         // Only 0 is there; 1 is behind in an older term with more bytes.
         let at = |id: u64| match id {

@@ -236,6 +236,7 @@ pub enum ToSafekeeper {
     /// (a new member never lets a writer be elected in a term an older one
     /// already used); answered with [`FromSafekeeper::Configured`].
     Configure {
+        cluster_id: ClusterId,
         configuration: Configuration,
         min_term: Term,
     },
@@ -278,6 +279,7 @@ pub struct PullSnapshot {
 /// The answer to [`ToSafekeeper::Configure`]: the safekeeper's state after it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Configured {
+    pub node_id: u64,
     pub configuration: Option<Configuration>,
     pub term: Term,
     pub position: Position,
@@ -635,6 +637,7 @@ mod tests {
                 reply_time_micros: 3,
             }),
             ToSafekeeper::Configure {
+                cluster_id: ClusterId::new("c1").expect("id"),
                 configuration: configuration(),
                 min_term: 9,
             },
@@ -650,6 +653,7 @@ mod tests {
                 configuration: None,
             }),
             FromSafekeeper::Configured(Configured {
+                node_id: 3,
                 configuration: Some(configuration()),
                 term: 9,
                 position: Position {

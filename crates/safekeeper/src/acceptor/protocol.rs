@@ -95,9 +95,19 @@ impl Acceptor {
     /// answer, which tells where this safekeeper's WAL stands.
     pub async fn handle_configure(
         &mut self,
+        cluster_id: &ferry_wal::ClusterId,
         configuration: &Configuration,
         min_term: Term,
     ) -> Result<FromSafekeeper, AcceptorError> {
+        if *cluster_id != self.config.cluster_id {
+            return Err(refused(
+                self.state.term,
+                format!(
+                    "a configuration of cluster {cluster_id}: this safekeeper belongs to cluster {}",
+                    self.config.cluster_id
+                ),
+            ));
+        }
         let adopt = decide::adopt_configuration(
             self.state.term,
             self.state.configuration.as_ref(),
@@ -117,6 +127,7 @@ impl Acceptor {
             self.persist_configuration(conf, raise).await?;
         }
         Ok(FromSafekeeper::Configured(Configured {
+            node_id: self.config.node_id,
             configuration: self.state.configuration.clone(),
             term: self.state.term,
             position: Position {
@@ -398,10 +409,11 @@ impl Acceptor {
             let result = match msg {
                 ToSafekeeper::Greeting(g) => self.handle_greeting(&g, session).await.map(Some),
                 ToSafekeeper::Configure {
+                    cluster_id,
                     configuration,
                     min_term,
                 } => self
-                    .handle_configure(&configuration, min_term)
+                    .handle_configure(&cluster_id, &configuration, min_term)
                     .await
                     .map(Some),
                 ToSafekeeper::VoteRequest { term } => self.handle_vote(term).await.map(Some),
