@@ -21,6 +21,7 @@ wal_seeds=${SOAK_WAL_SEEDS:-20000}
 replica_seeds=${SOAK_REPLICA_SEEDS:-3000}
 export_seeds=${SOAK_EXPORT_SEEDS:-5000}
 e2e_seeds=${SOAK_E2E_SEEDS:-2000}
+membership_seeds=${SOAK_MEMBERSHIP_SEEDS:-10000}
 
 echo "[soak] day $day: seeds $base.. (SOAK_DAY=$day repeats this window)"
 cargo build --release --locked -q -p ferry-sim || exit 1
@@ -44,6 +45,7 @@ run wal "$wal_seeds"
 run replicas "$replica_seeds"
 run export "$export_seeds"
 run e2e "$e2e_seeds"
+run membership "$membership_seeds"
 
 if [ $failed -ne 0 ]; then
     echo "[soak] FAILED: see the seeds above"

@@ -39,6 +39,7 @@
 
 pub mod e2e;
 pub mod export;
+pub mod membership;
 pub mod replicas;
 pub mod safekeepers;
 pub mod seeds;

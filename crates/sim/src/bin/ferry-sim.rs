@@ -35,6 +35,10 @@ enum SimCommand {
     /// writers, safekeepers, replicas exporting themselves to the lake,
     /// every fault at once; judged by what the lake's reader reads.
     E2e(WalSimArgs),
+    /// The membership random test: the safekeeper set replaced, grown and
+    /// shrunk by the change driver (killed at any step, aborted, raced)
+    /// under crashes, partitions, writer takeovers and stale writers.
+    Membership(WalSimArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -89,5 +93,6 @@ fn main() -> anyhow::Result<()> {
         SimCommand::Replicas(args) => run::<ferry_sim::replicas::Replicas>(args),
         SimCommand::Export(args) => run::<ferry_sim::export::Export>(args),
         SimCommand::E2e(args) => run::<ferry_sim::e2e::EndToEnd>(args),
+        SimCommand::Membership(args) => run::<ferry_sim::membership::MembershipChanges>(args),
     }
 }

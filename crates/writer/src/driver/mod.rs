@@ -135,6 +135,11 @@ impl Writer {
         );
         let conn_epoch = connections.start(&config.safekeepers);
         let status0 = WriterStatus {
+            generation: config
+                .proposer
+                .configuration
+                .as_ref()
+                .map_or(0, |c| c.generation),
             term: 0,
             elected: false,
             epoch_start_lsn: Lsn(0).to_string(),

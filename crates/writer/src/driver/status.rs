@@ -22,6 +22,9 @@ pub struct PeerStatus {
 /// What an operator sees of a writer.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct WriterStatus {
+    /// The generation of the safekeeper configuration the writer runs with
+    /// (0: none recorded; its safekeepers are the ones it was started with).
+    pub generation: u32,
     pub term: Term,
     pub elected: bool,
     /// Where this term's WAL starts (the donor's end of WAL at the election).
@@ -69,6 +72,7 @@ impl Driver {
         let flushes = self.proposer.peer_flush_lsns();
         let offloader = self.proposer.offloader();
         let status = WriterStatus {
+            generation: self.proposer.generation(),
             term: self.proposer.term(),
             elected: self.proposer.is_elected(),
             epoch_start_lsn: self.proposer.epoch_start_lsn().to_string(),
