@@ -127,7 +127,15 @@ pub async fn safekeeper(args: SafekeeperArgs) -> anyhow::Result<()> {
         create: args.create,
         restore: args.restore_from_backup,
         pull_from: args.pull_from_peers.clone(),
-        server: args.wal.server_config(None)?,
+        server: ferry_safekeeper::server::ServerConfig {
+            // Catches up from its peers while no writer runs: the
+            // configuration's other members, else the --pull-from-peers list.
+            peer_recovery: Some(ferry_safekeeper::recovery::PeerRecovery {
+                network: Arc::new(TcpNetwork),
+                peers: args.pull_from_peers.clone(),
+            }),
+            ..args.wal.server_config(None)?
+        },
     };
     let sk = start_safekeeper(&data_dir, args.id, listener, &spec).await?;
     let server = Arc::clone(&sk.server);

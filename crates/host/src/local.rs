@@ -150,6 +150,7 @@ impl WalServiceArgs {
             restore_quarantine: self.restore_quarantine,
             replica_expiry: self.replica_expiry,
             min_free_disk: self.min_free_disk,
+            peer_recovery: None,
             partial_backup: self.partial_backup_enabled.then_some(
                 ferry_safekeeper::partial::PartialBackupConfig {
                     timeout: self.partial_backup_timeout,

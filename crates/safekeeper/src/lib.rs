@@ -20,6 +20,7 @@ pub mod backup;
 pub mod control;
 pub mod partial;
 pub mod pull;
+pub mod recovery;
 pub mod restore;
 pub mod server;
 pub mod wal_storage;

@@ -71,6 +71,9 @@ pub struct ServerConfig {
     /// Appends are refused while less than this many bytes are free on the
     /// data dir's file system (`ferry_env::space`; 0: never).
     pub min_free_disk: u64,
+    /// Catch up from a peer of the same term while no writer runs
+    /// (`crate::recovery`; `None`: only writers catch it up).
+    pub peer_recovery: Option<crate::recovery::PeerRecovery>,
 }
 
 /// Default [`ServerConfig::min_free_disk`]: room for a few segments and the
@@ -97,6 +100,7 @@ impl Default for ServerConfig {
             restore_quarantine: DEFAULT_RESTORE_QUARANTINE,
             replica_expiry: DEFAULT_REPLICA_EXPIRY,
             min_free_disk: DEFAULT_MIN_FREE_DISK,
+            peer_recovery: None,
         }
     }
 }
@@ -110,6 +114,9 @@ struct Shared {
     walsenders: std::sync::Mutex<WalsenderSlots>,
     /// Open while the disk is nearly full: appends are refused.
     space: Option<ferry_env::space::SpaceBreaker>,
+    /// When a writer's vote request, election or append last arrived
+    /// (peer recovery waits while a writer runs).
+    last_writer_message: std::sync::Mutex<Option<tokio::time::Instant>>,
 }
 
 #[derive(Default)]
@@ -264,6 +271,7 @@ impl SafekeeperServer {
             config,
             walsenders: std::sync::Mutex::new(WalsenderSlots::default()),
             space,
+            last_writer_message: std::sync::Mutex::new(None),
         });
         let (stop, stop_rx) = watch::channel(false);
         let task = tokio::spawn(accept_loop(listener, Arc::clone(&shared), stop_rx));
@@ -382,6 +390,10 @@ async fn accept_loop(
             tracing::info!("restored safekeeper: quarantine over, a writer may bring it back");
         });
     }
+    if let Some(recovery) = shared.config.peer_recovery.clone() {
+        let shared = Arc::clone(&shared);
+        connections.spawn(async move { run_peer_recovery(&shared, recovery).await });
+    }
     if let (Some(backup), Some(config)) = (&shared.config.backup, shared.config.partial_backup) {
         let location = backup.location.clone();
         let shared = Arc::clone(&shared);
@@ -441,6 +453,18 @@ async fn serve_connection(conn: BoxConnection, shared: &Shared) -> Result<(), pr
         }
         if shared.fatal.borrow().is_some() {
             return Ok(());
+        }
+        if batch.iter().any(|m| {
+            matches!(
+                m,
+                ToSafekeeper::Append(_)
+                    | ToSafekeeper::Elected(_)
+                    | ToSafekeeper::VoteRequest { .. }
+            )
+        }) {
+            if let Ok(mut last) = shared.last_writer_message.lock() {
+                *last = Some(tokio::time::Instant::now());
+            }
         }
         // With the disk nearly full, appends are refused (nothing of them
         // written); the rest of the batch (greetings, votes, elections,
@@ -713,6 +737,86 @@ where
 /// Uploads whole segments behind commit_lsn while this safekeeper has the
 /// duty (see [`crate::backup`]); a failed upload is tried again after a
 /// back-off.
+/// Peer recovery (see `crate::recovery`): every
+/// [`crate::recovery::PEER_RECOVERY_INTERVAL`] while no writer runs, asks
+/// the peers where they stand and copies the WAL of its term from the one
+/// furthest ahead.
+async fn run_peer_recovery(shared: &Shared, recovery: crate::recovery::PeerRecovery) {
+    use crate::recovery::{copy_from, is_donor, peers_of, position, WRITER_SILENCE};
+    let writer_silent = |shared: &Shared| {
+        shared
+            .last_writer_message
+            .lock()
+            .map(|last| last.is_none_or(|t| t.elapsed() >= WRITER_SILENCE))
+            .unwrap_or(false)
+    };
+    loop {
+        tokio::time::sleep(crate::recovery::PEER_RECOVERY_INTERVAL).await;
+        if shared.fatal.borrow().is_some() {
+            return;
+        }
+        let full = shared.space.as_ref().is_some_and(|s| s.check().is_err());
+        if full || !writer_silent(shared) {
+            continue;
+        }
+        let standing = shared.acceptor.lock().await.recovery_standing();
+        if standing.restored || standing.term == 0 || standing.history_term != standing.term {
+            continue;
+        }
+        let mut donor: Option<(String, Lsn)> = None;
+        for addr in peers_of(&standing, &recovery) {
+            if let Some(c) = position(recovery.network.as_ref(), &addr, &standing.cluster_id).await
+            {
+                if is_donor(&standing, &c)
+                    && donor
+                        .as_ref()
+                        .is_none_or(|(_, f)| c.position.flush_lsn > *f)
+                {
+                    donor = Some((addr, c.position.flush_lsn));
+                }
+            }
+        }
+        let Some((addr, to)) = donor else {
+            continue;
+        };
+        tracing::info!(
+            donor = %addr,
+            from = %standing.flush_lsn,
+            to = %to,
+            term = standing.term,
+            "no writer runs and a peer of this term is ahead: catching up from it"
+        );
+        let term = standing.term;
+        let result = copy_from(
+            recovery.network.as_ref(),
+            &addr,
+            &standing,
+            standing.flush_lsn,
+            to,
+            |begin, wal, commit| async move {
+                if !writer_silent(shared) {
+                    return None;
+                }
+                let mut acceptor = shared.acceptor.lock().await;
+                match acceptor.recovery_append(term, begin, wal, commit).await {
+                    Ok(flushed) => flushed,
+                    Err(e) => {
+                        drop(acceptor);
+                        tracing::error!(error = %e, "peer recovery: storage failed");
+                        shared.fail(e.to_string());
+                        None
+                    }
+                }
+            },
+        )
+        .await;
+        match result {
+            Ok(at) => tracing::info!(donor = %addr, at = %at, "peer recovery round ended"),
+            Err(e) => tracing::debug!(donor = %addr, error = %e, "peer recovery round failed"),
+        }
+    }
+}
+
 async fn run_backup(shared: &Shared, config: BackupConfig) {
     let (mut view, reader, seg, backup_lsn) = {
         let a = shared.acceptor.lock().await;

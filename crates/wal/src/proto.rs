@@ -240,6 +240,12 @@ pub enum ToSafekeeper {
         configuration: Configuration,
         min_term: Term,
     },
+    /// Where this safekeeper's WAL stands, changing nothing: asked by a
+    /// peer that looks for a donor to catch up from while no writer runs;
+    /// answered with [`FromSafekeeper::Configured`].
+    Position {
+        cluster_id: ClusterId,
+    },
 }
 
 /// Prefix of a refusal's reason when the writer's generation is older than
@@ -640,6 +646,9 @@ mod tests {
                 cluster_id: ClusterId::new("c1").expect("id"),
                 configuration: configuration(),
                 min_term: 9,
+            },
+            ToSafekeeper::Position {
+                cluster_id: ClusterId::new("c1").expect("id"),
             },
         ];
         let from = vec![

@@ -954,3 +954,103 @@ async fn a_replica_short_of_disk_applies_no_wal_until_space_returns() {
     stream.abort();
     writer.shutdown().await.expect("clean shutdown");
 }
+
+/// Self-healing lag: a safekeeper that was down while the writer wrote
+/// catches up from a peer of its term once it is back, with no writer
+/// running, and then streams the same committed WAL as the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lagging_safekeeper_catches_up_from_a_peer_while_no_writer_runs() {
+    use ferry_safekeeper::recovery::PeerRecovery;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let acceptor_config = |id: u64| AcceptorConfig {
+        cluster_id: cluster_id(),
+        node_id: id,
+        timeline_id: 1,
+        segment_size: seg(),
+        preallocation: Default::default(),
+    };
+    let mut listeners = Vec::new();
+    for _ in 0..3 {
+        listeners.push(TcpNetwork.bind("127.0.0.1:0").await.expect("bind"));
+    }
+    let addrs: Vec<String> = listeners
+        .iter()
+        .map(|l| l.local_addr().expect("addr"))
+        .collect();
+    let config = |id: usize| ServerConfig {
+        remove_wal: false,
+        min_free_disk: 0,
+        peer_recovery: Some(PeerRecovery {
+            network: Arc::new(TcpNetwork),
+            peers: (0..3)
+                .filter(|&p| p != id)
+                .map(|p| addrs[p].clone())
+                .collect(),
+        }),
+        ..ServerConfig::default()
+    };
+    let mut servers = Vec::new();
+    for (id, listener) in listeners.into_iter().enumerate() {
+        let acceptor = Acceptor::create(
+            Arc::clone(&disk),
+            &format!("sk{id}"),
+            acceptor_config(id as u64),
+        )
+        .await
+        .expect("create");
+        servers.push(SafekeeperServer::serve_with(listener, acceptor, config(id)).expect("serve"));
+    }
+    let mut writer_config = WriterConfig::new(
+        addrs.clone(),
+        ProposerConfig::new(cluster_id(), 3, 1, SEG, 5),
+    );
+    writer_config.reconnect_delay = Duration::from_millis(50);
+    let writer = Writer::start(Arc::new(TcpNetwork), writer_config);
+    let mut wal = write_wal(&writer, 3 * SEG).await;
+    // Safekeeper 2 goes down; the others take four more segments.
+    servers[2].kill().await;
+    wal.extend(write_wal(&writer, 4 * SEG).await);
+    let end = Lsn(wal.len() as u64);
+    writer.stop().await;
+    let behind = {
+        let acceptor = Acceptor::open(Arc::clone(&disk), "sk2", acceptor_config(2))
+            .await
+            .expect("reopen");
+        acceptor.flush_lsn()
+    };
+    assert!(behind < Lsn(4 * SEG), "safekeeper 2 missed the last writes");
+    // Back without a writer: it catches up from a peer by itself.
+    let acceptor = Acceptor::open(Arc::clone(&disk), "sk2", acceptor_config(2))
+        .await
+        .expect("reopen");
+    let listener = TcpNetwork.bind(&addrs[2]).await.expect("bind again");
+    servers[2] = SafekeeperServer::serve_with(listener, acceptor, config(2)).expect("serve");
+    // The peers know what the writer announced (the last commit reaches
+    // them with the next append, which never came): safekeeper 2 ends
+    // where they do.
+    let peer = servers[0].status().await;
+    assert!(lsn(&peer.flush_lsn) >= end);
+    let deadline = tokio::time::Instant::now() + SOON;
+    let caught_up = loop {
+        let s = servers[2].status().await;
+        if s.flush_lsn == peer.flush_lsn && s.commit_lsn == peer.commit_lsn {
+            break lsn(&s.commit_lsn);
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "safekeeper 2 did not catch up from its peers: {s:#?} (peer: {peer:#?})"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(caught_up > behind);
+    let mut conn = Walsender::start(&TcpNetwork, &addrs[2], 0, Lsn(0)).await;
+    let streamed = receive(&mut conn, Lsn(0), caught_up).await;
+    assert!(
+        streamed[..] == wal[..caught_up.0 as usize],
+        "safekeeper 2 streams exactly the committed WAL"
+    );
+    for s in servers {
+        s.kill().await;
+    }
+}

@@ -388,6 +388,21 @@ impl Acceptor {
         self.config.segment_size
     }
 
+    /// What peer recovery needs to know of this safekeeper.
+    pub(crate) fn recovery_standing(&self) -> crate::recovery::Standing {
+        crate::recovery::Standing {
+            node_id: self.config.node_id,
+            cluster_id: self.config.cluster_id.clone(),
+            timeline_id: self.config.timeline_id,
+            segment_bytes: self.config.segment_size.bytes(),
+            term: self.state.term,
+            history_term: self.state.term_history.last_term(),
+            flush_lsn: self.flush_lsn(),
+            restored: self.state.restored_up_to.is_some(),
+            configuration: self.state.configuration.clone(),
+        }
+    }
+
     pub fn status(&self) -> AcceptorStatus {
         AcceptorStatus {
             node_id: self.config.node_id,

@@ -126,7 +126,12 @@ impl Acceptor {
             };
             self.persist_configuration(conf, raise).await?;
         }
-        Ok(FromSafekeeper::Configured(Configured {
+        Ok(self.configured())
+    }
+
+    /// Where this safekeeper stands: its configuration, term and WAL.
+    fn configured(&self) -> FromSafekeeper {
+        FromSafekeeper::Configured(Configured {
             node_id: self.config.node_id,
             configuration: self.state.configuration.clone(),
             term: self.state.term,
@@ -136,7 +141,45 @@ impl Acceptor {
             },
             commit_lsn: self.commit_lsn,
             restored: self.state.restored_up_to.is_some(),
-        }))
+        })
+    }
+
+    /// WAL a peer of the same term flushed, appended here while no writer
+    /// runs (peer recovery: `crate::server`). The same rules as a writer's
+    /// append: only in the term whose election this safekeeper accepted,
+    /// only at its end; the commit_lsn the peer knows comes along. `None`:
+    /// refused (a writer moved the term meanwhile, or the WAL moved); the
+    /// new flush_lsn otherwise.
+    pub async fn recovery_append(
+        &mut self,
+        term: Term,
+        begin_lsn: Lsn,
+        wal: bytes::Bytes,
+        commit_lsn: Lsn,
+    ) -> Result<Option<Lsn>, AcceptorError> {
+        if self.state.restored_up_to.is_some() {
+            return Ok(None);
+        }
+        let end_lsn = Lsn(begin_lsn.0 + wal.len() as u64);
+        let req = AppendRequest {
+            term,
+            begin_lsn,
+            end_lsn,
+            commit_lsn: commit_lsn.min(end_lsn),
+            truncate_lsn: Lsn(0),
+            backup_lsn: Lsn(0),
+            backup_duty: self.backup_view.borrow().duty,
+            remote_consistent_lsn: None,
+            probe: 0,
+            wal,
+        };
+        match self.append_no_flush(&req).await {
+            Ok(()) => {}
+            Err(e) if e.is_refusal() => return Ok(None),
+            Err(e) => return Err(e),
+        }
+        self.flush_appends().await?;
+        Ok(Some(self.flush_lsn()))
     }
 
     /// Persists a configuration (and a raised term) after flushing pending
@@ -416,6 +459,13 @@ impl Acceptor {
                     .handle_configure(&cluster_id, &configuration, min_term)
                     .await
                     .map(Some),
+                ToSafekeeper::Position { cluster_id } if cluster_id == self.config.cluster_id => {
+                    Ok(Some(self.configured()))
+                }
+                ToSafekeeper::Position { cluster_id } => Err(refused(
+                    self.state.term,
+                    format!("cluster {cluster_id} is not served here"),
+                )),
                 ToSafekeeper::VoteRequest { term } => self.handle_vote(term).await.map(Some),
                 ToSafekeeper::Elected(e) => self.handle_elected(&e).await.map(Some),
                 ToSafekeeper::Append(a) => match self.append_no_flush(&a).await {

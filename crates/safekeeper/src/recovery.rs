@@ -1,0 +1,196 @@
+//! Peer recovery (Neon's `recovery.rs`): a safekeeper that is behind
+//! catches up from a peer of its term while no writer runs, so that a
+//! cluster left idle converges (every member then holds the whole WAL of
+//! the last term, and a next election finds it anywhere).
+//!
+//! The rule that makes copying uncommitted WAL safe: both this safekeeper
+//! and the donor accepted the election of the current term `T` (their last
+//! term is `T`), and the donor is still in `T` when it answers each read
+//! (`Acceptor::read_for_recovery` refuses another term). Then both hold a
+//! prefix of what `T`'s one writer sent, so the donor's WAL past our end
+//! extends ours exactly as that writer would have. Each chunk is appended
+//! through the writer's own rules (`Acceptor::recovery_append`: only in the
+//! term whose election we accepted, only at our end); a writer that comes
+//! back moves the term, and the next chunk is refused.
+//!
+//! [`PeerRecovery`] says where the peers are; [`run`] is the loop the
+//! server runs (time on tokio's clock, the network through the seam).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_env::Network;
+use ferry_wal::membership::Configuration;
+use ferry_wal::proto::{
+    self, Configured, FrameReader, FromSafekeeper, Greeting, ToSafekeeper, MAX_READ_WAL_BYTES,
+};
+use ferry_wal::{ClusterId, Lsn, Term};
+use tokio::io::AsyncWriteExt;
+
+/// How often a safekeeper looks for a peer ahead of it.
+pub const PEER_RECOVERY_INTERVAL: Duration = Duration::from_secs(1);
+/// A writer counts as running while one of its messages arrived within
+/// this (writers send a heartbeat every 100 ms); recovery waits meanwhile.
+pub const WRITER_SILENCE: Duration = Duration::from_secs(3);
+/// Longest one recovery round may take.
+const ROUND_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Where a safekeeper's peers are, and the network to reach them.
+#[derive(Clone)]
+pub struct PeerRecovery {
+    pub network: Arc<dyn Network>,
+    /// Peer addresses used while no configuration is recorded (the
+    /// configuration's other members otherwise).
+    pub peers: Vec<String>,
+}
+
+impl std::fmt::Debug for PeerRecovery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerRecovery")
+            .field("peers", &self.peers)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a round needs to know of this safekeeper.
+#[derive(Debug, Clone)]
+pub(crate) struct Standing {
+    pub node_id: u64,
+    pub cluster_id: ClusterId,
+    pub timeline_id: u64,
+    pub segment_bytes: u64,
+    pub term: Term,
+    /// The last term of its history: the term whose election it accepted.
+    pub history_term: Term,
+    pub flush_lsn: Lsn,
+    pub restored: bool,
+    pub configuration: Option<Configuration>,
+}
+
+/// The peers to ask: the configuration's other members, else the static
+/// list.
+pub(crate) fn peers_of(standing: &Standing, recovery: &PeerRecovery) -> Vec<String> {
+    match &standing.configuration {
+        Some(conf) => conf
+            .all_members()
+            .into_iter()
+            .filter(|m| m.id != standing.node_id)
+            .map(|m| m.addr)
+            .collect(),
+        None => recovery.peers.clone(),
+    }
+}
+
+/// Whether a peer's answer makes it a donor for `standing`: same term, its
+/// WAL written in that term, and ahead.
+pub(crate) fn is_donor(standing: &Standing, peer: &Configured) -> bool {
+    peer.term == standing.term
+        && peer.position.last_log_term == standing.term
+        && peer.position.flush_lsn > standing.flush_lsn
+        && !peer.restored
+}
+
+/// Asks `addr` where it stands.
+pub(crate) async fn position(
+    network: &dyn Network,
+    addr: &str,
+    cluster_id: &ClusterId,
+) -> Option<Configured> {
+    let ask = async {
+        let mut conn = network.connect(addr).await.ok()?;
+        proto::write_frame(
+            &mut conn,
+            &ToSafekeeper::Position {
+                cluster_id: cluster_id.clone(),
+            },
+        )
+        .await
+        .ok()?;
+        conn.flush().await.ok()?;
+        match proto::read_frame::<_, FromSafekeeper>(&mut conn).await {
+            Ok(Some(FromSafekeeper::Configured(c))) => Some(c),
+            _ => None,
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(2), ask)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// One connection to a donor, reading its WAL of `term` from `from` up to
+/// `to`; each chunk goes to `append`, which says whether to go on.
+pub(crate) async fn copy_from<F, Fut>(
+    network: &dyn Network,
+    addr: &str,
+    standing: &Standing,
+    from: Lsn,
+    to: Lsn,
+    mut append: F,
+) -> Result<Lsn, String>
+where
+    F: FnMut(Lsn, bytes::Bytes, Lsn) -> Fut,
+    Fut: std::future::Future<Output = Option<Lsn>>,
+{
+    let round = async {
+        let conn = network
+            .connect(addr)
+            .await
+            .map_err(|e| format!("connecting: {e}"))?;
+        let (read, mut write) = tokio::io::split(conn);
+        let mut reader = FrameReader::new(read);
+        // Greeted like a writer of our configuration, so the donor serves
+        // its reads (and refuses them if it holds a newer generation).
+        proto::write_frame(
+            &mut write,
+            &ToSafekeeper::Greeting(Greeting {
+                cluster_id: standing.cluster_id.clone(),
+                proposer_id: 0,
+                timeline_id: standing.timeline_id,
+                segment_bytes: standing.segment_bytes,
+                configuration: standing.configuration.clone(),
+            }),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        write.flush().await.map_err(|e| e.to_string())?;
+        match reader.next::<FromSafekeeper>().await {
+            Ok(Some(FromSafekeeper::Greeting(_))) => {}
+            other => return Err(format!("greeting answered {other:?}")),
+        }
+        let mut at = from;
+        while at < to {
+            let end = Lsn(at.0 + (to.0 - at.0).min(MAX_READ_WAL_BYTES));
+            proto::write_frame(
+                &mut write,
+                &ToSafekeeper::ReadWal {
+                    term: standing.term,
+                    begin_lsn: at,
+                    end_lsn: end,
+                },
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+            write.flush().await.map_err(|e| e.to_string())?;
+            while at < end {
+                match reader.next::<FromSafekeeper>().await {
+                    Ok(Some(FromSafekeeper::Wal {
+                        begin_lsn,
+                        commit_lsn,
+                        wal,
+                    })) if begin_lsn == at && !wal.is_empty() => {
+                        match append(at, wal, commit_lsn).await {
+                            Some(flushed) => at = flushed,
+                            None => return Ok(at),
+                        }
+                    }
+                    other => return Err(format!("a read of {at}..{end} answered {other:?}")),
+                }
+            }
+        }
+        Ok(at)
+    };
+    tokio::time::timeout(ROUND_TIMEOUT, round)
+        .await
+        .unwrap_or_else(|_| Err(format!("no end within {ROUND_TIMEOUT:?}")))
+}
