@@ -360,6 +360,10 @@ impl Sim {
         let config = ServerConfig {
             remove_wal: false,
             min_free_disk: 0,
+            peer_recovery: Some(ferry_safekeeper::recovery::PeerRecovery {
+                network: self.world.net.node(&name(i)),
+                peers: (0..NODES).filter(|&p| p != i).map(name).collect(),
+            }),
             ..ServerConfig::default()
         };
         self.safekeepers

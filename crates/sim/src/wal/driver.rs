@@ -17,7 +17,7 @@ use tokio::time::Instant;
 
 use super::rogue::RogueOutcome;
 use super::schedule::{
-    add_disk_full, add_disk_loss, add_partial_crashes, generate_schedule, Event,
+    add_disk_full, add_disk_loss, add_idle_periods, add_partial_crashes, generate_schedule, Event,
 };
 use super::walreceiver::{self, SharedReceived};
 use super::{
@@ -87,6 +87,7 @@ impl Sim {
                 self.safekeepers.disks[safekeeper].set_free_bytes(Some(0));
                 self.log(format!("sk{safekeeper} disk nearly full for {secs} s"));
             }
+            Event::Idle { secs } => self.idle(secs).await?,
             Event::DiskSpaceBack(i) => {
                 self.safekeepers.disks[i].set_free_bytes(Some(1 << 40));
                 self.log(format!("sk{i} disk has room again"));
@@ -337,6 +338,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
     add_disk_loss(&mut schedule, seed);
     add_partial_crashes(&mut schedule, seed);
     add_disk_full(&mut schedule, seed);
+    add_idle_periods(&mut schedule, seed);
     let mut world = World::new(
         seed,
         &mut rng,

@@ -38,7 +38,8 @@ use tokio::sync::{mpsc, watch};
 pub use crate::world::Failure;
 pub use driver::run_seed;
 pub use schedule::{
-    add_disk_full, add_disk_loss, add_partial_crashes, generate_schedule, Event, Schedule,
+    add_disk_full, add_disk_loss, add_idle_periods, add_partial_crashes, generate_schedule, Event,
+    Schedule,
 };
 
 use crate::safekeepers::{name as node_name, Safekeepers};

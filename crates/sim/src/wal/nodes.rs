@@ -73,6 +73,14 @@ impl Sim {
         };
         let mut config = draw_backup_settings(&mut self.world.rng, &self.world.lake);
         config.restore_quarantine = Duration::from_secs(5);
+        // Catches up from a peer of its term while no writer runs.
+        config.peer_recovery = Some(ferry_safekeeper::recovery::PeerRecovery {
+            network: self.world.net.node(&node_name(i)),
+            peers: (0..SAFEKEEPERS)
+                .filter(|&p| p != i)
+                .map(node_name)
+                .collect(),
+        });
         config.partial_backup = self
             .world
             .rng

@@ -57,6 +57,11 @@ pub enum Event {
     DiskNearlyFull { safekeeper: usize, secs: u64 },
     /// The end of a [`Event::DiskNearlyFull`].
     DiskSpaceBack(usize),
+    /// Every writer is killed and none runs for `secs` seconds: safekeepers
+    /// behind a peer of their term catch up from it (peer recovery); when
+    /// nothing stands in the way (all up, no partition, no disk fault), the
+    /// ones whose WAL is of the last term must end equal.
+    Idle { secs: u64 },
 }
 
 /// A schedule: events at virtual times, plus the network settings.
@@ -194,4 +199,23 @@ pub fn add_disk_full(schedule: &mut Schedule, seed: u64) {
             schedule.events.insert(index, (at, event));
         }
     }
+}
+
+/// Adds to a third of the schedules one period without a writer
+/// ([`Event::Idle`]), drawn from a generator of its own (as
+/// [`add_disk_loss`]).
+pub fn add_idle_periods(schedule: &mut Schedule, seed: u64) {
+    let mut rng = SmallRng::seed_from_u64(seed ^ 0x1D1E_0000_0000_0000);
+    let Some(&(last, _)) = schedule.events.last() else {
+        return;
+    };
+    if !rng.random_bool(1.0 / 3.0) {
+        return;
+    }
+    let at = Duration::from_millis(rng.random_range(0..=last.as_millis() as u64));
+    let event = Event::Idle {
+        secs: rng.random_range(6..=12),
+    };
+    let index = schedule.events.partition_point(|(t, _)| *t <= at);
+    schedule.events.insert(index, (at, event));
 }

@@ -247,4 +247,53 @@ impl Sim {
             }
         }));
     }
+
+    /// A period without a writer (see [`super::Event::Idle`]): every writer
+    /// is killed, the world runs on for `secs`, the safekeepers of the last
+    /// term must have caught up from each other when nothing stood in the
+    /// way, and a new writer starts.
+    pub(super) async fn idle(&mut self, secs: u64) -> Result<(), Failure> {
+        self.kill_writer();
+        self.kill_old_writers()?;
+        self.run_until(tokio::time::Instant::now() + Duration::from_secs(secs))
+            .await?;
+        let clear = !self.world.net.any_partition()
+            && self.restoring.is_none()
+            && (0..SAFEKEEPERS).all(|i| {
+                self.safekeepers.servers[i].is_some()
+                    && !self.safekeepers.disks[i].failing()
+                    && self.safekeepers.disks[i]
+                        .reported_free_bytes()
+                        .is_none_or(|f| f > 0)
+            });
+        let mut standing = Vec::new();
+        for server in self.safekeepers.servers.iter().flatten() {
+            let s = server.status().await;
+            standing.push((
+                s.node_id,
+                s.term,
+                s.last_log_term,
+                s.flush_lsn.parse::<ferry_wal::Lsn>().unwrap_or_default(),
+                s.restored_up_to.is_some(),
+            ));
+        }
+        self.log(format!(
+            "idle for {secs} s; (node, term, last_log_term, flush_lsn, restored): {standing:?}"
+        ));
+        if clear {
+            let term = standing.iter().map(|s| s.1).max().unwrap_or(0);
+            let of_term: Vec<_> = standing
+                .iter()
+                .filter(|s| s.1 == term && s.2 == term && !s.4)
+                .collect();
+            let end = of_term.iter().map(|s| s.3).max().unwrap_or_default();
+            if let Some(behind) = of_term.iter().find(|s| s.3 < end) {
+                return Err(self.fail(format!(
+                    "sk{} stayed at {} behind a peer of term {term} at {end} while no writer ran for {secs} s (peer recovery)",
+                    behind.0, behind.3
+                )));
+            }
+        }
+        self.start_writer().await
+    }
 }

@@ -247,6 +247,11 @@ impl SimDisk {
         lock(&self.state).free_bytes = free;
     }
 
+    /// The free space it reports (`None`: unknown).
+    pub fn reported_free_bytes(&self) -> Option<u64> {
+        lock(&self.state).free_bytes
+    }
+
     /// Every operation waits until `until`.
     pub fn stall_until(&self, until: Instant) {
         lock(&self.state).stall_until = Some(until);

@@ -116,6 +116,11 @@ impl SimNet {
         lock(&self.state).partitions.remove(&pair(a, b));
     }
 
+    /// Whether any pair of nodes is cut off from each other now.
+    pub fn any_partition(&self) -> bool {
+        !lock(&self.state).partitions.is_empty()
+    }
+
     fn partitioned(&self, a: &str, b: &str) -> bool {
         lock(&self.state).partitions.contains(&pair(a, b))
     }
