@@ -12,6 +12,7 @@ mod copy;
 mod export;
 mod ingest;
 mod lake;
+mod membership;
 mod rebuild;
 mod scale;
 mod wal;

@@ -167,6 +167,7 @@ pub async fn rebuild_runs(
     root: &std::path::Path,
     timelines_mib: &[u64],
     kept_mib: u64,
+    membership_secs: f64,
 ) -> anyhow::Result<()> {
     let kept = kept_mib << 20;
     say!(
@@ -190,6 +191,5 @@ pub async fn rebuild_runs(
             b / a.max(1e-9)
         );
     }
-    say!("  commit latency during a safekeeper membership change: not measured (membership changes are not implemented)");
-    Ok(())
+    crate::membership::membership_run(root, membership_secs, 64).await
 }

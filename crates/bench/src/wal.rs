@@ -47,6 +47,10 @@ pub struct WalBenchArgs {
     /// WAL the donor keeps above its removal horizon (what a pull copies), MiB.
     #[arg(long, default_value_t = 256)]
     rebuild_kept_mib: u64,
+    /// Seconds of 64-writer load without, then around, a membership change
+    /// (the second part of --rebuild).
+    #[arg(long, default_value_t = 5.0)]
+    membership_secs: f64,
 }
 
 /// Replicas streaming from every safekeeper, on a thread of their own.
@@ -638,6 +642,7 @@ pub async fn wal(args: WalBenchArgs) -> anyhow::Result<()> {
             tmp.path(),
             &args.rebuild_timelines_mib,
             args.rebuild_kept_mib,
+            args.membership_secs,
         )
         .await;
     }

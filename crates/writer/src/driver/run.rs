@@ -311,7 +311,7 @@ impl Driver {
     /// runs above this writer's term and never below what it saw committed.
     fn reconfigure(&mut self, configuration: ferry_wal::membership::Configuration) {
         let generation = configuration.generation;
-        tracing::warn!(
+        tracing::info!(
             configuration = %configuration.describe(),
             "the safekeeper set changed; the writer starts over with it"
         );

@@ -472,7 +472,11 @@ impl Proposer {
                     self.stop(term, &reason, &mut actions);
                 } else {
                     let full = ferry_wal::proto::is_disk_full(&reason);
-                    if !full {
+                    if reason.starts_with(ferry_wal::proto::GENERATION) {
+                        // Its configuration is newer: the greeting on the
+                        // next connection tells which.
+                        tracing::info!(peer, %reason, "safekeeper holds a newer configuration; greeting it again");
+                    } else if !full {
                         tracing::warn!(peer, %reason, "safekeeper refused; reconnecting to it");
                     } else if !self.peer_disk_full[peer] {
                         // Once per spell: it refuses every append until
