@@ -50,6 +50,12 @@ pub struct SafekeeperArgs {
         value_name = "ADDR,..."
     )]
     pull_from_peers: Vec<String>,
+    /// ZooKeeper ensemble holding the cluster's safekeeper configuration
+    /// (`ferry safekeeper-set`): a safekeeper whose data dir holds no control
+    /// file and that the configuration names is pulled from the other
+    /// members by itself (as with --pull-from-peers naming them).
+    #[arg(long, env = "FERRY_ZOOKEEPER", conflicts_with = "create")]
+    zookeeper: Option<String>,
     /// Address writers and replicas connect to.
     #[arg(long, default_value = "127.0.0.1:5454")]
     listen: String,
@@ -120,19 +126,23 @@ pub async fn safekeeper(args: SafekeeperArgs) -> anyhow::Result<()> {
     let http_listener = ferry_host::http::bind(&args.http).await?;
     ferry_host::paths::create_dir(&data_dir)?;
     let _lock = ferry_host::lockfile::lock_dir(&data_dir)?;
+    let mut pull_from = args.pull_from_peers.clone();
+    if let (Some(connect), true) = (&args.zookeeper, pull_from.is_empty()) {
+        pull_from = members_to_pull_from(connect, args.id).await?;
+    }
     let spec = SafekeeperSpec {
         cluster_id: args.cluster_id.clone(),
         segment,
         preallocation: args.wal_preallocation,
         create: args.create,
         restore: args.restore_from_backup,
-        pull_from: args.pull_from_peers.clone(),
+        pull_from: pull_from.clone(),
         server: ferry_safekeeper::server::ServerConfig {
             // Catches up from its peers while no writer runs: the
             // configuration's other members, else the --pull-from-peers list.
             peer_recovery: Some(ferry_safekeeper::recovery::PeerRecovery {
                 network: Arc::new(TcpNetwork),
-                peers: args.pull_from_peers.clone(),
+                peers: pull_from,
             }),
             ..args.wal.server_config(None)?
         },
@@ -170,6 +180,30 @@ pub async fn safekeeper(args: SafekeeperArgs) -> anyhow::Result<()> {
     server.shutdown().await;
     say!("safekeeper {} stopped cleanly", args.id);
     Ok(())
+}
+
+/// The other members of the recorded safekeeper configuration when it
+/// names safekeeper `id` (empty otherwise): who a lost `id` is pulled from.
+async fn members_to_pull_from(connect: &str, id: u64) -> anyhow::Result<Vec<String>> {
+    let sessions = ferry_coord::ZkSessions {
+        options: ferry_coord::zk::ZkOptions::new(connect.to_string()),
+        metrics: Arc::new(ferry_coord::CoordMetrics::default()),
+    };
+    let session = ferry_coord::SessionFactory::open(&sessions)
+        .await
+        .with_context(|| format!("connecting to ZooKeeper at {connect}"))?;
+    let recorded = ferry_node::membership::read_configuration(&*session).await;
+    session.close().await;
+    Ok(match recorded? {
+        Some(r) if r.configuration.contains(id) => r
+            .configuration
+            .all_members()
+            .into_iter()
+            .filter(|m| m.id != id)
+            .map(|m| m.addr)
+            .collect(),
+        _ => Vec::new(),
+    })
 }
 
 pub async fn writer(args: WriterArgs) -> anyhow::Result<()> {

@@ -1,7 +1,9 @@
 //! Changing the safekeeper set with real processes: `ferry safekeeper-set`
 //! replaces safekeeper 2 by a new one (pulled from its peers) while appends
-//! go on, then one of the new set is killed: every acknowledged append is on
-//! the safekeepers of the new set, and the writer goes on with them.
+//! go on, then one of the new set is killed: the writer goes on with the
+//! other two. That one then loses its data dir and, started with ZooKeeper
+//! only, is pulled from the members the configuration names; at the end
+//! every acknowledged append is on all three of the new set.
 
 mod common;
 
@@ -204,6 +206,37 @@ async fn a_safekeeper_is_replaced_while_appends_go_on_and_the_new_set_survives_a
     .expect("appends commit on safekeepers 1 and 3")
     .expect("writer runs");
 
+    // Safekeeper 0 lost its data dir: started with ZooKeeper only, it is
+    // pulled from the other members the configuration names, brought back
+    // by the writer, and catches up.
+    std::fs::remove_dir_all(dir.path().join("sk0")).expect("lose the data dir");
+    let mut args = service.to_vec();
+    args.extend(["--zookeeper", connect.as_str()]);
+    let (child, _, printed) = start_safekeeper_watching(
+        0,
+        &dir.path().join("sk0"),
+        &addrs[0],
+        &args,
+        CLUSTER,
+        SEG,
+        |_| {},
+    );
+    children[0] = child;
+    assert!(
+        printed
+            .iter()
+            .any(|l| l.contains("safekeeper 0: pulled from")),
+        "{printed:?}"
+    );
+    let target = committed(&writer.status());
+    tokio::time::timeout(
+        Duration::from_secs(60),
+        status.wait_for(|s| flush_of(s, 0) >= target),
+    )
+    .await
+    .expect("safekeeper 0 is brought back and catches up in time")
+    .expect("writer runs");
+
     flow.send_replace(Flow::Stop);
     let seen = tokio::time::timeout(Duration::from_secs(60), appends)
         .await
@@ -212,7 +245,7 @@ async fn a_safekeeper_is_replaced_while_appends_go_on_and_the_new_set_survives_a
     let writer = Arc::into_inner(writer).expect("sole owner");
     let end = writer.shutdown().await.expect("clean shutdown on 1 and 3");
     assert!(!seen.acked.is_empty());
-    for addr in [&addrs[1], &addr3] {
+    for addr in [&addrs[0], &addrs[1], &addr3] {
         let held = tokio::time::timeout(Duration::from_secs(30), committed_blocks(addr, end))
             .await
             .unwrap_or_else(|_| panic!("safekeeper {addr} reaches {end}"));
