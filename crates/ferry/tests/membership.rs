@@ -178,13 +178,15 @@ async fn a_safekeeper_is_replaced_while_appends_go_on_and_the_new_set_survives_a
         "{out}"
     );
 
-    // The writer follows: its slots are the new set's.
+    // The writer follows in place: its slots are the old set's and the new
+    // member's, the removed one without an address.
     tokio::time::timeout(
         Duration::from_secs(60),
         status.wait_for(|s| {
-            s.peers.iter().map(|p| p.addr.as_str()).collect::<Vec<_>>()
-                == [addrs[0].as_str(), addrs[1].as_str(), addr3.as_str()]
+            s.generation == 3
                 && s.elected
+                && s.peers.iter().map(|p| p.addr.as_str()).collect::<Vec<_>>()
+                    == [addrs[0].as_str(), addrs[1].as_str(), "", addr3.as_str()]
         }),
     )
     .await

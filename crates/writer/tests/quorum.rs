@@ -198,7 +198,7 @@ impl Writer {
 
     /// Connects to every running safekeeper and runs until quiet.
     async fn connect_all(&mut self, cluster: &mut Cluster) {
-        for i in 0..cluster.acceptors.len() {
+        for i in 0..cluster.acceptors.len().min(self.connected.len()) {
             if cluster.acceptors[i].is_some() && !self.connected[i] {
                 self.connected[i] = true;
                 self.sessions[i] = Default::default();
@@ -255,6 +255,19 @@ impl Writer {
                     Action::RefusedByAll { reasons } => self.refused = Some(reasons),
                     Action::Reconfigure { configuration } => {
                         self.reconfigured = Some(configuration)
+                    }
+                    Action::Members {
+                        configuration,
+                        slots,
+                    } => {
+                        self.connected.resize(slots.len(), false);
+                        self.sessions.resize(slots.len(), Default::default());
+                        for (slot, addr) in slots.iter().enumerate() {
+                            if addr.is_none() {
+                                self.connected[slot] = false;
+                            }
+                        }
+                        self.reconfigured = Some(configuration);
                     }
                     Action::Reconnect { peer } => {
                         self.connected[peer] = false;
@@ -1020,4 +1033,52 @@ async fn a_joint_configuration_needs_both_majorities_and_an_older_writer_starts_
         w.proposer.term(),
         "no term moved"
     );
+}
+
+/// An elected writer whose safekeepers took a joint configuration (from
+/// the change driver) keeps its term and its appends: it greets every
+/// member again with the new configuration, connects to the new member,
+/// and commits under both majorities from then on.
+#[tokio::test]
+async fn an_elected_writer_takes_a_newer_configuration_in_place() {
+    use ferry_wal::membership::Configuration;
+    let mut cluster = Cluster::new(4).await;
+    let initial = Configuration::initial(members(&[0, 1, 2])).expect("initial");
+    let joint = initial.joint(members(&[0, 1, 3])).expect("joint");
+    let mut w = Writer::with(3, 0, |c| c.configuration = Some(initial.clone()));
+    w.connect_all(&mut cluster).await;
+    let (term, _) = w.elected.expect("elected");
+    let mut all = Vec::new();
+    let first = w.append_to(&mut cluster, &mut all, batch(0, 5, 300)).await;
+    assert_eq!(w.commit_lsn, first);
+    // The change driver hands the joint configuration to 0 and 1.
+    for i in [0, 1] {
+        cluster.acceptors[i]
+            .as_mut()
+            .expect("running")
+            .handle_configure(&cluster_id(), &joint, 0)
+            .await
+            .expect("configure");
+    }
+    // The next appends are refused by 0 and 1 (an older generation); the
+    // writer greets them again, learns the joint configuration, and goes on
+    // in its term.
+    let second = w.append_to(&mut cluster, &mut all, batch(5, 5, 300)).await;
+    assert_eq!(w.reconfigured.as_ref(), Some(&joint));
+    assert_eq!(w.proposer.generation(), joint.generation);
+    w.connect_all(&mut cluster).await;
+    let heartbeat = w.proposer.heartbeat();
+    w.absorb(heartbeat);
+    w.run(&mut cluster).await;
+    assert_eq!(w.superseded, None);
+    assert_eq!(w.proposer.term(), term, "the same term");
+    assert_eq!(w.commit_lsn, second, "committed under both majorities");
+    for i in 0..4 {
+        assert_eq!(
+            cluster.acceptor(i).configuration(),
+            Some(&joint),
+            "safekeeper {i} holds the joint configuration"
+        );
+        assert!(cluster.wal(i).await == all, "safekeeper {i} holds the WAL");
+    }
 }

@@ -33,8 +33,12 @@ pub(super) struct ConnectionSet {
     events: mpsc::Sender<Event>,
     reconnect_delay: Duration,
     peer_timeout: Duration,
-    tasks: Arc<std::sync::Mutex<(u64, Vec<JoinHandle<()>>)>>,
+    /// The epoch, and each slot's task with the address it connects to.
+    tasks: Arc<std::sync::Mutex<(u64, Vec<SlotTask>)>>,
 }
+
+/// A slot's connection task and the address it connects to.
+type SlotTask = Option<(String, JoinHandle<()>)>;
 
 impl ConnectionSet {
     pub(super) fn new(
@@ -52,37 +56,63 @@ impl ConnectionSet {
         }
     }
 
+    fn spawn(&self, slot: usize, addr: &str, epoch: u64) -> JoinHandle<()> {
+        tokio::spawn(connection_task(
+            Arc::clone(&self.network),
+            slot,
+            addr.to_string(),
+            self.reconnect_delay,
+            self.peer_timeout,
+            self.events.clone(),
+            epoch,
+        ))
+    }
+
     /// Stops the current connections and starts one per address (an empty
     /// address is a member known to be down: counted in the quorum size,
-    /// never connected to); returns the new set's epoch.
+    /// never connected to) in a new epoch; returns the epoch.
     pub(super) fn start(&self, addrs: &[String]) -> u64 {
         let mut tasks = self.tasks.lock().unwrap_or_else(|e| e.into_inner());
-        for t in tasks.1.drain(..) {
+        for (_, t) in tasks.1.drain(..).flatten() {
             t.abort();
         }
         tasks.0 += 1;
         let epoch = tasks.0;
-        for (i, addr) in addrs.iter().enumerate() {
-            if addr.is_empty() {
+        tasks.1 = addrs
+            .iter()
+            .enumerate()
+            .map(|(slot, addr)| {
+                (!addr.is_empty()).then(|| (addr.clone(), self.spawn(slot, addr, epoch)))
+            })
+            .collect();
+        epoch
+    }
+
+    /// Keeps the connections of slots whose address is unchanged, starts
+    /// those of new slots and stops those of slots with an empty address,
+    /// in the current epoch.
+    pub(super) fn set_slots(&self, addrs: &[String]) {
+        let mut tasks = self.tasks.lock().unwrap_or_else(|e| e.into_inner());
+        let epoch = tasks.0;
+        tasks.1.resize_with(addrs.len(), || None);
+        for (slot, addr) in addrs.iter().enumerate() {
+            let keep = tasks.1[slot].as_ref().is_some_and(|(a, _)| a == addr);
+            if keep {
                 continue;
             }
-            tasks.1.push(tokio::spawn(connection_task(
-                Arc::clone(&self.network),
-                i,
-                addr.clone(),
-                self.reconnect_delay,
-                self.peer_timeout,
-                self.events.clone(),
-                epoch,
-            )));
+            if let Some((_, t)) = tasks.1[slot].take() {
+                t.abort();
+            }
+            if !addr.is_empty() {
+                tasks.1[slot] = Some((addr.clone(), self.spawn(slot, addr, epoch)));
+            }
         }
-        epoch
     }
 
     /// Aborts every connection task; returns them to be awaited.
     pub(super) fn abort_all(&self) -> Vec<JoinHandle<()>> {
         let mut tasks = self.tasks.lock().unwrap_or_else(|e| e.into_inner());
-        let all: Vec<JoinHandle<()>> = tasks.1.drain(..).collect();
+        let all: Vec<JoinHandle<()>> = tasks.1.drain(..).flatten().map(|(_, t)| t).collect();
         for t in &all {
             t.abort();
         }

@@ -290,6 +290,28 @@ impl Driver {
                     self.publish_status();
                     return false;
                 }
+                Action::Members {
+                    configuration,
+                    slots,
+                } => {
+                    tracing::info!(
+                        configuration = %configuration.describe(),
+                        "the safekeeper set changed; the writer goes on with it in its term"
+                    );
+                    self.config.proposer.safekeepers = slots.len();
+                    self.config.proposer.configuration = Some(configuration);
+                    self.config.safekeepers = slots
+                        .iter()
+                        .map(|s| s.clone().unwrap_or_default())
+                        .collect();
+                    self.conns.resize(slots.len(), None);
+                    for (slot, addr) in slots.iter().enumerate() {
+                        if addr.is_none() {
+                            self.conns[slot] = None;
+                        }
+                    }
+                    self.connections.set_slots(&self.config.safekeepers);
+                }
                 Action::Reconfigure { configuration } => {
                     self.reconfigure(configuration);
                     // What the old proposer asked for no longer applies.

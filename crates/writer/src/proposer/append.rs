@@ -233,7 +233,7 @@ impl Proposer {
             });
         }
         let all = self.streaming_flushes();
-        if all.len() == self.peers.len() {
+        if all.len() == self.member_count() {
             let horizon = all
                 .iter()
                 .copied()
@@ -259,7 +259,7 @@ impl Proposer {
             return;
         }
         let streaming = self.streaming_flushes();
-        let target = if streaming.len() == self.peers.len() {
+        let target = if streaming.len() == self.member_count() {
             streaming
                 .iter()
                 .copied()

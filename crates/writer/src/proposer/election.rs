@@ -32,7 +32,7 @@ impl Proposer {
                 _ => None,
             })
             .collect();
-        if reasons.len() == self.peers.len() {
+        if reasons.len() == self.member_count() {
             self.phase = Phase::Lost;
             actions.push(Action::RefusedByAll { reasons });
         }
@@ -75,6 +75,11 @@ impl Proposer {
         if let Some(conf) = &g.configuration {
             if conf.generation > self.generation() && conf.validate().is_ok() {
                 // Its quorums are the cluster's now, not this proposer's.
+                if self.phase == Phase::Elected {
+                    // Every member, this one too, is greeted again.
+                    self.adopt_in_place(conf.clone(), actions);
+                    return;
+                }
                 tracing::info!(
                     peer,
                     configuration = %conf.describe(),
@@ -227,7 +232,7 @@ impl Proposer {
         // others may find a voter that has it.
         let best_flush_lsn = donor_vote.flush_lsn;
         if best_flush_lsn < self.config.known_commit_lsn {
-            let all_voted = voters.len() == self.peers.len();
+            let all_voted = voters.len() == self.member_count();
             tracing::warn!(
                 best = %best_flush_lsn,
                 known = %self.config.known_commit_lsn,

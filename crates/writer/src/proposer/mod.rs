@@ -164,12 +164,19 @@ pub enum Action {
         known_commit_lsn: Lsn,
         all_voted: bool,
     },
-    /// A safekeeper holds a configuration of a higher generation: this
-    /// proposer stopped (its quorums are no longer the cluster's). The
-    /// driver starts over with it; appends in flight have an unknown
-    /// outcome.
+    /// A safekeeper holds a configuration of a higher generation and this
+    /// proposer was not elected yet: it stopped (its quorums are no longer
+    /// the cluster's); the driver starts over with it.
     Reconfigure {
         configuration: Configuration,
+    },
+    /// The elected proposer took a higher configuration in place (same
+    /// term, same WAL; its quorums are the new configuration's from now
+    /// on, and every member is greeted again with it). The driver keeps a
+    /// connection to each slot with `Some` address and closes the others.
+    Members {
+        configuration: Configuration,
+        slots: Vec<Option<String>>,
     },
     /// Every safekeeper refused this writer's greeting (another cluster,
     /// timeline or segment size): no election can ever succeed with this
@@ -317,6 +324,84 @@ impl Proposer {
         }
     }
 
+    /// Whether `slot` is a member of this proposer's configuration.
+    pub(super) fn is_member(&self, slot: usize) -> bool {
+        match &self.config.configuration {
+            None => true,
+            Some(conf) => conf.contains(self.slot_ids[slot]),
+        }
+    }
+
+    /// How many slots are members.
+    pub(super) fn member_count(&self) -> usize {
+        (0..self.peers.len()).filter(|&p| self.is_member(p)).count()
+    }
+
+    /// Takes `conf`, of a higher generation, in place: new members get
+    /// slots (slots are never reused), slots no longer members go offline,
+    /// and every connected member is greeted again with `conf`, so that
+    /// its acknowledgements count under the new quorums. Commits counted
+    /// before stay: they were made of acknowledgements the old quorums'
+    /// safekeepers gave before they took the newer generation, which the
+    /// change driver's sync position covers (`docs/protocols/membership.md`).
+    pub(super) fn adopt_in_place(&mut self, conf: Configuration, actions: &mut Vec<Action>) {
+        tracing::info!(
+            configuration = %conf.describe(),
+            term = self.term,
+            "a safekeeper holds a newer configuration; taking it in place"
+        );
+        for m in conf.all_members() {
+            if !self.slot_ids.contains(&m.id) {
+                self.slot_ids.push(m.id);
+                self.peers.push(Peer::Offline);
+                self.refusals_logged.push(None);
+                self.peer_commit.push(Lsn(0));
+                self.peer_probe.push(0);
+                self.peer_disk_full.push(false);
+            }
+        }
+        let slots: Vec<Option<String>> = self
+            .slot_ids
+            .iter()
+            .map(|id| {
+                conf.all_members()
+                    .into_iter()
+                    .find(|m| m.id == *id)
+                    .map(|m| m.addr)
+            })
+            .collect();
+        self.config.safekeepers = self.slot_ids.len();
+        self.config.configuration = Some(conf.clone());
+        for (slot, addr) in slots.iter().enumerate() {
+            let member = addr.is_some();
+            let connected = !matches!(self.peers[slot], Peer::Offline);
+            if member && connected {
+                self.peers[slot] = Peer::Greeting;
+                actions.push(Action::Send {
+                    to: slot,
+                    msg: self.greeting(),
+                });
+            } else if !member {
+                self.peers[slot] = Peer::Offline;
+            }
+            self.pause_fetch_from(slot, actions);
+        }
+        actions.push(Action::Members {
+            configuration: conf,
+            slots,
+        });
+    }
+
+    fn greeting(&self) -> ToSafekeeper {
+        ToSafekeeper::Greeting(Greeting {
+            cluster_id: self.config.cluster_id.clone(),
+            proposer_id: self.config.proposer_id,
+            timeline_id: self.config.timeline_id,
+            segment_bytes: self.config.segment_bytes,
+            configuration: self.config.configuration.clone(),
+        })
+    }
+
     /// The safekeepers refusing appends for lack of disk space, when too
     /// few others are left to commit: new appends are refused before
     /// anything is written (`None`: a quorum takes appends).
@@ -389,19 +474,16 @@ impl Proposer {
 
     /// A connection to safekeeper `peer` is up.
     pub fn on_connected(&mut self, peer: usize) -> Vec<Action> {
-        if matches!(self.phase, Phase::Stopped | Phase::Lost) || peer >= self.peers.len() {
+        if matches!(self.phase, Phase::Stopped | Phase::Lost)
+            || peer >= self.peers.len()
+            || !self.is_member(peer)
+        {
             return Vec::new();
         }
         self.peers[peer] = Peer::Greeting;
         vec![Action::Send {
             to: peer,
-            msg: ToSafekeeper::Greeting(Greeting {
-                cluster_id: self.config.cluster_id.clone(),
-                proposer_id: self.config.proposer_id,
-                timeline_id: self.config.timeline_id,
-                segment_bytes: self.config.segment_bytes,
-                configuration: self.config.configuration.clone(),
-            }),
+            msg: self.greeting(),
         }]
     }
 
@@ -462,21 +544,38 @@ impl Proposer {
             FromSafekeeper::Wal { begin_lsn, wal, .. } => {
                 self.on_fetched(peer, begin_lsn, wal, &mut actions)
             }
+            FromSafekeeper::Refused { reason, .. }
+                if self.peers[peer] == Peer::Greeting
+                    && reason.starts_with(ferry_wal::proto::GENERATION) =>
+            {
+                // An answer to a message sent before this greeting, in the
+                // older generation: the greeting's answer settles it.
+            }
             FromSafekeeper::Refused { reason, .. } if self.peers[peer] == Peer::Greeting => {
                 // Only identity is checked at a greeting, so this refusal is
                 // not a term contest: the safekeeper is not ours.
                 self.on_greeting_refused(peer, reason, &mut actions);
+            }
+            FromSafekeeper::Refused { term, reason }
+                if term <= self.term && reason.starts_with(ferry_wal::proto::GENERATION) =>
+            {
+                // Its configuration is newer (the change driver handed it
+                // over): greeted again on this connection, its answer tells
+                // which.
+                tracing::info!(peer, %reason, "safekeeper holds a newer configuration; greeting it again");
+                self.peers[peer] = Peer::Greeting;
+                actions.push(Action::Send {
+                    to: peer,
+                    msg: self.greeting(),
+                });
+                self.pause_fetch_from(peer, &mut actions);
             }
             FromSafekeeper::Refused { term, reason } => {
                 if term > self.term {
                     self.stop(term, &reason, &mut actions);
                 } else {
                     let full = ferry_wal::proto::is_disk_full(&reason);
-                    if reason.starts_with(ferry_wal::proto::GENERATION) {
-                        // Its configuration is newer: the greeting on the
-                        // next connection tells which.
-                        tracing::info!(peer, %reason, "safekeeper holds a newer configuration; greeting it again");
-                    } else if !full {
+                    if !full {
                         tracing::warn!(peer, %reason, "safekeeper refused; reconnecting to it");
                     } else if !self.peer_disk_full[peer] {
                         // Once per spell: it refuses every append until
