@@ -48,6 +48,15 @@ pub enum CoordError {
     /// reading back before it retries anything that is not idempotent.
     #[error("connection lost, outcome unknown: {detail}")]
     ConnectionLoss { detail: String },
+    /// The store is short of disk space and refused this write before
+    /// applying anything of it: nothing changed (a definite answer, unlike
+    /// [`CoordError::ConnectionLoss`]), and the same write may succeed once
+    /// space returns. Reads, watches, keep-alives and closes are still
+    /// served. Its message starts with `disk_full:`. Only the embedded store
+    /// refuses this way (ZooKeeper stops on a full disk: its clients see
+    /// connection loss).
+    #[error(transparent)]
+    DiskFull(#[from] ferry_env::space::DiskFull),
     /// One operation of a multi failed, so none of them was applied.
     #[error("operation {index} of the multi failed: {source}")]
     MultiFailed {
@@ -90,6 +99,12 @@ impl CoordError {
         matches!(self.root(), CoordError::ConnectionLoss { .. })
     }
 
+    /// True when the store refused a write for lack of disk space: nothing
+    /// was applied, and the write may succeed later.
+    pub fn is_disk_full(&self) -> bool {
+        matches!(self.root(), CoordError::DiskFull(_))
+    }
+
     /// True when the session is over (expired or closed): a new one is needed.
     pub fn is_session_end(&self) -> bool {
         matches!(
@@ -101,3 +116,23 @@ impl CoordError {
 
 /// Result of a coordination request.
 pub type Result<T, E = CoordError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_disk_full_refusal_is_definite_and_says_disk_full() {
+        let full = ferry_env::space::SpaceBreaker::new("coordination store", 100 << 20);
+        full.observe(Some(1 << 20));
+        let e = CoordError::from(full.check().expect_err("open"));
+        assert!(e.is_disk_full());
+        assert!(!e.is_connection_loss(), "not applied, not unknown");
+        assert!(!e.is_session_end());
+        assert!(
+            e.to_string()
+                .starts_with("disk_full: coordination store has 1048576 bytes free"),
+            "{e}"
+        );
+    }
+}

@@ -430,6 +430,7 @@ fn norm_err(e: &CoordError) -> NErr {
         CoordError::SessionClosed => ("SessionClosed", None),
         CoordError::ConnectionLoss { .. } => ("ConnectionLoss", None),
         CoordError::Backend(_) => ("Backend", None),
+        CoordError::DiskFull(_) => ("DiskFull", None),
         CoordError::MultiFailed { index, source } => {
             return NErr {
                 kind: "MultiFailed",

@@ -1,6 +1,6 @@
 //! Durability and failure behaviour of the embedded back-end: restart recovery,
 //! torn tails, damage in the middle of the log, unsupported formats, corruption,
-//! group commit, idle expiry, fail-stop and `kill -9`.
+//! group commit, idle expiry, fail-stop, a disk short of space and `kill -9`.
 
 // Tests set up and damage real files and sockets directly; node code may not.
 #![allow(clippy::disallowed_methods, clippy::disallowed_types)]
@@ -576,6 +576,192 @@ async fn failed_fsync_stops_the_store_and_loses_nothing_acknowledged() {
     drop(s);
     let (store, s) = open_session(dir.path(), "reopen").await;
     assert!(s.exists("/acked").await.expect("exists").is_some());
+    store.shutdown().await;
+}
+
+/// A disk whose free space the test sets, counting the writes that reach it.
+struct Space {
+    free: AtomicU64,
+    writes: AtomicU64,
+}
+
+#[async_trait]
+impl DiskHook for Space {
+    async fn before(&self, op: DiskOp<'_>) -> io::Result<()> {
+        if op.is_write() {
+            self.writes.fetch_add(1, Ordering::SeqCst);
+        }
+        Ok(())
+    }
+    fn free_bytes(&self) -> Option<u64> {
+        Some(self.free.load(Ordering::SeqCst))
+    }
+}
+
+const MIN_FREE: u64 = 100 << 20;
+
+/// Waits (at most [`common::SOON`]) until the store's disk-full breaker is
+/// open (`full`) or closed.
+async fn breaker_is(store: &EmbeddedStore, full: bool) {
+    let mut state = store.space().expect("a breaker").subscribe();
+    tokio::time::timeout(common::SOON, state.wait_for(|s| s.is_some() == full))
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "the breaker did not become {}",
+                if full { "open" } else { "closed" }
+            )
+        })
+        .expect("breaker");
+}
+
+fn assert_disk_full(what: &str, r: Result<impl std::fmt::Debug, CoordError>) {
+    let err = r.expect_err(what);
+    assert!(
+        matches!(err, CoordError::DiskFull(_)),
+        "{what}: refused as disk full, not {err:?}"
+    );
+    assert!(
+        err.is_disk_full() && !err.is_connection_loss(),
+        "{what}: definite"
+    );
+    assert!(
+        err.to_string()
+            .starts_with("disk_full: coordination store has "),
+        "{what}: {err}"
+    );
+}
+
+#[tokio::test]
+async fn a_store_short_of_disk_refuses_writes_changes_nothing_and_takes_them_again() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let space = Arc::new(Space {
+        free: AtomicU64::new(10 * MIN_FREE),
+        writes: AtomicU64::new(0),
+    });
+    let disk = Arc::new(HookedDisk::new(
+        Arc::new(RealDisk::open_root(dir.path()).expect("disk")),
+        Arc::clone(&space) as Arc<dyn DiskHook>,
+    ));
+    let options = EmbeddedOptions {
+        min_free_disk: MIN_FREE,
+        ..small_snapshots()
+    };
+    let store = EmbeddedStore::open(disk, DIR, options).await.expect("open");
+    let s = session(&store).await;
+    populate(&s).await;
+    let closing = session(&store).await;
+    ephemeral(&closing, "/data/closing").await;
+    let acked = dump_stats(&s).await;
+
+    // The free space drops below the minimum.
+    space.free.store(MIN_FREE - 1, Ordering::SeqCst);
+    breaker_is(&store, true).await;
+    let writes = space.writes.load(Ordering::SeqCst);
+    // Every kind of write is refused, a sequential create, an ephemeral
+    // and a multi that would fail anyway included.
+    assert_disk_full(
+        "create",
+        s.create("/new", b"x", CreateMode::Persistent).await,
+    );
+    assert_disk_full(
+        "sequential create",
+        s.create("/data/seq-", b"", CreateMode::PersistentSequential)
+            .await,
+    );
+    assert_disk_full(
+        "ephemeral",
+        s.create("/eph", b"", CreateMode::Ephemeral).await,
+    );
+    assert_disk_full("set", s.set("/data", b"lost", None).await);
+    assert_disk_full("delete", s.delete("/data/n000", None).await);
+    assert_disk_full(
+        "multi",
+        s.multi(vec![
+            Op::create("/m", b"".to_vec(), CreateMode::Persistent),
+            Op::set("/data", b"lost".to_vec(), None),
+        ])
+        .await,
+    );
+    assert_disk_full(
+        "failing multi",
+        s.multi(vec![Op::check("/data", 99), Op::delete("/data/n002", None)])
+            .await,
+    );
+    // Reads are served, and watches set with them.
+    let (data, _, data_watch) = s.get_watch("/data").await.expect("get while full");
+    assert_eq!(data, b"after multi");
+    let (children, _, child_watch) = s.children_watch("/data").await.expect("children");
+    assert!(children.contains(&"n000".to_string()), "{children:?}");
+    assert!(s.exists("/new").await.expect("exists").is_none());
+    // A new session opens and reads.
+    let reader = session_expiring(&store, Duration::from_millis(500)).await;
+    assert_eq!(dump_stats(&reader).await, acked, "nothing changed");
+    assert_eq!(
+        space.writes.load(Ordering::SeqCst),
+        writes,
+        "no refused write reached the disk"
+    );
+    // Keep-alives are served: a session with a short timeout outlives it
+    // several times over while full.
+    let mut reader_state = reader.session_state();
+    let expired = tokio::time::timeout(
+        Duration::from_secs(2),
+        reader_state.wait_for(|s| s.is_terminal()),
+    )
+    .await;
+    assert!(
+        expired.is_err(),
+        "the session expired: keep-alives were refused"
+    );
+    assert!(reader.get("/data").await.is_ok());
+    // A close is served: it deletes its session's ephemeral.
+    closing.close().await;
+    assert!(s.exists("/data/closing").await.expect("exists").is_none());
+
+    // Space returns: writes are taken again by themselves.
+    space.free.store(10 * MIN_FREE, Ordering::SeqCst);
+    breaker_is(&store, false).await;
+    create(&s, "/after", b"back").await;
+    let (seq, _) = s
+        .create("/data/seq-", b"", CreateMode::PersistentSequential)
+        .await
+        .expect("sequential create");
+    // The refused sequential create spent no number: populate's creates
+    // under /data numbered 62, /data/closing one more.
+    assert_eq!(seq, "/data/seq-0000000063");
+    s.set("/data", b"changed after", None).await.expect("set");
+    assert_eq!(
+        tokio::time::timeout(common::SOON, data_watch.changed())
+            .await
+            .expect("the data watch set while full fires")
+            .kind,
+        ferry_coord::WatchEventKind::NodeDataChanged
+    );
+    assert_eq!(
+        tokio::time::timeout(common::SOON, child_watch.changed())
+            .await
+            .expect("the child watch set while full fires")
+            .kind,
+        ferry_coord::WatchEventKind::NodeChildrenChanged
+    );
+    let mut expected = dump(&s).await;
+    store.shutdown().await;
+    drop((s, reader, closing));
+
+    // Everything acknowledged, before and after, is there after a reopen;
+    // nothing refused is.
+    let (store, s) = open_session(dir.path(), "reopen").await;
+    expected.retain(|(p, _, _)| p != "/data/eph");
+    assert_eq!(dump(&s).await, expected);
+    for refused in ["/new", "/eph", "/m"] {
+        assert!(
+            s.exists(refused).await.expect("exists").is_none(),
+            "{refused}"
+        );
+    }
+    assert!(s.exists("/data/n000").await.expect("exists").is_some());
+    assert!(s.exists("/after").await.expect("exists").is_some());
     store.shutdown().await;
 }
 

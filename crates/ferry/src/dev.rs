@@ -113,7 +113,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
 
     let data_dir = ferry_host::paths::absolute(&data_dir)?;
     let _lock = ferry_host::lockfile::lock_dir(&data_dir)?;
-    let coord = open_coordination(&data_dir).await?;
+    let coord = open_coordination(&data_dir, args.wal.min_free_disk).await?;
     let lake_url = format!("file://{}", data_dir.join("lake").display());
     let lake = ferry_storage::open(&lake_url, &ferry_host::s3_settings_from_env())
         .context("opening the object storage")?;
@@ -186,7 +186,14 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         )))
         .merge(ferry_node::exports::router(exports))
         .merge(ferry_host::http::node_routes(
-            dev_status(&record, &quorum, &nodes, recording, policies.status.clone()),
+            dev_status(
+                &record,
+                &quorum,
+                &coord,
+                &nodes,
+                recording,
+                policies.status.clone(),
+            ),
             Arc::new(metrics),
         ));
     let server = ferry_host::http::serve(http_listener, router, token)?;
@@ -246,15 +253,24 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
 }
 
 /// Opens the data dir's embedded coordination store (`<data dir>/coord`,
-/// locked for this process).
-async fn open_coordination(data_dir: &Path) -> anyhow::Result<EmbeddedCoordination> {
+/// locked for this process); it refuses writes while less than
+/// `min_free_disk` is free on the data dir's file system (as the
+/// safekeepers and replicas beside it do).
+async fn open_coordination(
+    data_dir: &Path,
+    min_free_disk: u64,
+) -> anyhow::Result<EmbeddedCoordination> {
     let dir = data_dir.join("coord");
     let lock = ferry_host::lockfile::lock_dir(&dir)?;
     let disk = Arc::new(
         RealDisk::open_root(data_dir)
             .with_context(|| format!("opening the data dir {}", data_dir.display()))?,
     );
-    let store = EmbeddedStore::open(disk, "coord", EmbeddedOptions::default())
+    let options = EmbeddedOptions {
+        min_free_disk,
+        ..EmbeddedOptions::default()
+    };
+    let store = EmbeddedStore::open(disk, "coord", options)
         .await
         .with_context(|| {
             format!(
@@ -562,6 +578,7 @@ fn dev_metrics(
 fn dev_status(
     record: &ClusterRecord,
     quorum: &Arc<LocalQuorum>,
+    coord: &EmbeddedCoordination,
     nodes: &[ferry_node::ReplicaNode],
     recording: tokio::sync::watch::Receiver<commit_record::WalStateRecording>,
     policies: tokio::sync::watch::Receiver<ferry_export::policy::PolicyStatus>,
@@ -571,17 +588,24 @@ fn dev_status(
     let replicas: Vec<ferry_replica::ReplicaReader> =
         nodes.iter().map(|n| n.reader.clone()).collect();
     let cluster_id = record.cluster_id.clone();
+    let coord_space = coord.store.space().cloned();
     move || {
         let q = Arc::clone(&quorum);
         let replicas: Vec<_> = replicas.iter().map(|r| r.status()).collect();
         let cluster_id = cluster_id.clone();
         let commit_record = recording.borrow().clone();
         let export_policies = policies.borrow().tables.clone();
+        // Why the coordination store refuses writes, while it does.
+        let coord_disk_full = coord_space
+            .as_ref()
+            .and_then(|s| s.check().err())
+            .map(|e| e.to_string());
         Box::pin(async move {
             serde_json::json!({
                 "cluster_id": cluster_id,
                 "writer": q.writer.status(),
                 "commit_record": commit_record,
+                "coordination": { "disk_full": coord_disk_full },
                 "safekeepers": q.member_status().await,
                 "replicas": replicas,
                 "export_policies": export_policies,

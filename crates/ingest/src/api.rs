@@ -222,6 +222,10 @@ impl From<CatalogError> for ApiError {
             CatalogError::Conflict { .. } => (StatusCode::CONFLICT, "table_conflict"),
             CatalogError::InUse { .. } => (StatusCode::CONFLICT, "table_in_use"),
             CatalogError::Damaged { .. } => (StatusCode::INTERNAL_SERVER_ERROR, "catalog_damaged"),
+            // Refused by a store short of disk space: nothing was written.
+            CatalogError::Coord(c) if c.is_disk_full() => {
+                (StatusCode::SERVICE_UNAVAILABLE, "disk_full")
+            }
             CatalogError::Coord(_) => (StatusCode::SERVICE_UNAVAILABLE, "coordination"),
         };
         ApiError::new(status, kind, e.to_string())

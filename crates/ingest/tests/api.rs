@@ -387,3 +387,97 @@ async fn upkeep_records_are_checked_before_they_reach_the_wal() {
         "{records:?}"
     );
 }
+
+/// A disk whose free space the test sets.
+struct FreeSpace(std::sync::atomic::AtomicU64);
+
+#[async_trait]
+impl ferry_testkit::disk::DiskHook for FreeSpace {
+    async fn before(&self, _: ferry_testkit::disk::DiskOp<'_>) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn free_bytes(&self) -> Option<u64> {
+        Some(self.0.load(std::sync::atomic::Ordering::SeqCst))
+    }
+}
+
+/// A table change the coordination store refuses for lack of disk space is
+/// answered 503 `disk_full` and changes nothing; inserts (which only read
+/// the catalog) go on; once space returns the change is taken.
+#[tokio::test]
+async fn a_table_change_refused_by_a_store_short_of_disk_answers_disk_full() {
+    use std::sync::atomic::Ordering;
+    const MIN_FREE: u64 = 100 << 20;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let free = Arc::new(FreeSpace(std::sync::atomic::AtomicU64::new(10 * MIN_FREE)));
+    let disk = Arc::new(ferry_testkit::disk::HookedDisk::new(
+        Arc::new(RealDisk::open_root(dir.path()).expect("disk")),
+        Arc::clone(&free) as Arc<dyn ferry_testkit::disk::DiskHook>,
+    ));
+    let options = ferry_coord::embedded::EmbeddedOptions {
+        min_free_disk: MIN_FREE,
+        ..Default::default()
+    };
+    let store = EmbeddedStore::open(disk, "coord", options)
+        .await
+        .expect("store");
+    let breaker = store.space().expect("a breaker").clone();
+    let catalog = Catalog::open(Arc::new(EmbeddedSessions {
+        store,
+        timeout: Duration::from_secs(10),
+        metrics: Default::default(),
+    }))
+    .await
+    .expect("catalog");
+    catalog.create(&def()).await.expect("create table");
+    let wal = Arc::new(MemWal::default());
+    let n = node(&catalog, &wal, ApiLimits::default()).await;
+    let mut other = def();
+    other.name = "u".into();
+
+    free.0.store(MIN_FREE - 1, Ordering::SeqCst);
+    let mut state = breaker.subscribe();
+    tokio::time::timeout(Duration::from_secs(10), state.wait_for(Option::is_some))
+        .await
+        .expect("the breaker opens")
+        .expect("breaker");
+    for refused in [
+        n.client.create_table(&other).await.map(|_| ()),
+        n.client.drop_table("t").await.map(|_| ()),
+    ] {
+        match refused {
+            Err(ClientError::Api { status, body }) => {
+                assert_eq!((status, body.kind.as_str()), (503, "disk_full"), "{body:?}");
+                assert!(
+                    body.error.starts_with("disk_full: coordination store has "),
+                    "{}",
+                    body.error
+                );
+            }
+            other => panic!("expected 503 disk_full, got {other:?}"),
+        }
+    }
+    let tables: Vec<String> = n
+        .client
+        .tables()
+        .await
+        .expect("tables")
+        .into_iter()
+        .map(|t| t.def.name)
+        .collect();
+    assert_eq!(tables, ["t"], "nothing changed");
+    let inserted = n
+        .client
+        .insert_body("t", Format::Ndjson, body(0..10), Some("while-full"))
+        .await
+        .expect("an insert reads the catalog only");
+    assert_eq!(inserted.rows, 10);
+
+    free.0.store(10 * MIN_FREE, Ordering::SeqCst);
+    tokio::time::timeout(Duration::from_secs(10), state.wait_for(Option::is_none))
+        .await
+        .expect("the breaker closes")
+        .expect("breaker");
+    let (_, created) = n.client.create_table(&other).await.expect("taken again");
+    assert!(created);
+}

@@ -265,6 +265,9 @@ fn request_error(e: RequestError) -> ApiError {
         RequestError::NotHeld(_) => (StatusCode::NOT_IMPLEMENTED, "shards_not_held"),
         RequestError::NoPartitions(_) => (StatusCode::BAD_REQUEST, "empty_partition"),
         RequestError::LakeUpkeep(_) => (StatusCode::SERVICE_UNAVAILABLE, "lake_upkeep"),
+        RequestError::Coordination(c) if c.is_disk_full() => {
+            (StatusCode::SERVICE_UNAVAILABLE, "disk_full")
+        }
         RequestError::Coordination(_) => (StatusCode::SERVICE_UNAVAILABLE, "coordination"),
     };
     ApiError::new(status, kind, e.to_string())

@@ -6,6 +6,15 @@
 //! with **one** sync, and only then answers and fires watches, so nothing is ever
 //! observed before it is durable (group commit: many writers share an fsync).
 //!
+//! While the file system of its directory has less than
+//! [`EmbeddedOptions::min_free_disk`] free, the store refuses new writes
+//! (creates, sets, deletes, multis) with [`CoordError::DiskFull`] before
+//! applying anything of them, and takes them again by itself once space
+//! returns: the rule is a [`SpaceBreaker`] fed the free space of its disk by
+//! [`watch_free_space`]; the store task only consults it. Reads, watches,
+//! session keep-alives, closes and expiries go on (the margin is there for
+//! what they write).
+//!
 //! Sessions are kept alive by a heartbeat of their handle; a session not heard from
 //! for its timeout expires, its ephemerals are deleted and its owner sees
 //! [`SessionState::Expired`]. After a restart every session of the previous run is
@@ -40,6 +49,7 @@ use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
+use ferry_env::space::{watch_free_space, SpaceBreaker};
 use ferry_env::Disk;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
@@ -76,6 +86,11 @@ pub struct EmbeddedOptions {
     pub max_batch: usize,
     /// How often idle sessions are looked for.
     pub expiry_check_interval: Duration,
+    /// New writes are refused ([`CoordError::DiskFull`]) while less than
+    /// this many bytes are free on the file system of the store's directory,
+    /// and taken again once an eighth more is free ([`SpaceBreaker`]); 0:
+    /// never. A store kept in memory has no disk to watch.
+    pub min_free_disk: u64,
 }
 
 impl Default for EmbeddedOptions {
@@ -86,6 +101,7 @@ impl Default for EmbeddedOptions {
             queue_capacity: 4096,
             max_batch: 512,
             expiry_check_interval: Duration::from_millis(100),
+            min_free_disk: 0,
         }
     }
 }
@@ -180,6 +196,9 @@ struct Store {
     /// Set when the log could not be written: the store stops serving (fail-stop)
     /// because its memory is ahead of its disk.
     failed: Option<String>,
+    /// The disk-full breaker (`None`: never full): new writes are refused
+    /// while it is open.
+    space: Option<SpaceBreaker>,
     // Per-batch buffers.
     txns: Vec<Txn>,
     changes: Vec<Change>,
@@ -197,6 +216,7 @@ struct Store {
 pub struct EmbeddedStore {
     tx: mpsc::Sender<Command>,
     task: Arc<std::sync::Mutex<Option<JoinHandle<()>>>>,
+    space: Option<SpaceBreaker>,
 }
 
 impl std::fmt::Debug for EmbeddedStore {
@@ -217,19 +237,36 @@ impl EmbeddedStore {
             every_txns: options.snapshot_every_txns.max(1),
             log_bytes: options.snapshot_log_bytes.max(1),
         };
+        let space = match options.min_free_disk {
+            0 => None,
+            min_free => {
+                let breaker = SpaceBreaker::new("coordination store", min_free);
+                // A store opened on a full disk refuses writes from its first
+                // request on; the watch below follows the disk from here.
+                match disk.free_bytes().await {
+                    Ok(free) => {
+                        breaker.observe(free);
+                    }
+                    Err(e) => tracing::warn!(error = %e, "could not read the free disk space"),
+                }
+                Some((breaker, Arc::clone(&disk)))
+            }
+        };
         let (persister, tree) = Persister::open(disk, dir, policy).await?;
-        Self::start(tree, Some(persister), options).await
+        Self::start(tree, Some(persister), space, options).await
     }
 
     /// A store that keeps nothing on disk: for tests and for measuring the cost of
     /// persistence. Everything is lost when it stops.
     pub async fn in_memory(options: EmbeddedOptions) -> Result<EmbeddedStore, EmbeddedError> {
-        Self::start(Tree::new(), None, options).await
+        Self::start(Tree::new(), None, None, options).await
     }
 
+    /// `space`: the disk-full breaker and the disk it watches.
     async fn start(
         mut tree: Tree,
         mut persister: Option<Persister>,
+        space: Option<(SpaceBreaker, Arc<dyn Disk>)>,
         options: EmbeddedOptions,
     ) -> Result<EmbeddedStore, EmbeddedError> {
         // Every session of a previous run is dead: delete its ephemerals, and
@@ -254,6 +291,7 @@ impl EmbeddedStore {
             data_watches: BTreeMap::new(),
             child_watches: BTreeMap::new(),
             failed: None,
+            space: space.as_ref().map(|(breaker, _)| breaker.clone()),
             txns: Vec::new(),
             changes: Vec::new(),
             pending: Vec::new(),
@@ -261,11 +299,23 @@ impl EmbeddedStore {
             state_changes: Vec::new(),
         };
         let (tx, rx) = mpsc::channel(options.queue_capacity.max(1));
-        let task = tokio::spawn(store.run(rx, tx.downgrade(), options));
+        let breaker = space.as_ref().map(|(breaker, _)| breaker.clone());
+        // The watch lives as long as the store task (which aborts it).
+        let space_watch =
+            space.map(|(breaker, disk)| tokio::spawn(watch_free_space(disk, breaker)));
+        let task = tokio::spawn(store.run(rx, tx.downgrade(), space_watch, options));
         Ok(EmbeddedStore {
             tx,
             task: Arc::new(std::sync::Mutex::new(Some(task))),
+            space: breaker,
         })
+    }
+
+    /// The disk-full breaker (`None`: [`EmbeddedOptions::min_free_disk`] is
+    /// 0, or the store is in memory): `Some` of it while writes are refused
+    /// is what a status shows.
+    pub fn space(&self) -> Option<&SpaceBreaker> {
+        self.space.as_ref()
     }
 
     /// Expires a session now, as if it had not been heard from for its timeout:

@@ -22,6 +22,13 @@ impl Store {
             return Err(CoordError::SessionExpired);
         };
         entry.last_heard = Instant::now();
+        // Short of disk space, a write is refused before anything of it is
+        // applied: nothing changes, and the answer is definite.
+        if request.is_write() {
+            if let Some(space) = &self.space {
+                space.check()?;
+            }
+        }
         match request {
             Request::Multi(ops) => {
                 // No chroot: paths are stored as given.
@@ -71,6 +78,17 @@ impl Store {
                 let rx = watch.then(|| register(&mut self.child_watches, session, path));
                 Ok(Response::Children(children, stat, rx))
             }
+        }
+    }
+}
+
+impl Request {
+    /// Whether the request may change the tree (creates, sets, deletes and
+    /// multis are all sent as one of these).
+    fn is_write(&self) -> bool {
+        match self {
+            Request::Multi(_) | Request::Create(_) => true,
+            Request::Get { .. } | Request::Exists { .. } | Request::Children { .. } => false,
         }
     }
 }

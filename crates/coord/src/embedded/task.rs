@@ -1,9 +1,12 @@
 //! The store task: takes every queued command (up to the batch limit),
 //! applies them in arrival order, makes the batch durable with one append to
 //! the log, and only then fires the batch's watches and sends its answers.
-//! A failed log write stops the store serving (fail-stop).
+//! A failed log write stops the store serving (fail-stop). While its
+//! disk-full breaker is open, new writes are refused before anything of them
+//! is applied (`Store::request`), and no snapshot is started.
 
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::{Command, EmbeddedOptions, Pending, Store};
@@ -15,6 +18,7 @@ impl Store {
         mut self,
         mut rx: mpsc::Receiver<Command>,
         self_tx: mpsc::WeakSender<Command>,
+        space_watch: Option<JoinHandle<()>>,
         options: EmbeddedOptions,
     ) {
         let mut batch = Vec::with_capacity(options.max_batch);
@@ -50,6 +54,9 @@ impl Store {
             self.commit_batch().await;
         }
         expiry_check.abort();
+        if let Some(watch) = space_watch {
+            watch.abort();
+        }
         // Dropping the store ends every watch and session channel: owners see
         // their requests fail with connection loss.
     }
@@ -137,7 +144,10 @@ impl Store {
             }
             self.txns.clear();
         }
-        if self.failed.is_none() {
+        // A snapshot needs room for a copy of the tree: short of disk space,
+        // it waits until space returns (the log holds every transaction).
+        let space_short = self.space.as_ref().is_some_and(|s| s.check().is_err());
+        if self.failed.is_none() && !space_short {
             if let Some(persister) = self.persister.as_mut() {
                 if persister.wants_snapshot() {
                     if let Err(e) = persister.snapshot(&self.tree).await {
