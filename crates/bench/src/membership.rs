@@ -109,11 +109,7 @@ async fn collect(
 }
 
 fn pct(sorted: &[Duration], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[idx.min(sorted.len() - 1)].as_secs_f64() * 1e3
+    crate::wal::ms(crate::wal::percentile(sorted, p))
 }
 
 /// Runs the measurement in `root`: `secs` of load without a change, then
