@@ -134,19 +134,9 @@ impl Driver {
         if timed_out || self.proposer.lost_election() {
             // Split vote, lost quorum, or a higher term left by another writer
             // (perhaps long gone): start over above every term seen.
-            let mut config = self.config.proposer.clone();
-            config.min_term = self.proposer.term();
-            tracing::info!(
-                term = config.min_term,
-                "starting a new election above this term"
-            );
-            self.proposer = Proposer::new(config);
-            self.attempt_started = tokio::time::Instant::now();
-            // Dropping the senders makes the connection tasks reconnect, which
-            // restarts the greeting on a clean stream.
-            for conn in self.conns.iter_mut() {
-                *conn = None;
-            }
+            let term = self.proposer.term();
+            tracing::info!(term, "starting a new election above this term");
+            self.restart_proposer(term);
             return Vec::new();
         }
         self.expire_replicas();
@@ -240,13 +230,7 @@ impl Driver {
                     if self.config.reelect_when_superseded {
                         // Appends not yet sent wait for the new election.
                         tracing::warn!(term, %reason, "writer superseded; electing again above that term");
-                        let mut config = self.config.proposer.clone();
-                        config.min_term = term;
-                        self.proposer = Proposer::new(config);
-                        self.attempt_started = tokio::time::Instant::now();
-                        for conn in self.conns.iter_mut() {
-                            *conn = None;
-                        }
+                        self.restart_proposer(term);
                         // What the old proposer asked for no longer applies.
                         queue.clear();
                         continue;
@@ -298,7 +282,8 @@ impl Driver {
                         configuration = %configuration.describe(),
                         "the safekeeper set changed; the writer goes on with it in its term"
                     );
-                    self.config.proposer.safekeepers = slots.len();
+                    // The proposer's slots now; a new election starts on
+                    // the configuration's own (`restart_proposer`).
                     self.config.proposer.configuration = Some(configuration);
                     self.config.safekeepers = slots
                         .iter()
@@ -344,19 +329,44 @@ impl Driver {
             let _ = reply.send(Err(WriterError::Reconfigured { generation }));
         }
         self.announcing = None;
-        let members = configuration.all_members();
-        self.config.safekeepers = members.iter().map(|m| m.addr.clone()).collect();
-        let mut proposer = self.config.proposer.clone();
-        proposer.safekeepers = members.len();
-        proposer.configuration = Some(configuration);
-        proposer.min_term = self.proposer.term();
-        proposer.known_commit_lsn = proposer.known_commit_lsn.max(self.proposer.commit_lsn());
-        self.config.proposer = proposer.clone();
-        self.proposer = Proposer::new(proposer);
-        self.attempt_started = tokio::time::Instant::now();
-        self.conns = vec![None; members.len()];
-        self.conn_epoch = self.connections.start(&self.config.safekeepers);
+        self.config.proposer.configuration = Some(configuration);
+        self.config.proposer.known_commit_lsn = self
+            .config
+            .proposer
+            .known_commit_lsn
+            .max(self.proposer.commit_lsn());
+        self.restart_proposer(self.proposer.term());
         self.publish_status();
+    }
+
+    /// A new proposer for an election above `min_term`. Its slots are its
+    /// configuration's members; when they differ from the connections' (a
+    /// configuration taken since), the connections start over on them, else
+    /// each is dropped and made again (a clean stream for the greeting).
+    fn restart_proposer(&mut self, min_term: ferry_wal::Term) {
+        let mut config = self.config.proposer.clone();
+        config.min_term = min_term;
+        let members: Option<Vec<String>> = config
+            .configuration
+            .as_ref()
+            .map(|c| c.all_members().into_iter().map(|m| m.addr).collect());
+        match members {
+            Some(addrs) if addrs != self.config.safekeepers => {
+                config.safekeepers = addrs.len();
+                self.config.safekeepers = addrs;
+                self.conns = vec![None; self.config.safekeepers.len()];
+                self.conn_epoch = self.connections.start(&self.config.safekeepers);
+            }
+            _ => {
+                // Dropping the senders makes the connection tasks reconnect.
+                for conn in self.conns.iter_mut() {
+                    *conn = None;
+                }
+            }
+        }
+        self.config.proposer.safekeepers = config.safekeepers;
+        self.proposer = Proposer::new(config);
+        self.attempt_started = tokio::time::Instant::now();
     }
 
     /// Fails everything waiting for an election that will not come: nothing
