@@ -83,6 +83,7 @@ pub struct SafekeeperSection {
     pub http: Option<String>,
     pub restore_from_backup: Option<bool>,
     pub pull_from_peers: Option<Vec<String>>,
+    pub zookeeper: Option<String>,
     pub wal_backup: Option<String>,
     pub wal_backup_parallel_jobs: Option<u64>,
     pub walsenders_keep_horizon: Option<bool>,
@@ -194,6 +195,10 @@ restore_from_backup = false
 # Rebuild the safekeeper from one of these peers if its data dir holds no
 # control file: only the WAL above their removal horizon is copied.
 # pull_from_peers = ["10.0.0.2:5454", "10.0.0.3:5454"]
+# ZooKeeper holding the safekeeper configuration (ferry safekeeper-set): a
+# safekeeper with no control file that it names is pulled from the other
+# members by itself. Env: FERRY_ZOOKEEPER.
+# zookeeper = "10.0.0.9:2181/ferry"
 # Where whole WAL segments are backed up: "file:///dir" or "s3://bucket/prefix"
 # (S3 settings from the AWS_* variables). Env: FERRY_WAL_BACKUP.
 # wal_backup = "s3://backups/ferry"

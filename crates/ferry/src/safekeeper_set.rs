@@ -36,24 +36,32 @@ pub enum SetAction {
     /// Records the current set as generation 1 (once per cluster; every
     /// safekeeper must answer as the id named): `--members 0=host:port,...`.
     Init {
+        /// The current safekeepers, `ID=HOST:PORT` comma-separated, in the
+        /// writers' order.
         #[arg(long, value_delimiter = ',', required = true, value_parser = parse_member)]
         members: Vec<Member>,
     },
     /// Replaces safekeeper `--old` by `--new ID=HOST:PORT` (start the new
     /// one first, best with `--pull-from-peers`).
     Replace {
+        /// The id of the safekeeper that leaves.
         #[arg(long)]
         old: u64,
+        /// The safekeeper that joins, `ID=HOST:PORT`.
         #[arg(long, value_parser = parse_member)]
         new: Member,
     },
     /// Adds safekeeper `ID=HOST:PORT`.
     Add {
+        /// The safekeeper that joins, `ID=HOST:PORT`.
         #[arg(value_parser = parse_member)]
         member: Member,
     },
     /// Removes safekeeper `ID`.
-    Remove { id: u64 },
+    Remove {
+        /// The id of the safekeeper that leaves.
+        id: u64,
+    },
     /// Goes back to the old set of the change under way.
     Abort,
     /// Finishes a change under way that an earlier run left unfinished.
