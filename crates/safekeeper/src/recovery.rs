@@ -19,6 +19,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::BytesMut;
 use ferry_env::Network;
 use ferry_wal::membership::Configuration;
 use ferry_wal::proto::{
@@ -90,6 +91,20 @@ pub(crate) fn is_donor(standing: &Standing, peer: &Configured) -> bool {
         && !peer.restored
 }
 
+/// The length of the whole records at the start of `wal` (a record cut at
+/// its end is left out; a damaged one is an error).
+fn whole_records(wal: &[u8]) -> Result<usize, String> {
+    let mut at = 0;
+    while at < wal.len() {
+        match ferry_wal::record::check(&wal[at..]) {
+            Ok(len) => at += len,
+            Err(ferry_wal::record::RecordError::Incomplete { .. }) => break,
+            Err(e) => return Err(format!("a damaged record from the donor: {e}")),
+        }
+    }
+    Ok(at)
+}
+
 /// Asks `addr` where it stands.
 pub(crate) async fn position(
     network: &dyn Network,
@@ -158,20 +173,31 @@ where
             Ok(Some(FromSafekeeper::Greeting(_))) => {}
             other => return Err(format!("greeting answered {other:?}")),
         }
-        let mut at = from;
-        while at < to {
-            let end = Lsn(at.0 + (to.0 - at.0).min(MAX_READ_WAL_BYTES));
+        // Appends carry whole records only (as a writer's do): what was
+        // read past the last whole record waits for the next read.
+        let mut appended = from;
+        let mut pending = BytesMut::new();
+        while appended < to {
+            let begin = Lsn(appended.0 + pending.len() as u64);
+            if begin >= to {
+                return Err(format!(
+                    "the donor's WAL ends inside a record at {to} (from {appended})"
+                ));
+            }
+            let end = Lsn(begin.0 + (to.0 - begin.0).min(MAX_READ_WAL_BYTES));
             proto::write_frame(
                 &mut write,
                 &ToSafekeeper::ReadWal {
                     term: standing.term,
-                    begin_lsn: at,
+                    begin_lsn: begin,
                     end_lsn: end,
                 },
             )
             .await
             .map_err(|e| e.to_string())?;
             write.flush().await.map_err(|e| e.to_string())?;
+            let mut at = begin;
+            let mut commit = Lsn(0);
             while at < end {
                 match reader.next::<FromSafekeeper>().await {
                     Ok(Some(FromSafekeeper::Wal {
@@ -179,16 +205,24 @@ where
                         commit_lsn,
                         wal,
                     })) if begin_lsn == at && !wal.is_empty() => {
-                        match append(at, wal, commit_lsn).await {
-                            Some(flushed) => at = flushed,
-                            None => return Ok(at),
-                        }
+                        at = Lsn(at.0 + wal.len() as u64);
+                        commit = commit_lsn;
+                        pending.extend_from_slice(&wal);
                     }
-                    other => return Err(format!("a read of {at}..{end} answered {other:?}")),
+                    other => return Err(format!("a read of {begin}..{end} answered {other:?}")),
                 }
             }
+            let whole = whole_records(&pending)?;
+            if whole == 0 {
+                continue;
+            }
+            let chunk = pending.split_to(whole).freeze();
+            match append(appended, chunk, commit).await {
+                Some(flushed) if flushed == Lsn(appended.0 + whole as u64) => appended = flushed,
+                _ => return Ok(appended),
+            }
         }
-        Ok(at)
+        Ok(appended)
     };
     tokio::time::timeout(ROUND_TIMEOUT, round)
         .await

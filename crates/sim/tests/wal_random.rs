@@ -127,6 +127,12 @@ const REGRESSION_SEEDS: &[u64] = &[
     // An append refused for lack of disk space written after all (see above).
     359, 512, // Peer recovery turned off (see above).
     228, 342,
+    // Peer recovery appended a read that ended inside a record and took the
+    // donor's commit_lsn up to there: the safekeeper recorded a commit in
+    // the middle of a record whose rest it never wrote, and could not open
+    // after its next crash (89407968), or stayed stuck (89407228). Peer
+    // recovery now appends whole records only (the soak of day 20794).
+    89407968, 89407228,
 ];
 
 #[test]
