@@ -118,10 +118,19 @@ pub async fn membership_run(
     root: &std::path::Path,
     secs: f64,
     writers: usize,
+    new_member_dir: Option<&std::path::Path>,
 ) -> anyhow::Result<()> {
     let dir = root.join("membership");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(&dir)?);
+    let new_member_scratch = match new_member_dir {
+        Some(d) => Some(crate::wal::scratch_dir(Some(d), "ferry-bench-new-member-")?),
+        None => None,
+    };
+    let new_disk: Arc<dyn Disk> = match &new_member_scratch {
+        Some(d) => Arc::new(RealDisk::open_root(d.path())?),
+        None => Arc::clone(&disk),
+    };
     let mut listeners = Vec::new();
     for _ in 0..4 {
         listeners.push(TcpNetwork.bind("127.0.0.1:0").await?);
@@ -180,7 +189,7 @@ pub async fn membership_run(
 
     // The new member is pulled from a peer, then the change runs under load.
     let report = ferry_safekeeper::pull::pull_from_peer(
-        Arc::clone(&disk),
+        Arc::clone(&new_disk),
         "sk3",
         &config(3)?,
         &TcpNetwork,
@@ -188,7 +197,7 @@ pub async fn membership_run(
         None,
     )
     .await?;
-    let acceptor = Acceptor::open(Arc::clone(&disk), "sk3", config(3)?).await?;
+    let acceptor = Acceptor::open(Arc::clone(&new_disk), "sk3", config(3)?).await?;
     let mut server_config3 = server_config(peers(3));
     server_config3.restore_quarantine = Duration::from_millis(500);
     servers.push(SafekeeperServer::serve_with(
@@ -233,7 +242,11 @@ pub async fn membership_run(
         baseline.len()
     );
     say!(
-        "  during the replace of safekeeper 2 by 3 ({} pulled first, {:.0} ms for the change, ending at {}): p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms ({} appends)",
+        "  during the replace of safekeeper 2 by 3 ({}; {} pulled first, {:.0} ms for the change, ending at {}): p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms ({} appends)",
+        match new_member_dir {
+            Some(d) => format!("its data on {}", d.display()),
+            None => "its data on the same disk".to_string(),
+        },
         humanize_bytes(report.bytes),
         to.duration_since(from).as_secs_f64() * 1e3,
         switched.describe(),

@@ -168,6 +168,7 @@ pub async fn rebuild_runs(
     timelines_mib: &[u64],
     kept_mib: u64,
     membership_secs: f64,
+    new_member_dir: Option<&std::path::Path>,
 ) -> anyhow::Result<()> {
     let kept = kept_mib << 20;
     say!(
@@ -191,5 +192,5 @@ pub async fn rebuild_runs(
             b / a.max(1e-9)
         );
     }
-    crate::membership::membership_run(root, membership_secs, 64).await
+    crate::membership::membership_run(root, membership_secs, 64, new_member_dir).await
 }

@@ -51,6 +51,11 @@ pub struct WalBenchArgs {
     /// (the second part of --rebuild).
     #[arg(long, default_value_t = 5.0)]
     membership_secs: f64,
+    /// Put the joining safekeeper's data on this directory (another disk,
+    /// as in a deployment) instead of beside the others: its catch-up
+    /// writes then do not compete with the commits' fsyncs.
+    #[arg(long)]
+    membership_new_member_dir: Option<std::path::PathBuf>,
 }
 
 /// Replicas streaming from every safekeeper, on a thread of their own.
@@ -643,6 +648,7 @@ pub async fn wal(args: WalBenchArgs) -> anyhow::Result<()> {
             &args.rebuild_timelines_mib,
             args.rebuild_kept_mib,
             args.membership_secs,
+            args.membership_new_member_dir.as_deref(),
         )
         .await;
     }
