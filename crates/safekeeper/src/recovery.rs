@@ -13,8 +13,21 @@
 //! term whose election we accepted, only at our end); a writer that comes
 //! back moves the term, and the next chunk is refused.
 //!
-//! [`PeerRecovery`] says where the peers are; [`run`] is the loop the
-//! server runs (time on tokio's clock, the network through the seam).
+//! A *joining* safekeeper (rebuilt by a pull or a restore, not brought
+//! back yet, and not named by the configuration it holds: a new member
+//! waiting for `ferry safekeeper-set` to add it) keeps up the same way
+//! while writers run, since none streams to it: it copies committed WAL
+//! only (up to the donor's commit_lsn), so that it still holds nothing
+//! but committed WAL when a writer brings it back at its end (the
+//! restored safekeeper's rule, `Proposer::start_rejoin`). A change then
+//! starts with the new member near the cluster's end instead of a whole
+//! pull-to-change gap behind, which the writer would otherwise carry
+//! while commits need both majorities. The acceptor enforces both limits
+//! under its lock (`Acceptor::recovery_append`), so a configuration that
+//! names it, adopted meanwhile, stops the copy at the next chunk.
+//!
+//! [`PeerRecovery`] says where the peers are; the server runs the loop
+//! (time on tokio's clock, the network through the seam).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,9 +43,16 @@ use tokio::io::AsyncWriteExt;
 
 /// How often a safekeeper looks for a peer ahead of it.
 pub const PEER_RECOVERY_INTERVAL: Duration = Duration::from_secs(1);
+/// How often a joining safekeeper does (writers run meanwhile: the
+/// shorter, the nearer the end a membership change finds it).
+pub const JOINING_RECOVERY_INTERVAL: Duration = Duration::from_millis(100);
 /// A writer counts as running while one of its messages arrived within
 /// this (writers send a heartbeat every 100 ms); recovery waits meanwhile.
 pub const WRITER_SILENCE: Duration = Duration::from_secs(3);
+/// Most WAL asked for in one read: the donor reads it under its acceptor
+/// lock, ahead of its writer's appends, so a read stays as small as an
+/// append.
+const READ_BYTES: u64 = 1 << 20;
 /// Longest one recovery round may take.
 const ROUND_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -68,6 +88,29 @@ pub(crate) struct Standing {
     pub configuration: Option<Configuration>,
 }
 
+impl Standing {
+    /// Rebuilt, not brought back, and not named by its configuration: no
+    /// writer streams to it, so it keeps up by itself (committed WAL only).
+    pub fn joining(&self) -> bool {
+        self.restored
+            && self
+                .configuration
+                .as_ref()
+                .is_some_and(|c| !c.contains(self.node_id))
+    }
+
+    /// How far a round may copy from a donor that answered `peer`: its
+    /// flush_lsn, or its commit_lsn for a rebuilt safekeeper, which must
+    /// hold committed WAL only.
+    pub fn copy_limit(&self, peer: &Configured) -> Lsn {
+        if self.restored {
+            peer.commit_lsn.min(peer.position.flush_lsn)
+        } else {
+            peer.position.flush_lsn
+        }
+    }
+}
+
 /// The peers to ask: the configuration's other members, else the static
 /// list.
 pub(crate) fn peers_of(standing: &Standing, recovery: &PeerRecovery) -> Vec<String> {
@@ -83,11 +126,11 @@ pub(crate) fn peers_of(standing: &Standing, recovery: &PeerRecovery) -> Vec<Stri
 }
 
 /// Whether a peer's answer makes it a donor for `standing`: same term, its
-/// WAL written in that term, and ahead.
+/// WAL written in that term, and ahead (by what `standing` may copy).
 pub(crate) fn is_donor(standing: &Standing, peer: &Configured) -> bool {
     peer.term == standing.term
         && peer.position.last_log_term == standing.term
-        && peer.position.flush_lsn > standing.flush_lsn
+        && standing.copy_limit(peer) > standing.flush_lsn
         && !peer.restored
 }
 
@@ -184,7 +227,7 @@ where
                     "the donor's WAL ends inside a record at {to} (from {appended})"
                 ));
             }
-            let end = Lsn(begin.0 + (to.0 - begin.0).min(MAX_READ_WAL_BYTES));
+            let end = Lsn(begin.0 + (to.0 - begin.0).min(READ_BYTES.min(MAX_READ_WAL_BYTES)));
             proto::write_frame(
                 &mut write,
                 &ToSafekeeper::ReadWal {

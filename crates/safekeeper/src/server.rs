@@ -742,7 +742,10 @@ where
 /// the peers where they stand and copies the WAL of its term from the one
 /// furthest ahead.
 async fn run_peer_recovery(shared: &Shared, recovery: crate::recovery::PeerRecovery) {
-    use crate::recovery::{copy_from, is_donor, peers_of, position, WRITER_SILENCE};
+    use crate::recovery::{
+        copy_from, is_donor, peers_of, position, JOINING_RECOVERY_INTERVAL, PEER_RECOVERY_INTERVAL,
+        WRITER_SILENCE,
+    };
     let writer_silent = |shared: &Shared| {
         shared
             .last_writer_message
@@ -750,42 +753,55 @@ async fn run_peer_recovery(shared: &Shared, recovery: crate::recovery::PeerRecov
             .map(|last| last.is_none_or(|t| t.elapsed() >= WRITER_SILENCE))
             .unwrap_or(false)
     };
+    // The first look comes soon: a joining safekeeper just pulled is as
+    // near the end as it will ever be.
+    let mut interval = JOINING_RECOVERY_INTERVAL;
     loop {
-        tokio::time::sleep(crate::recovery::PEER_RECOVERY_INTERVAL).await;
+        tokio::time::sleep(interval).await;
         if shared.fatal.borrow().is_some() {
             return;
         }
-        let full = shared.space.as_ref().is_some_and(|s| s.check().is_err());
-        if full || !writer_silent(shared) {
+        interval = PEER_RECOVERY_INTERVAL;
+        if shared.space.as_ref().is_some_and(|s| s.check().is_err()) {
             continue;
         }
         let standing = shared.acceptor.lock().await.recovery_standing();
-        if standing.restored || standing.term == 0 || standing.history_term != standing.term {
+        // A joining safekeeper has no writer to wait for (none streams to
+        // it); any other waits until writers are silent, and a rebuilt
+        // member until a writer brings it back.
+        let joining = standing.joining();
+        if joining {
+            interval = JOINING_RECOVERY_INTERVAL;
+        } else if standing.restored || !writer_silent(shared) {
+            continue;
+        }
+        if standing.term == 0 || standing.history_term != standing.term {
             continue;
         }
         let mut donor: Option<(String, Lsn)> = None;
         for addr in peers_of(&standing, &recovery) {
             if let Some(c) = position(recovery.network.as_ref(), &addr, &standing.cluster_id).await
             {
-                if is_donor(&standing, &c)
-                    && donor
-                        .as_ref()
-                        .is_none_or(|(_, f)| c.position.flush_lsn > *f)
-                {
-                    donor = Some((addr, c.position.flush_lsn));
+                let limit = standing.copy_limit(&c);
+                if is_donor(&standing, &c) && donor.as_ref().is_none_or(|(_, f)| limit > *f) {
+                    donor = Some((addr, limit));
                 }
             }
         }
         let Some((addr, to)) = donor else {
             continue;
         };
-        tracing::info!(
-            donor = %addr,
-            from = %standing.flush_lsn,
-            to = %to,
-            term = standing.term,
-            "no writer runs and a peer of this term is ahead: catching up from it"
-        );
+        if joining {
+            tracing::debug!(donor = %addr, from = %standing.flush_lsn, to = %to, term = standing.term, "joining safekeeper: catching up committed WAL from a peer");
+        } else {
+            tracing::info!(
+                donor = %addr,
+                from = %standing.flush_lsn,
+                to = %to,
+                term = standing.term,
+                "no writer runs and a peer of this term is ahead: catching up from it"
+            );
+        }
         let term = standing.term;
         let result = copy_from(
             recovery.network.as_ref(),
@@ -794,7 +810,7 @@ async fn run_peer_recovery(shared: &Shared, recovery: crate::recovery::PeerRecov
             standing.flush_lsn,
             to,
             |begin, wal, commit| async move {
-                if !writer_silent(shared) {
+                if !joining && !writer_silent(shared) {
                     return None;
                 }
                 let mut acceptor = shared.acceptor.lock().await;
@@ -811,6 +827,9 @@ async fn run_peer_recovery(shared: &Shared, recovery: crate::recovery::PeerRecov
         )
         .await;
         match result {
+            Ok(at) if joining => {
+                tracing::debug!(donor = %addr, at = %at, "joining safekeeper: recovery round ended")
+            }
             Ok(at) => tracing::info!(donor = %addr, at = %at, "peer recovery round ended"),
             Err(e) => tracing::debug!(donor = %addr, error = %e, "peer recovery round failed"),
         }

@@ -170,6 +170,8 @@ pub struct Outcome {
     pub generation: u32,
     /// Writers that started over with a newer configuration.
     pub reconfigured: usize,
+    /// Joining safekeepers pulled from a member before their change.
+    pub pulled: usize,
 }
 
 /// The membership workload, as the seed harness runs it.
@@ -194,6 +196,7 @@ impl crate::seeds::Workload for MembershipChanges {
             format!("{} aborted", o.aborted),
             format!("{} driver runs killed", o.killed),
             format!("{} writers reconfigured", o.reconfigured),
+            format!("{} joining safekeepers pulled", o.pulled),
             format!("generation {} at the end", o.generation),
         ]
     }
@@ -243,6 +246,10 @@ struct Sim {
     switched: usize,
     aborted: usize,
     killed: usize,
+    /// Draws whether a joining safekeeper is pulled first: a generator of
+    /// its own, so the schedules of seeds stay what they were.
+    pull_rng: SmallRng,
+    pulled: usize,
 }
 
 async fn run_seed(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
@@ -286,6 +293,8 @@ async fn run_seed(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         switched: 0,
         aborted: 0,
         killed: 0,
+        pull_rng: SmallRng::seed_from_u64(seed ^ 0x5055_4C4C),
+        pulled: 0,
     };
     let mut header = String::new();
     let _ = write!(
@@ -319,6 +328,7 @@ async fn run_seed(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         killed: sim.killed,
         generation,
         reconfigured: sim.reconfigured,
+        pulled: sim.pulled,
         run: sim.world.finish(events.len()),
     })
 }
@@ -653,8 +663,25 @@ impl Sim {
             },
             _ => return Ok(()),
         };
+        // Half of the changes that bring in a safekeeper, with no other
+        // driver running, first rebuild it by a pull from a member (as an
+        // operator starting it with --pull-from-peers does) and give it a
+        // while to keep up by itself, committed WAL only, while writes go
+        // on (`ferry_safekeeper::recovery`, a joining safekeeper).
+        let joining = match &request {
+            ChangeRequest::Add(m) | ChangeRequest::Replace { new: m, .. } => Some(m.id as usize),
+            _ => None,
+        };
+        self.reap_drivers().await;
+        let mut delay = Duration::ZERO;
+        if let Some(j) = joining.filter(|_| self.drivers.is_empty()) {
+            if self.pull_rng.random_bool(0.5) {
+                self.pull_joining(j, &members).await?;
+                delay = Duration::from_millis(self.pull_rng.random_range(0..1500));
+            }
+        }
         self.world.log(format!(
-            "change driver starts: {request:?} from {}",
+            "change driver starts: {request:?} from {} in {delay:?}",
             conf.describe()
         ));
         let sessions = self.operator.clone();
@@ -663,6 +690,7 @@ impl Sim {
         self.drivers.push((
             abort,
             tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
                 let session =
                     sessions
                         .open()
@@ -679,6 +707,54 @@ impl Sim {
             }),
         ));
         Ok(())
+    }
+
+    /// Rebuilds safekeeper `j` (named by no configuration) by a pull from a
+    /// running member of `members`; a pull that fails (the donor crashed,
+    /// the network cut it) leaves it empty, as a new safekeeper.
+    async fn pull_joining(&mut self, j: usize, members: &[usize]) -> Result<(), Failure> {
+        let donors: Vec<usize> = members
+            .iter()
+            .copied()
+            .filter(|&m| self.safekeepers.servers[m].is_some())
+            .collect();
+        if donors.is_empty() {
+            return Ok(());
+        }
+        let donor = donors[self.pull_rng.random_range(0..donors.len())];
+        self.safekeepers.crash(&mut self.world, j, None).await;
+        self.safekeepers.disks[j].lose(&name(j));
+        self.safekeepers.disks[j].set_failing(false);
+        let disk: Arc<dyn Disk> = Arc::new(self.safekeepers.disks[j].for_process());
+        let net = self.world.net.node(&name(j));
+        let pulled = ferry_safekeeper::pull::pull_from_peer(
+            Arc::clone(&disk),
+            &name(j),
+            &acceptor_config(j),
+            net.as_ref(),
+            &name(donor),
+            None,
+        )
+        .await;
+        match pulled {
+            Ok(r) => {
+                self.pulled += 1;
+                self.world.log(format!(
+                    "sk{j} pulled from sk{donor}: WAL {}..{}, term {}",
+                    r.start_lsn, r.commit_lsn, r.term
+                ));
+            }
+            Err(e) => {
+                self.world.log(format!(
+                    "pulling sk{j} from sk{donor} failed: {e}; it joins empty"
+                ));
+                self.safekeepers.disks[j].lose(&name(j));
+                Acceptor::create(disk, &name(j), acceptor_config(j))
+                    .await
+                    .map_err(|e| self.world.fail(format!("sk{j} cannot be created: {e}")))?;
+            }
+        }
+        self.start_safekeeper(j).await
     }
 
     /// A writer of generation 0 asks safekeeper `i` for a vote in a high

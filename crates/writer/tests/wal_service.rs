@@ -1054,3 +1054,155 @@ async fn a_lagging_safekeeper_catches_up_from_a_peer_while_no_writer_runs() {
         s.kill().await;
     }
 }
+
+/// A joining safekeeper (pulled from a member, named by no configuration
+/// yet) keeps up by itself while the writer runs, which no other safekeeper
+/// does: it copies committed WAL only (a writer brings a rebuilt
+/// safekeeper back at its end, trusting that it holds nothing else), stays
+/// rebuilt (no vote) until then, and takes no such copy once a
+/// configuration names it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joining_safekeeper_keeps_up_with_committed_wal_while_the_writer_runs() {
+    use ferry_safekeeper::recovery::PeerRecovery;
+    use ferry_wal::membership::{Configuration, Member};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
+    let acceptor_config = |id: u64| AcceptorConfig {
+        cluster_id: cluster_id(),
+        node_id: id,
+        timeline_id: 1,
+        segment_size: seg(),
+        preallocation: Default::default(),
+    };
+    let mut listeners = Vec::new();
+    for _ in 0..4 {
+        listeners.push(TcpNetwork.bind("127.0.0.1:0").await.expect("bind"));
+    }
+    let addrs: Vec<String> = listeners
+        .iter()
+        .map(|l| l.local_addr().expect("addr"))
+        .collect();
+    let config = |id: usize| ServerConfig {
+        remove_wal: false,
+        min_free_disk: 0,
+        peer_recovery: Some(PeerRecovery {
+            network: Arc::new(TcpNetwork),
+            peers: (0..4)
+                .filter(|&p| p != id)
+                .map(|p| addrs[p].clone())
+                .collect(),
+        }),
+        ..ServerConfig::default()
+    };
+    let mut listeners = listeners.into_iter();
+    let mut servers = Vec::new();
+    for id in 0..3 {
+        let acceptor = Acceptor::create(
+            Arc::clone(&disk),
+            &format!("sk{id}"),
+            acceptor_config(id as u64),
+        )
+        .await
+        .expect("create");
+        let listener = listeners.next().expect("listener");
+        servers.push(SafekeeperServer::serve_with(listener, acceptor, config(id)).expect("serve"));
+    }
+    let member = |id: usize| Member {
+        id: id as u64,
+        addr: addrs[id].clone(),
+    };
+    let first = Configuration::initial((0..3).map(member).collect()).expect("configuration");
+    let mut proposer = ProposerConfig::new(cluster_id(), 3, 1, SEG, 5);
+    proposer.configuration = Some(first.clone());
+    let mut writer_config = WriterConfig::new(addrs[..3].to_vec(), proposer);
+    writer_config.reconnect_delay = Duration::from_millis(50);
+    let writer = Writer::start(Arc::new(TcpNetwork), writer_config);
+    let mut wal = write_wal(&writer, 2 * SEG).await;
+
+    // Safekeeper 3 is pulled from safekeeper 0 and started: generation 1
+    // does not name it.
+    ferry_safekeeper::pull::pull_from_peer(
+        Arc::clone(&disk),
+        "sk3",
+        &acceptor_config(3),
+        &TcpNetwork,
+        &addrs[0],
+        None,
+    )
+    .await
+    .expect("pull");
+    let acceptor = Acceptor::open(Arc::clone(&disk), "sk3", acceptor_config(3))
+        .await
+        .expect("open the pulled safekeeper");
+    let pulled_at = acceptor.flush_lsn();
+    let listener = listeners.next().expect("listener");
+    servers.push(SafekeeperServer::serve_with(listener, acceptor, config(3)).expect("serve"));
+
+    // The writer goes on (its heartbeats never let a member's own
+    // recovery start); safekeeper 3 follows, never past the commit.
+    for b in 0..40u64 {
+        let records = ferry_testkit::wal::insert(4, (1 << 30) + b, 3000);
+        wal.extend_from_slice(&records);
+        writer.append(records).await.expect("append");
+    }
+    let end = Lsn(wal.len() as u64);
+    let deadline = tokio::time::Instant::now() + SOON;
+    loop {
+        let s = servers[3].status().await;
+        let committed = lsn(&writer.status().commit_lsn);
+        assert!(
+            lsn(&s.flush_lsn) <= committed,
+            "the joining safekeeper holds WAL past the commit: {s:#?} (commit_lsn {committed})"
+        );
+        assert!(s.restored_up_to.is_some(), "still rebuilt: {s:#?}");
+        if lsn(&s.flush_lsn) >= end {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the joining safekeeper did not keep up: {s:#?} (pulled at {pulled_at}, end {end})"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut conn = Walsender::start(&TcpNetwork, &addrs[3], 0, Lsn(0)).await;
+    let streamed = receive(&mut conn, Lsn(0), end).await;
+    assert!(
+        streamed[..] == wal[..],
+        "the joining safekeeper holds exactly the committed WAL"
+    );
+    drop(conn);
+    writer.stop().await;
+    let donor_term = servers[0].status().await.term;
+    for s in servers {
+        s.kill().await;
+    }
+
+    // The acceptor's own rules: nothing past the commit it is told, and
+    // nothing once a configuration names it.
+    let mut acceptor = Acceptor::open(Arc::clone(&disk), "sk3", acceptor_config(3))
+        .await
+        .expect("reopen");
+    let flush = acceptor.flush_lsn();
+    let next = ferry_testkit::wal::insert(1, 1 << 40, 100);
+    let past = acceptor
+        .recovery_append(donor_term, flush, next.clone(), flush)
+        .await
+        .expect("recovery append");
+    assert_eq!(past, None, "WAL past the commit refused");
+    let named = Configuration {
+        generation: 2,
+        members: vec![member(0), member(1), member(3)],
+        new_members: None,
+    };
+    acceptor
+        .handle_configure(&cluster_id(), &named, 0)
+        .await
+        .expect("configure");
+    let commit = Lsn(flush.0 + next.len() as u64);
+    let after = acceptor
+        .recovery_append(donor_term, flush, next, commit)
+        .await
+        .expect("recovery append");
+    assert_eq!(after, None, "named by its configuration: no copy");
+    assert_eq!(acceptor.flush_lsn(), flush, "nothing written");
+}

@@ -157,10 +157,17 @@ impl Acceptor {
         wal: bytes::Bytes,
         commit_lsn: Lsn,
     ) -> Result<Option<Lsn>, AcceptorError> {
-        if self.state.restored_up_to.is_some() {
-            return Ok(None);
-        }
         let end_lsn = Lsn(begin_lsn.0 + wal.len() as u64);
+        if self.state.restored_up_to.is_some() {
+            let named = self
+                .state
+                .configuration
+                .as_ref()
+                .is_none_or(|c| c.contains(self.config.node_id));
+            if named || end_lsn > commit_lsn {
+                return Ok(None);
+            }
+        }
         let req = AppendRequest {
             term,
             begin_lsn,

@@ -37,9 +37,7 @@ mod recovery;
 use std::collections::BTreeMap;
 
 use ferry_wal::membership::{Configuration, Generation};
-use ferry_wal::proto::{
-    FromSafekeeper, Greeting, ShardFeedback, ToSafekeeper, VoteResponse, MAX_READ_WAL_BYTES,
-};
+use ferry_wal::proto::{FromSafekeeper, Greeting, ShardFeedback, ToSafekeeper, VoteResponse};
 use ferry_wal::record;
 use ferry_wal::{ClusterId, Lsn, Term, TermHistory};
 
@@ -47,6 +45,11 @@ use crate::buffer::WalBuffer;
 
 pub use feedback::{ReplicaPositions, MAX_FEEDBACK_REPLICAS};
 use recovery::Fetch;
+
+/// Default most WAL bytes of one recovery read: as large as the biggest
+/// append, so a catch-up delays its source's acknowledgements by about as
+/// long as one append does.
+pub const DEFAULT_READ_WAL_BYTES: u64 = 1 << 20;
 
 /// Limits and identity of a proposer.
 #[derive(Debug, Clone)]
@@ -89,7 +92,11 @@ pub struct ProposerConfig {
     /// not given the backup duty (Neon's max_offloader_lag).
     pub max_offloader_lag_bytes: u64,
     /// Most WAL bytes asked for in one recovery read (1 to
-    /// [`MAX_READ_WAL_BYTES`]); a longer range is read as several.
+    /// [`MAX_READ_WAL_BYTES`]); a longer range is read as several. A read's
+    /// answer travels on its source's connection ahead of that
+    /// safekeeper's acknowledgements, so its size bounds how long a
+    /// catch-up delays commits that count that safekeeper
+    /// ([`DEFAULT_READ_WAL_BYTES`]).
     pub max_read_wal_bytes: u64,
 }
 
@@ -115,7 +122,7 @@ impl ProposerConfig {
             max_in_flight_bytes: 16 << 20,
             max_buffered_bytes: 256 << 20,
             max_offloader_lag_bytes: 128 << 20,
-            max_read_wal_bytes: MAX_READ_WAL_BYTES,
+            max_read_wal_bytes: DEFAULT_READ_WAL_BYTES,
         }
     }
 }
@@ -329,6 +336,21 @@ impl Proposer {
         match &self.config.configuration {
             None => true,
             Some(conf) => conf.contains(self.slot_ids[slot]),
+        }
+    }
+
+    /// Whether `slot` is in the old set of a change and not in the new one.
+    pub(super) fn is_leaving(&self, slot: usize) -> bool {
+        match &self.config.configuration {
+            Some(Configuration {
+                members,
+                new_members: Some(new),
+                ..
+            }) => {
+                let id = self.slot_ids[slot];
+                members.iter().any(|m| m.id == id) && !new.iter().any(|m| m.id == id)
+            }
+            _ => false,
         }
     }
 

@@ -75,11 +75,14 @@ impl Proposer {
             | Peer::Rejoining { .. } => false,
             _ => true,
         });
-        let source = donor_ok.or_else(|| {
-            self.peers
-                .iter()
-                .position(|p| matches!(p, Peer::Streaming { flush_lsn, .. } if *flush_lsn >= end))
-        });
+        let can_serve = |p: usize| matches!(self.peers[p], Peer::Streaming { flush_lsn, .. } if flush_lsn >= end);
+        // During a change, a member leaving the set serves first: its
+        // connection carries the reads' answers, which delay its
+        // acknowledgements, and the new set's quorum never waits for it.
+        let leaving = (0..self.peers.len()).find(|&p| self.is_leaving(p) && can_serve(p));
+        let source = leaving
+            .or(donor_ok)
+            .or_else(|| (0..self.peers.len()).find(|&p| can_serve(p)));
         let Some(source) = source else {
             if self.donor.is_none() && self.commit_lsn < self.epoch_start_lsn {
                 // The donor lost its disk before anyone else got the WAL this
