@@ -233,6 +233,13 @@ impl Sim {
                     "sk{i}: the {how} found a safekeeper on a lost disk: {e}"
                 )));
             }
+            // A donor holds its WAL removal at the copy's start until the
+            // pull ends: a pull never finds WAL it copies removed.
+            Some(Err((false, e))) if donor.is_some() && e.contains("was removed locally") => {
+                return Err(self.fail(format!(
+                    "sk{i}: the donor removed WAL the pull was copying: {e}"
+                )));
+            }
             Some(Err((false, e))) => {
                 self.log(format!("sk{i} {how} failed: {e}"));
                 return Ok(());
