@@ -467,6 +467,48 @@ async fn check_cluster_record(
 }
 
 /// What a replica checks before it registers: the cluster record is its
+/// How often a replica reads the recorded safekeeper set.
+const SAFEKEEPER_SET_POLL: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The members of the recorded safekeeper configuration (empty until one
+/// is recorded), read every [`SAFEKEEPER_SET_POLL`]: a replica streams from
+/// them, so a membership change (`ferry safekeeper-set`) needs no restart
+/// of the replicas. Read failures keep the last list.
+fn follow_safekeeper_set(
+    catalog: ferry_ingest::Catalog,
+) -> tokio::sync::watch::Receiver<Vec<String>> {
+    let (tx, rx) = tokio::sync::watch::channel(Vec::new());
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(SAFEKEEPER_SET_POLL);
+        while !tx.is_closed() {
+            every.tick().await;
+            let Ok(session) = catalog.session().await else {
+                continue;
+            };
+            match ferry_node::membership::read_configuration(&*session).await {
+                Ok(Some(recorded)) => {
+                    let addrs: Vec<String> = recorded
+                        .configuration
+                        .all_members()
+                        .into_iter()
+                        .map(|m| m.addr)
+                        .collect();
+                    tx.send_if_modified(|current| {
+                        let moved = *current != addrs;
+                        if moved {
+                            *current = addrs;
+                        }
+                        moved
+                    });
+                }
+                Ok(None) => {}
+                Err(e) => tracing::debug!(error = %e, "reading the recorded safekeeper set"),
+            }
+        }
+    });
+    rx
+}
+
 /// cluster's, its safekeepers are the cluster's, and its shard exists.
 async fn check_replica_against_cluster(
     catalog: &ferry_ingest::Catalog,
@@ -778,6 +820,7 @@ pub async fn replica(args: ReplicaArgs) -> anyhow::Result<()> {
                             args.min_free_disk,
                         )
                     }),
+                    members: Some(follow_safekeeper_set(catalog.clone())),
                     ..ferry_replica::StreamConfig::new(args.safekeepers.clone())
                 },
             },

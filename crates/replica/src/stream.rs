@@ -45,6 +45,11 @@ pub struct StreamConfig {
     /// is dropped and streaming resumes once the breaker closes. The WAL
     /// waits on the safekeepers; the writer's lag limits hold inserts back.
     pub space: Option<ferry_env::space::SpaceBreaker>,
+    /// The safekeepers of the recorded configuration, followed as a
+    /// membership change moves them (`ferry safekeeper-set`): its latest
+    /// non-empty value replaces `safekeepers`, and a stream from a
+    /// safekeeper that left the set ends. `None`: `safekeepers` for good.
+    pub members: Option<tokio::sync::watch::Receiver<Vec<String>>>,
 }
 
 impl StreamConfig {
@@ -57,6 +62,7 @@ impl StreamConfig {
             probe_timeout: Duration::from_secs(1),
             max_lag_bytes: 16 << 20,
             space: None,
+            members: None,
         }
     }
 }
@@ -77,7 +83,22 @@ pub async fn run(
     // one did, the WAL is gone: retrying would loop for ever.
     let mut removed: std::collections::BTreeMap<usize, Lsn> = Default::default();
     let mut removed_at = Lsn(0);
+    let mut config = config;
+    if let Some(members) = config.members.as_mut() {
+        members.mark_changed();
+    }
     loop {
+        let moved = config.members.as_mut().and_then(|m| {
+            let changed = m.has_changed().unwrap_or(false);
+            let list = m.borrow_and_update().clone();
+            (changed && !list.is_empty()).then_some(list)
+        });
+        if let Some(list) = moved.filter(|l| *l != config.safekeepers) {
+            tracing::info!(safekeepers = %list.join(","), "the replica streams from the recorded safekeeper set");
+            config.safekeepers = list;
+            removed.clear();
+            next = 0;
+        }
         if config.safekeepers.is_empty() {
             tokio::time::sleep(config.reconnect_delay).await;
             continue;
@@ -219,6 +240,7 @@ async fn stream_from(
     // meanwhile (a probe must not restart it).
     let silence = tokio::time::sleep(config.silence_timeout);
     tokio::pin!(silence);
+    let mut members = config.members.clone();
     loop {
         // `biased`, and `FrameReader::next` is cancel-safe: a probe tick
         // between two frames loses nothing.
@@ -231,6 +253,28 @@ async fn stream_from(
                 msg?
             }
             () = &mut silence => return Err(StreamError::Connection("silent walsender".into())),
+            changed = async {
+                match members.as_mut() {
+                    Some(m) => m.changed().await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                if changed.is_err() {
+                    // Nobody follows the set any more: the list stays.
+                    members = None;
+                    continue;
+                }
+                let left = members.as_mut().is_some_and(|m| {
+                    let list = m.borrow_and_update();
+                    !list.is_empty() && !list.iter().any(|a| a == addr)
+                });
+                if left {
+                    return Err(StreamError::Connection(format!(
+                        "{addr} left the safekeeper set"
+                    )));
+                }
+                continue;
+            }
             _ = probes.tick(), if config.safekeepers.len() > 1 => {
                 let at = replica.lock().await.receive_from();
                 if let Some((ahead, commit_lsn)) =

@@ -955,6 +955,61 @@ async fn a_replica_short_of_disk_applies_no_wal_until_space_returns() {
     writer.shutdown().await.expect("clean shutdown");
 }
 
+/// A replica follows the recorded safekeeper set (`StreamConfig::members`,
+/// which `ferry replica` feeds from coordination): started with a list
+/// naming only a safekeeper that is gone, it streams from the members the
+/// set names once it moves, without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_streams_from_the_safekeeper_set_as_it_moves() {
+    let c = cluster_of(false, None, false).await;
+    let writer = c.writer();
+    let wal = write_wal(&writer, 2 * SEG).await;
+    let end = writer
+        .append(ferry_testkit::wal::insert(4, 9999, 10))
+        .await
+        .expect("append");
+    assert!(end.0 > wal.len() as u64);
+    let gone = {
+        let l = TcpNetwork.bind("127.0.0.1:0").await.expect("bind");
+        l.local_addr().expect("addr")
+    };
+    let (_dir, disk) = ferry_testkit::disk::temp_disk();
+    let replica = Arc::new(tokio::sync::Mutex::new(
+        ferry_replica::Replica::open(
+            disk,
+            "s0r0",
+            0,
+            0,
+            ferry_env::Cpu::Inline,
+            Arc::new(ferry_testkit::table::FixedTables::new([]).with_dropped(4)),
+        )
+        .await
+        .expect("replica"),
+    ));
+    let (set, members) = tokio::sync::watch::channel(vec![gone.clone()]);
+    let mut config = ferry_replica::StreamConfig::new(vec![gone]);
+    config.reconnect_delay = Duration::from_millis(10);
+    config.members = Some(members);
+    let stream = tokio::spawn(ferry_replica::stream::run(
+        Arc::clone(&replica),
+        Arc::new(TcpNetwork),
+        Arc::new(ferry_env::SystemClock),
+        config,
+    ));
+    set.send_replace(c.servers.iter().map(|s| s.addr().to_string()).collect());
+    let deadline = tokio::time::Instant::now() + SOON;
+    while replica.lock().await.disk_consistent_lsn() < end {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the replica never streamed from the set it was given: at {} of {end}",
+            replica.lock().await.receive_from()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stream.abort();
+    writer.shutdown().await.expect("clean shutdown");
+}
+
 /// Self-healing lag: a safekeeper that was down while the writer wrote
 /// catches up from a peer of its term once it is back, with no writer
 /// running, and then streams the same committed WAL as the others.
