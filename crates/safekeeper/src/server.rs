@@ -756,6 +756,10 @@ async fn run_peer_recovery(shared: &Shared, recovery: crate::recovery::PeerRecov
     // The first look comes soon: a joining safekeeper just pulled is as
     // near the end as it will ever be.
     let mut interval = JOINING_RECOVERY_INTERVAL;
+    // A round that failed (a connection refused or cut) is tried again
+    // sooner, backing off to the usual interval: one passing network fault
+    // does not cost a whole interval of lag.
+    let mut retry = JOINING_RECOVERY_INTERVAL;
     loop {
         tokio::time::sleep(interval).await;
         if shared.fatal.borrow().is_some() {
@@ -779,9 +783,11 @@ async fn run_peer_recovery(shared: &Shared, recovery: crate::recovery::PeerRecov
             continue;
         }
         let mut donor: Option<(String, Lsn)> = None;
+        let mut unanswered = false;
         for addr in peers_of(&standing, &recovery) {
-            if let Some(c) = position(recovery.network.as_ref(), &addr, &standing.cluster_id).await
-            {
+            let answer = position(recovery.network.as_ref(), &addr, &standing.cluster_id).await;
+            unanswered |= answer.is_none();
+            if let Some(c) = answer {
                 let limit = standing.copy_limit(&c);
                 if is_donor(&standing, &c) && donor.as_ref().is_none_or(|(_, f)| limit > *f) {
                     donor = Some((addr, limit));
@@ -789,6 +795,10 @@ async fn run_peer_recovery(shared: &Shared, recovery: crate::recovery::PeerRecov
             }
         }
         let Some((addr, to)) = donor else {
+            if unanswered {
+                interval = interval.min(retry);
+                retry = (retry * 2).min(PEER_RECOVERY_INTERVAL);
+            }
             continue;
         };
         if joining {
@@ -831,8 +841,14 @@ async fn run_peer_recovery(shared: &Shared, recovery: crate::recovery::PeerRecov
                 tracing::debug!(donor = %addr, at = %at, "joining safekeeper: recovery round ended")
             }
             Ok(at) => tracing::info!(donor = %addr, at = %at, "peer recovery round ended"),
-            Err(e) => tracing::debug!(donor = %addr, error = %e, "peer recovery round failed"),
+            Err(e) => {
+                tracing::debug!(donor = %addr, error = %e, "peer recovery round failed");
+                interval = interval.min(retry);
+                retry = (retry * 2).min(PEER_RECOVERY_INTERVAL);
+                continue;
+            }
         }
+        retry = JOINING_RECOVERY_INTERVAL;
     }
 }
 

@@ -133,6 +133,12 @@ const REGRESSION_SEEDS: &[u64] = &[
     // after its next crash (89407968), or stayed stuck (89407228). Peer
     // recovery now appends whole records only (the soak of day 20794).
     89407968, 89407228,
+    // A safekeeper left at 0/0 by a partition stayed there through a 6 s
+    // idle period: its recovery rounds, one a second once the writer was
+    // silent for 3 s, were all cut by network faults (a connection broken,
+    // one refused). A failed round is now tried again sooner, backing off
+    // to the interval (the soak of 2026-12-07, window 89700000).
+    89701216,
 ];
 
 #[test]
