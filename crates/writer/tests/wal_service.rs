@@ -900,6 +900,37 @@ async fn safekeepers_short_of_disk_refuse_appends_and_go_on_when_space_returns()
     }
 }
 
+/// Waits until `replica` applied the WAL up to `end` (fails with `what`
+/// after [`SOON`]).
+async fn applied_by(replica: &ferry_replica::SharedReplica, end: Lsn, what: &str) {
+    let deadline = tokio::time::Instant::now() + SOON;
+    while replica.lock().await.disk_consistent_lsn() < end {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what}: at {} of {end}",
+            replica.lock().await.receive_from()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Replica 0 of shard 0 on a fresh disk; the test's records are of a
+/// dropped table, applied as skipped.
+async fn skipping_replica() -> (tempfile::TempDir, ferry_replica::SharedReplica) {
+    let (dir, disk) = ferry_testkit::disk::temp_disk();
+    let replica = ferry_replica::Replica::open(
+        disk,
+        "s0r0",
+        0,
+        0,
+        ferry_env::Cpu::Inline,
+        Arc::new(ferry_testkit::table::FixedTables::new([]).with_dropped(4)),
+    )
+    .await
+    .expect("replica");
+    (dir, Arc::new(tokio::sync::Mutex::new(replica)))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_short_of_disk_applies_no_wal_until_space_returns() {
     let c = cluster_of(false, None, false).await;
@@ -910,20 +941,7 @@ async fn a_replica_short_of_disk_applies_no_wal_until_space_returns() {
         .await
         .expect("append");
     assert!(end.0 > wal.len() as u64);
-    let (_dir, disk) = ferry_testkit::disk::temp_disk();
-    let replica = Arc::new(tokio::sync::Mutex::new(
-        ferry_replica::Replica::open(
-            disk,
-            "s0r0",
-            0,
-            0,
-            ferry_env::Cpu::Inline,
-            // The test's records are of a dropped table: applied as skipped.
-            Arc::new(ferry_testkit::table::FixedTables::new([]).with_dropped(4)),
-        )
-        .await
-        .expect("replica"),
-    ));
+    let (_dir, replica) = skipping_replica().await;
     let space = ferry_env::space::SpaceBreaker::new("replica 0 of shard 0", 100 << 20);
     space.observe(Some(1 << 20));
     let mut config =
@@ -942,15 +960,12 @@ async fn a_replica_short_of_disk_applies_no_wal_until_space_returns() {
     assert_eq!(replica.lock().await.receive_from(), Lsn(0));
     // Space returns: it streams and applies everything committed.
     space.observe(Some(1 << 30));
-    let deadline = tokio::time::Instant::now() + SOON;
-    while replica.lock().await.disk_consistent_lsn() < end {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the replica never applied the WAL once space returned: at {} of {end}",
-            replica.lock().await.receive_from()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    applied_by(
+        &replica,
+        end,
+        "the replica never applied the WAL once space returned",
+    )
+    .await;
     stream.abort();
     writer.shutdown().await.expect("clean shutdown");
 }
@@ -973,19 +988,7 @@ async fn a_replica_streams_from_the_safekeeper_set_as_it_moves() {
         let l = TcpNetwork.bind("127.0.0.1:0").await.expect("bind");
         l.local_addr().expect("addr")
     };
-    let (_dir, disk) = ferry_testkit::disk::temp_disk();
-    let replica = Arc::new(tokio::sync::Mutex::new(
-        ferry_replica::Replica::open(
-            disk,
-            "s0r0",
-            0,
-            0,
-            ferry_env::Cpu::Inline,
-            Arc::new(ferry_testkit::table::FixedTables::new([]).with_dropped(4)),
-        )
-        .await
-        .expect("replica"),
-    ));
+    let (_dir, replica) = skipping_replica().await;
     let (set, members) = tokio::sync::watch::channel(vec![gone.clone()]);
     let mut config = ferry_replica::StreamConfig::new(vec![gone]);
     config.reconnect_delay = Duration::from_millis(10);
@@ -997,17 +1000,55 @@ async fn a_replica_streams_from_the_safekeeper_set_as_it_moves() {
         config,
     ));
     set.send_replace(c.servers.iter().map(|s| s.addr().to_string()).collect());
-    let deadline = tokio::time::Instant::now() + SOON;
-    while replica.lock().await.disk_consistent_lsn() < end {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the replica never streamed from the set it was given: at {} of {end}",
-            replica.lock().await.receive_from()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    applied_by(
+        &replica,
+        end,
+        "the replica never streamed from the set it was given",
+    )
+    .await;
     stream.abort();
     writer.shutdown().await.expect("clean shutdown");
+}
+
+/// `n` listeners on loopback and their addresses, for safekeepers that
+/// recover from each other.
+async fn recovery_listeners(n: usize) -> (Vec<Box<dyn ferry_env::Listener>>, Vec<String>) {
+    let mut listeners = Vec::new();
+    for _ in 0..n {
+        listeners.push(TcpNetwork.bind("127.0.0.1:0").await.expect("bind"));
+    }
+    let addrs = listeners
+        .iter()
+        .map(|l| l.local_addr().expect("addr"))
+        .collect();
+    (listeners, addrs)
+}
+
+fn recovery_acceptor_config(id: u64) -> AcceptorConfig {
+    AcceptorConfig {
+        cluster_id: cluster_id(),
+        node_id: id,
+        timeline_id: 1,
+        segment_size: seg(),
+        preallocation: Default::default(),
+    }
+}
+
+/// Safekeeper `id` of `addrs`, keeping its WAL, with peer recovery from the
+/// others.
+fn recovery_server_config(addrs: &[String], id: usize) -> ServerConfig {
+    ServerConfig {
+        remove_wal: false,
+        min_free_disk: 0,
+        peer_recovery: Some(ferry_safekeeper::recovery::PeerRecovery {
+            network: Arc::new(TcpNetwork),
+            peers: (0..addrs.len())
+                .filter(|&p| p != id)
+                .map(|p| addrs[p].clone())
+                .collect(),
+        }),
+        ..ServerConfig::default()
+    }
 }
 
 /// Self-healing lag: a safekeeper that was down while the writer wrote
@@ -1015,36 +1056,11 @@ async fn a_replica_streams_from_the_safekeeper_set_as_it_moves() {
 /// running, and then streams the same committed WAL as the others.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lagging_safekeeper_catches_up_from_a_peer_while_no_writer_runs() {
-    use ferry_safekeeper::recovery::PeerRecovery;
     let dir = tempfile::tempdir().expect("tempdir");
     let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
-    let acceptor_config = |id: u64| AcceptorConfig {
-        cluster_id: cluster_id(),
-        node_id: id,
-        timeline_id: 1,
-        segment_size: seg(),
-        preallocation: Default::default(),
-    };
-    let mut listeners = Vec::new();
-    for _ in 0..3 {
-        listeners.push(TcpNetwork.bind("127.0.0.1:0").await.expect("bind"));
-    }
-    let addrs: Vec<String> = listeners
-        .iter()
-        .map(|l| l.local_addr().expect("addr"))
-        .collect();
-    let config = |id: usize| ServerConfig {
-        remove_wal: false,
-        min_free_disk: 0,
-        peer_recovery: Some(PeerRecovery {
-            network: Arc::new(TcpNetwork),
-            peers: (0..3)
-                .filter(|&p| p != id)
-                .map(|p| addrs[p].clone())
-                .collect(),
-        }),
-        ..ServerConfig::default()
-    };
+    let (listeners, addrs) = recovery_listeners(3).await;
+    let acceptor_config = recovery_acceptor_config;
+    let config = |id: usize| recovery_server_config(&addrs, id);
     let mut servers = Vec::new();
     for (id, listener) in listeners.into_iter().enumerate() {
         let acceptor = Acceptor::create(
@@ -1118,37 +1134,12 @@ async fn a_lagging_safekeeper_catches_up_from_a_peer_while_no_writer_runs() {
 /// configuration names it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_joining_safekeeper_keeps_up_with_committed_wal_while_the_writer_runs() {
-    use ferry_safekeeper::recovery::PeerRecovery;
     use ferry_wal::membership::{Configuration, Member};
     let dir = tempfile::tempdir().expect("tempdir");
     let disk: Arc<dyn Disk> = Arc::new(RealDisk::open_root(dir.path()).expect("disk"));
-    let acceptor_config = |id: u64| AcceptorConfig {
-        cluster_id: cluster_id(),
-        node_id: id,
-        timeline_id: 1,
-        segment_size: seg(),
-        preallocation: Default::default(),
-    };
-    let mut listeners = Vec::new();
-    for _ in 0..4 {
-        listeners.push(TcpNetwork.bind("127.0.0.1:0").await.expect("bind"));
-    }
-    let addrs: Vec<String> = listeners
-        .iter()
-        .map(|l| l.local_addr().expect("addr"))
-        .collect();
-    let config = |id: usize| ServerConfig {
-        remove_wal: false,
-        min_free_disk: 0,
-        peer_recovery: Some(PeerRecovery {
-            network: Arc::new(TcpNetwork),
-            peers: (0..4)
-                .filter(|&p| p != id)
-                .map(|p| addrs[p].clone())
-                .collect(),
-        }),
-        ..ServerConfig::default()
-    };
+    let (listeners, addrs) = recovery_listeners(4).await;
+    let acceptor_config = recovery_acceptor_config;
+    let config = |id: usize| recovery_server_config(&addrs, id);
     let mut listeners = listeners.into_iter();
     let mut servers = Vec::new();
     for id in 0..3 {
