@@ -466,7 +466,6 @@ async fn check_cluster_record(
     }
 }
 
-/// What a replica checks before it registers: the cluster record is its
 /// How often a replica reads the recorded safekeeper set.
 const SAFEKEEPER_SET_POLL: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -509,6 +508,7 @@ fn follow_safekeeper_set(
     rx
 }
 
+/// What a replica checks before it registers: the cluster record is its
 /// cluster's, its safekeepers are the cluster's, and its shard exists.
 async fn check_replica_against_cluster(
     catalog: &ferry_ingest::Catalog,
