@@ -49,6 +49,31 @@ pub const JOINING_RECOVERY_INTERVAL: Duration = Duration::from_millis(100);
 /// A writer counts as running while one of its messages arrived within
 /// this (writers send a heartbeat every 100 ms); recovery waits meanwhile.
 pub const WRITER_SILENCE: Duration = Duration::from_secs(3);
+/// The pause before the next round after one cut by a network fault: from
+/// [`JOINING_RECOVERY_INTERVAL`], doubling up to [`PEER_RECOVERY_INTERVAL`],
+/// so one passing fault does not cost a whole interval of lag and a peer
+/// that stays away is not asked more often than usual.
+#[derive(Debug)]
+pub(crate) struct Retry(Duration);
+
+impl Retry {
+    pub fn new() -> Retry {
+        Retry(JOINING_RECOVERY_INTERVAL)
+    }
+
+    /// A round failed: the pause before the next one.
+    pub fn failed(&mut self) -> Duration {
+        let pause = self.0;
+        self.0 = (self.0 * 2).min(PEER_RECOVERY_INTERVAL);
+        pause
+    }
+
+    /// A round ended without a fault.
+    pub fn reset(&mut self) {
+        self.0 = JOINING_RECOVERY_INTERVAL;
+    }
+}
+
 /// Most WAL asked for in one read: the donor reads it under its acceptor
 /// lock, ahead of its writer's appends, so a read stays as small as an
 /// append.
@@ -270,4 +295,18 @@ where
     tokio::time::timeout(ROUND_TIMEOUT, round)
         .await
         .unwrap_or_else(|_| Err(format!("no end within {ROUND_TIMEOUT:?}")))
+}
+
+#[cfg(test)]
+mod retry_tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_round_is_tried_again_sooner_backing_off_to_the_interval() {
+        let mut retry = Retry::new();
+        let pauses: Vec<u64> = (0..6).map(|_| retry.failed().as_millis() as u64).collect();
+        assert_eq!(pauses, [100, 200, 400, 800, 1000, 1000]);
+        retry.reset();
+        assert_eq!(retry.failed(), JOINING_RECOVERY_INTERVAL);
+    }
 }

@@ -756,10 +756,9 @@ async fn run_peer_recovery(shared: &Shared, recovery: crate::recovery::PeerRecov
     // The first look comes soon: a joining safekeeper just pulled is as
     // near the end as it will ever be.
     let mut interval = JOINING_RECOVERY_INTERVAL;
-    // A round that failed (a connection refused or cut) is tried again
-    // sooner, backing off to the usual interval: one passing network fault
-    // does not cost a whole interval of lag.
-    let mut retry = JOINING_RECOVERY_INTERVAL;
+    // A round cut by a fault (a connection refused or broken) is tried
+    // again sooner.
+    let mut retry = crate::recovery::Retry::new();
     loop {
         tokio::time::sleep(interval).await;
         if shared.fatal.borrow().is_some() {
@@ -796,8 +795,9 @@ async fn run_peer_recovery(shared: &Shared, recovery: crate::recovery::PeerRecov
         }
         let Some((addr, to)) = donor else {
             if unanswered {
-                interval = interval.min(retry);
-                retry = (retry * 2).min(PEER_RECOVERY_INTERVAL);
+                interval = interval.min(retry.failed());
+            } else {
+                retry.reset();
             }
             continue;
         };
@@ -843,12 +843,11 @@ async fn run_peer_recovery(shared: &Shared, recovery: crate::recovery::PeerRecov
             Ok(at) => tracing::info!(donor = %addr, at = %at, "peer recovery round ended"),
             Err(e) => {
                 tracing::debug!(donor = %addr, error = %e, "peer recovery round failed");
-                interval = interval.min(retry);
-                retry = (retry * 2).min(PEER_RECOVERY_INTERVAL);
+                interval = interval.min(retry.failed());
                 continue;
             }
         }
-        retry = JOINING_RECOVERY_INTERVAL;
+        retry.reset();
     }
 }
 

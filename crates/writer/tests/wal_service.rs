@@ -900,6 +900,20 @@ async fn safekeepers_short_of_disk_refuse_appends_and_go_on_when_space_returns()
     }
 }
 
+/// A cluster and its writer with `bytes` of committed WAL and one insert
+/// more; its end.
+async fn cluster_with_wal(bytes: u64) -> (Cluster, Writer, Lsn) {
+    let c = cluster_of(false, None, false).await;
+    let writer = c.writer();
+    let wal = write_wal(&writer, bytes).await;
+    let end = writer
+        .append(ferry_testkit::wal::insert(4, 9999, 10))
+        .await
+        .expect("append");
+    assert!(end.0 > wal.len() as u64);
+    (c, writer, end)
+}
+
 /// Waits until `replica` applied the WAL up to `end` (fails with `what`
 /// after [`SOON`]).
 async fn applied_by(replica: &ferry_replica::SharedReplica, end: Lsn, what: &str) {
@@ -933,14 +947,7 @@ async fn skipping_replica() -> (tempfile::TempDir, ferry_replica::SharedReplica)
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_short_of_disk_applies_no_wal_until_space_returns() {
-    let c = cluster_of(false, None, false).await;
-    let writer = c.writer();
-    let wal = write_wal(&writer, 3 * SEG).await;
-    let end = writer
-        .append(ferry_testkit::wal::insert(4, 9999, 10))
-        .await
-        .expect("append");
-    assert!(end.0 > wal.len() as u64);
+    let (c, writer, end) = cluster_with_wal(3 * SEG).await;
     let (_dir, replica) = skipping_replica().await;
     let space = ferry_env::space::SpaceBreaker::new("replica 0 of shard 0", 100 << 20);
     space.observe(Some(1 << 20));
@@ -976,14 +983,7 @@ async fn a_replica_short_of_disk_applies_no_wal_until_space_returns() {
 /// set names once it moves, without a restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_streams_from_the_safekeeper_set_as_it_moves() {
-    let c = cluster_of(false, None, false).await;
-    let writer = c.writer();
-    let wal = write_wal(&writer, 2 * SEG).await;
-    let end = writer
-        .append(ferry_testkit::wal::insert(4, 9999, 10))
-        .await
-        .expect("append");
-    assert!(end.0 > wal.len() as u64);
+    let (c, writer, end) = cluster_with_wal(2 * SEG).await;
     let gone = {
         let l = TcpNetwork.bind("127.0.0.1:0").await.expect("bind");
         l.local_addr().expect("addr")

@@ -49,7 +49,10 @@ async fn prepare_segment_file(disk: Arc<dyn Disk>, path: String, len: u64) -> io
         file.sync_data().await?;
         at = to;
     }
-    file.sync_data().await
+    if len == 0 {
+        file.sync_data().await?;
+    }
+    Ok(())
 }
 
 /// The next segment, being preallocated in the background.
