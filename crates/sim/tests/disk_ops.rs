@@ -174,3 +174,82 @@ async fn a_sequential_writer_holds_at_most_its_buffer() {
         [&data[24_990..], &[9u8; 10][..]].concat()
     );
 }
+
+/// The control file after a crash at any step of a run of writes (in place
+/// into a slot, and one that outgrows its slots and replaces the file), the
+/// unsynced sectors kept or not at random: it holds the last state whose
+/// write returned, or the one being written, never anything else, and it
+/// takes writes again.
+#[tokio::test]
+async fn the_control_file_is_the_last_written_state_or_the_next_after_a_crash_at_any_step() {
+    use ferry_safekeeper::control::{ControlFile, RegisteredReplica, SafekeeperState};
+    use ferry_wal::{ClusterId, Lsn};
+
+    let fresh = SafekeeperState::new(ClusterId::new("c").expect("id"), 1, 1, 16 << 20);
+    let states: Vec<SafekeeperState> = (1..=8u64)
+        .map(|i| {
+            let mut s = fresh.clone();
+            s.term = i;
+            s.commit_lsn = Lsn(i * 100);
+            if i >= 5 {
+                // Outgrows a one-block slot: the file is replaced whole.
+                s.registered_replicas = (0..600)
+                    .map(|r| RegisteredReplica {
+                        shard_number: r,
+                        replica_number: r,
+                        remote_consistent_lsn: Lsn(u64::MAX - u64::from(r)),
+                    })
+                    .collect();
+            }
+            s
+        })
+        .collect();
+    let (mut torn, mut in_flight_kept, mut in_flight_lost) = (0, 0, 0);
+    for limit in 0..40 {
+        for seed in 0..12u64 {
+            let disk = SimDisk::new();
+            ControlFile::create(Arc::new(disk.clone()), "sk", fresh.clone())
+                .await
+                .expect("create");
+            let d: Arc<dyn Disk> = Arc::new(dying(&disk, limit));
+            let mut acknowledged = fresh.clone();
+            let mut in_flight = None;
+            if let Ok(mut cf) = ControlFile::open(d, "sk").await {
+                for state in &states {
+                    if cf.persist(state).await.is_err() {
+                        in_flight = Some(state.clone());
+                        break;
+                    }
+                    acknowledged = state.clone();
+                }
+            }
+            disk.crash(
+                &mut SmallRng::seed_from_u64(limit as u64 * 1000 + seed),
+                seed % 4 != 0,
+            );
+            let mut cf = ControlFile::open(Arc::new(disk.clone()), "sk")
+                .await
+                .unwrap_or_else(|e| panic!("step {limit} seed {seed}: {e}"));
+            let got = cf.state().clone();
+            if Some(&got) == in_flight.as_ref() {
+                in_flight_kept += 1;
+            } else {
+                assert_eq!(got, acknowledged, "step {limit} seed {seed}");
+                in_flight_lost += usize::from(in_flight.is_some());
+            }
+            let mut next = got.clone();
+            next.term += 100;
+            cf.persist(&next).await.expect("a write after the crash");
+            let reopened = ControlFile::open(Arc::new(disk.clone()), "sk")
+                .await
+                .expect("reopen");
+            assert_eq!(reopened.state(), &next);
+            torn += disk.crash_stats().torn;
+        }
+    }
+    assert!(torn > 0, "some crashes tore a slot");
+    assert!(
+        in_flight_kept > 0 && in_flight_lost > 0,
+        "{in_flight_kept} {in_flight_lost}"
+    );
+}
