@@ -238,7 +238,7 @@ pub async fn membership_run(
     // writer waits out (a control file written) makes a short window's
     // p99: the load without a change, cut into windows of the same length,
     // shows what such a window's p99 is without one.
-    let windows = same_length_p99s(&quiet, quiet_from, quiet_to, to.duration_since(from));
+    let windows = same_length_windows(&quiet, quiet_from, quiet_to, to.duration_since(from));
     if let Some(w) = Arc::into_inner(writer) {
         w.stop().await;
     }
@@ -267,13 +267,19 @@ pub async fn membership_run(
         pct(&during, 1.0),
         during.len()
     );
-    if let (Some(mid), Some(high)) = (
-        windows.get(windows.len() / 2),
-        windows.get(windows.len() * 9 / 10),
+    let (p50s, p99s) = windows;
+    if let (Some(mid50), Some(high50), Some(mid), Some(high)) = (
+        p50s.get(p50s.len() / 2),
+        p50s.get(p50s.len() * 9 / 10),
+        p99s.get(p99s.len() / 2),
+        p99s.get(p99s.len() * 9 / 10),
     ) {
         say!(
-            "  without a change, in {} windows as long as the change: p99 median {:.2} ms, 90th percentile {:.2} ms; the change's p99 / that median: {:.2}x",
-            windows.len(),
+            "  without a change, in {} windows as long as the change: p50 median {:.2} ms, 90th percentile {:.2} ms ({:.2}x the whole run's); p99 median {:.2} ms, 90th percentile {:.2} ms; the change's p99 / that median: {:.2}x",
+            p99s.len(),
+            mid50,
+            high50,
+            high50 / pct(&baseline, 0.5).max(1e-9),
             mid,
             high,
             pct(&during, 0.99) / mid.max(1e-9)
@@ -296,22 +302,30 @@ pub async fn membership_run(
     Ok(())
 }
 
-/// The p99 (ms) of each window of length `len` in `[from, to)`, sorted.
-fn same_length_p99s(l: &Latencies, from: Instant, to: Instant, len: Duration) -> Vec<f64> {
-    let mut out = Vec::new();
+/// The p50s and p99s (ms) of the windows of length `len` in `[from, to)`,
+/// each sorted: how much a window as short as a change varies without one.
+fn same_length_windows(
+    l: &Latencies,
+    from: Instant,
+    to: Instant,
+    len: Duration,
+) -> (Vec<f64>, Vec<f64>) {
+    let (mut p50s, mut p99s) = (Vec::new(), Vec::new());
     if len.is_zero() {
-        return out;
+        return (p50s, p99s);
     }
     let mut at = from;
     while at + len <= to {
         let window = l.between(at, at + len);
         if !window.is_empty() {
-            out.push(pct(&window, 0.99));
+            p50s.push(pct(&window, 0.5));
+            p99s.push(pct(&window, 0.99));
         }
         at += len;
     }
-    out.sort_by(f64::total_cmp);
-    out
+    p50s.sort_by(f64::total_cmp);
+    p99s.sort_by(f64::total_cmp);
+    (p50s, p99s)
 }
 
 fn humanize_bytes(b: u64) -> String {

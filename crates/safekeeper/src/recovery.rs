@@ -19,10 +19,14 @@
 //! while writers run, since none streams to it: it copies committed WAL
 //! only (up to the donor's commit_lsn), so that it still holds nothing
 //! but committed WAL when a writer brings it back at its end (the
-//! restored safekeeper's rule, `Proposer::start_rejoin`). A change then
-//! starts with the new member near the cluster's end instead of a whole
-//! pull-to-change gap behind, which the writer would otherwise carry
-//! while commits need both majorities. The acceptor enforces both limits
+//! restored safekeeper's rule, `Proposer::start_rejoin`). It *follows* a
+//! donor: one connection, on which it asks every
+//! [`JOINING_FOLLOW_INTERVAL`] how far the donor's commit moved and copies
+//! up to it, until a configuration naming it (the donor's or its own) ends
+//! the follow. A change then starts with the new member a few milliseconds
+//! of WAL behind instead of a whole pull-to-change gap (or a polling
+//! interval's worth), which the writer would otherwise carry while commits
+//! need both majorities. The acceptor enforces both limits
 //! under its lock (`Acceptor::recovery_append`), so a configuration that
 //! names it, adopted meanwhile, stops the copy at the next chunk.
 //!
@@ -43,9 +47,15 @@ use tokio::io::AsyncWriteExt;
 
 /// How often a safekeeper looks for a peer ahead of it.
 pub const PEER_RECOVERY_INTERVAL: Duration = Duration::from_secs(1);
-/// How often a joining safekeeper does (writers run meanwhile: the
-/// shorter, the nearer the end a membership change finds it).
+/// How often a joining safekeeper looks for a donor when it has none.
 pub const JOINING_RECOVERY_INTERVAL: Duration = Duration::from_millis(100);
+/// How often a joining safekeeper following a donor asks it, on the same
+/// connection, how far its commit moved (writers run meanwhile: the
+/// shorter, the nearer the end a membership change finds it; one small
+/// request on an open connection, not a new round).
+pub const JOINING_FOLLOW_INTERVAL: Duration = Duration::from_millis(10);
+/// Longest wait for a donor's answer to a position request.
+const POSITION_TIMEOUT: Duration = Duration::from_secs(2);
 /// A writer counts as running while one of its messages arrived within
 /// this (writers send a heartbeat every 100 ms); recovery waits meanwhile.
 pub const WRITER_SILENCE: Duration = Duration::from_secs(3);
@@ -80,6 +90,9 @@ impl Retry {
 const READ_BYTES: u64 = 1 << 20;
 /// Longest one recovery round may take.
 const ROUND_TIMEOUT: Duration = Duration::from_secs(60);
+/// Longest a joining safekeeper follows one donor before it looks again
+/// for the one furthest ahead.
+const FOLLOW_ROUND_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// Where a safekeeper's peers are, and the network to reach them.
 #[derive(Clone)]
@@ -202,13 +215,18 @@ pub(crate) async fn position(
 }
 
 /// One connection to a donor, reading its WAL of `term` from `from` up to
-/// `to`; each chunk goes to `append`, which says whether to go on.
+/// `to`; each chunk goes to `append`, which says whether to go on. With
+/// `follow`, a round that reached `to` asks the donor on the same
+/// connection, that often, where it stands and copies on to its new limit
+/// (a joining safekeeper follows the cluster's commit this way); it ends
+/// when `append` stops it, the donor is no longer one, or a fault cuts it.
 pub(crate) async fn copy_from<F, Fut>(
     network: &dyn Network,
     addr: &str,
     standing: &Standing,
     from: Lsn,
-    to: Lsn,
+    mut to: Lsn,
+    follow: Option<Duration>,
     mut append: F,
 ) -> Result<Lsn, String>
 where
@@ -245,7 +263,45 @@ where
         // read past the last whole record waits for the next read.
         let mut appended = from;
         let mut pending = BytesMut::new();
-        while appended < to {
+        loop {
+            if appended >= to {
+                let Some(pause) = follow else { break };
+                tokio::time::sleep(pause).await;
+                let asked = async {
+                    proto::write_frame(
+                        &mut write,
+                        &ToSafekeeper::Position {
+                            cluster_id: standing.cluster_id.clone(),
+                        },
+                    )
+                    .await
+                    .map_err(|e| e.to_string())?;
+                    write.flush().await.map_err(|e| e.to_string())?;
+                    match reader.next::<FromSafekeeper>().await {
+                        Ok(Some(FromSafekeeper::Configured(c))) => Ok(c),
+                        other => Err(format!("a position request answered {other:?}")),
+                    }
+                };
+                let peer = tokio::time::timeout(POSITION_TIMEOUT, asked)
+                    .await
+                    .map_err(|_| format!("no position within {POSITION_TIMEOUT:?}"))??;
+                // The donor left the term, or holds a configuration that
+                // names this safekeeper (its change started: the writer
+                // streams to it next): the follow ends.
+                let named = peer
+                    .configuration
+                    .as_ref()
+                    .is_some_and(|c| c.contains(standing.node_id));
+                if peer.term != standing.term
+                    || peer.position.last_log_term != standing.term
+                    || peer.restored
+                    || named
+                {
+                    break;
+                }
+                to = to.max(standing.copy_limit(&peer));
+                continue;
+            }
             let begin = Lsn(appended.0 + pending.len() as u64);
             if begin >= to {
                 return Err(format!(
@@ -292,9 +348,14 @@ where
         }
         Ok(appended)
     };
-    tokio::time::timeout(ROUND_TIMEOUT, round)
+    let limit = if follow.is_some() {
+        FOLLOW_ROUND_TIMEOUT
+    } else {
+        ROUND_TIMEOUT
+    };
+    tokio::time::timeout(limit, round)
         .await
-        .unwrap_or_else(|_| Err(format!("no end within {ROUND_TIMEOUT:?}")))
+        .unwrap_or_else(|_| Err(format!("no end within {limit:?}")))
 }
 
 #[cfg(test)]

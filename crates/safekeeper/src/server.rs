@@ -743,8 +743,8 @@ where
 /// furthest ahead.
 async fn run_peer_recovery(shared: &Shared, recovery: crate::recovery::PeerRecovery) {
     use crate::recovery::{
-        copy_from, is_donor, peers_of, position, JOINING_RECOVERY_INTERVAL, PEER_RECOVERY_INTERVAL,
-        WRITER_SILENCE,
+        copy_from, is_donor, peers_of, position, JOINING_FOLLOW_INTERVAL,
+        JOINING_RECOVERY_INTERVAL, PEER_RECOVERY_INTERVAL, WRITER_SILENCE,
     };
     let writer_silent = |shared: &Shared| {
         shared
@@ -819,11 +819,18 @@ async fn run_peer_recovery(shared: &Shared, recovery: crate::recovery::PeerRecov
             &standing,
             standing.flush_lsn,
             to,
+            joining.then_some(JOINING_FOLLOW_INTERVAL),
             |begin, wal, commit| async move {
                 if !joining && !writer_silent(shared) {
                     return None;
                 }
                 let mut acceptor = shared.acceptor.lock().await;
+                // A follow ends once a writer brought it back (it streams
+                // to it then); `recovery_append` ends it once its
+                // configuration names it.
+                if joining && !acceptor.recovery_standing().joining() {
+                    return None;
+                }
                 match acceptor.recovery_append(term, begin, wal, commit).await {
                     Ok(flushed) => flushed,
                     Err(e) => {

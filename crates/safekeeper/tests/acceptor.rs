@@ -317,6 +317,48 @@ async fn commit_follows_flush_and_truncation_never_cuts_committed_wal() {
     assert_eq!(a.commit_lsn(), Lsn(2 * len));
 }
 
+/// A writer greeting again in its own term (as it does when it takes a
+/// newer configuration in place) is answered without a control-file write;
+/// a new term is written before its answer.
+#[tokio::test]
+async fn an_elected_writer_greeting_again_in_its_term_costs_no_control_file_write() {
+    let (dir, disk) = temp_disk();
+    let mut a = elected_in_term_1(&disk).await;
+    let wal = records(4);
+    let len = wal.len() as u64;
+    a.append_no_flush(&append(1, 0, &wal, len))
+        .await
+        .expect("append");
+    a.flush_appends().await.expect("flush");
+    let control = dir.path().join("sk/safekeeper.control");
+    let before = std::fs::read(&control).expect("read");
+    a.handle_elected(&elected(1, len, &[(1, 0)]))
+        .await
+        .expect("elected again");
+    assert_eq!(std::fs::read(&control).expect("read"), before, "no write");
+    a.append_no_flush(&append(1, len, &wal, 2 * len))
+        .await
+        .expect("appends go on");
+    a.flush_appends().await.expect("flush");
+    drop(a);
+    let mut a = open(&disk).await;
+    assert_eq!(
+        (a.term(), a.last_log_term(), a.flush_lsn()),
+        (1, 1, Lsn(2 * len))
+    );
+    a.handle_vote(2).await.expect("vote");
+    a.handle_elected(&elected(2, 2 * len, &[(1, 0), (2, 2 * len)]))
+        .await
+        .expect("elected in term 2");
+    drop(a);
+    let a = open(&disk).await;
+    assert_eq!(
+        (a.term(), a.last_log_term()),
+        (2, 2),
+        "the new term's history is durable"
+    );
+}
+
 #[tokio::test]
 async fn batch_shares_one_answer_and_relays_feedback() {
     let (_dir, disk) = temp_disk();

@@ -319,7 +319,25 @@ impl Acceptor {
                 "restored safekeeper brought back by a writer"
             );
         }
-        self.control.persist(&self.state).await?;
+        // A writer greeting again in its own term (it took a newer
+        // configuration in place) changes nothing the file must hold
+        // before the answer: the term, its history and the restore mark
+        // are already there, and positions are saved lazily
+        // (`maybe_persist`). Skipping the write keeps a membership
+        // change from holding every append for a sync.
+        let persisted = self.control.state();
+        let same_term = persisted.term == self.state.term
+            && persisted.term_history == self.state.term_history
+            && persisted.timeline_start_lsn == self.state.timeline_start_lsn
+            && persisted.restored_up_to == self.state.restored_up_to;
+        if same_term {
+            // The positions in `state` stay the ones on disk, which
+            // `maybe_persist` measures its distance from.
+            self.state.commit_lsn = persisted.commit_lsn;
+            self.state.peer_horizon_lsn = persisted.peer_horizon_lsn;
+        } else {
+            self.control.persist(&self.state).await?;
+        }
         self.publish_backup();
         Ok(self.append_response())
     }
