@@ -760,7 +760,9 @@ async fn generations_are_adopted_persisted_and_older_writers_refused() {
         segment_bytes: 64 << 10,
         configuration: conf.cloned(),
     };
-    // A writer of generation 1 makes the safekeeper adopt it.
+    // A safekeeper holding no configuration (created empty: a new member,
+    // or an id that lost its data and forgot its votes) takes none from a
+    // writer of generation 1 and refuses it everything that writes.
     let new_writer = &mut WriterSession::default();
     let FromSafekeeper::Greeting(g) = a
         .handle_greeting(&greeting(Some(&initial)), new_writer)
@@ -769,7 +771,20 @@ async fn generations_are_adopted_persisted_and_older_writers_refused() {
     else {
         panic!("not a greeting")
     };
-    assert_eq!(g.configuration.as_ref(), Some(&initial));
+    assert_eq!(g.configuration, None, "not taken from a writer");
+    let replies = a
+        .handle_batch(vec![ToSafekeeper::VoteRequest { term: 1 }], new_writer)
+        .await
+        .expect("batch");
+    assert!(
+        matches!(&replies[..], [FromSafekeeper::Refused { reason, .. }] if reason.contains("change driver")),
+        "{replies:?}"
+    );
+    assert_eq!(a.term(), 0, "no vote given");
+    // The change driver hands it its first configuration.
+    a.handle_configure(&cluster(), &initial, 0)
+        .await
+        .expect("configure");
     drop(a);
     let mut a = open(&disk).await;
     assert_eq!(a.configuration(), Some(&initial), "persisted");

@@ -120,6 +120,18 @@ impl Cluster {
         report.restored_lsn
     }
 
+    /// What the change driver does: hands `conf` to safekeepers `ids`.
+    async fn configure(&mut self, ids: &[usize], conf: &ferry_wal::membership::Configuration) {
+        for &i in ids {
+            self.acceptors[i]
+                .as_mut()
+                .expect("running")
+                .handle_configure(&cluster_id(), conf, 0)
+                .await
+                .expect("configure");
+        }
+    }
+
     fn acceptor(&self, i: usize) -> &Acceptor {
         self.acceptors[i].as_ref().expect("running")
     }
@@ -980,6 +992,9 @@ async fn a_joint_configuration_needs_both_majorities_and_an_older_writer_starts_
     let mut cluster = Cluster::new(4).await;
     let initial = Configuration::initial(members(&[0, 1, 2])).expect("initial");
     let joint = initial.joint(members(&[0, 1, 3])).expect("joint");
+    // The change driver handed it to all four (a safekeeper takes its
+    // first configuration from the driver only).
+    cluster.configure(&[0, 1, 2, 3], &joint).await;
 
     // Only 2 and 3 up: a majority of neither set alone... nor both.
     cluster.kill(0, &mut []);
@@ -1045,21 +1060,16 @@ async fn an_elected_writer_takes_a_newer_configuration_in_place() {
     let mut cluster = Cluster::new(4).await;
     let initial = Configuration::initial(members(&[0, 1, 2])).expect("initial");
     let joint = initial.joint(members(&[0, 1, 3])).expect("joint");
+    cluster.configure(&[0, 1, 2], &initial).await;
     let mut w = Writer::with(3, 0, |c| c.configuration = Some(initial.clone()));
     w.connect_all(&mut cluster).await;
     let (term, _) = w.elected.expect("elected");
     let mut all = Vec::new();
     let first = w.append_to(&mut cluster, &mut all, batch(0, 5, 300)).await;
     assert_eq!(w.commit_lsn, first);
-    // The change driver hands the joint configuration to 0 and 1.
-    for i in [0, 1] {
-        cluster.acceptors[i]
-            .as_mut()
-            .expect("running")
-            .handle_configure(&cluster_id(), &joint, 0)
-            .await
-            .expect("configure");
-    }
+    // The change driver hands the joint configuration to 0 and 1, and to
+    // the new member 3.
+    cluster.configure(&[0, 1, 3], &joint).await;
     // The next appends are refused by 0 and 1 (an older generation); the
     // writer greets them again, learns the joint configuration, and goes on
     // in its term.

@@ -1141,23 +1141,28 @@ async fn a_joining_safekeeper_keeps_up_with_committed_wal_while_the_writer_runs(
     let acceptor_config = recovery_acceptor_config;
     let config = |id: usize| recovery_server_config(&addrs, id);
     let mut listeners = listeners.into_iter();
+    let member = |id: usize| Member {
+        id: id as u64,
+        addr: addrs[id].clone(),
+    };
+    let first = Configuration::initial((0..3).map(member).collect()).expect("configuration");
     let mut servers = Vec::new();
     for id in 0..3 {
-        let acceptor = Acceptor::create(
+        let mut acceptor = Acceptor::create(
             Arc::clone(&disk),
             &format!("sk{id}"),
             acceptor_config(id as u64),
         )
         .await
         .expect("create");
+        // As `ferry safekeeper-set init` does before recording it.
+        acceptor
+            .handle_configure(&cluster_id(), &first, 0)
+            .await
+            .expect("configure");
         let listener = listeners.next().expect("listener");
         servers.push(SafekeeperServer::serve_with(listener, acceptor, config(id)).expect("serve"));
     }
-    let member = |id: usize| Member {
-        id: id as u64,
-        addr: addrs[id].clone(),
-    };
-    let first = Configuration::initial((0..3).map(member).collect()).expect("configuration");
     let mut proposer = ProposerConfig::new(cluster_id(), 3, 1, SEG, 5);
     proposer.configuration = Some(first.clone());
     let mut writer_config = WriterConfig::new(addrs[..3].to_vec(), proposer);

@@ -45,7 +45,14 @@ pub(super) fn generation_of(conf: Option<&Configuration>) -> Generation {
 /// Whether a writer that greeted with generation `writer` may vote, elect
 /// or append here: not if this safekeeper has seen a higher generation (its
 /// quorums are no longer the writer's), nor if the configuration it holds
-/// does not name it (it was removed).
+/// does not name it (it was removed), nor if it holds none while the
+/// writer has one. Every member of a recorded configuration got it from
+/// the change driver (`ferry safekeeper-set init` hands it to all before
+/// recording it; a change to the new members with its term floor), so a
+/// safekeeper without one in a configured cluster was created empty since:
+/// a new member not handed its first configuration yet, or an id that
+/// lost its data and forgot the votes it gave, which must not vote again
+/// in a term it may have voted in.
 pub(super) fn generation_allows(
     term: Term,
     own: Option<&Configuration>,
@@ -53,6 +60,16 @@ pub(super) fn generation_allows(
     writer: Generation,
 ) -> Result<(), AcceptorError> {
     let Some(own) = own else {
+        if writer > 0 {
+            // Not a `GENERATION` refusal: no newer configuration to greet
+            // again for; the writer reconnects later, after the driver.
+            return Err(refused(
+                term,
+                format!(
+                    "safekeeper {node_id} holds no configuration while the writer holds generation {writer}: it takes its first one from the change driver (`ferry safekeeper-set`), never from a writer"
+                ),
+            ));
+        }
         return Ok(());
     };
     if writer < own.generation {
@@ -449,6 +466,8 @@ mod tests {
     fn an_older_generation_or_a_removed_safekeeper_refuses_the_writer() {
         let own = conf(3, &[0, 1, 2], None);
         assert!(generation_allows(1, None, 0, 0).is_ok());
+        let none = generation_allows(1, None, 0, 1).expect_err("no configuration here");
+        assert!(none.to_string().contains("change driver"), "{none}");
         assert!(generation_allows(1, Some(&own), 0, 3).is_ok());
         assert!(generation_allows(1, Some(&own), 0, 4).is_ok());
         let older = generation_allows(1, Some(&own), 0, 2).expect_err("older generation");

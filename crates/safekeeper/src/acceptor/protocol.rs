@@ -64,7 +64,10 @@ impl Acceptor {
                 ),
             ));
         }
-        if let Some(offered) = &greeting.configuration {
+        // A first configuration comes from the change driver only (see
+        // `decide::generation_allows`): a writer's greeting hands a newer
+        // one to a safekeeper that holds one.
+        if let (Some(offered), Some(_)) = (&greeting.configuration, &self.state.configuration) {
             if decide::adopt_configuration(
                 self.state.term,
                 self.state.configuration.as_ref(),
