@@ -238,6 +238,13 @@ pub fn encode(state: &SafekeeperState) -> Result<Vec<u8>, ControlFileError> {
 fn encode_slot(state: &SafekeeperState, sequence: u64) -> Result<Vec<u8>, ControlFileError> {
     let body =
         postcard::to_allocvec(state).map_err(|e| ControlFileError::Corrupt(e.to_string()))?;
+    // Never write a file `decode_slotted` would refuse.
+    if (SLOT_HEAD + body.len() + 4) as u64 > MAX_SLOT_BYTES {
+        return Err(ControlFileError::Corrupt(format!(
+            "a state of {} bytes does not fit a slot of at most {MAX_SLOT_BYTES}",
+            body.len()
+        )));
+    }
     let len = u32::try_from(body.len())
         .map_err(|_| ControlFileError::Corrupt(format!("{} bytes of state", body.len())))?;
     let mut out = Vec::with_capacity(SLOT_HEAD + body.len() + 4);

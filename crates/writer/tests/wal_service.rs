@@ -1036,6 +1036,37 @@ fn recovery_acceptor_config(id: u64) -> AcceptorConfig {
 
 /// Safekeeper `id` of `addrs`, keeping its WAL, with peer recovery from the
 /// others.
+/// Safekeepers 0.. created and served on `listeners` (each handed
+/// `configuration` first, as `ferry safekeeper-set init` does).
+async fn serve_recovery_safekeepers(
+    disk: &Arc<dyn Disk>,
+    listeners: impl IntoIterator<Item = Box<dyn ferry_env::Listener>>,
+    addrs: &[String],
+    configuration: Option<&ferry_wal::membership::Configuration>,
+) -> Vec<SafekeeperServer> {
+    let mut servers = Vec::new();
+    for (id, listener) in listeners.into_iter().enumerate() {
+        let mut acceptor = Acceptor::create(
+            Arc::clone(disk),
+            &format!("sk{id}"),
+            recovery_acceptor_config(id as u64),
+        )
+        .await
+        .expect("create");
+        if let Some(conf) = configuration {
+            acceptor
+                .handle_configure(&cluster_id(), conf, 0)
+                .await
+                .expect("configure");
+        }
+        servers.push(
+            SafekeeperServer::serve_with(listener, acceptor, recovery_server_config(addrs, id))
+                .expect("serve"),
+        );
+    }
+    servers
+}
+
 fn recovery_server_config(addrs: &[String], id: usize) -> ServerConfig {
     ServerConfig {
         remove_wal: false,
@@ -1061,17 +1092,7 @@ async fn a_lagging_safekeeper_catches_up_from_a_peer_while_no_writer_runs() {
     let (listeners, addrs) = recovery_listeners(3).await;
     let acceptor_config = recovery_acceptor_config;
     let config = |id: usize| recovery_server_config(&addrs, id);
-    let mut servers = Vec::new();
-    for (id, listener) in listeners.into_iter().enumerate() {
-        let acceptor = Acceptor::create(
-            Arc::clone(&disk),
-            &format!("sk{id}"),
-            acceptor_config(id as u64),
-        )
-        .await
-        .expect("create");
-        servers.push(SafekeeperServer::serve_with(listener, acceptor, config(id)).expect("serve"));
-    }
+    let mut servers = serve_recovery_safekeepers(&disk, listeners, &addrs, None).await;
     let mut writer_config = WriterConfig::new(
         addrs.clone(),
         ProposerConfig::new(cluster_id(), 3, 1, SEG, 5),
@@ -1146,23 +1167,8 @@ async fn a_joining_safekeeper_keeps_up_with_committed_wal_while_the_writer_runs(
         addr: addrs[id].clone(),
     };
     let first = Configuration::initial((0..3).map(member).collect()).expect("configuration");
-    let mut servers = Vec::new();
-    for id in 0..3 {
-        let mut acceptor = Acceptor::create(
-            Arc::clone(&disk),
-            &format!("sk{id}"),
-            acceptor_config(id as u64),
-        )
-        .await
-        .expect("create");
-        // As `ferry safekeeper-set init` does before recording it.
-        acceptor
-            .handle_configure(&cluster_id(), &first, 0)
-            .await
-            .expect("configure");
-        let listener = listeners.next().expect("listener");
-        servers.push(SafekeeperServer::serve_with(listener, acceptor, config(id)).expect("serve"));
-    }
+    let mut servers =
+        serve_recovery_safekeepers(&disk, listeners.by_ref().take(3), &addrs, Some(&first)).await;
     let mut proposer = ProposerConfig::new(cluster_id(), 3, 1, SEG, 5);
     proposer.configuration = Some(first.clone());
     let mut writer_config = WriterConfig::new(addrs[..3].to_vec(), proposer);
