@@ -73,8 +73,14 @@ use ferry_sim::wal::Wal;
 /// its commit_lsn fails none: while the pulled one waits to be brought
 /// back, every election needs the donor, whose tail the next writer keeps,
 /// so the copied tail is committed after all. A pull without the donor's
-/// removal hold fails safe: a segment removed under it fails the read and
-/// the pull (tried again, or restored from the backup), never a copy.
+/// removal hold fails safe (a segment removed under it fails the read and
+/// the pull, never a copy), and the runs check that it never happens: a
+/// pull that finds WAL it copies removed fails the run. It was reached
+/// once the network held back a writer whose reader does not read (a
+/// link's send window) and the WAL kept in memory shrank to a segment, and
+/// a sixth of the runs pull a lost safekeeper while a replica that was cut
+/// off catches up (`Event::PullDuringCatchUp`): 0, 32, 77, 122 and 130
+/// (117 of the first 2000) fail when removal ignores the pulls' holds.
 /// Since a third of the runs fill a safekeeper's disk for a few seconds
 /// (`Event::DiskNearlyFull`), an append refused for lack of space must be
 /// in no committed WAL (the API tells the client nothing was written):
@@ -123,7 +129,7 @@ const REGRESSION_SEEDS: &[u64] = &[
     // back only once a quorum of the others holds the writer's epoch
     // start, and a term whose donor greets as restored gives itself up.
     89417877, // Pulls (see above): each failed under a planted bug.
-    11, 39, 84, 89, 453,
+    11, 39, 84, 89, 453, 77, 122, 130,
     // An append refused for lack of disk space written after all (see above).
     359, 512, // Peer recovery turned off (see above).
     228, 342,

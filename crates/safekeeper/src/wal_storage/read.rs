@@ -41,22 +41,41 @@ impl WalStorage {
     }
 }
 
-/// Most bytes of recently written WAL kept in memory for walsenders.
+/// Most bytes of recently written WAL kept in memory for walsenders: one
+/// segment, at most this much (a segment at the default size).
 pub const TAIL_BYTES: usize = 16 << 20;
 
 /// The most recently written WAL, as the very buffers that were written (no
 /// copy), so that walsenders following the end of WAL read memory, not disk.
 /// Cut with the WAL on truncation, so it never holds bytes the WAL lost.
-#[derive(Debug, Clone, Default)]
+///
+/// It holds one segment's worth (at most [`TAIL_BYTES`]): what a walsender
+/// reads from disk instead then is what the disk's cache holds anyway, and
+/// memory grows with the segment size an operator chose, not beyond. WAL
+/// older than the tail is read from its segment files, which removal may
+/// have taken: a reader below the tail meets removal as it would in
+/// production, whatever the segment size (the simulator's are 64 KiB).
+#[derive(Debug, Clone)]
 pub(super) struct WalTail(Arc<std::sync::Mutex<TailChunks>>);
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct TailChunks {
     chunks: std::collections::VecDeque<(Lsn, Bytes)>,
     bytes: usize,
+    limit: usize,
 }
 
 impl WalTail {
+    /// A tail for segments of `seg` bytes.
+    pub(super) fn for_segment(seg: SegmentSize) -> WalTail {
+        let limit = usize::try_from(seg.bytes()).map_or(TAIL_BYTES, |b| b.min(TAIL_BYTES));
+        WalTail(Arc::new(std::sync::Mutex::new(TailChunks {
+            chunks: Default::default(),
+            bytes: 0,
+            limit,
+        })))
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, TailChunks> {
         self.0
             .lock()
@@ -68,7 +87,7 @@ impl WalTail {
         let mut t = self.lock();
         t.bytes += data.len();
         t.chunks.push_back((begin, data));
-        while t.bytes > TAIL_BYTES {
+        while t.bytes > t.limit {
             match t.chunks.pop_front() {
                 Some((_, old)) => t.bytes -= old.len(),
                 None => break,
@@ -206,10 +225,11 @@ impl WalReader {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ferry_wal::segment::DEFAULT_SEGMENT_BYTES;
 
     #[test]
     fn the_tail_serves_recent_wal_and_forgets_what_was_cut() {
-        let tail = WalTail::default();
+        let tail = WalTail::for_segment(SegmentSize::new(DEFAULT_SEGMENT_BYTES).expect("size"));
         tail.push(Lsn(100), Bytes::from_static(b"abcdef"));
         tail.push(Lsn(106), Bytes::from_static(b"ghij"));
         assert_eq!(
@@ -251,5 +271,13 @@ mod tests {
         tail.push(Lsn(106 + big.len() as u64), big);
         assert_eq!(tail.read(Lsn(106), Lsn(107), 1), None, "evicted");
         assert!(tail.lock().bytes <= TAIL_BYTES);
+        // One segment's worth when segments are smaller.
+        let small = WalTail::for_segment(SegmentSize::new(64 << 10).expect("size"));
+        for i in 0..4u64 {
+            small.push(Lsn(i * 40_000), Bytes::from(vec![1u8; 40_000]));
+        }
+        assert!(small.lock().bytes <= 64 << 10);
+        assert_eq!(small.read(Lsn(0), Lsn(10), 10), None, "evicted");
+        assert!(small.read(Lsn(120_000), Lsn(120_010), 10).is_some());
     }
 }

@@ -53,7 +53,7 @@ impl WalStorage {
             preallocate: policy != Preallocation::Never,
             segments_preallocated: 0,
             dir_dirty: false,
-            tail: WalTail::default(),
+            tail: WalTail::for_segment(seg),
         };
         let end = wal.find_end(&segments, record_boundary, durable).await?;
         wal.cut_after(end).await?;

@@ -17,12 +17,13 @@ use tokio::time::Instant;
 
 use super::rogue::RogueOutcome;
 use super::schedule::{
-    add_disk_full, add_disk_loss, add_idle_periods, add_partial_crashes, generate_schedule, Event,
+    add_disk_full, add_disk_loss, add_idle_periods, add_partial_crashes, add_pull_during_catch_up,
+    generate_schedule, Event,
 };
 use super::walreceiver::{self, SharedReceived};
 use super::{
-    cluster_id, insert_record, node_name, writer_node, Failure, Outcome, Sim, LIVENESS_BOUND,
-    SAFEKEEPERS, SEGMENT_BYTES,
+    cluster_id, insert_record, node_name, writer_node, Failure, Outcome, PullPlan, Sim,
+    LIVENESS_BOUND, SAFEKEEPERS, SEGMENT_BYTES,
 };
 use crate::safekeepers::Safekeepers;
 use crate::world::coord::CoordFaults;
@@ -79,6 +80,22 @@ impl Sim {
             Event::TakeOver => self.take_over().await?,
             Event::LoseDisk(i) => self.lose_disk(i).await?,
             Event::SplitLoss { lost, a, b } => self.split_loss(lost, a, b).await?,
+            Event::PullDuringCatchUp {
+                lost,
+                writes,
+                stall_ms,
+                heal_ms,
+            } => {
+                self.pull_during_catch_up(
+                    lost,
+                    writes,
+                    PullPlan {
+                        stall: Duration::from_millis(stall_ms),
+                        heal: Duration::from_millis(heal_ms),
+                    },
+                )
+                .await?
+            }
             Event::CrashInPartialUpload {
                 safekeeper,
                 applied,
@@ -336,6 +353,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
     let mut rng = SmallRng::seed_from_u64(seed);
     let mut schedule = generate_schedule(&mut rng);
     add_disk_loss(&mut schedule, seed);
+    add_pull_during_catch_up(&mut schedule, seed);
     add_partial_crashes(&mut schedule, seed);
     add_disk_full(&mut schedule, seed);
     add_idle_periods(&mut schedule, seed);
@@ -396,6 +414,7 @@ async fn run_seed_async(seed: u64, verbose: bool) -> Result<Outcome, Failure> {
         pull_rng: rand::SeedableRng::seed_from_u64(seed ^ 0x7075_6c6c),
         pulled: 0,
         restoring: None,
+        pull_plan: None,
     };
     let mut header = String::new();
     let _ = write!(

@@ -38,8 +38,8 @@ use tokio::sync::{mpsc, watch};
 pub use crate::world::Failure;
 pub use driver::run_seed;
 pub use schedule::{
-    add_disk_full, add_disk_loss, add_idle_periods, add_partial_crashes, generate_schedule, Event,
-    Schedule,
+    add_disk_full, add_disk_loss, add_idle_periods, add_partial_crashes, add_pull_during_catch_up,
+    generate_schedule, Event, Schedule,
 };
 
 use crate::safekeepers::{name as node_name, Safekeepers};
@@ -225,6 +225,16 @@ struct Sim {
     /// upload it): it stays down, and the restore is tried again between
     /// events, as an operator would retry, while the world goes on.
     restoring: Option<usize>,
+    /// How the next rebuild runs when an [`Event::PullDuringCatchUp`] asked
+    /// for it: a pull whose disk stalls, and when the replica comes back.
+    pull_plan: Option<PullPlan>,
+}
+
+/// See [`Event::PullDuringCatchUp`].
+#[derive(Debug, Clone, Copy)]
+struct PullPlan {
+    stall: Duration,
+    heal: Duration,
 }
 
 impl Sim {

@@ -13,8 +13,10 @@ use ferry_safekeeper::partial::PartialBackupConfig;
 use ferry_safekeeper::wal_storage::Preallocation;
 use ferry_wal::Lsn;
 use rand::Rng;
+use tokio::time::Instant;
 
-use super::{cluster_id, node_name, Failure, Sim, SAFEKEEPERS, TIMELINE};
+use super::schedule::PULL_WRITE_BYTES;
+use super::{cluster_id, node_name, Failure, PullPlan, Sim, SAFEKEEPERS, TIMELINE};
 use crate::safekeepers::draw_backup_settings;
 use crate::world::AfterAWrite;
 
@@ -137,6 +139,76 @@ impl Sim {
         self.try_restore().await
     }
 
+    /// See [`super::Event::PullDuringCatchUp`].
+    pub(super) async fn pull_during_catch_up(
+        &mut self,
+        lost: usize,
+        writes: u32,
+        plan: PullPlan,
+    ) -> Result<(), Failure> {
+        if self.restored.is_some() || self.restoring.is_some() {
+            self.log(format!(
+                "sk{lost} keeps its disk: one data dir is lost per run"
+            ));
+            return Ok(());
+        }
+        // Every safekeeper runs, the replica is cut from all.
+        for i in 0..SAFEKEEPERS {
+            if self.safekeepers.servers[i].is_none() {
+                self.start_safekeeper(i).await?;
+            }
+            self.world.partition("replica", &node_name(i));
+        }
+        // Until the writes committed, one failed (the rest are not sent) or
+        // the faults left no chance.
+        let first = self.next_block;
+        self.write(writes, PULL_WRITE_BYTES);
+        let blocks = first..self.next_block;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline
+            && !blocks.is_empty()
+            && !self.acked.contains_key(&(blocks.end - 1))
+            && !blocks.clone().any(|b| self.not_acked.contains(&b))
+        {
+            let step = (Instant::now() + Duration::from_millis(100)).min(deadline);
+            self.run_until(step).await?;
+        }
+        // The lost safekeeper is lost in step with its peers (its flush, the
+        // last the writer saw, bounds their peer horizon from then on), as
+        // far as the faults let it be.
+        let end = self.acked.values().copied().max().unwrap_or(Lsn(0));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline && !self.all_flushed_to(end).await {
+            let step = (Instant::now() + Duration::from_millis(100)).min(deadline);
+            self.run_until(step).await?;
+        }
+        // The writer's next messages carry the peer horizon to every one.
+        let until = Instant::now() + Duration::from_millis(300);
+        self.run_until(until).await?;
+        self.pull_plan = Some(plan);
+        self.lose_disk(lost).await?;
+        // Whatever became of the pull, the replica is back.
+        self.pull_plan = None;
+        for i in 0..SAFEKEEPERS {
+            self.world.heal("replica", &node_name(i));
+        }
+        Ok(())
+    }
+
+    /// Whether every safekeeper runs and flushed up to `end`.
+    async fn all_flushed_to(&self, end: Lsn) -> bool {
+        for server in &self.safekeepers.servers {
+            let Some(server) = server else {
+                return false;
+            };
+            let flushed = server.status().await.flush_lsn.parse::<Lsn>();
+            if flushed.map_or(true, |f| f < end) {
+                return false;
+            }
+        }
+        true
+    }
+
     /// One attempt to rebuild the lost safekeeper, pulled from a running
     /// peer or restored from the backup; on success it starts. A failed or
     /// crashed attempt leaves it down for the next one.
@@ -156,7 +228,8 @@ impl Sim {
         let donors: Vec<usize> = (0..SAFEKEEPERS)
             .filter(|&p| p != i && self.safekeepers.servers[p].is_some())
             .collect();
-        let donor = match self.pull_rng.random_bool(0.5) {
+        let plan = self.pull_plan.take().filter(|_| !donors.is_empty());
+        let donor = match plan.is_some() || self.pull_rng.random_bool(0.5) {
             true if !donors.is_empty() => Some(donors[self.pull_rng.random_range(0..donors.len())]),
             _ => None,
         };
@@ -213,17 +286,37 @@ impl Sim {
                 }),
             }
         };
-        let crash_after = self
-            .world
-            .rng
-            .random_bool(0.3)
-            .then(|| Duration::from_millis(self.world.rng.random_range(0..300)));
-        let result = match crash_after {
-            Some(after) => tokio::select! {
-                r = rebuild => Some(r),
-                () = tokio::time::sleep(after) => None,
-            },
-            None => Some(rebuild.await),
+        let result = match plan {
+            // The puller's disk stalls once the copy began (the donor waits
+            // for it, a connection's buffer ahead), and the replica comes
+            // back meanwhile.
+            Some(plan) => {
+                let disk = self.safekeepers.disks[i].clone();
+                let net = self.world.net.clone();
+                let lag = async move {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    disk.stall_until(Instant::now() + plan.stall);
+                    tokio::time::sleep(plan.heal).await;
+                    for p in 0..SAFEKEEPERS {
+                        net.heal("replica", &node_name(p));
+                    }
+                };
+                Some(tokio::join!(rebuild, lag).0)
+            }
+            None => {
+                let crash_after = self
+                    .world
+                    .rng
+                    .random_bool(0.3)
+                    .then(|| Duration::from_millis(self.world.rng.random_range(0..300)));
+                match crash_after {
+                    Some(after) => tokio::select! {
+                        r = rebuild => Some(r),
+                        () = tokio::time::sleep(after) => None,
+                    },
+                    None => Some(rebuild.await),
+                }
+            }
         };
         let how = if donor.is_some() { "pull" } else { "restore" };
         let (start, end, report) = match result {

@@ -47,6 +47,22 @@ pub enum Event {
     /// of the new term, and the third one would be elected by `a` and the
     /// restored one, which lack what the new writer committed.
     SplitLoss { lost: usize, a: usize, b: usize },
+    /// A pull while a lagging replica catches up, the case a donor's
+    /// removal hold exists for: the replica is cut from every safekeeper,
+    /// `writes` inserts of [`PULL_WRITE_BYTES`] commit (more WAL than a
+    /// connection buffers, so the donor reads what it copies as the puller
+    /// takes it), safekeeper `lost` loses its data dir and is pulled from a
+    /// peer with its disk stalled for `stall_ms` once the copy began, and the
+    /// replica comes back `heal_ms` into the pull. Its feedback then lifts
+    /// the peers' removal horizon over WAL the copy has not read yet: only
+    /// the donor's hold at the copy's start keeps it (a pull that finds WAL
+    /// it copies removed fails the run).
+    PullDuringCatchUp {
+        lost: usize,
+        writes: u32,
+        stall_ms: u64,
+        heal_ms: u64,
+    },
     /// Safekeeper `i` crashes at its next put or delete of one of its partial
     /// objects (within a few seconds): as the request starts (`applied`
     /// false) or right after it took effect, so that crashes land in every
@@ -129,6 +145,9 @@ pub fn generate_schedule(rng: &mut SmallRng) -> Schedule {
     });
     Schedule { events, net }
 }
+
+/// The size of each insert of an [`Event::PullDuringCatchUp`].
+pub const PULL_WRITE_BYTES: usize = 200_000;
 
 /// Adds one [`Event::LoseDisk`] to half of the schedules, drawn from its own
 /// generator so that the rest of every schedule stays what the seed made
@@ -215,6 +234,31 @@ pub fn add_idle_periods(schedule: &mut Schedule, seed: u64) {
     let at = Duration::from_millis(rng.random_range(0..=last.as_millis() as u64));
     let event = Event::Idle {
         secs: rng.random_range(6..=12),
+    };
+    let index = schedule.events.partition_point(|(t, _)| *t <= at);
+    schedule.events.insert(index, (at, event));
+}
+
+/// Adds one [`Event::PullDuringCatchUp`] to a third of the schedules that
+/// lose no disk otherwise (one loss per run), from a generator of its own.
+pub fn add_pull_during_catch_up(schedule: &mut Schedule, seed: u64) {
+    let mut rng = SmallRng::seed_from_u64(seed ^ 0x9011_CA7C_0000_0000);
+    let Some(&(last, _)) = schedule.events.last() else {
+        return;
+    };
+    let loses = schedule
+        .events
+        .iter()
+        .any(|(_, e)| matches!(e, Event::LoseDisk(_) | Event::SplitLoss { .. }));
+    if loses || !rng.random_bool(1.0 / 3.0) {
+        return;
+    }
+    let at = Duration::from_millis(rng.random_range(0..=last.as_millis() as u64));
+    let event = Event::PullDuringCatchUp {
+        lost: rng.random_range(0..SAFEKEEPERS),
+        writes: rng.random_range(8..=16),
+        stall_ms: rng.random_range(3000..=8000),
+        heal_ms: rng.random_range(100..=2500),
     };
     let index = schedule.events.partition_point(|(t, _)| *t <= at);
     schedule.events.insert(index, (at, event));

@@ -8,12 +8,17 @@
 //! between them (no reset, as with a real network cut) and makes new connections
 //! time out; repairing it lets new connections through, while swallowed streams
 //! stay dead until their owners give up on them.
+//!
+//! A link holds at most [`SEND_WINDOW`] bytes on their way and the reader's
+//! buffer 1 MiB: a writer whose reader does not read waits once both are
+//! full, as a TCP sender does (without that, a donor would hand a slow peer
+//! its whole WAL at once and never read a byte of it late).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -24,6 +29,57 @@ use rand::{Rng, SeedableRng};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, DuplexStream, ReadBuf};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
+
+/// Bytes a link accepts beyond what its reader's buffer took (a socket's
+/// send buffer).
+pub const SEND_WINDOW: usize = 256 << 10;
+
+/// The bytes of one link on their way, shared by its writer and its relay.
+#[derive(Debug, Default)]
+struct Window {
+    state: Mutex<WindowState>,
+}
+
+#[derive(Debug, Default)]
+struct WindowState {
+    in_flight: usize,
+    /// The relay stopped (the link broke): writes fail.
+    closed: bool,
+    waiting: Option<Waker>,
+}
+
+impl Window {
+    fn lock(&self) -> std::sync::MutexGuard<'_, WindowState> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn release(&self, bytes: usize) {
+        let mut w = self.lock();
+        w.in_flight = w.in_flight.saturating_sub(bytes);
+        if let Some(waker) = w.waiting.take() {
+            waker.wake();
+        }
+    }
+
+    fn close(&self) {
+        let mut w = self.lock();
+        w.closed = true;
+        if let Some(waker) = w.waiting.take() {
+            waker.wake();
+        }
+    }
+}
+
+/// Closes the window when the relay task ends, however it ends.
+struct CloseOnDrop(Arc<Window>);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        self.0.close();
+    }
+}
 
 /// Fault and delay settings of the network.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -160,13 +216,16 @@ impl SimNet {
 
     /// One direction of a connection, from `from` to `to`: returns the sending end
     /// and the stream the receiver reads.
-    fn link(&self, from: &str, to: &str) -> (mpsc::UnboundedSender<Bytes>, DuplexStream) {
+    fn link(&self, from: &str, to: &str) -> (Sender, DuplexStream) {
         let (tx, mut rx) = mpsc::unbounded_channel::<Bytes>();
         let (mut write_end, read_end) = tokio::io::duplex(1 << 20);
+        let window = Arc::new(Window::default());
         let net = self.clone();
         let (from, to) = (from.to_string(), to.to_string());
         let range = self.link_range();
+        let relay_window = CloseOnDrop(Arc::clone(&window));
         tokio::spawn(async move {
+            let window = relay_window;
             let mut last = Instant::now();
             let mut swallowing = false;
             while let Some(chunk) = rx.recv().await {
@@ -175,18 +234,21 @@ impl SimNet {
                 tokio::time::sleep_until(at).await;
                 if swallowing || net.partitioned(&from, &to) {
                     swallowing = true;
+                    window.0.release(chunk.len());
                     continue;
                 }
                 if net.chance(|o| o.break_prob) {
                     // The reader sees the stream end.
                     return;
                 }
+                // Waits while the reader's buffer is full.
                 if write_end.write_all(&chunk).await.is_err() {
                     return;
                 }
+                window.0.release(chunk.len());
             }
         });
-        (tx, read_end)
+        (Sender { tx, window }, read_end)
     }
 }
 
@@ -201,9 +263,15 @@ impl std::fmt::Debug for NodeNet {
     }
 }
 
+/// The writing end of a link.
+struct Sender {
+    tx: mpsc::UnboundedSender<Bytes>,
+    window: Arc<Window>,
+}
+
 /// A stream end: writes go into a link, reads come from the other link.
 struct SimStream {
-    tx: Option<mpsc::UnboundedSender<Bytes>>,
+    tx: Option<Sender>,
     rx: DuplexStream,
 }
 
@@ -220,15 +288,34 @@ impl AsyncRead for SimStream {
 impl AsyncWrite for SimStream {
     fn poll_write(
         self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
+        cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        match &self.tx {
-            Some(tx) if tx.send(Bytes::copy_from_slice(buf)).is_ok() => Poll::Ready(Ok(buf.len())),
-            _ => Poll::Ready(Err(io::Error::new(
+        let closed = || {
+            Poll::Ready(Err(io::Error::new(
                 io::ErrorKind::BrokenPipe,
                 "connection closed",
-            ))),
+            )))
+        };
+        let Some(sender) = &self.tx else {
+            return closed();
+        };
+        let accepted = {
+            let mut w = sender.window.lock();
+            if w.closed {
+                return closed();
+            }
+            if w.in_flight >= SEND_WINDOW {
+                w.waiting = Some(cx.waker().clone());
+                return Poll::Pending;
+            }
+            let n = buf.len().min(SEND_WINDOW - w.in_flight);
+            w.in_flight += n;
+            n
+        };
+        match sender.tx.send(Bytes::copy_from_slice(&buf[..accepted])) {
+            Ok(()) => Poll::Ready(Ok(accepted)),
+            Err(_) => closed(),
         }
     }
 
@@ -393,5 +480,55 @@ mod tests {
             client.connect("server:1").await.is_err(),
             "nobody listens any more"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_writer_whose_reader_does_not_read_waits_and_a_partition_never_blocks() {
+        let net = SimNet::new(
+            7,
+            NetOptions {
+                min_delay: Duration::from_millis(1),
+                max_delay: Duration::from_millis(5),
+                ..NetOptions::default()
+            },
+        );
+        let mut listener = net.node("server").bind("server:1").await.expect("bind");
+        let mut conn = net
+            .node("client")
+            .connect("server:1")
+            .await
+            .expect("connect");
+        let (mut server_conn, _) = listener.accept().await.expect("accept");
+        // The reader's buffer and the window take this much, then no more.
+        let fits = (1 << 20) + SEND_WINDOW;
+        let chunk = vec![7u8; 64 << 10];
+        let mut sent = 0usize;
+        while tokio::time::timeout(Duration::from_secs(1), conn.write_all(&chunk))
+            .await
+            .is_ok()
+        {
+            sent += chunk.len();
+            assert!(sent <= fits + chunk.len(), "{sent} bytes accepted unread");
+        }
+        assert!(sent >= fits - chunk.len(), "only {sent} bytes accepted");
+        // Reading frees room: the writer goes on, every byte arrives.
+        let writer = tokio::spawn(async move {
+            conn.write_all(&[9u8; 100])
+                .await
+                .expect("write after a read");
+            conn
+        });
+        let mut got = vec![0u8; sent + 100];
+        server_conn.read_exact(&mut got).await.expect("read");
+        assert!(got[..sent].iter().all(|&b| b == 7) && got[sent..].iter().all(|&b| b == 9));
+        let mut conn = writer.await.expect("writer");
+        // Across a partition, writes are swallowed and never wait.
+        net.partition("client", "server");
+        for _ in 0..64 {
+            tokio::time::timeout(Duration::from_secs(1), conn.write_all(&chunk))
+                .await
+                .expect("a write into a partition does not wait")
+                .expect("accepted");
+        }
     }
 }
