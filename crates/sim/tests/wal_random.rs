@@ -78,9 +78,9 @@ use ferry_sim::wal::Wal;
 /// pull that finds WAL it copies removed fails the run. It was reached
 /// once the network held back a writer whose reader does not read (a
 /// link's send window) and the WAL kept in memory shrank to a segment, and
-/// a sixth of the runs pull a lost safekeeper while a replica that was cut
-/// off catches up (`Event::PullDuringCatchUp`): 0, 32, 77, 122 and 130
-/// (117 of the first 2000) fail when removal ignores the pulls' holds.
+/// an eighth of the runs pull a lost safekeeper while a replica that was cut
+/// off catches up (`Event::PullDuringCatchUp`): 32, 77, 122 and 130 (85 of
+/// the first 2000) fail when removal ignores the pulls' holds.
 /// Since a third of the runs fill a safekeeper's disk for a few seconds
 /// (`Event::DiskNearlyFull`), an append refused for lack of space must be
 /// in no committed WAL (the API tells the client nothing was written):

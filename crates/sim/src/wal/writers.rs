@@ -101,7 +101,7 @@ impl Sim {
         // partitions and refusals can land between. Picked from the seed
         // and the incarnation, not drawn, so the world's random choices stay
         // as they were, and the other runs are unchanged.
-        let run = self.world.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 62 == 0;
+        let run = super::small_recovery_reads(self.world.seed);
         config.proposer.max_read_wal_bytes = match (run, self.writers_started % 3) {
             (false, _) => ferry_wal::proto::MAX_READ_WAL_BYTES,
             (true, 0) => 4099,
