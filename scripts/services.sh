@@ -45,6 +45,17 @@ install_lake_readers() {
     "$venv/bin/pip" install -q --disable-pip-version-check $lake_readers
 }
 
+# ClickHouse in process (chDB), the side `ferry bench ingest --vs-clickhouse`
+# measures ferry against; its tiny run is part of the suite.
+chdb_version="4.4.0"
+install_chdb() {
+    if "$venv/bin/python" -c "import chdb, sys; sys.exit(chdb.__version__ != '$chdb_version')" 2>/dev/null; then
+        return
+    fi
+    log "installing chdb==$chdb_version into $venv"
+    "$venv/bin/pip" install -q --disable-pip-version-check "chdb==$chdb_version"
+}
+
 free_port() {
     python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }

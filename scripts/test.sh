@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: installs what the tests need (Debian's
-# zookeeper package, moto[s3] and the lake readers pyiceberg and DuckDB in a venv
-# inside the checkout), starts ZooKeeper and the
+# zookeeper package, moto[s3], the lake readers pyiceberg and DuckDB, and chDB
+# for the ClickHouse comparison, in a venv inside the checkout), starts ZooKeeper and the
 # S3 server on free loopback ports, runs formatting, lint and every test, and stops the
 # services whatever happens. Extra arguments go to `cargo test`.
 set -euo pipefail
@@ -29,6 +29,7 @@ check_free_disk
 install_zookeeper
 install_moto
 install_lake_readers
+install_chdb
 
 zk_port=$(free_port)
 start_zookeeper "$zk_port"

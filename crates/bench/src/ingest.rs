@@ -32,6 +32,24 @@ pub struct IngestBenchArgs {
     /// Shards of the table (rows are split by the shard key).
     #[arg(long, default_value_t = 1)]
     shards: u32,
+    /// Instead: the rows as NDJSON, CSV, Arrow IPC and Parquet files,
+    /// loaded into ClickHouse (chDB) and with `ferry insert` into `ferry
+    /// dev` (2 replicas, then 1), side by side; prints rows/s, rows per
+    /// CPU-second (process CPU from the OS) and peak memory, and the ratios.
+    #[arg(long)]
+    vs_clickhouse: bool,
+    /// With --vs-clickhouse: the Python that has chDB. Default: the
+    /// checkout's .venv (scripts/test.sh installs it there), else python3.
+    #[arg(long, requires = "vs_clickhouse")]
+    python: Option<std::path::PathBuf>,
+    /// With --vs-clickhouse: the formats, comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "ndjson,csv,arrow,parquet",
+        requires = "vs_clickhouse"
+    )]
+    formats: Vec<String>,
 }
 
 const TABLE: &str = r#"
@@ -301,6 +319,22 @@ pub async fn ingest(args: IngestBenchArgs) -> anyhow::Result<()> {
         "--rows and --rows-per-request must be positive"
     );
     let def = TableDef::from_toml(&TABLE.replace("SHARDS", &args.shards.to_string()))?;
+    if args.vs_clickhouse {
+        let formats = args
+            .formats
+            .iter()
+            .map(|f| Format::from_name(f).with_context(|| format!("unknown format {f:?}")))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        return crate::vs_clickhouse::run(
+            &def,
+            args.rows,
+            args.dir.as_deref(),
+            args.python.as_deref(),
+            &formats,
+            batch,
+        )
+        .await;
+    }
     let schema = def.arrow_schema();
     say!("generating {} rows of 10 columns...", args.rows);
     let mut ndjson = Vec::new();

@@ -6,16 +6,15 @@
 //! difference); then the idle partition's compaction (files before and
 //! after) and its retention (how long until it leaves the replicas).
 
-use std::io::BufRead as _;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
 use bytes::Bytes;
 use ferry_client::Client;
 use ferry_table::Format;
+
+use crate::dev_process::Dev;
 
 #[derive(Debug, clap::Args)]
 pub struct LakeBenchArgs {
@@ -78,69 +77,6 @@ fn rows(first: u64, n: u64, partition: &str) -> Bytes {
         );
     }
     Bytes::from(out)
-}
-
-/// `ferry dev` as a child process, stopped (SIGINT, then SIGKILL) on drop.
-struct Dev {
-    child: Child,
-    url: String,
-}
-
-impl Dev {
-    fn start(data: &std::path::Path, args: &LakeBenchArgs) -> anyhow::Result<Dev> {
-        let exe = std::env::current_exe().context("the ferry binary")?;
-        let log = std::fs::File::create(data.with_extension("log"))?;
-        let mut child = Command::new(exe)
-            .args(["dev", "--http", "127.0.0.1:0", "--lake-target-file-mib"])
-            .arg(args.lake_target_file_mib.to_string())
-            .arg("--max-replication-flush-lag")
-            .arg((args.max_replication_flush_lag_mib << 20).to_string())
-            .arg("--data-dir")
-            .arg(data)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(log)
-            .spawn()
-            .context("starting ferry dev")?;
-        let stdout = child.stdout.take().context("ferry dev's stdout")?;
-        let mut lines = std::io::BufReader::new(stdout).lines();
-        let url = loop {
-            match lines.next() {
-                Some(Ok(line)) if line.contains("ferry dev ready") => {
-                    let status = line.rsplit("status on ").next().unwrap_or_default().trim();
-                    break status.trim_end_matches("/status").to_string();
-                }
-                Some(Ok(_)) => {}
-                _ => {
-                    let _ = child.kill();
-                    bail!(
-                        "ferry dev exited before it was ready (log: {}.log)",
-                        data.display()
-                    )
-                }
-            }
-        };
-        // The rest of its output is not read: drain it so it never blocks.
-        std::thread::spawn(move || for _ in lines {});
-        Ok(Dev { child, url })
-    }
-}
-
-impl Drop for Dev {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-INT", &self.child.id().to_string()])
-            .status();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// Rows per second acknowledged by `in_flight` concurrent inserters into
@@ -207,7 +143,15 @@ pub async fn lake(args: LakeBenchArgs) -> anyhow::Result<()> {
     let dir = crate::wal::scratch_dir(args.dir.as_deref(), "ferry-bench-lake-")?;
     // Absolute: the lake's file:// URLs are made from it.
     let data = std::path::absolute(dir.path())?.join("dev");
-    let dev = Dev::start(&data, &args)?;
+    let dev = Dev::start(
+        &data,
+        &[
+            "--lake-target-file-mib".to_string(),
+            args.lake_target_file_mib.to_string(),
+            "--max-replication-flush-lag".to_string(),
+            (args.max_replication_flush_lag_mib << 20).to_string(),
+        ],
+    )?;
     let c = Client::new(&dev.url, None, Duration::from_secs(120))?;
     let lake_url = |t: &str| format!("file://{}", data.join("lake").join(t).display());
     let freshness = args.freshness_secs.max(1);

@@ -9,12 +9,14 @@ extern crate ferry_host;
 
 mod coord;
 mod copy;
+mod dev_process;
 mod export;
 mod ingest;
 mod lake;
 mod membership;
 mod rebuild;
 mod scale;
+mod vs_clickhouse;
 mod wal;
 
 pub use coord::CoordBenchArgs;
@@ -36,7 +38,9 @@ pub enum BenchCommand {
     Wal(WalBenchArgs),
     /// Inserts: rows/s and MB/s through HTTP into committed WAL (NDJSON and
     /// Arrow IPC), next to arrow-json's and arrow-ipc's own decode rates and
-    /// the WAL's throughput for the same bytes.
+    /// the WAL's throughput for the same bytes; with --vs-clickhouse, files
+    /// of every format loaded into ClickHouse (chDB) and into `ferry dev`
+    /// side by side: rows per CPU-second and peak memory.
     Ingest(IngestBenchArgs),
     /// Partition export: MB/s to a local folder (and S3 with --s3-endpoint)
     /// by 1 and 2 nodes next to raw object_store writes of the same files,

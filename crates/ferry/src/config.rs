@@ -55,6 +55,7 @@ pub struct DevSection {
     pub wal_preallocation: Option<String>,
     pub export_roots: Option<Vec<String>>,
     pub lake_target_file_mib: Option<u64>,
+    pub replicas: Option<u32>,
     pub wal_backup: Option<String>,
     pub wal_backup_parallel_jobs: Option<u64>,
     pub walsenders_keep_horizon: Option<bool>,
@@ -143,6 +144,8 @@ wal_preallocation = "auto"
 # The size (MiB) a table that exports itself makes its lake files near to:
 # idle partitions' small parts are merged up to it, and the lake follows.
 lake_target_file_mib = 128
+# Replicas, each holding every shard: 2, or 1 (not with --demo).
+replicas = 2
 # Where whole WAL segments are backed up: "file:///dir" or "s3://bucket/prefix"
 # (S3 settings from the AWS_* variables). Env: FERRY_WAL_BACKUP.
 # wal_backup = "s3://backups/ferry"

@@ -45,6 +45,12 @@ pub struct DevArgs {
     /// lake's small files by the merged ones. MiB.
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=16384))]
     lake_target_file_mib: u64,
+    /// Replicas, each holding every shard of every table: 2 (a copy to
+    /// rebuild the other from), or 1 to see what the second costs. A data
+    /// dir run with fewer replicas than before keeps the others' folders;
+    /// the safekeepers keep WAL for them until the replica expiry.
+    #[arg(long, default_value_t = DEV_REPLICAS, value_parser = clap::value_parser!(u32).range(1..=2))]
+    replicas: u32,
     #[command(flatten)]
     pub wal: ferry_host::local::WalServiceArgs,
     #[command(flatten)]
@@ -66,7 +72,8 @@ pub struct DevArgs {
     demo_rows: usize,
 }
 
-/// Replicas that `ferry dev` runs; each holds every shard of every table.
+/// Replicas that `ferry dev` runs by default; each holds every shard of
+/// every table.
 const DEV_REPLICAS: u32 = 2;
 /// How long a clean stop waits for the replicas to apply the checkpoint.
 const DEV_REPLICA_STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
@@ -108,6 +115,11 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         "FERRY_DATA_DIR",
         Some(crate::default_data_dir()),
     )?;
+    anyhow::ensure!(
+        !args.demo || args.replicas == DEV_REPLICAS,
+        "--demo compares {DEV_REPLICAS} replicas: it cannot run with --replicas {}",
+        args.replicas
+    );
     let http_listener = ferry_host::http::bind(&args.http).await?;
     let token = args.api.token()?;
 
@@ -156,6 +168,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         &quorum,
         &destinations,
         args.wal.min_free_disk,
+        args.replicas,
     )
     .await?;
     let exports = export_api(
@@ -198,7 +211,15 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         ));
     let server = ferry_host::http::serve(http_listener, router, token)?;
     let http = server.addr.clone();
-    announce(&data_dir, &record, &coord, &lake, &quorum, &http);
+    announce(
+        &data_dir,
+        &record,
+        &coord,
+        &lake,
+        &quorum,
+        &http,
+        nodes.len(),
+    );
 
     let demo_result = if args.demo {
         let result = crate::demo::run(&format!("http://{http}"), args.demo_rows, lake.url()).await;
@@ -228,7 +249,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     // The replicas still stream: the writer's checkpoint reaches them and the
     // stop waits (bounded) until both applied it, so a clean stop leaves
     // every acknowledged insert in their parts.
-    let every_replica: Vec<(u32, u32)> = (0..DEV_REPLICAS)
+    let every_replica: Vec<(u32, u32)> = (0..args.replicas)
         .map(|r| (ferry_replica::ALL_SHARDS, r))
         .collect();
     let end = quorum
@@ -379,6 +400,7 @@ async fn start_replicas(
     quorum: &LocalQuorum,
     destinations: &Arc<dyn ferry_export::Destinations>,
     min_free_disk: u64,
+    replicas: u32,
 ) -> anyhow::Result<Vec<ferry_node::ReplicaNode>> {
     let disk: Arc<dyn ferry_env::Disk> = Arc::new(
         RealDisk::open_root(data_dir)
@@ -390,19 +412,18 @@ async fn start_replicas(
     // A replica without a state file beside one with (its folder lost) is
     // built from a copy of the other: replicas with state start first.
     let mut lost = Vec::new();
-    for r in 0..DEV_REPLICAS {
+    for r in 0..replicas {
         lost.push(
             ferry_replica::replica::bootstrap::needs_copy(disk.as_ref(), &format!("replicas/r{r}"))
                 .await?,
         );
     }
-    let donor = (0..DEV_REPLICAS).find(|r| !lost[*r as usize]);
-    let order: Vec<u32> = (0..DEV_REPLICAS)
+    let donor = (0..replicas).find(|r| !lost[*r as usize]);
+    let order: Vec<u32> = (0..replicas)
         .filter(|r| Some(*r) == donor)
-        .chain((0..DEV_REPLICAS).filter(|r| Some(*r) != donor))
+        .chain((0..replicas).filter(|r| Some(*r) != donor))
         .collect();
-    let mut started: Vec<Option<ferry_node::ReplicaNode>> =
-        (0..DEV_REPLICAS).map(|_| None).collect();
+    let mut started: Vec<Option<ferry_node::ReplicaNode>> = (0..replicas).map(|_| None).collect();
     for r in order {
         let dir = format!("replicas/r{r}");
         let donor_node = donor
@@ -622,6 +643,7 @@ fn announce(
     lake: &ferry_storage::Location,
     quorum: &LocalQuorum,
     http: &str,
+    replicas: usize,
 ) {
     let down: Vec<String> = quorum
         .members
@@ -647,7 +669,7 @@ fn announce(
         quorum.servers().map(|s| s.addr().to_string()).collect::<Vec<_>>().join(", "),
         quorum.writer.status().term,
     );
-    say!("tables and inserts on http://{http}/tables, {DEV_REPLICAS} replicas holding every shard (GET /replicas), partition export (POST /exports, GET /exports); press Ctrl-C to stop");
+    say!("tables and inserts on http://{http}/tables, {replicas} replica(s) holding every shard (GET /replicas), partition export (POST /exports, GET /exports); press Ctrl-C to stop");
 }
 
 /// Checks the data dir's identity against the flags and what is on disk, or

@@ -130,6 +130,31 @@ fn dev_refuses_a_corrupt_store_with_a_clear_error() {
     );
 }
 
+/// The demonstration compares two replicas: with one it is refused before
+/// the data dir is touched, and a replica count out of range too.
+#[test]
+fn dev_refuses_a_demo_with_one_replica_and_too_many_replicas() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    for (args, says) in [
+        (
+            &["--demo", "--replicas", "1"][..],
+            "--demo compares 2 replicas",
+        ),
+        (&["--replicas", "3"][..], "--replicas"),
+    ] {
+        let out = Command::new(FERRY)
+            .args(["dev", "--http", "127.0.0.1:0", "--data-dir"])
+            .arg(&data)
+            .args(args)
+            .output()
+            .expect("run");
+        let stderr = failed(&out);
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+        assert!(!data.exists(), "{args:?}: the data dir was made");
+    }
+}
+
 #[test]
 fn coordination_benchmark_prints_figures() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -345,6 +370,36 @@ fn ingest_benchmark_runs_at_a_tiny_size() {
             "NDJSON through HTTP into committed WAL",
             "until both replicas applied it as parts",
             "merges alone",
+        ],
+    );
+}
+
+/// The ClickHouse comparison at a tiny size: every format's file loaded
+/// into chDB and into `ferry dev` with 2 replicas and with 1, each load
+/// checked for every row (the benchmark fails otherwise); a hang or a
+/// crash fails the suite, no figure is judged.
+#[test]
+fn ingest_against_clickhouse_runs_at_a_tiny_size() {
+    let Some(python) = ferry_testkit::services::lake_python() else {
+        return;
+    };
+    bench_smoke(
+        &[
+            "ingest",
+            "--vs-clickhouse",
+            "--rows",
+            "3000",
+            "--python",
+            &python,
+        ],
+        &[
+            "NDJSON (",
+            "CSV (",
+            "Arrow IPC (",
+            "Parquet (",
+            "ferry, 2 replica(s)",
+            "ferry, 1 replica(s)",
+            "summary, ferry with 2 replicas against ClickHouse",
         ],
     );
 }

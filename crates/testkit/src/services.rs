@@ -11,7 +11,8 @@ pub const ZOOKEEPER: &str = "FERRY_TEST_ZK";
 /// The S3 endpoint (`http://host:port`) tests run against.
 pub const S3_ENDPOINT: &str = "FERRY_TEST_S3_ENDPOINT";
 /// A Python with the lake readers (pyiceberg, DuckDB with its Iceberg and
-/// Avro extensions) that tests read exported tables with.
+/// Avro extensions) that tests read exported tables with, and chDB, which
+/// the ClickHouse comparison benchmark loads files into.
 pub const LAKE_PYTHON: &str = "FERRY_TEST_PYTHON";
 const REQUIRE: &str = "FERRY_TEST_REQUIRE_SERVICES";
 
