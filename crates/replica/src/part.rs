@@ -135,13 +135,35 @@ impl Default for FileLayout {
     }
 }
 
-fn properties(kv: Vec<KeyValue>, layout: FileLayout) -> WriterProperties {
-    WriterProperties::builder()
+/// Dictionary encoding for string and binary columns only: it is what
+/// shrinks their repeated values, while for numbers and timestamps zstd
+/// does as well on plain values and the dictionary only costs a hash of
+/// every value (the largest share of a part's encoding after zstd).
+fn properties(schema: &SchemaRef, kv: Vec<KeyValue>, layout: FileLayout) -> WriterProperties {
+    use arrow::datatypes::DataType;
+    let mut b = WriterProperties::builder()
         .set_compression(layout.compression)
         .set_max_row_group_row_count(Some(layout.row_group_rows.max(1)))
         .set_created_by("ferry".into())
         .set_key_value_metadata(Some(kv))
-        .build()
+        .set_dictionary_enabled(false);
+    for field in schema.fields() {
+        if matches!(
+            field.data_type(),
+            DataType::Utf8
+                | DataType::LargeUtf8
+                | DataType::Utf8View
+                | DataType::Binary
+                | DataType::LargeBinary
+                | DataType::BinaryView
+        ) {
+            b = b.set_column_dictionary_enabled(
+                parquet::schema::types::ColumnPath::from(field.name().as_str()),
+                true,
+            );
+        }
+    }
+    b.build()
 }
 
 /// Encodes a part from rows fed a batch at a time, handing out the file's
@@ -192,7 +214,7 @@ impl PartEncoder {
             writer: ArrowWriter::try_new(
                 Vec::new(),
                 Arc::clone(schema),
-                Some(properties(kv, layout)),
+                Some(properties(schema, kv, layout)),
             )
             .map_err(|e| err(&e))?,
             checksum: RowsChecksum::new(schema).map_err(|e| err(&e))?,
@@ -640,6 +662,44 @@ mod tests {
         for bad in ["", "x_1_2", "x_3_2_0", "x_a_2_0", "../x_1_1_0", "_1_1_0"] {
             assert!(PartName::parse(bad).is_none(), "{bad}");
         }
+    }
+
+    /// Strings carry a dictionary, numbers are plain: the choice is part of
+    /// the file format replicas agree on byte for byte.
+    #[test]
+    fn only_string_columns_are_dictionary_encoded() {
+        use parquet::basic::Encoding;
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("n", DataType::Int64, false),
+            Field::new("s", DataType::Utf8, false),
+        ]));
+        let batch = RecordBatch::try_new(
+            Arc::clone(&schema),
+            vec![
+                Arc::new(Int64Array::from_iter_values((0..1000).map(|i| i % 7))),
+                Arc::new(arrow::array::StringArray::from_iter_values(
+                    (0..1000).map(|i| format!("v{}", i % 7)),
+                )),
+            ],
+        )
+        .expect("batch");
+        let name = PartName::parse("p_1_1_0").expect("name");
+        let (file, _) =
+            encode(&schema, &name, 7, &[batch.clone()], (Lsn(1), Lsn(1))).expect("encode");
+        let reader = ParquetRecordBatchReaderBuilder::try_new(file.clone()).expect("reader");
+        let columns = reader.metadata().row_group(0).columns();
+        let dict = |i: usize| {
+            columns[i]
+                .encodings()
+                .any(|e| matches!(e, Encoding::RLE_DICTIONARY | Encoding::PLAIN_DICTIONARY))
+        };
+        assert!(
+            !dict(0),
+            "numbers plain: {:?}",
+            columns[0].encodings().collect::<Vec<_>>()
+        );
+        assert!(dict(1), "strings with a dictionary");
+        assert_eq!(read_rows(&name, file).expect("rows"), vec![batch]);
     }
 
     #[test]
