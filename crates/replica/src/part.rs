@@ -684,8 +684,14 @@ mod tests {
         )
         .expect("batch");
         let name = PartName::parse("p_1_1_0").expect("name");
-        let (file, _) =
-            encode(&schema, &name, 7, &[batch.clone()], (Lsn(1), Lsn(1))).expect("encode");
+        let (file, _) = encode(
+            &schema,
+            &name,
+            7,
+            std::slice::from_ref(&batch),
+            (Lsn(1), Lsn(1)),
+        )
+        .expect("encode");
         let reader = ParquetRecordBatchReaderBuilder::try_new(file.clone()).expect("reader");
         let columns = reader.metadata().row_group(0).columns();
         let dict = |i: usize| {
