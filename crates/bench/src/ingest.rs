@@ -144,14 +144,7 @@ fn to_ndjson(batch: &RecordBatch) -> anyhow::Result<Bytes> {
 /// CPU time this process used so far (user + system), from /proc (Linux);
 /// `None` where it cannot be read.
 fn process_cpu_seconds() -> Option<f64> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // Fields after the command name (which is in parentheses and may hold
-    // spaces): utime and stime are the 12th and 13th of those.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
-    // The kernel reports in USER_HZ, 100 on every Linux platform ferry runs on.
-    Some(ticks / 100.0)
+    crate::dev_process::cpu_seconds(std::process::id())
 }
 
 fn mb_s(bytes: usize, d: Duration) -> f64 {
