@@ -64,7 +64,8 @@ def main():
     s.query("SET date_time_input_format = 'best_effort'")
     before_rss = rss_kib()
     cpu0, t0 = cpu_seconds(), time.monotonic()
-    s.query(f"INSERT INTO bench FROM INFILE '{path}' FORMAT {FORMATS[fmt]}")
+    quoted = path.replace("\\", "\\\\").replace("'", "\\'")
+    s.query(f"INSERT INTO bench FROM INFILE '{quoted}' FORMAT {FORMATS[fmt]}")
     wall = time.monotonic() - t0
     cpu = cpu_seconds() - cpu0
     rows = int(str(s.query("SELECT count() FROM bench", "CSV")).strip())

@@ -291,7 +291,10 @@ async fn ferry_load(
             match client.get_json(&q).await {
                 Ok(v) => break v,
                 Err(e) if Instant::now() < deadline => {
+                    // A read that waited its whole wait_ms, or a node not
+                    // answering: ask again after a pause, never in a loop.
                     tracing::debug!(error = %e, replica = r, "not applied yet");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                 }
                 Err(e) => return Err(e).context(format!("replica {r} applying up to {commit}")),
             }
