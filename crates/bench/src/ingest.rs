@@ -243,7 +243,7 @@ async fn wal_alone(
                     table_id: 99,
                     shard: 0,
                     idempotency_key: Bytes::new(),
-                    arrow_ipc: p.clone(),
+                    rows: ferry_writer::driver::InsertRows::ArrowIpc(p.clone()),
                 }])
                 .await?;
             }

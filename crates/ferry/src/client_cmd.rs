@@ -653,8 +653,10 @@ fn cut_batches(
         if pending.is_empty() {
             return Ok(true);
         }
-        let schema = pending[0].schema();
-        let all = arrow::compute::concat_batches(&schema, pending.iter())?;
+        let all = match pending.as_slice() {
+            [one] => one.clone(),
+            many => arrow::compute::concat_batches(&many[0].schema(), many)?,
+        };
         pending.clear();
         let rows = all.num_rows() as u64;
         let body = ferry_table::rows::to_ipc(&all)?;
@@ -670,6 +672,10 @@ fn cut_batches(
     };
     for b in batches {
         let b = b?;
+        // Not the batch's own bytes: for batches read from an IPC stream
+        // this counts the shared message buffer once per column, so such a
+        // file goes a batch per chunk. The rule stays: with a base key, a
+        // re-run (by any version) must cut the file into the same chunks.
         pending_bytes += b.get_array_memory_size();
         pending.push(b);
         if pending_bytes >= chunk_bytes {

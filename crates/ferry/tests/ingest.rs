@@ -137,6 +137,42 @@ async fn committed_inserts(safekeeper: &str, end: Lsn) -> Vec<Committed> {
                     rows: batches.remove(0),
                 })
             }
+            Record::InsertParts {
+                table_id,
+                shard,
+                block_number,
+                idempotency_key: key,
+                parts,
+            } => {
+                // The parts as a replica names them; their rows in partition order.
+                let mut batches = Vec::new();
+                for p in parts {
+                    let name = ferry_replica::PartName {
+                        partition_id: p.partition_id,
+                        min_block: block_number,
+                        max_block: block_number,
+                        level: 0,
+                    };
+                    let meta =
+                        ferry_replica::part::read_meta(&name, p.file.clone()).expect("footer");
+                    assert_eq!(
+                        meta.min_lsn,
+                        Lsn(block_number),
+                        "a carried part's LSN is its block"
+                    );
+                    batches.extend(ferry_replica::part::read_rows(&name, p.file).expect("a part"));
+                }
+                let rows = arrow::compute::concat_batches(&def().arrow_schema(), &batches)
+                    .expect("concat");
+                Some(Committed {
+                    lsn,
+                    table_id,
+                    shard,
+                    block_number,
+                    key,
+                    rows,
+                })
+            }
             _ => None,
         })
         .collect()

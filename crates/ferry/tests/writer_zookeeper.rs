@@ -877,7 +877,9 @@ fn a_replica_added_after_wal_removal_is_built_from_a_peer() {
         insert_until_elected(&c, 0).await
     });
     let (mut replicas, urls) = cluster.replicas(2);
-    // About 3 segments of WAL in inserts of 20,000 rows, both shards.
+    // About 3 segments of WAL in inserts of 20,000 rows, both shards. The
+    // ids are scrambled (a bijection of the row number), so that the parts
+    // the records carry do not compress them away.
     let mut inserted = 2u64;
     let mut last_commit = String::new();
     let insert = |batch: i64, rows: i64| -> String {
@@ -885,7 +887,7 @@ fn a_replica_added_after_wal_removal_is_built_from_a_peer() {
             .map(|i| {
                 format!(
                     "{{\"id\":{},\"day\":\"2024-05-0{}\"}}\n",
-                    1_000_000 * (batch + 1) + i,
+                    (1_000_000 * (batch + 1) + i).wrapping_mul(0x9E37_79B9_7F4A_7C15_u64 as i64),
                     1 + i % 3
                 )
             })
@@ -901,7 +903,7 @@ fn a_replica_added_after_wal_removal_is_built_from_a_peer() {
             .expect("insert");
         done.commit_lsn
     };
-    for batch in 0..12 {
+    for batch in 0..20 {
         last_commit = insert(batch, 20_000);
         inserted += 20_000;
     }
@@ -918,13 +920,17 @@ fn a_replica_added_after_wal_removal_is_built_from_a_peer() {
     let first_segment = ferry_wal::segment::SegmentSize::new(SEG)
         .expect("segment size")
         .file_name(0);
-    // Each safekeeper's segments, wherever under its data dir they are.
+    // Each safekeeper's files, wherever under its data dir they are; a
+    // segment counts under any suffix (the one being written is partial).
     fn holds_file(dir: &std::path::Path, name: &str) -> bool {
         std::fs::read_dir(dir)
             .into_iter()
             .flatten()
             .flatten()
-            .any(|e| e.file_name() == name || (e.path().is_dir() && holds_file(&e.path(), name)))
+            .any(|e| {
+                e.file_name().to_string_lossy().starts_with(name)
+                    || (e.path().is_dir() && holds_file(&e.path(), name))
+            })
     }
     let removed_everywhere = || {
         (0..3).all(|id| {
@@ -1048,7 +1054,7 @@ fn a_replica_added_after_wal_removal_is_built_from_a_peer() {
         "exactly shard 0's rows"
     );
     // More inserts: the copy streams them from its position like its donor.
-    for batch in 12..14 {
+    for batch in 20..22 {
         last_commit = insert(batch, 1_000);
         inserted += 1_000;
     }

@@ -35,9 +35,9 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use ferry_env::Cpu;
 use ferry_table::{DecodeError, Format, Table, TableDef};
-use ferry_wal::record::{Maintenance, MAX_COMPACT_PARTITION_BYTES, MAX_RETIRED_FILES};
+use ferry_wal::record::{CarriedPart, Maintenance, MAX_COMPACT_PARTITION_BYTES, MAX_RETIRED_FILES};
 use ferry_wal::Lsn;
-use ferry_writer::driver::{Insert, Inserted, WriterError};
+use ferry_writer::driver::{Insert, InsertRows, Inserted, WriterError};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 
@@ -603,6 +603,7 @@ async fn insert_rows(
     let record_rows_bytes = api.limits.record_rows_bytes.max(1);
     let keyed = !key.is_empty();
     let def = table.def.clone();
+    let table_id = table.id;
     let decoded = api
         .cpu
         .run(move || -> Result<Decoded, ApiError> {
@@ -627,14 +628,24 @@ async fn insert_rows(
                 ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
             };
             let mut payloads = Vec::new();
+            let mut keyed_rows = Vec::new();
             for (shard, batch) in
                 ferry_table::rows::split_by_shard(&def, &rows).map_err(internal)?
             {
                 for slice in ferry_table::rows::slices(&batch, record_rows_bytes) {
-                    payloads.push((shard, ferry_table::rows::to_ipc(&slice).map_err(internal)?));
+                    // The digest is of the rows as Arrow IPC, as it always was:
+                    // a retry after an upgrade that encodes parts differently
+                    // still finds its records' keys.
+                    if keyed {
+                        keyed_rows.push((shard, slice.clone()));
+                    }
+                    payloads.push((shard, carried_parts(&def, table_id, &slice)?));
                 }
             }
-            let digest = keyed.then(|| idempotency::digest(&payloads));
+            let digest = match keyed {
+                true => Some(idempotency::digest_rows(&keyed_rows).map_err(internal)?),
+                false => None,
+            };
             Ok((rows.rows as u64, payloads, digest))
         })
         .await?;
@@ -678,14 +689,14 @@ async fn insert_rows(
     let inserts = payloads
         .into_iter()
         .enumerate()
-        .map(|(i, (shard, arrow_ipc))| Insert {
+        .map(|(i, (shard, parts))| Insert {
             table_id: table.id,
             shard,
             idempotency_key: match &digest {
                 Some(d) => idempotency::record_key(&key, d, i, count),
                 None => Bytes::new(),
             },
-            arrow_ipc,
+            rows: InsertRows::Parts(parts),
         })
         .collect();
     let commit_started = tokio::time::Instant::now();
@@ -750,6 +761,33 @@ async fn insert_rows(
     Ok(answer)
 }
 
-/// Rows, each record's shard and Arrow IPC rows, and the digest of them all
-/// (for a keyed insert).
-type Decoded = (u64, Vec<(u32, Bytes)>, Option<idempotency::Digest>);
+/// Rows, each record's shard and parts, and the digest of them all (for a
+/// keyed insert).
+type Decoded = (
+    u64,
+    Vec<(u32, Vec<CarriedPart>)>,
+    Option<idempotency::Digest>,
+);
+
+/// The rows of one record as the part files every replica writes (see
+/// `Record::InsertParts`).
+fn carried_parts(
+    def: &ferry_table::TableDef,
+    table_id: u64,
+    rows: &arrow::array::RecordBatch,
+) -> Result<Vec<CarriedPart>, ApiError> {
+    let parts = ferry_replica::part::carry(def, table_id, rows)
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
+    if parts.len() > ferry_wal::record::MAX_CARRIED_PARTS {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "too_many_partitions",
+            format!(
+                "the rows of one insert span {} partitions, at most {}",
+                parts.len(),
+                ferry_wal::record::MAX_CARRIED_PARTS
+            ),
+        ));
+    }
+    Ok(parts)
+}

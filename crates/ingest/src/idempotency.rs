@@ -52,10 +52,61 @@ pub fn digest(records: &[(u32, Bytes)]) -> Digest {
         h.update((rows.len() as u64).to_le_bytes());
         h.update(rows);
     }
+    truncate(h)
+}
+
+/// [`digest`] of records given as rows: the same digest as of their Arrow IPC
+/// streams ([`ferry_table::rows::to_ipc`]), computed by encoding each twice
+/// into sinks (once to learn its length, once into the hash) instead of
+/// into memory: records no longer travel as IPC, and a key's digest must
+/// not change with that (a retry across an upgrade finds its records' keys).
+pub fn digest_rows(
+    records: &[(u32, arrow::array::RecordBatch)],
+) -> Result<Digest, arrow::error::ArrowError> {
+    let mut h = Sha256::new();
+    h.update((records.len() as u64).to_le_bytes());
+    for (shard, rows) in records {
+        let mut len = Counter(0);
+        ferry_table::rows::write_ipc(rows, &mut len)?;
+        h.update(shard.to_le_bytes());
+        h.update(len.0.to_le_bytes());
+        let mut into = Hashing(&mut h);
+        ferry_table::rows::write_ipc(rows, &mut into)?;
+    }
+    Ok(truncate(h))
+}
+
+fn truncate(h: Sha256) -> Digest {
     let full = h.finalize();
     let mut out = [0u8; 16];
     out.copy_from_slice(&full[..16]);
     out
+}
+
+/// A sink that counts what is written to it.
+struct Counter(u64);
+
+impl std::io::Write for Counter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0 += buf.len() as u64;
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A sink that hashes what is written to it.
+struct Hashing<'a>(&'a mut Sha256);
+
+impl std::io::Write for Hashing<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.update(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// The key record `index` of `count` of a keyed insert carries:
@@ -261,6 +312,41 @@ impl Drop for Ticket {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_digest_of_rows_is_the_digest_of_their_ipc_streams() {
+        use arrow::array::{Int64Array, RecordBatch, StringArray};
+        let batch = |n: i64, text: &str| {
+            RecordBatch::try_from_iter([
+                (
+                    "id",
+                    std::sync::Arc::new(Int64Array::from_iter_values(0..n)) as _,
+                ),
+                (
+                    "s",
+                    std::sync::Arc::new(StringArray::from_iter_values(
+                        (0..n).map(|i| format!("{text}{i}")),
+                    )) as _,
+                ),
+            ])
+            .expect("batch")
+        };
+        let records = vec![(0, batch(100, "a")), (3, batch(7, "bb")), (0, batch(1, ""))];
+        let ipc: Vec<(u32, Bytes)> = records
+            .iter()
+            .map(|(s, b)| (*s, ferry_table::rows::to_ipc(b).expect("ipc")))
+            .collect();
+        assert_eq!(digest_rows(&records).expect("digest"), digest(&ipc));
+        // A slice (shared buffers, an offset) digests as its own copy does.
+        let big = batch(50, "c");
+        let sliced = vec![(1, big.slice(10, 20))];
+        let copied = vec![(
+            1,
+            ferry_table::rows::to_ipc(&big.slice(10, 20)).expect("ipc"),
+        )];
+        assert_eq!(digest_rows(&sliced).expect("digest"), digest(&copied));
+        assert_ne!(digest_rows(&records[..2]).expect("digest"), digest(&ipc));
+    }
 
     fn answer(rows: u64) -> InsertResponse {
         InsertResponse {

@@ -53,6 +53,11 @@ impl MemWal {
                     shard,
                     idempotency_key,
                     ..
+                }
+                | Record::InsertParts {
+                    shard,
+                    idempotency_key,
+                    ..
                 } => Some((shard, idempotency_key)),
                 _ => None,
             })
@@ -67,14 +72,7 @@ impl InsertSink for MemWal {
         let mut block_numbers = Vec::new();
         for i in inserts {
             let at = wal.len() as u64;
-            Record::Insert {
-                table_id: i.table_id,
-                shard: i.shard,
-                block_number: at,
-                idempotency_key: i.idempotency_key,
-                arrow_ipc: i.arrow_ipc,
-            }
-            .encode(&mut wal);
+            i.into_record(at).encode(&mut wal);
             block_numbers.push(at);
         }
         Ok(Inserted {

@@ -706,12 +706,15 @@ pub fn split_by_shard(def: &TableDef, rows: &Rows) -> Result<Vec<(u32, RecordBat
 /// insert records carry.
 pub fn to_ipc(batch: &RecordBatch) -> Result<Bytes, ArrowError> {
     let mut out = Vec::with_capacity(batch.get_array_memory_size() + 1024);
-    {
-        let mut w = StreamWriter::try_new(&mut out, &batch.schema())?;
-        w.write(batch)?;
-        w.finish()?;
-    }
+    write_ipc(batch, &mut out)?;
     Ok(Bytes::from(out))
+}
+
+/// Writes the bytes [`to_ipc`] returns into `out`.
+pub fn write_ipc(batch: &RecordBatch, out: &mut impl std::io::Write) -> Result<(), ArrowError> {
+    let mut w = StreamWriter::try_new(out, &batch.schema())?;
+    w.write(batch)?;
+    w.finish()
 }
 
 /// Decodes the rows of a WAL insert record.
@@ -786,4 +789,50 @@ impl arrow::json::Encoder for FloatEncoder<'_> {
             let _ = write!(out, "{v:?}");
         }
     }
+}
+
+/// Splits rows by partition: partitions in id order, rows in their order
+/// within each (a function of the rows alone, so every node that splits the
+/// same rows gets the same groups). A null partition value is refused.
+pub fn split_by_partition(
+    def: &TableDef,
+    all: &RecordBatch,
+) -> Result<Vec<(String, RecordBatch)>, String> {
+    let pidx = def
+        .column_index(&def.partition_by.column)
+        .ok_or("no partition column")?;
+    if all.column(pidx).null_count() > 0 {
+        return Err("a null partition value".into());
+    }
+    // Rows by partition id, in row order; consecutive rows mostly share a
+    // partition, so the last group is tried first.
+    let mut groups: Vec<(String, Vec<u32>)> = Vec::new();
+    let mut index: std::collections::HashMap<String, usize> = Default::default();
+    let mut last = usize::MAX;
+    crate::keys::for_each_partition_id(def, all.column(pidx), |row, id| {
+        if groups.get(last).is_none_or(|(g, _)| g != id) {
+            last = match index.get(id) {
+                Some(i) => *i,
+                None => {
+                    index.insert(id.to_string(), groups.len());
+                    groups.push((id.to_string(), Vec::new()));
+                    groups.len() - 1
+                }
+            };
+        }
+        groups[last].1.push(row as u32);
+    })
+    .map_err(|(row, e)| format!("row {}: {e}", row + 1))?;
+    groups.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut out = Vec::with_capacity(groups.len());
+    for (id, idx) in groups {
+        let batch = if idx.len() == all.num_rows() {
+            all.clone()
+        } else {
+            arrow::compute::take_record_batch(all, &arrow::array::UInt32Array::from(idx))
+                .map_err(|e| e.to_string())?
+        };
+        out.push((id, batch));
+    }
+    Ok(out)
 }

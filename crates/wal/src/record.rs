@@ -32,6 +32,14 @@ const INSERT_FIXED_BYTES: usize = 8 + 8 + 4 + 2 + 2;
 const KIND_SHUTDOWN_CHECKPOINT: u8 = 2;
 const KIND_RETIRE: u8 = 3;
 const KIND_COMPACT: u8 = 4;
+const KIND_INSERT_PARTS: u8 = 5;
+/// Per carried part: partition id length, reserved, file length.
+const CARRIED_PART_FIXED_BYTES: usize = 2 + 2 + 4;
+
+/// Parts one [`Record::InsertParts`] carries at most (partitions of one insert).
+pub const MAX_CARRIED_PARTS: usize = 4096;
+/// The longest partition id a carried part names.
+pub const MAX_CARRIED_PARTITION_BYTES: usize = 1024;
 
 /// A decoded record.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,6 +59,19 @@ pub enum Record {
         idempotency_key: Bytes,
         arrow_ipc: Bytes,
     },
+    /// Rows of one shard of one table as finished part files, one per
+    /// partition (partition ids strictly increasing), encoded once by the
+    /// ingest node: every replica writes the same bytes as its level-0 parts
+    /// instead of encoding the rows again, and the WAL carries the rows
+    /// compressed. Block number and key as for [`Record::Insert`]; a part's
+    /// footer holds no LSN (not known when it was encoded): its name does.
+    InsertParts {
+        table_id: u64,
+        shard: u32,
+        block_number: u64,
+        idempotency_key: Bytes,
+        parts: Vec<CarriedPart>,
+    },
     /// Written by a writer that shuts down cleanly; it exits once this record is
     /// committed, so every replica eventually sees where the writer stopped.
     ShutdownCheckpoint { term: u64 },
@@ -63,6 +84,14 @@ pub enum Record {
     /// decided at this position like any merge, so the lake (which mirrors
     /// the parts by increments) ends with files near its target size.
     Compact(Compaction),
+}
+
+/// One partition's part file in a [`Record::InsertParts`]: the WAL does not
+/// look inside `file` (the replica checks it against the table).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CarriedPart {
+    pub partition_id: String,
+    pub file: Bytes,
 }
 
 /// A compaction of one partition (see [`Record::Compact`]).
@@ -173,19 +202,50 @@ impl Record {
                 idempotency_key,
                 arrow_ipc,
             } => {
-                assert!(
-                    idempotency_key.len() <= MAX_IDEMPOTENCY_KEY_BYTES,
-                    "idempotency keys are bounded before they reach a record"
+                put_insert_head(
+                    out,
+                    KIND_INSERT,
+                    *table_id,
+                    *block_number,
+                    *shard,
+                    idempotency_key,
+                    0,
                 );
-                out.put_u8(KIND_INSERT);
-                out.put_bytes(0, 7);
-                out.put_u64_le(*table_id);
-                out.put_u64_le(*block_number);
-                out.put_u32_le(*shard);
-                out.put_u16_le(idempotency_key.len() as u16);
-                out.put_u16_le(0);
-                out.put_slice(idempotency_key);
                 out.put_slice(arrow_ipc);
+            }
+            Record::InsertParts {
+                table_id,
+                shard,
+                block_number,
+                idempotency_key,
+                parts,
+            } => {
+                assert!(
+                    parts.len() <= MAX_CARRIED_PARTS,
+                    "parts per record are bounded before they reach a record"
+                );
+                let count = parts.len() as u16;
+                put_insert_head(
+                    out,
+                    KIND_INSERT_PARTS,
+                    *table_id,
+                    *block_number,
+                    *shard,
+                    idempotency_key,
+                    count,
+                );
+                for p in parts {
+                    assert!(
+                        p.partition_id.len() <= MAX_CARRIED_PARTITION_BYTES,
+                        "partition ids are bounded before they reach a record"
+                    );
+                    let file_len = u32::try_from(p.file.len()).expect("a record is at most 64 MiB");
+                    out.put_u16_le(p.partition_id.len() as u16);
+                    out.put_u16_le(0);
+                    out.put_u32_le(file_len);
+                    out.put_slice(p.partition_id.as_bytes());
+                    out.put_slice(&p.file);
+                }
             }
             Record::ShutdownCheckpoint { term } => {
                 out.put_u8(KIND_SHUTDOWN_CHECKPOINT);
@@ -237,6 +297,44 @@ impl Record {
     pub fn insert_len(key_len: usize, arrow_ipc_len: usize) -> usize {
         HEADER_BYTES + INSERT_FIXED_BYTES + key_len + arrow_ipc_len
     }
+
+    /// Encoded length of an insert carrying `parts` with a key of `key_len`
+    /// bytes.
+    pub fn insert_parts_len(key_len: usize, parts: &[CarriedPart]) -> usize {
+        HEADER_BYTES
+            + INSERT_FIXED_BYTES
+            + key_len
+            + parts
+                .iter()
+                .map(|p| CARRIED_PART_FIXED_BYTES + p.partition_id.len() + p.file.len())
+                .sum::<usize>()
+    }
+}
+
+/// The kind byte, reserved bytes and fixed fields of an insert record, then
+/// its key: what both insert kinds start with (`extra` is the insert's
+/// reserved field, the part count of an insert carrying parts).
+fn put_insert_head(
+    out: &mut BytesMut,
+    kind: u8,
+    table_id: u64,
+    block_number: u64,
+    shard: u32,
+    idempotency_key: &[u8],
+    extra: u16,
+) {
+    assert!(
+        idempotency_key.len() <= MAX_IDEMPOTENCY_KEY_BYTES,
+        "idempotency keys are bounded before they reach a record"
+    );
+    out.put_u8(kind);
+    out.put_bytes(0, 7);
+    out.put_u64_le(table_id);
+    out.put_u64_le(block_number);
+    out.put_u32_le(shard);
+    out.put_u16_le(idempotency_key.len() as u16);
+    out.put_u16_le(extra);
+    out.put_slice(idempotency_key);
 }
 
 /// The length of the record starting `buf`, as its header declares it, once
@@ -298,6 +396,52 @@ pub fn decode(buf: &Bytes) -> Result<(Record, usize), RecordError> {
                 block_number,
                 idempotency_key,
                 arrow_ipc: body,
+            }
+        }
+        KIND_INSERT_PARTS => {
+            let malformed = RecordError::Malformed("insert parts");
+            if body.len() < INSERT_FIXED_BYTES {
+                return Err(malformed);
+            }
+            let table_id = body.get_u64_le();
+            let block_number = body.get_u64_le();
+            let shard = body.get_u32_le();
+            let key_len = usize::from(body.get_u16_le());
+            let count = usize::from(body.get_u16_le());
+            if key_len > MAX_IDEMPOTENCY_KEY_BYTES
+                || body.len() < key_len
+                || count > MAX_CARRIED_PARTS
+            {
+                return Err(malformed);
+            }
+            let idempotency_key = body.split_to(key_len);
+            let mut parts = Vec::with_capacity(count);
+            for _ in 0..count {
+                if body.len() < CARRIED_PART_FIXED_BYTES {
+                    return Err(malformed);
+                }
+                let id_len = usize::from(body.get_u16_le());
+                let _reserved = body.get_u16_le();
+                let file_len = body.get_u32_le() as usize;
+                if id_len > MAX_CARRIED_PARTITION_BYTES || body.len() < id_len + file_len {
+                    return Err(malformed);
+                }
+                let partition_id = String::from_utf8(body.split_to(id_len).to_vec())
+                    .map_err(|_| RecordError::Malformed("insert parts"))?;
+                parts.push(CarriedPart {
+                    partition_id,
+                    file: body.split_to(file_len),
+                });
+            }
+            if !body.is_empty() {
+                return Err(malformed);
+            }
+            Record::InsertParts {
+                table_id,
+                shard,
+                block_number,
+                idempotency_key,
+                parts,
             }
         }
         KIND_SHUTDOWN_CHECKPOINT => {
@@ -427,5 +571,71 @@ mod tests {
             prop_assert_eq!(len, bytes.len());
             prop_assert_eq!(decoded, record);
         }
+
+        #[test]
+        fn carried_parts_round_trip_and_every_cut_is_refused(
+            block in any::<u64>(),
+            key in proptest::collection::vec(any::<u8>(), 0..=40),
+            parts in proptest::collection::vec(("[a-z0-9-]{1,12}", proptest::collection::vec(any::<u8>(), 0..60)), 0..5),
+        ) {
+            let parts: Vec<CarriedPart> = parts
+                .into_iter()
+                .map(|(id, file)| CarriedPart { partition_id: id, file: Bytes::from(file) })
+                .collect();
+            let record = Record::InsertParts { table_id: 9, shard: 2, block_number: block, idempotency_key: Bytes::from(key.clone()), parts: parts.clone() };
+            let bytes = record.to_bytes();
+            prop_assert_eq!(bytes.len(), Record::insert_parts_len(key.len(), &parts));
+            let (decoded, len) = decode(&bytes).expect("decode");
+            prop_assert_eq!(len, bytes.len());
+            prop_assert_eq!(decoded, record);
+        }
+    }
+
+    /// A body whose part lengths do not add up to the record is refused,
+    /// whatever the checksum says (the record is re-sealed after each edit).
+    #[test]
+    fn carried_parts_that_do_not_fill_the_record_exactly_are_malformed() {
+        let record = Record::InsertParts {
+            table_id: 1,
+            shard: 0,
+            block_number: 7,
+            idempotency_key: Bytes::new(),
+            parts: vec![CarriedPart {
+                partition_id: "2024-06-01".into(),
+                file: Bytes::from_static(b"PAR1....PAR1"),
+            }],
+        };
+        let good = record.to_bytes().to_vec();
+        let reseal = |mut b: Vec<u8>| {
+            let len = b.len() as u32;
+            b[..4].copy_from_slice(&len.to_le_bytes());
+            let crc = crc32c::crc32c(&b[8..]);
+            b[4..8].copy_from_slice(&crc.to_le_bytes());
+            Bytes::from(b)
+        };
+        // A file length one byte longer than what follows.
+        let at = HEADER_BYTES + INSERT_FIXED_BYTES + 4;
+        let mut long = good.clone();
+        let n = u32::from_le_bytes(long[at..at + 4].try_into().expect("4")) + 1;
+        long[at..at + 4].copy_from_slice(&n.to_le_bytes());
+        assert_eq!(
+            decode(&reseal(long)),
+            Err(RecordError::Malformed("insert parts"))
+        );
+        // A trailing byte after the last part.
+        let mut trailing = good.clone();
+        trailing.push(0);
+        assert_eq!(
+            decode(&reseal(trailing)),
+            Err(RecordError::Malformed("insert parts"))
+        );
+        // More parts announced than there are.
+        let mut count = good.clone();
+        count[HEADER_BYTES + 22] = 2;
+        assert_eq!(
+            decode(&reseal(count)),
+            Err(RecordError::Malformed("insert parts"))
+        );
+        assert_eq!(decode(&reseal(good)).map(|(r, _)| r), Ok(record));
     }
 }

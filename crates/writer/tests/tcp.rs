@@ -269,14 +269,14 @@ async fn a_second_writer_takes_over() {
 /// with its shard and idempotency key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inserts_are_numbered_by_their_start_lsn() {
-    use ferry_writer::driver::Insert;
+    use ferry_writer::driver::{Insert, InsertRows};
     let (_dir, mut nodes) = cluster().await;
     let w = writer(&nodes, 1);
     let one = |shard: u32, key: &'static [u8], rows: usize| Insert {
         table_id: 5,
         shard,
         idempotency_key: Bytes::from_static(key),
-        arrow_ipc: Bytes::from(vec![shard as u8; rows]),
+        rows: InsertRows::ArrowIpc(Bytes::from(vec![shard as u8; rows])),
     };
     let first = tokio::time::timeout(SOON, w.insert(vec![one(0, b"k1", 100), one(2, b"k1", 50)]))
         .await

@@ -473,7 +473,8 @@ pub async fn committed_blocks(addr: &str, end: ferry_wal::Lsn) -> Vec<u64> {
     ferry_testkit::wal::records(&wal)
         .into_iter()
         .filter_map(|(_, rec)| match rec {
-            ferry_wal::record::Record::Insert { block_number, .. } => Some(block_number),
+            ferry_wal::record::Record::Insert { block_number, .. }
+            | ferry_wal::record::Record::InsertParts { block_number, .. } => Some(block_number),
             _ => None,
         })
         .collect()

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use arrow::array::RecordBatch;
 use bytes::Bytes;
 use ferry_env::Disk;
-use ferry_wal::record::{self, Record};
+use ferry_wal::record::{self, CarriedPart, Record};
 use ferry_wal::Lsn;
 
 use super::decide::{self, Fate};
@@ -228,14 +228,33 @@ impl Replica {
     }
 
     async fn apply(&mut self, lsn: Lsn, rec: Record) -> Result<(), ReplicaError> {
-        let (table_id, shard, block_number, idempotency_key, arrow_ipc) = match rec {
+        let (table_id, shard, block_number, idempotency_key, rows) = match rec {
             Record::Insert {
                 table_id,
                 shard,
                 block_number,
                 idempotency_key,
                 arrow_ipc,
-            } => (table_id, shard, block_number, idempotency_key, arrow_ipc),
+            } => (
+                table_id,
+                shard,
+                block_number,
+                idempotency_key,
+                Rows::ArrowIpc(arrow_ipc),
+            ),
+            Record::InsertParts {
+                table_id,
+                shard,
+                block_number,
+                idempotency_key,
+                parts,
+            } => (
+                table_id,
+                shard,
+                block_number,
+                idempotency_key,
+                Rows::Parts(parts),
+            ),
             Record::Retire(r) => return self.apply_retirement(lsn, r).await,
             Record::Compact(c) => {
                 return self
@@ -288,25 +307,42 @@ impl Replica {
             }
             Fate::AlreadyApplied => {}
             Fate::Write => {
-                let def = table.def.clone();
-                let grouped = self
-                    .cpu
-                    .run(move || group_by_partition(&def, &arrow_ipc))
-                    .await
-                    .map_err(bad)?;
+                let name = |partition_id: String| PartName {
+                    partition_id,
+                    min_block: block_number,
+                    max_block: block_number,
+                    level: 0,
+                };
                 let schema = table.def.arrow_schema();
-                for (partition_id, batch) in grouped {
-                    let name = PartName {
-                        partition_id,
-                        min_block: block_number,
-                        max_block: block_number,
-                        level: 0,
-                    };
-                    let part = self
-                        .write_part(table_id, &schema, &name, batch, (lsn, lsn))
-                        .await?;
-                    self.unsynced.push(part);
-                    self.decide_merges(table_id, &name.partition_id);
+                match rows {
+                    Rows::ArrowIpc(arrow_ipc) => {
+                        let def = table.def.clone();
+                        let grouped = self
+                            .cpu
+                            .run(move || group_by_partition(&def, &arrow_ipc))
+                            .await
+                            .map_err(bad)?;
+                        for (partition_id, batch) in grouped {
+                            let name = name(partition_id);
+                            let part = self
+                                .write_part(table_id, &schema, &name, batch, (lsn, lsn))
+                                .await?;
+                            self.unsynced.push(part);
+                            self.decide_merges(table_id, &name.partition_id);
+                        }
+                    }
+                    Rows::Parts(parts) => {
+                        // Every part is checked before any is written: a
+                        // record is applied whole or stops the replica.
+                        let checked = check_carried(&table.def, table_id, &schema, parts, name)
+                            .map_err(bad)?;
+                        for (meta, file) in checked {
+                            let part = self.write_carried(table_id, meta, file).await?;
+                            let partition_id = part.meta.name.partition_id.clone();
+                            self.unsynced.push(part);
+                            self.decide_merges(table_id, &partition_id);
+                        }
+                    }
                 }
             }
         }
@@ -315,6 +351,27 @@ impl Replica {
         }
         self.status.send_modify(|s| s.records_applied += 1);
         Ok(())
+    }
+
+    /// Writes a part file an insert record carried, as it came, under its
+    /// temporary name, not synced ([`sync_parts`](Self::sync_parts) finishes
+    /// it).
+    async fn write_carried(
+        &self,
+        table_id: u64,
+        meta: PartMeta,
+        file: Bytes,
+    ) -> Result<UnsyncedPart, ReplicaError> {
+        let tdir = format!("{}/parts/{table_id}", self.dir);
+        self.disk.create_dir_all(&tdir).await.map_err(io(&tdir))?;
+        let path = self.part_path(table_id, &meta.name);
+        let mut file_out = DurableFile::create(self.disk.as_ref(), &tdir, &path).await?;
+        file_out.append(file).await?;
+        Ok(UnsyncedPart {
+            table_id,
+            file: file_out,
+            meta,
+        })
     }
 
     /// Encodes one part and writes it under its temporary name, not synced
@@ -437,6 +494,12 @@ impl DurableFile {
     }
 }
 
+/// An insert record's rows, as the record carries them.
+enum Rows {
+    ArrowIpc(Bytes),
+    Parts(Vec<CarriedPart>),
+}
+
 /// Decodes an insert record's rows, checks them against the table, and groups
 /// them by partition (partitions in id order, rows in record order).
 fn group_by_partition(
@@ -459,41 +522,37 @@ fn group_by_partition(
         [one] => one.clone(),
         _ => arrow::compute::concat_batches(&schema, &batches).map_err(|e| e.to_string())?,
     };
-    let pidx = def
-        .column_index(&def.partition_by.column)
-        .ok_or("no partition column")?;
-    if all.column(pidx).null_count() > 0 {
-        return Err("a null partition value".into());
+    ferry_table::rows::split_by_partition(def, &all)
+}
+
+/// Checks the parts an insert record carries (see [`part::check_carried`]):
+/// partition ids strictly increasing, as the ingest node splits rows, and
+/// each file a part of this table holding rows of its partition only (so a
+/// partition id is one the table makes, safe in a file name); returns each part's metadata
+/// under its name (`name` of its partition id) and its file.
+fn check_carried(
+    def: &ferry_table::TableDef,
+    table_id: u64,
+    schema: &arrow::datatypes::SchemaRef,
+    parts: Vec<CarriedPart>,
+    name: impl Fn(String) -> PartName,
+) -> Result<Vec<(PartMeta, Bytes)>, String> {
+    if parts.is_empty() {
+        return Err("an insert record carries no part".into());
     }
-    // Rows by partition id, in row order; consecutive rows mostly share a
-    // partition, so the last group is tried first.
-    let mut groups: Vec<(String, Vec<u32>)> = Vec::new();
-    let mut index: std::collections::HashMap<String, usize> = Default::default();
-    let mut last = usize::MAX;
-    ferry_table::keys::for_each_partition_id(def, all.column(pidx), |row, id| {
-        if groups.get(last).is_none_or(|(g, _)| g != id) {
-            last = match index.get(id) {
-                Some(i) => *i,
-                None => {
-                    index.insert(id.to_string(), groups.len());
-                    groups.push((id.to_string(), Vec::new()));
-                    groups.len() - 1
-                }
-            };
+    let mut out: Vec<(PartMeta, Bytes)> = Vec::with_capacity(parts.len());
+    for p in parts {
+        if let Some((last, _)) = out.last() {
+            if last.name.partition_id >= p.partition_id {
+                return Err(format!(
+                    "carried parts out of order: {:?} after {:?}",
+                    p.partition_id, last.name.partition_id
+                ));
+            }
         }
-        groups[last].1.push(row as u32);
-    })
-    .map_err(|(row, e)| format!("row {}: {e}", row + 1))?;
-    groups.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut out = Vec::with_capacity(groups.len());
-    for (id, idx) in groups {
-        let batch = if idx.len() == all.num_rows() {
-            all.clone()
-        } else {
-            arrow::compute::take_record_batch(&all, &arrow::array::UInt32Array::from(idx))
-                .map_err(|e| e.to_string())?
-        };
-        out.push((id, batch));
+        let meta = part::check_carried(def, &name(p.partition_id), table_id, schema, &p.file)
+            .map_err(|e| e.to_string())?;
+        out.push((meta, p.file));
     }
     Ok(out)
 }

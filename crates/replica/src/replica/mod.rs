@@ -26,7 +26,9 @@
 //! * **A function of the WAL alone.** Which records are applied (own shard,
 //!   known table, key not in the window), the parts they become (one per
 //!   partition, rows in record order) and their names depend only on the
-//!   committed WAL, so every replica of a shard holds the same parts.
+//!   committed WAL, so every replica of a shard holds the same parts. A
+//!   record that carries its parts (`Record::InsertParts`, encoded once by
+//!   the ingest node) is written as it came, after its footers are checked.
 //! * **Idempotency window.** A record whose (table, shard, key) is among the
 //!   last [`DEDUP_WINDOW`] keyed records of the shard applied before it is
 //!   skipped. The ingest API gives each record of a keyed insert a key of its

@@ -58,6 +58,36 @@ impl Wal {
         Lsn(at)
     }
 
+    /// An insert carrying its rows as the parts the ingest node encodes.
+    pub fn insert_parts(&mut self, table_id: u64, shard: u32, key: &str, arrow_ipc: &Bytes) -> Lsn {
+        let batch = ferry_table::rows::from_ipc(arrow_ipc)
+            .expect("ipc")
+            .pop()
+            .expect("a batch");
+        let parts = ferry_replica::part::carry(&table().def, table_id, &batch).expect("parts");
+        self.insert_carried(table_id, shard, key, parts)
+    }
+
+    /// An insert carrying `parts` as they are.
+    pub fn insert_carried(
+        &mut self,
+        table_id: u64,
+        shard: u32,
+        key: &str,
+        parts: Vec<ferry_wal::record::CarriedPart>,
+    ) -> Lsn {
+        let at = self.bytes.len() as u64;
+        Record::InsertParts {
+            table_id,
+            shard,
+            block_number: at,
+            idempotency_key: Bytes::from(key.as_bytes().to_vec()),
+            parts,
+        }
+        .encode(&mut self.bytes);
+        Lsn(at)
+    }
+
     pub fn end(&self) -> Lsn {
         Lsn(self.bytes.len() as u64)
     }

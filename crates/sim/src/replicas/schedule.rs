@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use arrow::array::{Int64Array, RecordBatch, StringArray};
 use bytes::Bytes;
-use ferry_writer::driver::Insert;
+use ferry_writer::driver::{Insert, InsertRows};
 use rand::rngs::SmallRng;
 use rand::Rng;
 
@@ -67,7 +67,13 @@ pub(super) fn request(n: u64, first_id: i64, rows: usize) -> Request {
             table_id: TABLE_ID,
             shard,
             idempotency_key: Bytes::from(key.clone().into_bytes()),
-            arrow_ipc: ferry_table::rows::to_ipc(&b).expect("ipc"),
+            // Both record kinds: rows replicas encode (as WAL written before
+            // parts were carried holds) and parts the ingest node encoded.
+            rows: if n.is_multiple_of(2) {
+                InsertRows::ArrowIpc(ferry_table::rows::to_ipc(&b).expect("ipc"))
+            } else {
+                InsertRows::Parts(ferry_replica::part::carry(&def, TABLE_ID, &b).expect("parts"))
+            },
         })
         .collect();
     Request { key, ids, inserts }
@@ -87,4 +93,26 @@ pub(super) fn generate(rng: &mut SmallRng) -> Vec<(Duration, Event)> {
         94..=96 => Event::PartitionWriter(rng.random_range(0..SAFEKEEPERS)),
         _ => Event::Repair,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The back-pressure check allows one insert past the limit: no insert
+    /// of the schedule (at most 39 rows, either record kind) may be larger.
+    #[test]
+    fn the_largest_insert_fits_the_back_pressure_allowance() {
+        for n in [0, 1] {
+            let wal: usize = request(n, 1_000_000, 39)
+                .inserts
+                .iter()
+                .map(Insert::record_len)
+                .sum();
+            assert!(
+                wal as u64 <= super::super::MAX_INSERT_WAL,
+                "request {n}: {wal} bytes of WAL"
+            );
+        }
+    }
 }

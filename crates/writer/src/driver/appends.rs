@@ -8,7 +8,7 @@ use ferry_wal::record::Record;
 use ferry_wal::Lsn;
 use tokio::sync::oneshot;
 
-use super::{Command, Driver, Pending, WriterError};
+use super::{Command, Driver, Insert, Pending, WriterError};
 use crate::proposer::{Action, ProposerError};
 
 impl Driver {
@@ -100,22 +100,10 @@ impl Driver {
                 let mut at = self.proposer.end_lsn().0;
                 let mut numbers = Vec::with_capacity(inserts.len());
                 let mut ends = Vec::with_capacity(inserts.len());
-                let mut out = BytesMut::with_capacity(
-                    inserts
-                        .iter()
-                        .map(|i| Record::insert_len(i.idempotency_key.len(), i.arrow_ipc.len()))
-                        .sum(),
-                );
+                let mut out = BytesMut::with_capacity(inserts.iter().map(Insert::record_len).sum());
                 for i in inserts {
                     numbers.push(at);
-                    at += Record::Insert {
-                        table_id: i.table_id,
-                        shard: i.shard,
-                        block_number: at,
-                        idempotency_key: i.idempotency_key,
-                        arrow_ipc: i.arrow_ipc,
-                    }
-                    .encode(&mut out) as u64;
+                    at += i.into_record(at).encode(&mut out) as u64;
                     ends.push(out.len());
                 }
                 let _ = blocks.send(numbers);

@@ -77,7 +77,46 @@ pub struct Insert {
     pub shard: u32,
     /// At most [`ferry_wal::record::MAX_IDEMPOTENCY_KEY_BYTES`]; empty for none.
     pub idempotency_key: Bytes,
-    pub arrow_ipc: Bytes,
+    pub rows: InsertRows,
+}
+
+/// How an insert record carries its rows.
+#[derive(Debug, Clone)]
+pub enum InsertRows {
+    /// An Arrow IPC stream ([`Record::Insert`]): every replica encodes its parts.
+    ArrowIpc(Bytes),
+    /// Finished part files, one per partition ([`Record::InsertParts`]).
+    Parts(Vec<ferry_wal::record::CarriedPart>),
+}
+
+impl Insert {
+    /// The record it becomes, starting at `block_number`.
+    pub fn into_record(self, block_number: u64) -> Record {
+        match self.rows {
+            InsertRows::ArrowIpc(arrow_ipc) => Record::Insert {
+                table_id: self.table_id,
+                shard: self.shard,
+                block_number,
+                idempotency_key: self.idempotency_key,
+                arrow_ipc,
+            },
+            InsertRows::Parts(parts) => Record::InsertParts {
+                table_id: self.table_id,
+                shard: self.shard,
+                block_number,
+                idempotency_key: self.idempotency_key,
+                parts,
+            },
+        }
+    }
+
+    /// The length of the record it becomes.
+    pub fn record_len(&self) -> usize {
+        match &self.rows {
+            InsertRows::ArrowIpc(ipc) => Record::insert_len(self.idempotency_key.len(), ipc.len()),
+            InsertRows::Parts(parts) => Record::insert_parts_len(self.idempotency_key.len(), parts),
+        }
+    }
 }
 
 /// Inserts committed together.
@@ -223,7 +262,20 @@ impl Writer {
                     ferry_wal::record::MAX_IDEMPOTENCY_KEY_BYTES
                 )));
             }
-            let len = Record::insert_len(i.idempotency_key.len(), i.arrow_ipc.len());
+            if let InsertRows::Parts(parts) = &i.rows {
+                let partition_too_long = parts
+                    .iter()
+                    .any(|p| p.partition_id.len() > ferry_wal::record::MAX_CARRIED_PARTITION_BYTES);
+                if parts.len() > ferry_wal::record::MAX_CARRIED_PARTS || partition_too_long {
+                    return Err(WriterError::InvalidRecords(format!(
+                        "an insert of {} parts (at most {}) or a partition id over {} bytes",
+                        parts.len(),
+                        ferry_wal::record::MAX_CARRIED_PARTS,
+                        ferry_wal::record::MAX_CARRIED_PARTITION_BYTES
+                    )));
+                }
+            }
+            let len = i.record_len();
             if len > ferry_wal::record::MAX_RECORD_BYTES {
                 return Err(WriterError::InvalidRecords(format!(
                     "an insert record of {len} bytes, at most {}",
