@@ -337,7 +337,7 @@ impl Replica {
                         let checked = check_carried(&table.def, table_id, &schema, parts, name)
                             .map_err(bad)?;
                         for (meta, file) in checked {
-                            let part = self.write_carried(table_id, meta, file).await?;
+                            let part = self.write_file(table_id, meta, file).await?;
                             let partition_id = part.meta.name.partition_id.clone();
                             self.unsynced.push(part);
                             self.decide_merges(table_id, &partition_id);
@@ -353,10 +353,10 @@ impl Replica {
         Ok(())
     }
 
-    /// Writes a part file an insert record carried, as it came, under its
-    /// temporary name, not synced ([`sync_parts`](Self::sync_parts) finishes
-    /// it).
-    async fn write_carried(
+    /// Writes a part's file (one an insert record carried, as it came, or
+    /// one just encoded) under its temporary name, not synced
+    /// ([`sync_parts`](Self::sync_parts) finishes it).
+    async fn write_file(
         &self,
         table_id: u64,
         meta: PartMeta,
@@ -365,11 +365,11 @@ impl Replica {
         let tdir = format!("{}/parts/{table_id}", self.dir);
         self.disk.create_dir_all(&tdir).await.map_err(io(&tdir))?;
         let path = self.part_path(table_id, &meta.name);
-        let mut file_out = DurableFile::create(self.disk.as_ref(), &tdir, &path).await?;
-        file_out.append(file).await?;
+        let mut out = DurableFile::create(self.disk.as_ref(), &tdir, &path).await?;
+        out.append(file).await?;
         Ok(UnsyncedPart {
             table_id,
-            file: file_out,
+            file: out,
             meta,
         })
     }
@@ -392,16 +392,7 @@ impl Replica {
                 move || part::encode(&schema, &name, table_id, &[batch], lsns)
             })
             .await?;
-        let tdir = format!("{}/parts/{table_id}", self.dir);
-        self.disk.create_dir_all(&tdir).await.map_err(io(&tdir))?;
-        let path = self.part_path(table_id, name);
-        let mut file = DurableFile::create(self.disk.as_ref(), &tdir, &path).await?;
-        file.append(bytes).await?;
-        Ok(UnsyncedPart {
-            table_id,
-            file,
-            meta,
-        })
+        self.write_file(table_id, meta, bytes).await
     }
 }
 
