@@ -337,6 +337,24 @@ fn put_insert_head(
     out.put_slice(idempotency_key);
 }
 
+/// Reads what [`put_insert_head`] wrote: table id, block number, shard, key
+/// and the reserved field; `None` when the body is too short or the key too
+/// long.
+fn get_insert_head(body: &mut Bytes) -> Option<(u64, u64, u32, Bytes, u16)> {
+    if body.len() < INSERT_FIXED_BYTES {
+        return None;
+    }
+    let table_id = body.get_u64_le();
+    let block_number = body.get_u64_le();
+    let shard = body.get_u32_le();
+    let key_len = usize::from(body.get_u16_le());
+    let extra = body.get_u16_le();
+    if key_len > MAX_IDEMPOTENCY_KEY_BYTES || body.len() < key_len {
+        return None;
+    }
+    Some((table_id, block_number, shard, body.split_to(key_len), extra))
+}
+
 /// The length of the record starting `buf`, as its header declares it, once
 /// the header is there (nothing verified: [`check`] does that). Lets a reader
 /// that receives a record in pieces wait for all of it without re-reading.
@@ -378,18 +396,8 @@ pub fn decode(buf: &Bytes) -> Result<(Record, usize), RecordError> {
     let mut body = buf.slice(HEADER_BYTES..len);
     let record = match kind {
         KIND_INSERT => {
-            if body.len() < INSERT_FIXED_BYTES {
-                return Err(RecordError::Malformed("insert"));
-            }
-            let table_id = body.get_u64_le();
-            let block_number = body.get_u64_le();
-            let shard = body.get_u32_le();
-            let key_len = usize::from(body.get_u16_le());
-            let _reserved = body.get_u16_le();
-            if key_len > MAX_IDEMPOTENCY_KEY_BYTES || body.len() < key_len {
-                return Err(RecordError::Malformed("insert"));
-            }
-            let idempotency_key = body.split_to(key_len);
+            let (table_id, block_number, shard, idempotency_key, _reserved) =
+                get_insert_head(&mut body).ok_or(RecordError::Malformed("insert"))?;
             Record::Insert {
                 table_id,
                 shard,
@@ -400,21 +408,12 @@ pub fn decode(buf: &Bytes) -> Result<(Record, usize), RecordError> {
         }
         KIND_INSERT_PARTS => {
             let malformed = RecordError::Malformed("insert parts");
-            if body.len() < INSERT_FIXED_BYTES {
+            let (table_id, block_number, shard, idempotency_key, count) =
+                get_insert_head(&mut body).ok_or(malformed.clone())?;
+            let count = usize::from(count);
+            if count > MAX_CARRIED_PARTS {
                 return Err(malformed);
             }
-            let table_id = body.get_u64_le();
-            let block_number = body.get_u64_le();
-            let shard = body.get_u32_le();
-            let key_len = usize::from(body.get_u16_le());
-            let count = usize::from(body.get_u16_le());
-            if key_len > MAX_IDEMPOTENCY_KEY_BYTES
-                || body.len() < key_len
-                || count > MAX_CARRIED_PARTS
-            {
-                return Err(malformed);
-            }
-            let idempotency_key = body.split_to(key_len);
             let mut parts = Vec::with_capacity(count);
             for _ in 0..count {
                 if body.len() < CARRIED_PART_FIXED_BYTES {
