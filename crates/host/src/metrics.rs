@@ -210,6 +210,12 @@ pub fn writer(status: &ferry_writer::driver::WriterStatus) -> Vec<Sample> {
         &[],
         status.replicas_forgotten as f64,
     ));
+    out.push(counter(
+        "ferry_writer_replica_setbacks",
+        "Times a replica reported itself behind its previous feedback (rebuilt at a lower LSN)",
+        &[],
+        status.replica_setbacks as f64,
+    ));
     out
 }
 

@@ -28,7 +28,10 @@ impl Sim {
         // Samples are taken between events, so the writer may have known a
         // higher minimum in between (a replica forgotten and heard again):
         // only two samples of the same writer knowing the same replicas,
-        // having forgotten none since, the slowest no slower, are compared.
+        // having forgotten none since and heard none go back (a replica
+        // rebuilt at a lower LSN: its feedback can raise the minimum and
+        // lower it again between two samples), the slowest no slower, are
+        // compared.
         if let (Some(writer), true) = (&self.writer, self.flush_lag > 0) {
             let s = writer.status();
             let end: Lsn = s.end_lsn.parse().unwrap_or(Lsn(0));
@@ -43,6 +46,7 @@ impl Sim {
                 min: min.disk_consistent_lsn,
                 known,
                 forgotten: s.replicas_forgotten,
+                setbacks: s.replica_setbacks,
             });
             let previous = std::mem::replace(&mut self.back_pressure_seen, now.clone());
             if let (Some(now), Some(prev)) = (now, previous) {
@@ -50,6 +54,7 @@ impl Sim {
                 if now.term == prev.term
                     && now.known == prev.known
                     && now.forgotten == prev.forgotten
+                    && now.setbacks == prev.setbacks
                     && now.min >= prev.min
                     && now.end > prev.end
                     && lag > self.flush_lag + MAX_INSERT_WAL

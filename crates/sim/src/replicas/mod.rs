@@ -183,4 +183,6 @@ struct BackPressureSample {
     known: std::collections::BTreeSet<(u32, u32)>,
     /// How many replicas the writer forgot since it started.
     forgotten: u64,
+    /// How many times the writer heard a replica go back (rebuilt lower).
+    setbacks: u64,
 }

@@ -205,6 +205,7 @@ impl Writer {
             shard_minimums: Vec::new(),
             overall_minimum: None,
             replicas_forgotten: 0,
+            replica_setbacks: 0,
         };
         let (status_tx, status) = watch::channel(status0);
         let driver = Driver {

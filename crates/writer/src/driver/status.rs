@@ -58,6 +58,11 @@ pub struct WriterStatus {
     /// Replicas this writer forgot since it started (silent past the
     /// replica expiry: they no longer hold back-pressure).
     pub replicas_forgotten: u64,
+    /// Times a replica's newer feedback reported it behind its previous
+    /// feedback (rebuilt at a lower LSN after losing its data dir): the
+    /// slowest position fell, so the end of WAL may be past a back-pressure
+    /// limit until the replica catches up.
+    pub replica_setbacks: u64,
 }
 
 /// The slowest replica positions of one shard.
@@ -112,6 +117,7 @@ impl Driver {
                 .collect(),
             overall_minimum: self.proposer.overall_minimum(),
             replicas_forgotten: self.replicas_forgotten,
+            replica_setbacks: self.proposer.replica_setbacks(),
         };
         self.status.send_if_modified(|old| {
             if *old == status {

@@ -57,6 +57,37 @@ impl Proposer {
         known
     }
 
+    /// Keeps `fb` if it is the newest of its replica (and the replica is not
+    /// forgotten up to it, and there is room).
+    pub(super) fn take_feedback(&mut self, fb: &ShardFeedback) {
+        let key = (fb.shard_number, fb.replica_number);
+        if self.forgotten.hides(fb) {
+            return;
+        }
+        let old = self.feedback.get(&key);
+        if old.is_some_and(|old| old.reply_time_micros > fb.reply_time_micros) {
+            return;
+        }
+        if old.is_none() && self.feedback.len() >= MAX_FEEDBACK_REPLICAS {
+            return;
+        }
+        if let Some(old) = old {
+            let now = ReplicaPositions::of(fb);
+            if now.min(ReplicaPositions::of(old)) != ReplicaPositions::of(old) {
+                self.replica_setbacks += 1;
+            }
+        }
+        self.feedback.insert(key, *fb);
+    }
+
+    /// How many times a replica's newer feedback reported a position behind
+    /// its previous one: it lost its data dir and was built again (from a
+    /// peer, at a lower LSN), so the slowest position fell and the end of WAL
+    /// may be past a back-pressure limit through no append of this writer.
+    pub fn replica_setbacks(&self) -> u64 {
+        self.replica_setbacks
+    }
+
     /// The latest feedback of every replica, in (shard, replica) order.
     pub fn replica_feedback(&self) -> impl Iterator<Item = &ShardFeedback> {
         self.feedback.values()
@@ -81,5 +112,55 @@ impl Proposer {
             .values()
             .map(ReplicaPositions::of)
             .reduce(ReplicaPositions::min)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proposer::ProposerConfig;
+
+    fn feedback(replica: u32, disk: u64, at: u64) -> ShardFeedback {
+        ShardFeedback {
+            shard_number: 0,
+            replica_number: replica,
+            last_received_lsn: Lsn(disk),
+            disk_consistent_lsn: Lsn(disk),
+            remote_consistent_lsn: Lsn(disk),
+            reply_time_micros: at,
+        }
+    }
+
+    #[test]
+    fn a_replica_heard_behind_its_previous_feedback_is_a_setback() {
+        let config = ProposerConfig::new(ferry_wal::ClusterId::from_random(1), 3, 1, 1 << 20, 7);
+        let mut p = Proposer::new(config);
+        p.take_feedback(&feedback(0, 100, 1));
+        p.take_feedback(&feedback(1, 300, 1));
+        p.take_feedback(&feedback(0, 200, 2));
+        assert_eq!(p.replica_setbacks(), 0, "moving forward is no setback");
+        assert_eq!(
+            p.overall_minimum().map(|m| m.disk_consistent_lsn),
+            Some(Lsn(200))
+        );
+        // Older feedback relayed late is ignored, not a setback.
+        p.take_feedback(&feedback(0, 50, 1));
+        assert_eq!(p.replica_setbacks(), 0);
+        assert_eq!(
+            p.overall_minimum().map(|m| m.disk_consistent_lsn),
+            Some(Lsn(200))
+        );
+        // Newer feedback behind the previous one: rebuilt lower.
+        p.take_feedback(&feedback(1, 150, 3));
+        assert_eq!(p.replica_setbacks(), 1);
+        assert_eq!(
+            p.overall_minimum().map(|m| m.disk_consistent_lsn),
+            Some(Lsn(150))
+        );
+        // Only remote_consistent_lsn behind counts too.
+        let mut fb = feedback(0, 250, 4);
+        fb.remote_consistent_lsn = Lsn(10);
+        p.take_feedback(&fb);
+        assert_eq!(p.replica_setbacks(), 2);
     }
 }

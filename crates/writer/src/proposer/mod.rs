@@ -279,6 +279,8 @@ pub struct Proposer {
     refusals_logged: Vec<Option<String>>,
     /// Forgotten replicas: their feedback up to a tombstone is ignored.
     forgotten: ferry_wal::liveness::Tombstones,
+    /// Newer feedback that reported a replica behind its previous feedback.
+    replica_setbacks: u64,
     /// The commit_lsn each safekeeper last reported (it learns it from appends).
     peer_commit: Vec<Lsn>,
     /// The highest backup_lsn any safekeeper reported; relayed to all of them.
@@ -322,6 +324,7 @@ impl Proposer {
             truncate_lsn: Lsn(0),
             feedback: BTreeMap::new(),
             forgotten: Default::default(),
+            replica_setbacks: 0,
             refusals_logged: vec![None; n],
             peer_commit: vec![Lsn(0); n],
             backup_lsn: Lsn(0),
@@ -539,20 +542,7 @@ impl Proposer {
                     self.forget_replica(*forget);
                 }
                 for fb in &a.shard_feedback {
-                    let key = (fb.shard_number, fb.replica_number);
-                    if self.forgotten.hides(fb) {
-                        continue;
-                    }
-                    let newer = self
-                        .feedback
-                        .get(&key)
-                        .is_none_or(|old| old.reply_time_micros <= fb.reply_time_micros);
-                    if newer
-                        && (self.feedback.len() < MAX_FEEDBACK_REPLICAS
-                            || self.feedback.contains_key(&key))
-                    {
-                        self.feedback.insert(key, *fb);
-                    }
+                    self.take_feedback(fb);
                 }
                 self.peer_disk_full[peer] = false;
                 self.peer_commit[peer] = self.peer_commit[peer].max(a.commit_lsn);
