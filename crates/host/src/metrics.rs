@@ -206,7 +206,7 @@ pub fn writer(status: &ferry_writer::driver::WriterStatus) -> Vec<Sample> {
     ));
     out.push(counter(
         "ferry_writer_replicas_forgotten",
-        "Replicas the writer forgot since it started (silent past the replica expiry)",
+        "Replicas the writer forgot since it started (silent past the replica expiry, or unregistered)",
         &[],
         status.replicas_forgotten as f64,
     ));

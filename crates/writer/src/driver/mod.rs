@@ -223,7 +223,6 @@ impl Writer {
             election_blocked: None,
             refused: None,
             liveness: Default::default(),
-            replicas_forgotten: 0,
             config,
             connections: connections.clone(),
             conn_epoch,
@@ -438,7 +437,6 @@ struct Driver {
     refused: Option<String>,
     /// When each replica's feedback last changed (for the replica expiry).
     liveness: ferry_wal::liveness::ReplicaLiveness,
-    replicas_forgotten: u64,
     /// The connection tasks, replaced when the configuration changes.
     connections: ConnectionSet,
     /// The epoch of the current connection set: events of older ones are

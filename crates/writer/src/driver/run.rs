@@ -159,14 +159,11 @@ impl Driver {
                 expiry = ?self.config.replica_expiry,
                 "replica silent past the replica expiry: it no longer holds back-pressure"
             );
-            let forgotten = self.proposer.forget_replica(ForgottenReplica {
+            self.proposer.forget_replica(ForgottenReplica {
                 shard_number: fb.shard_number,
                 replica_number: fb.replica_number,
                 reply_time_micros: fb.reply_time_micros,
             });
-            if forgotten {
-                self.replicas_forgotten += 1;
-            }
         }
     }
 

@@ -56,7 +56,8 @@ pub struct WriterStatus {
     /// The lowest positions over all replicas of all shards.
     pub overall_minimum: Option<ReplicaPositions>,
     /// Replicas this writer forgot since it started (silent past the
-    /// replica expiry: they no longer hold back-pressure).
+    /// replica expiry, this writer's or a safekeeper's, or unregistered:
+    /// they no longer hold back-pressure).
     pub replicas_forgotten: u64,
     /// Times a replica's newer feedback reported it behind its previous
     /// feedback (rebuilt at a lower LSN after losing its data dir): the
@@ -116,7 +117,7 @@ impl Driver {
                 })
                 .collect(),
             overall_minimum: self.proposer.overall_minimum(),
-            replicas_forgotten: self.replicas_forgotten,
+            replicas_forgotten: self.proposer.replicas_forgotten(),
             replica_setbacks: self.proposer.replica_setbacks(),
         };
         self.status.send_if_modified(|old| {

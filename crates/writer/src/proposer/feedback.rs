@@ -52,9 +52,18 @@ impl Proposer {
             .is_some_and(|f| f.reply_time_micros <= forget.reply_time_micros);
         if known {
             self.feedback.remove(&key);
+            self.replicas_forgotten += 1;
         }
         self.forgotten.add(forget);
         known
+    }
+
+    /// Replicas forgotten since this writer started, whoever forgot them
+    /// first (this writer's expiry, or a safekeeper's relayed tombstone:
+    /// expiry or unregistration). Each one may have lowered the slowest
+    /// position when heard again.
+    pub fn replicas_forgotten(&self) -> u64 {
+        self.replicas_forgotten
     }
 
     /// Keeps `fb` if it is the newest of its replica (and the replica is not
@@ -71,17 +80,19 @@ impl Proposer {
         if old.is_none() && self.feedback.len() >= MAX_FEEDBACK_REPLICAS {
             return;
         }
-        if let Some(old) = old {
-            let now = ReplicaPositions::of(fb);
-            if now.min(ReplicaPositions::of(old)) != ReplicaPositions::of(old) {
-                self.replica_setbacks += 1;
-            }
+        // Only durable positions: a restarted replica receives again from
+        // what it applied, so last_received_lsn falls without a loss.
+        if old.is_some_and(|old| {
+            fb.disk_consistent_lsn < old.disk_consistent_lsn
+                || fb.remote_consistent_lsn < old.remote_consistent_lsn
+        }) {
+            self.replica_setbacks += 1;
         }
         self.feedback.insert(key, *fb);
     }
 
-    /// How many times a replica's newer feedback reported a position behind
-    /// its previous one: it lost its data dir and was built again (from a
+    /// How many times a replica's newer feedback reported a durable position
+    /// (disk_consistent_lsn or remote_consistent_lsn) behind its previous one: it lost its data dir and was built again (from a
     /// peer, at a lower LSN), so the slowest position fell and the end of WAL
     /// may be past a back-pressure limit through no append of this writer.
     pub fn replica_setbacks(&self) -> u64 {
@@ -162,5 +173,25 @@ mod tests {
         fb.remote_consistent_lsn = Lsn(10);
         p.take_feedback(&fb);
         assert_eq!(p.replica_setbacks(), 2);
+        // last_received_lsn behind alone is a restart, not a setback.
+        let mut fb = feedback(0, 260, 5);
+        fb.remote_consistent_lsn = Lsn(10);
+        fb.last_received_lsn = Lsn(5);
+        p.take_feedback(&fb);
+        assert_eq!(p.replica_setbacks(), 2);
+        // Forgetting counts once, whoever forgets first.
+        let forget = ForgottenReplica {
+            shard_number: 0,
+            replica_number: 1,
+            reply_time_micros: 3,
+        };
+        assert!(p.forget_replica(forget));
+        assert!(!p.forget_replica(forget));
+        assert_eq!(p.replicas_forgotten(), 1);
+        assert_eq!(
+            p.overall_minimum().map(|m| m.disk_consistent_lsn),
+            Some(Lsn(260)),
+            "the forgotten replica no longer holds the minimum"
+        );
     }
 }

@@ -281,6 +281,8 @@ pub struct Proposer {
     forgotten: ferry_wal::liveness::Tombstones,
     /// Newer feedback that reported a replica behind its previous feedback.
     replica_setbacks: u64,
+    /// Replicas forgotten while known (see [`Proposer::replicas_forgotten`]).
+    replicas_forgotten: u64,
     /// The commit_lsn each safekeeper last reported (it learns it from appends).
     peer_commit: Vec<Lsn>,
     /// The highest backup_lsn any safekeeper reported; relayed to all of them.
@@ -325,6 +327,7 @@ impl Proposer {
             feedback: BTreeMap::new(),
             forgotten: Default::default(),
             replica_setbacks: 0,
+            replicas_forgotten: 0,
             refusals_logged: vec![None; n],
             peer_commit: vec![Lsn(0); n],
             backup_lsn: Lsn(0),
