@@ -118,62 +118,61 @@ async fn committed_inserts(safekeeper: &str, end: Lsn) -> Vec<Committed> {
     let wal = read_committed_wal(safekeeper, end).await;
     ferry_testkit::wal::records(&wal)
         .into_iter()
-        .filter_map(|(lsn, rec)| match rec {
-            Record::Insert {
-                table_id,
-                shard,
-                block_number,
-                idempotency_key: key,
-                arrow_ipc,
-            } => {
-                let mut batches = ferry_table::rows::from_ipc(&arrow_ipc).expect("Arrow IPC rows");
-                assert_eq!(batches.len(), 1, "one batch per record");
-                Some(Committed {
-                    lsn,
+        .filter_map(|(lsn, rec)| {
+            let (table_id, shard, block_number, key, rows) = match rec {
+                Record::Insert {
                     table_id,
                     shard,
                     block_number,
-                    key,
-                    rows: batches.remove(0),
-                })
-            }
-            Record::InsertParts {
-                table_id,
-                shard,
-                block_number,
-                idempotency_key: key,
-                parts,
-            } => {
-                // The parts as a replica names them; their rows in partition order.
-                let mut batches = Vec::new();
-                for p in parts {
-                    let name = ferry_replica::PartName {
-                        partition_id: p.partition_id,
-                        min_block: block_number,
-                        max_block: block_number,
-                        level: 0,
-                    };
-                    let meta =
-                        ferry_replica::part::read_meta(&name, p.file.clone()).expect("footer");
-                    assert_eq!(
-                        meta.min_lsn,
-                        Lsn(block_number),
-                        "a carried part's LSN is its block"
-                    );
-                    batches.extend(ferry_replica::part::read_rows(&name, p.file).expect("a part"));
+                    idempotency_key,
+                    arrow_ipc,
+                } => {
+                    let mut batches =
+                        ferry_table::rows::from_ipc(&arrow_ipc).expect("Arrow IPC rows");
+                    assert_eq!(batches.len(), 1, "one batch per record");
+                    let rows = batches.remove(0);
+                    (table_id, shard, block_number, idempotency_key, rows)
                 }
-                let rows = arrow::compute::concat_batches(&def().arrow_schema(), &batches)
-                    .expect("concat");
-                Some(Committed {
-                    lsn,
+                Record::InsertParts {
                     table_id,
                     shard,
                     block_number,
-                    key,
-                    rows,
-                })
-            }
-            _ => None,
+                    idempotency_key,
+                    parts,
+                } => {
+                    // The parts as a replica names them; their rows in partition order.
+                    let mut batches = Vec::new();
+                    for p in parts {
+                        let name = ferry_replica::PartName {
+                            partition_id: p.partition_id,
+                            min_block: block_number,
+                            max_block: block_number,
+                            level: 0,
+                        };
+                        let meta =
+                            ferry_replica::part::read_meta(&name, p.file.clone()).expect("footer");
+                        assert_eq!(
+                            meta.min_lsn,
+                            Lsn(block_number),
+                            "a carried part's LSN is its block"
+                        );
+                        batches
+                            .extend(ferry_replica::part::read_rows(&name, p.file).expect("a part"));
+                    }
+                    let rows = arrow::compute::concat_batches(&def().arrow_schema(), &batches)
+                        .expect("concat");
+                    (table_id, shard, block_number, idempotency_key, rows)
+                }
+                _ => return None,
+            };
+            Some(Committed {
+                lsn,
+                table_id,
+                shard,
+                block_number,
+                key,
+                rows,
+            })
         })
         .collect()
 }

@@ -909,7 +909,6 @@ mod tests {
     /// the file format replicas agree on byte for byte.
     #[test]
     fn only_string_columns_are_dictionary_encoded() {
-        use parquet::basic::Encoding;
         let schema = Arc::new(Schema::new(vec![
             Field::new("n", DataType::Int64, false),
             Field::new("s", DataType::Utf8, false),
@@ -933,25 +932,30 @@ mod tests {
             (Lsn(1), Lsn(1)),
         )
         .expect("encode");
-        let reader = ParquetRecordBatchReaderBuilder::try_new(file.clone()).expect("reader");
-        let columns = reader.metadata().row_group(0).columns();
-        let dict = |i: usize| {
-            columns[i]
-                .encodings()
-                .any(|e| matches!(e, Encoding::RLE_DICTIONARY | Encoding::PLAIN_DICTIONARY))
-        };
-        assert!(
-            !dict(0),
-            "numbers plain: {:?}",
-            columns[0].encodings().collect::<Vec<_>>()
-        );
-        assert!(dict(1), "strings with a dictionary");
+        let dict = dictionary_columns(&file);
+        assert!(!dict[0], "numbers plain");
+        assert!(dict[1], "strings with a dictionary");
         assert_eq!(read_rows(&name, file).expect("rows"), vec![batch]);
+    }
+
+    /// Per column of the file's first row group, whether it is dictionary encoded.
+    fn dictionary_columns(file: &Bytes) -> Vec<bool> {
+        use parquet::basic::Encoding;
+        let reader = ParquetRecordBatchReaderBuilder::try_new(file.clone()).expect("reader");
+        reader
+            .metadata()
+            .row_group(0)
+            .columns()
+            .iter()
+            .map(|c| {
+                c.encodings()
+                    .any(|e| matches!(e, Encoding::RLE_DICTIONARY | Encoding::PLAIN_DICTIONARY))
+            })
+            .collect()
     }
 
     #[test]
     fn a_carried_part_gives_a_dictionary_to_repetitive_strings_only() {
-        use parquet::basic::Encoding;
         let schema = Arc::new(Schema::new(vec![
             Field::new("n", DataType::Int64, false),
             Field::new("few", DataType::Utf8, false),
@@ -972,14 +976,8 @@ mod tests {
         .expect("batch");
         assert_eq!(repetitive_strings(&batch), vec![true, true, false]);
         let (file, checksum) = encode_carried(&schema, "p", 7, &batch).expect("encode");
-        let reader = ParquetRecordBatchReaderBuilder::try_new(file.clone()).expect("reader");
-        let columns = reader.metadata().row_group(0).columns();
-        let dict = |i: usize| {
-            columns[i]
-                .encodings()
-                .any(|e| matches!(e, Encoding::RLE_DICTIONARY | Encoding::PLAIN_DICTIONARY))
-        };
-        assert_eq!((dict(0), dict(1), dict(2)), (false, true, false));
+        let dict = dictionary_columns(&file);
+        assert_eq!(dict, vec![false, true, false]);
         let name = PartName::parse("p_9_9_0").expect("name");
         let meta = read_meta(&name, file.clone()).expect("meta");
         assert_eq!(
